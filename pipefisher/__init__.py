@@ -1,0 +1,1 @@
+"""pipefisher: pipeline-parallel BERT pretraining with NVLAMB, K-FAC and PipeFisher."""

@@ -1,0 +1,191 @@
+"""The schedule IR: immutable actions and per-worker ordered action lists.
+
+A schedule holds *order* only; time belongs to the simulator (``pipefisher.simulate``) and to the
+executor's timeline. Nothing here imports torch.
+
+String form of an action (parses back with :meth:`Action.from_str`)::
+
+    {stage}{KIND}{micro_batch}[@{pipe}][{>|<}{peer}]
+
+    0F2        stage 0, forward, micro-batch 2 (pipe 0: the "down" pipeline)
+    3B5@1      stage 3, backward, micro-batch 5, on pipe 1 (Chimera's "up" pipeline)
+    1SEND_F2>2 stage 1 sends the activation of micro-batch 2 to worker 2
+    2RECV_F2<1 stage 2 receives that activation from worker 1
+    1SYNC_GRAD stage 1 all-reduces its gradients with its replicas (no micro-batch)
+    STEP       optimizer step of every stage the worker holds (stage omitted)
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from enum import Enum
+
+__all__ = ["ActionKind", "Action", "Placement", "Schedule"]
+
+
+class ActionKind(str, Enum):
+    """What an action does. ``SEND_*``/``RECV_*`` carry the peer worker."""
+
+    FORWARD = "F"
+    BACKWARD = "B"
+    SEND_F = "SEND_F"  # send an activation downstream (along the pipe's direction)
+    RECV_F = "RECV_F"
+    SEND_B = "SEND_B"  # send an activation gradient upstream
+    RECV_B = "RECV_B"
+    SYNC_GRAD = "SYNC_GRAD"  # all-reduce a stage's gradients over its replicas (twin / data parallel)
+    STEP = "STEP"  # optimizer step
+
+    def __str__(self) -> str:
+        return self.value
+
+    @property
+    def is_comm(self) -> bool:
+        return self in _COMM
+
+    @property
+    def is_compute(self) -> bool:
+        return self in (ActionKind.FORWARD, ActionKind.BACKWARD)
+
+
+_COMM = frozenset({ActionKind.SEND_F, ActionKind.RECV_F, ActionKind.SEND_B, ActionKind.RECV_B})
+# Longest names first so "SEND_F" is not read as "S" + ... and "F" does not shadow "SEND_F".
+_KIND_ALTERNATIVES = "|".join(sorted((k.value for k in ActionKind), key=len, reverse=True))
+_ACTION_RE = re.compile(
+    rf"^(?P<stage>\d+)?(?P<kind>{_KIND_ALTERNATIVES})(?P<mb>\d+)?(?:@(?P<pipe>\d+))?"
+    rf"(?:(?P<dir>[<>])(?P<peer>\d+))?$"
+)
+
+
+@dataclass(frozen=True, order=True)
+class Action:
+    """One entry of a worker's ordered action list.
+
+    Attributes:
+        kind: what to do.
+        stage: pipeline stage index in [0, D) the action works on (None for ``STEP``: all stages).
+        micro_batch: micro-batch index in [0, N) within the worker's data-parallel group, or None.
+        pipe: which pipeline of the worker's group the stage belongs to (0 = down; Chimera's up
+            pipeline is 1). Data flows from stage s to s+1 in every pipe; only the placement of
+            stages on workers differs.
+        peer: the other worker of a send/receive, else None.
+    """
+
+    kind: ActionKind
+    stage: int | None = None
+    micro_batch: int | None = None
+    pipe: int = 0
+    peer: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.kind.is_comm and self.peer is None:
+            raise ValueError(f"{self.kind} needs a peer worker")
+        if not self.kind.is_comm and self.peer is not None:
+            raise ValueError(f"{self.kind} takes no peer")
+        if self.kind in (ActionKind.FORWARD, ActionKind.BACKWARD) or self.kind.is_comm:
+            if self.stage is None or self.micro_batch is None:
+                raise ValueError(f"{self.kind} needs a stage and a micro-batch")
+
+    def __str__(self) -> str:
+        s = "" if self.stage is None else str(self.stage)
+        s += self.kind.value
+        if self.micro_batch is not None:
+            s += str(self.micro_batch)
+        if self.pipe:
+            s += f"@{self.pipe}"
+        if self.peer is not None:
+            s += (">" if self.kind in (ActionKind.SEND_F, ActionKind.SEND_B) else "<") + str(self.peer)
+        return s
+
+    @classmethod
+    def from_str(cls, text: str) -> Action:
+        """Parse the string form produced by ``str(action)``."""
+        m = _ACTION_RE.match(text.strip())
+        if m is None:
+            raise ValueError(f"cannot parse action {text!r}; expected e.g. '0F2', '3B5@1', '1SEND_F2>2'")
+        kind = ActionKind(m["kind"])
+        return cls(
+            kind=kind,
+            stage=None if m["stage"] is None else int(m["stage"]),
+            micro_batch=None if m["mb"] is None else int(m["mb"]),
+            pipe=0 if m["pipe"] is None else int(m["pipe"]),
+            peer=None if m["peer"] is None else int(m["peer"]),
+        )
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where each stage replica lives.
+
+    ``workers[(dp, pipe, stage)] = worker`` for data-parallel group ``dp`` in [0, W), pipe in
+    [0, num_pipes) and stage in [0, D). GPipe/1F1B have one pipe; Chimera has two (down, up).
+    """
+
+    num_stages: int
+    num_pipes: int
+    dp_width: int
+    workers: dict[tuple[int, int, int], int] = field(hash=False)
+
+    @property
+    def num_workers(self) -> int:
+        return len(set(self.workers.values()))
+
+    def worker_of(self, dp: int, pipe: int, stage: int) -> int:
+        return self.workers[(dp, pipe, stage)]
+
+    def stages_of(self, worker: int) -> list[tuple[int, int, int]]:
+        """The (dp, pipe, stage) replicas held by ``worker``, sorted."""
+        return sorted(k for k, w in self.workers.items() if w == worker)
+
+    def replicas_of_stage(self, stage: int) -> list[int]:
+        """All workers holding a replica of ``stage`` (twins and data-parallel copies), sorted."""
+        return sorted({w for (_, _, s), w in self.workers.items() if s == stage})
+
+    def dp_group_of(self, worker: int) -> int:
+        """The data-parallel group index of ``worker``."""
+        return self.stages_of(worker)[0][0]
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """A complete pipeline schedule for one training step.
+
+    Attributes:
+        method: generator name (``"gpipe"``, ``"1f1b"``, ``"chimera"``, ``"interleaved"``).
+        num_stages: D, the number of pipeline stages.
+        num_micro_batches: N, micro-batches per step per data-parallel group.
+        placement: which worker holds which stage replica.
+        actions: per-worker ordered action lists, keyed by worker index in [0, num_workers).
+        pipe_of_micro_batch: for each micro-batch j in [0, N), the pipe that carries it.
+    """
+
+    method: str
+    num_stages: int
+    num_micro_batches: int
+    placement: Placement
+    actions: dict[int, tuple[Action, ...]] = field(hash=False)
+    pipe_of_micro_batch: tuple[int, ...] = ()
+
+    @property
+    def num_workers(self) -> int:
+        return len(self.actions)
+
+    @property
+    def dp_width(self) -> int:
+        return self.placement.dp_width
+
+    def format_grid(self, mark: tuple[int, int] | None = None, compute_only: bool = True) -> str:
+        """Step × worker grid of action strings; ``mark=(worker, index)`` brackets one cell."""
+        cols = []
+        for w in range(self.num_workers):
+            acts = list(enumerate(self.actions[w]))
+            if compute_only:
+                acts = [(i, a) for i, a in acts if a.kind.is_compute or (mark and (w, i) == mark)]
+            cells = [f"[{a}]" if mark is not None and (w, i) == mark else str(a) for i, a in acts]
+            cols.append(cells)
+        width = max([len(c) for col in cols for c in col] + [6])
+        rows = ["step " + " ".join(f"W{w}".ljust(width) for w in range(self.num_workers))]
+        for r in range(max((len(c) for c in cols), default=0)):
+            cells = [(col[r] if r < len(col) else "").ljust(width) for col in cols]
+            rows.append(f"{r:>4} " + " ".join(cells))
+        return "\n".join(rows)
