@@ -1,0 +1,286 @@
+"""Structured config schemas (registered in Hydra's ConfigStore) and cross-field validation.
+
+Every YAML file under ``conf/`` extends one of these schemas through its defaults list, so a typo
+or a wrong type fails at composition with Hydra's message. Checks that involve several fields
+run once in :func:`validate` (reached from ``TrainConfig.__post_init__`` through
+``OmegaConf.to_object``), before any worker process starts; each message names the field, the
+value and the fix.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import DictConfig, OmegaConf
+
+__all__ = [
+    "ConfigError",
+    "ModelConfig",
+    "PipelineConfig",
+    "OptimizerConfig",
+    "DataConfig",
+    "ClusterConfig",
+    "WandbConfig",
+    "TrainConfig",
+    "register_configs",
+    "to_train_config",
+    "validate",
+]
+
+log = logging.getLogger(__name__)
+
+PIPELINE_METHODS = ("gpipe", "1f1b", "chimera", "interleaved")
+OPTIMIZERS = ("nvlamb", "kfac", "pipefisher")
+DATA_KINDS = ("synthetic", "hdf5")
+PRECISIONS = ("fp32", "bf16")
+WANDB_MODES = ("offline", "online", "disabled")
+
+
+class ConfigError(ValueError):
+    """A configuration value or combination that cannot run; the message names the fix."""
+
+
+@dataclass
+class ModelConfig:
+    """BERT size (DESIGN.md, "BERT sizes")."""
+
+    name: str = "bert-tiny"  # label used in run names and tables
+    num_layers: int = 2  # encoder layers L
+    hidden_size: int = 128  # H
+    num_heads: int = 2  # attention heads A; H must be divisible by A
+    intermediate_size: Optional[int] = None  # FFN width; None means 4H
+    vocab_size: int = 30522  # WordPiece vocabulary size
+    max_position_embeddings: int = 512  # longest sequence the position table covers
+    type_vocab_size: int = 2  # segment ids (sentence A / B)
+    hidden_dropout: float = 0.1  # dropout on embeddings, attention output and FFN output
+    attention_dropout: float = 0.1  # dropout on attention probabilities
+
+
+@dataclass
+class PipelineConfig:
+    """Pipeline method; the stage count is the top-level key ``stages``."""
+
+    method: str = "gpipe"  # one of gpipe, 1f1b, chimera, interleaved
+    num_virtual: int = 1  # model chunks per worker (interleaved only)
+    layers_per_stage: Optional[list[int]] = None  # explicit encoder layers per stage; None = balance by cost
+
+
+@dataclass
+class OptimizerConfig:
+    """Optimizer; the base learning rate is the top-level key ``lr``."""
+
+    name: str = "nvlamb"  # one of nvlamb, kfac, pipefisher
+    weight_decay: float = 0.01  # decoupled weight decay (none on bias and LayerNorm)
+    beta1: float = 0.9  # Adam first-moment decay
+    beta2: float = 0.999  # Adam second-moment decay
+    eps: float = 1e-6  # Adam epsilon
+    max_grad_norm: float = 1.0  # global gradient-norm clip over all stages; <= 0 disables
+    warmup_proportion: float = 0.1  # fraction of `steps` with linear warm-up
+    poly_power: float = 0.5  # polynomial decay power after warm-up (NVIDIA phase 1)
+    damping: float = 1e-3  # K-FAC damping λ (kfac, pipefisher)
+    curvature_interval: int = 1  # K-FAC: refresh factors every k steps (kfac, pipefisher)
+    inverse_interval: int = 1  # K-FAC: refresh inverses every k steps (kfac, pipefisher)
+    factor_decay: float = 0.95  # K-FAC running-average decay of the factors
+    schedule: Optional[str] = None  # pipefisher: work-assignment JSON written by schedule.py
+
+
+@dataclass
+class DataConfig:
+    """Pretraining data: synthetic (built in, no download) or NVIDIA-format hdf5 shards."""
+
+    kind: str = "synthetic"  # synthetic or hdf5
+    path: Optional[str] = None  # hdf5: a shard file or a directory of shards
+    seq_len: int = 128  # tokens per sequence S (phase 1: 128, phase 2: 512)
+    max_predictions: int = 20  # masked positions per sequence P (phase 1: 20, phase 2: 80)
+    num_samples: int = 1_000_000  # synthetic: samples per epoch
+
+
+@dataclass
+class ClusterConfig:
+    """Where the workers run. ``cluster=slurm`` also switches Hydra's launcher to submitit."""
+
+    name: str = "local"  # local or slurm
+    master_addr: str = "127.0.0.1"  # local: rendezvous address of the worker processes
+    master_port: int = 0  # local: rendezvous port; 0 picks a free one
+    worker_timeout_s: float = 600.0  # a worker silent for this long ends the job
+
+
+@dataclass
+class WandbConfig:
+    """Weights & Biases logging (rank 0 only). Offline by default; ``WANDB_MODE`` wins when set."""
+
+    mode: str = "offline"  # offline, online or disabled
+    project: str = "pipefisher"  # wandb project
+    group: Optional[str] = None  # run group; None = the sweep directory's name
+
+
+@dataclass
+class TrainConfig:
+    """One pretraining run. Top-level keys are the ones users type most."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    pipeline: PipelineConfig = field(default_factory=PipelineConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    wandb: WandbConfig = field(default_factory=WandbConfig)
+
+    stages: int = 1  # pipeline stages D (1 = single process)
+    data_parallel: int = 1  # data-parallel width W (W pipelines, or W Chimera pairs)
+    micro_batch_size: int = 16  # sequences per micro-batch
+    num_micro_batches: int = 1  # micro-batches per step (gradient accumulation / pipeline depth N)
+    steps: int = 100  # optimizer steps
+    seed: int = 0  # seed of weights and data order
+    lr: float = 1e-3  # peak learning rate
+    precision: str = "fp32"  # fp32 or bf16 (autocast)
+    recompute: bool = False  # recompute encoder-layer activations in the backward pass
+    device: str = "auto"  # auto (cuda if available), cpu or cuda
+    log_every: int = 1  # progress-bar refresh and wandb logging interval in steps
+    progress: bool = True  # show a progress bar on rank 0
+
+    def __post_init__(self) -> None:
+        validate(self)
+
+    @property
+    def global_batch_size(self) -> int:
+        """Sequences per optimizer step over all micro-batches and data-parallel replicas."""
+        return self.micro_batch_size * self.num_micro_batches * self.data_parallel
+
+    @property
+    def num_workers(self) -> int:
+        """Worker processes the run needs."""
+        return self.stages * self.data_parallel
+
+
+def _fail(field_name: str, value: Any, fix: str) -> None:
+    raise ConfigError(f"{field_name}={value!r}: {fix}")
+
+
+def _check_choice(field_name: str, value: str, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        _fail(field_name, value, f"choose one of {', '.join(choices)}")
+
+
+def _check_positive(cfg: TrainConfig, names: list[str]) -> None:
+    for name in names:
+        obj: Any = cfg
+        for part in name.split("."):
+            obj = getattr(obj, part)
+        if obj < 1:
+            _fail(name, obj, "must be at least 1")
+
+
+def validate(cfg: TrainConfig) -> None:
+    """Cross-field checks of a run's configuration.
+
+    Raises:
+        ConfigError: naming the field, its value and the fix, for the first problem found.
+    """
+    m = cfg.model
+    _check_positive(
+        cfg,
+        ["stages", "data_parallel", "micro_batch_size", "num_micro_batches", "steps",
+         "model.num_layers", "model.hidden_size", "model.num_heads", "pipeline.num_virtual",
+         "data.seq_len", "data.max_predictions", "log_every"],
+    )
+    if m.hidden_size % m.num_heads:
+        _fail("model.num_heads", m.num_heads,
+              f"model.hidden_size={m.hidden_size} must be divisible by it; pick a divisor of {m.hidden_size}")
+    if cfg.data.seq_len > m.max_position_embeddings:
+        _fail("data.seq_len", cfg.data.seq_len,
+              f"exceeds model.max_position_embeddings={m.max_position_embeddings}; use data.seq_len<={m.max_position_embeddings}")
+    if cfg.data.max_predictions > cfg.data.seq_len:
+        _fail("data.max_predictions", cfg.data.max_predictions, f"must not exceed data.seq_len={cfg.data.seq_len}")
+    _check_choice("pipeline.method", cfg.pipeline.method, PIPELINE_METHODS)
+    _check_choice("optimizer.name", cfg.optimizer.name, OPTIMIZERS)
+    _check_choice("data.kind", cfg.data.kind, DATA_KINDS)
+    _check_choice("precision", cfg.precision, PRECISIONS)
+    _check_choice("wandb.mode", cfg.wandb.mode, WANDB_MODES)
+    _check_choice("cluster.name", cfg.cluster.name, ("local", "slurm"))
+    _check_choice("device", cfg.device, ("auto", "cpu", "cuda"))
+    if cfg.lr <= 0:
+        _fail("lr", cfg.lr, "the learning rate must be positive, e.g. lr=1e-3")
+    if not 0.0 <= cfg.optimizer.warmup_proportion < 1.0:
+        _fail("optimizer.warmup_proportion", cfg.optimizer.warmup_proportion, "must lie in [0, 1)")
+    for name in ("hidden_dropout", "attention_dropout"):
+        p = getattr(m, name)
+        if not 0.0 <= p < 1.0:
+            _fail(f"model.{name}", p, "a dropout probability must lie in [0, 1)")
+
+    # Pipeline shape.
+    total_stages = cfg.stages * cfg.pipeline.num_virtual
+    if total_stages > m.num_layers:
+        what = "stages" if cfg.pipeline.num_virtual == 1 else "stages*pipeline.num_virtual"
+        _fail(what, total_stages,
+              f"exceeds model.num_layers={m.num_layers} (every stage needs an encoder layer); "
+              f"use {what} <= {m.num_layers} or a deeper model")
+    method = cfg.pipeline.method
+    if cfg.stages > 1 or cfg.data_parallel > 1:
+        if method == "chimera":
+            if cfg.stages % 2:
+                _fail("stages", cfg.stages,
+                      f"chimera needs an even number of stages; use stages={cfg.stages - 1 or 2} "
+                      f"or stages={cfg.stages + 1}, or pipeline=1f1b")
+            if cfg.num_micro_batches % cfg.stages:
+                _fail("num_micro_batches", cfg.num_micro_batches,
+                      f"chimera needs a multiple of stages={cfg.stages}; use num_micro_batches="
+                      f"{max(cfg.stages, cfg.num_micro_batches // cfg.stages * cfg.stages)}")
+        if method == "interleaved":
+            if cfg.pipeline.num_virtual < 2:
+                log.warning("pipeline=interleaved with pipeline.num_virtual=1 is plain 1F1B")
+            if cfg.num_micro_batches % cfg.stages:
+                _fail("num_micro_batches", cfg.num_micro_batches,
+                      f"interleaved needs a multiple of stages={cfg.stages}")
+    if method != "interleaved" and cfg.pipeline.num_virtual != 1:
+        _fail("pipeline.num_virtual", cfg.pipeline.num_virtual, "only pipeline=interleaved uses virtual stages; set it to 1")
+    lps = cfg.pipeline.layers_per_stage
+    if lps is not None:
+        if len(lps) != total_stages or any(n < 1 for n in lps) or sum(lps) != m.num_layers:
+            _fail("pipeline.layers_per_stage", list(lps),
+                  f"needs {total_stages} counts, each >= 1, summing to model.num_layers={m.num_layers}")
+
+    # Options that exist in the config but are not available yet: fail before any work starts.
+    if cfg.optimizer.name != "nvlamb":
+        _fail("optimizer", cfg.optimizer.name,
+              "K-FAC and PipeFisher are not available yet (issue 4); use optimizer=nvlamb")
+    if cfg.data.kind == "hdf5":
+        if not cfg.data.path:
+            _fail("data.path", cfg.data.path, "data=hdf5 needs data.path=<shard file or directory>")
+        if not os.path.exists(cfg.data.path):
+            _fail("data.path", cfg.data.path, "no such file or directory; prepare shards with `python -m pipefisher.data.prepare`")
+    if cfg.stages == 1 and cfg.data_parallel == 1 and method != "gpipe":
+        log.warning("pipeline=%s has no effect with stages=1 and data_parallel=1", method)
+    if cfg.device == "cuda":
+        import torch  # local: config must stay importable without touching CUDA at import time
+
+        if not torch.cuda.is_available():
+            _fail("device", "cuda", "no CUDA device is visible; use device=cpu or device=auto")
+
+
+def to_train_config(cfg: DictConfig | TrainConfig) -> TrainConfig:
+    """Turn a composed Hydra config into a validated :class:`TrainConfig` (runs :func:`validate`).
+
+    Keys outside the schema's fields (``hydra``) are dropped.
+    """
+    if isinstance(cfg, TrainConfig):
+        validate(cfg)
+        return cfg
+    obj = OmegaConf.to_object(cfg)
+    if not isinstance(obj, TrainConfig):
+        raise ConfigError("the composed config is not a TrainConfig; compose it with config_name='config'")
+    return obj
+
+
+def register_configs() -> None:
+    """Register the schemas so each YAML can extend its group's schema from its defaults list."""
+    cs = ConfigStore.instance()
+    cs.store(name="train_schema", node=TrainConfig)
+    cs.store(group="model", name="model_schema", node=ModelConfig)
+    cs.store(group="pipeline", name="pipeline_schema", node=PipelineConfig)
+    cs.store(group="optimizer", name="optimizer_schema", node=OptimizerConfig)
+    cs.store(group="data", name="data_schema", node=DataConfig)
+    cs.store(group="cluster", name="cluster_schema", node=ClusterConfig)

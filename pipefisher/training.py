@@ -1,0 +1,261 @@
+"""Run a pretraining job: build what a run needs from its config and train, in one process or many.
+
+``run_training`` is what ``train.py`` calls. With ``stages=1`` and ``data_parallel=1`` it trains in
+this process (:func:`train_single_process`, also the reference the pipeline tests compare with);
+otherwise it starts one worker process per pipeline worker (``pipefisher.launch``).
+
+[Note: loss and gradient scale]
+The loss of a step is the mean over its micro-batches (and data-parallel replicas) of each
+micro-batch's MLM + NSP loss; gradients are those of that mean. Every method (one process,
+GPipe, 1F1B, Chimera, data parallel) uses this scale, so their losses and gradients are equal.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import time
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from pipefisher.config import TrainConfig
+from pipefisher.data import build_source, get_micro_batch
+from pipefisher.model import BertConfig, BertStage, build_full_model
+from pipefisher.optim import build_optimizer, make_lr_scheduler, param_groups
+from pipefisher.tracking import MetricsWriter, WandbLogger, run_name_from_overrides
+
+__all__ = [
+    "run_training",
+    "train_single_process",
+    "bert_config",
+    "data_source",
+    "data_plan",
+    "resolve_device",
+    "set_cpu_threads",
+    "make_optimizer",
+    "StepTimer",
+]
+
+log = logging.getLogger(__name__)
+
+
+def bert_config(cfg: TrainConfig) -> BertConfig:
+    """The model's :class:`BertConfig` from the run config."""
+    m = cfg.model
+    return BertConfig(
+        vocab_size=m.vocab_size,
+        hidden_size=m.hidden_size,
+        num_layers=m.num_layers,
+        num_heads=m.num_heads,
+        intermediate_size=m.intermediate_size or 4 * m.hidden_size,
+        max_position_embeddings=m.max_position_embeddings,
+        type_vocab_size=m.type_vocab_size,
+        hidden_dropout=m.hidden_dropout,
+        attention_dropout=m.attention_dropout,
+    )
+
+
+def data_source(cfg: TrainConfig):
+    """The run's pretraining data source (identical on every worker: a function of the seed)."""
+    return build_source(
+        cfg.data.kind,
+        path=cfg.data.path,
+        seq_len=cfg.data.seq_len,
+        max_predictions=cfg.data.max_predictions,
+        vocab_size=cfg.model.vocab_size,
+        seed=cfg.seed,
+        num_samples=cfg.data.num_samples,
+    )
+
+
+def data_plan(cfg: TrainConfig) -> dict[str, int]:
+    """Keyword arguments of :func:`pipefisher.data.get_micro_batch` for this run."""
+    return {
+        "micro_batch_size": cfg.micro_batch_size,
+        "num_micro_batches": cfg.num_micro_batches,
+        "dp_width": cfg.data_parallel,
+    }
+
+
+def resolve_device(name: str, local_rank: int = 0) -> torch.device:
+    """``auto`` → the local CUDA device when one is visible, else CPU."""
+    if name == "cpu" or (name == "auto" and not torch.cuda.is_available()):
+        return torch.device("cpu")
+    index = local_rank % max(1, torch.cuda.device_count())
+    torch.cuda.set_device(index)
+    return torch.device("cuda", index)
+
+
+def set_cpu_threads(num_processes: int) -> int:
+    """Give this process ``cores // processes`` intra-op threads (at least 1); returns the count."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    threads = max(1, cores // max(1, num_processes))
+    torch.set_num_threads(threads)
+    return threads
+
+
+def make_optimizer(cfg: TrainConfig, named_params: list[tuple[str, torch.nn.Parameter]], device: torch.device):
+    """Optimizer and LR scheduler for the parameters one worker updates."""
+    o = cfg.optimizer
+    opt = build_optimizer(
+        "nvlamb",
+        named_params,
+        lr=cfg.lr,
+        weight_decay=o.weight_decay,
+        max_grad_norm=o.max_grad_norm,
+        device=device,
+        betas=(o.beta1, o.beta2),
+        eps=o.eps,
+    )
+    sched = make_lr_scheduler(
+        opt,
+        base_lr=cfg.lr,
+        warmup_steps=int(o.warmup_proportion * cfg.steps),
+        total_steps=cfg.steps,
+        power=o.poly_power,
+    )
+    return opt, sched
+
+
+@dataclass
+class StepTimer:
+    """Wall time of a step, synchronizing CUDA so queued kernels are counted."""
+
+    device: torch.device
+    _start: float = 0.0
+
+    def start(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self._start = time.perf_counter()
+
+    def stop(self) -> float:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter() - self._start
+
+
+def _autocast(cfg: TrainConfig, device: torch.device):
+    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=cfg.precision == "bf16")
+
+
+def _progress(cfg: TrainConfig, enabled: bool) -> Iterator[int] | Any:
+    if not (enabled and cfg.progress):
+        return range(cfg.steps)
+    from tqdm import tqdm
+
+    return tqdm(range(cfg.steps), desc="train", unit="step", dynamic_ncols=True)
+
+
+def train_single_process(
+    cfg: TrainConfig,
+    output_dir: str | os.PathLike | None = None,
+    wandb_logger: WandbLogger | None = None,
+    model: BertStage | None = None,
+) -> dict[str, Any]:
+    """Train in this process with gradient accumulation over ``num_micro_batches``.
+
+    Args:
+        cfg: a validated run config with ``stages == data_parallel == 1``.
+        output_dir: where ``metrics.jsonl`` goes (None: nowhere).
+        wandb_logger: receives the same per-step metrics (None: no wandb).
+        model: a prebuilt full model (tests); None builds it from ``cfg``.
+
+    Returns:
+        The last step's metrics.
+    """
+    if cfg.stages != 1 or cfg.data_parallel != 1:
+        raise ValueError("train_single_process runs stages=1, data_parallel=1 only")
+    device = resolve_device(cfg.device)
+    if device.type == "cpu":
+        set_cpu_threads(1)
+    torch.manual_seed(cfg.seed)
+    if model is None:
+        model = build_full_model(bert_config(cfg), seed=cfg.seed, recompute=cfg.recompute)
+    model.to(device).train()
+    optimizer, scheduler = make_optimizer(cfg, list(model.named_parameters()), device)
+    source = data_source(cfg)
+    plan = data_plan(cfg)
+    timer = StepTimer(device)
+    writer = MetricsWriter(Path(output_dir) / "metrics.jsonl") if output_dir is not None else None
+    last: dict[str, Any] = {}
+    bar = _progress(cfg, enabled=True)
+    try:
+        for step in bar:
+            timer.start()
+            lr = optimizer.param_groups[0]["lr"]
+            totals = torch.zeros(2, device=device)
+            for j in range(cfg.num_micro_batches):
+                batch = {k: v.to(device, non_blocking=True) for k, v in get_micro_batch(source, step, j, 0, **plan).items()}
+                with _autocast(cfg, device):
+                    losses = model(None, batch).float()  # [mlm, nsp]
+                (losses.sum() / cfg.num_micro_batches).backward()
+                totals += losses.detach()
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad(set_to_none=True)
+            totals = (totals / cfg.num_micro_batches).tolist()
+            step_time = timer.stop()
+            last = {
+                "step": step,
+                "loss": totals[0] + totals[1],
+                "mlm_loss": totals[0],
+                "nsp_loss": totals[1],
+                "lr": lr,
+                "step_time_s": step_time,
+                "samples_per_s": cfg.global_batch_size / step_time,
+            }
+            if not math.isfinite(last["loss"]):
+                raise FloatingPointError(f"step {step}: loss is {last['loss']}; lower lr or check the data")
+            if writer is not None:
+                writer.write(last)
+            if wandb_logger is not None and (step % cfg.log_every == 0 or step == cfg.steps - 1):
+                wandb_logger.log(last, step=step)
+            if hasattr(bar, "set_postfix") and step % cfg.log_every == 0:
+                bar.set_postfix(loss=f"{last['loss']:.3f}", samples_per_s=f"{last['samples_per_s']:.0f}")
+    finally:
+        if writer is not None:
+            writer.close()
+        if hasattr(bar, "close"):
+            bar.close()
+    return last
+
+
+def run_training(
+    cfg: TrainConfig,
+    output_dir: str | os.PathLike,
+    overrides: list[str] | None = None,
+    sweep_dir: str | None = None,
+) -> dict[str, Any]:
+    """Train one run described by ``cfg``; metrics go to ``output_dir/metrics.jsonl`` and wandb.
+
+    Returns:
+        The last step's metrics (rank 0's view).
+    """
+    output_dir = Path(output_dir)
+    output_dir.mkdir(parents=True, exist_ok=True)
+    logger = WandbLogger(
+        asdict(cfg),
+        project=cfg.wandb.project,
+        group=cfg.wandb.group or (Path(sweep_dir).name if sweep_dir else None),
+        name=run_name_from_overrides(overrides or []) or None,
+        mode=cfg.wandb.mode,
+        dir=str(output_dir),
+        enabled=True,
+    )
+    try:
+        if cfg.num_workers == 1:
+            result = train_single_process(cfg, output_dir, logger)
+        else:
+            from pipefisher.launch import launch_workers
+
+            result = launch_workers(cfg, output_dir, logger)
+    finally:
+        logger.finish()
+    log.info("finished: %s", {k: result[k] for k in ("step", "loss") if k in result})
+    return result
