@@ -1,0 +1,460 @@
+"""NVLAMB: LAMB with one global gradient-norm clip, as in NVIDIA's BERT (apex ``FusedLAMB``).
+
+Per step, for every parameter tensor ``w`` with gradient ``g`` (``t`` = the tensor's step count,
+starting at 1)::
+
+    c     = max_grad_norm / max(‖G‖, max_grad_norm)      # ‖G‖: ONE norm over all gradients
+    g     = c · g                                         # clip only when ‖G‖ > max_grad_norm
+    m     = β1·m + (1 − β1)·g
+    v     = β2·v + (1 − β2)·g²
+    m̂, v̂  = m / (1 − β1ᵗ), v / (1 − β2ᵗ)                  # when bias_correction
+    u     = m̂ / (sqrt(v̂) + eps) + wd·w                    # decoupled decay; wd = 0 for bias/LayerNorm
+    r     = ‖w‖ / ‖u‖   (1 when either norm is 0)          # per-tensor trust ratio
+    w     = w − lr · r · u
+
+[Note: the global norm] In a pipeline every stage holds its own optimizer, but the clip must use the
+norm of the *whole* model's gradient (DESIGN.md, "NVLAMB"). The runtime computes it across stages
+(an all-reduce of squared local norms, counting tied or replicated weights once) and passes it as
+``step(grad_norm=...)``; without it the norm is taken over this optimizer's own parameters, which is
+right for a single-process run.
+
+[Note: use_nvlamb] apex's ``FusedLAMB`` skips the trust ratio (r = 1) for parameter groups whose
+weight decay is 0 unless ``use_nvlamb=True``. NVLAMB, as the name is used here and in DESIGN.md,
+applies the ratio to every tensor, so ``use_nvlamb`` defaults to True, and :func:`build_optimizer`
+passes the same value to apex so that both back ends compute the same update. NVIDIA's BERT recipe
+itself runs apex's default (False); pass ``use_nvlamb=False`` to reproduce it exactly.
+
+The arithmetic runs in the parameter's dtype with ``torch._foreach_*`` kernels over buckets of
+tensors sharing a device and dtype; keep fp32 master weights for mixed precision.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+__all__ = [
+    "NVLAMB",
+    "OPTIMIZERS",
+    "build_optimizer",
+    "global_grad_norm",
+    "is_no_decay",
+    "param_groups",
+]
+
+logger = logging.getLogger(__name__)
+
+#: Names accepted by :func:`build_optimizer`.
+OPTIMIZERS: tuple[str, ...] = ("nvlamb", "sgd")
+
+
+# --------------------------------------------------------------------------------------------
+# Helpers shared by all back ends
+# --------------------------------------------------------------------------------------------
+
+
+def global_grad_norm(params: Iterable[Tensor]) -> Tensor:
+    """The L2 norm of all gradients taken together, as one vector.
+
+    Parameters without a gradient are skipped; a parameter listed twice (a tied weight) counts once.
+
+    Args:
+        params: parameters (tensors with ``.grad``), e.g. ``model.parameters()``.
+
+    Returns:
+        A 0-d tensor on the device of the first gradient (CPU when there is none), float64 if any
+        gradient is float64, else float32. 0 when no parameter has a gradient.
+    """
+    grads = [p.grad for p in _unique(params) if p.grad is not None]
+    if not grads:
+        return torch.zeros((), dtype=torch.float32)
+    if any(g.is_sparse for g in grads):
+        raise ValueError("global_grad_norm: sparse gradients are not supported")
+    dtype = torch.float64 if any(g.dtype == torch.float64 for g in grads) else torch.float32
+    device = grads[0].device
+    norms = [n.to(device=device, dtype=dtype) for n in torch._foreach_norm(grads)]
+    return torch.linalg.vector_norm(torch.stack(norms))
+
+
+def _clip_coefficient(
+    norm: Tensor | float, max_grad_norm: float, device: torch.device, dtype: torch.dtype
+) -> Tensor:
+    """``max_grad_norm / max(norm, max_grad_norm)`` as a 0-d tensor of ``dtype`` on ``device``,
+    computed there (a GPU norm costs no host sync) in float64 unless the norm is lower precision."""
+    if isinstance(norm, Tensor):
+        norm_t = norm.to(device=device)
+        if not norm_t.is_floating_point():
+            norm_t = norm_t.double()
+    else:
+        norm_t = torch.tensor(float(norm), dtype=torch.float64, device=device)
+    return (max_grad_norm / torch.clamp(norm_t, min=max_grad_norm)).to(dtype)
+
+
+def _clip_grads_in_place(params: list[Tensor], grad_norm: Tensor | float, max_grad_norm: float) -> None:
+    """Scale the ``.grad`` of ``params`` by the global clip coefficient (for back ends that clip
+    nothing themselves or only by their local norm)."""
+    grads = [p.grad for p in params if p.grad is not None]
+    for (device, dtype), bucket in _buckets(grads).items():
+        torch._foreach_mul_(bucket, _clip_coefficient(grad_norm, max_grad_norm, device, dtype))
+
+
+def _unique(params: Iterable[Tensor]) -> list[Tensor]:
+    """``params`` in order, each tensor once (by identity)."""
+    seen: set[int] = set()
+    out = []
+    for p in params:
+        if id(p) not in seen:
+            seen.add(id(p))
+            out.append(p)
+    return out
+
+
+def _buckets(tensors: list[Tensor]) -> dict[tuple[torch.device, torch.dtype], list[Tensor]]:
+    """Group tensors by (device, dtype) so each ``_foreach`` call can use one fused kernel."""
+    out: dict[tuple[torch.device, torch.dtype], list[Tensor]] = {}
+    for t in tensors:
+        out.setdefault((t.device, t.dtype), []).append(t)
+    return out
+
+
+def is_no_decay(name: str) -> bool:
+    """Whether the parameter called ``name`` is exempt from weight decay (bias or LayerNorm).
+
+    The rule is by name, as in NVIDIA's BERT: names ending in ``.bias`` (or equal to ``bias``) or
+    containing ``LayerNorm`` / ``layer_norm``. Modules must name their LayerNorms accordingly.
+    """
+    return name == "bias" or name.endswith(".bias") or "LayerNorm" in name or "layer_norm" in name
+
+
+def param_groups(
+    named_parameters: Iterable[tuple[str, nn.Parameter]], weight_decay: float
+) -> list[dict[str, Any]]:
+    """Split parameters into a decayed group and a group without weight decay.
+
+    Bias and LayerNorm parameters (see :func:`is_no_decay`) get ``weight_decay=0``. A tensor reached
+    under several names (a tied weight, e.g. word embeddings shared with the MLM decoder) appears
+    once, classified by its first name. Parameters with ``requires_grad=False`` are left out.
+
+    Args:
+        named_parameters: ``(name, parameter)`` pairs, e.g. ``model.named_parameters(remove_duplicate=False)``.
+        weight_decay: decoupled weight decay of the decayed group.
+
+    Returns:
+        Up to two groups ``{"params": [...], "weight_decay": float}`` (decayed first); empty groups
+        are dropped, so the list is empty when there are no trainable parameters.
+    """
+    decay: list[nn.Parameter] = []
+    no_decay: list[nn.Parameter] = []
+    seen: set[int] = set()
+    for name, p in named_parameters:
+        if not p.requires_grad or id(p) in seen:
+            continue
+        seen.add(id(p))
+        (no_decay if is_no_decay(name) else decay).append(p)
+    groups = [
+        {"params": decay, "weight_decay": float(weight_decay)},
+        {"params": no_decay, "weight_decay": 0.0},
+    ]
+    return [g for g in groups if g["params"]]
+
+
+# --------------------------------------------------------------------------------------------
+# NVLAMB
+# --------------------------------------------------------------------------------------------
+
+
+class NVLAMB(torch.optim.Optimizer):
+    """LAMB with global-norm clipping and decoupled weight decay (apex ``FusedLAMB`` semantics).
+
+    See the module docstring for the update. State per parameter: ``step`` (int), ``exp_avg`` and
+    ``exp_avg_sq`` (tensors like the parameter); ``state_dict()`` / ``load_state_dict()`` round-trip
+    it, also through ``torch.load(weights_only=True)``.
+
+    Args:
+        params: parameters or parameter groups (see :func:`param_groups`); groups may override
+            ``lr``, ``betas``, ``eps``, ``weight_decay`` and ``bias_correction``.
+        lr: learning rate.
+        betas: Adam coefficients (β1, β2), each in [0, 1).
+        eps: added to sqrt(v̂) in the denominator.
+        weight_decay: decoupled weight decay (part of the update, so scaled by the trust ratio).
+        max_grad_norm: clip threshold for the global gradient norm; ``<= 0`` (or ``inf``) disables
+            clipping, and then no norm is computed. One
+            value for the whole optimizer (``defaults["max_grad_norm"]``, read at each step), as in
+            apex.
+        bias_correction: divide the moments by (1 − βᵗ).
+        use_nvlamb: apply the trust ratio also to groups with ``weight_decay == 0`` (see
+            [Note: use_nvlamb]); False gives apex's default.
+    """
+
+    def __init__(
+        self,
+        params: Iterable[Tensor] | Iterable[dict[str, Any]],
+        lr: float,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-6,
+        weight_decay: float = 0.01,
+        max_grad_norm: float = 1.0,
+        bias_correction: bool = True,
+        *,
+        use_nvlamb: bool = True,
+    ) -> None:
+        if not lr >= 0.0:
+            raise ValueError(f"NVLAMB: lr={lr} must be >= 0")
+        if not (0.0 <= betas[0] < 1.0 and 0.0 <= betas[1] < 1.0):
+            raise ValueError(f"NVLAMB: betas={betas} must each lie in [0, 1)")
+        if not eps >= 0.0:
+            raise ValueError(f"NVLAMB: eps={eps} must be >= 0")
+        if not weight_decay >= 0.0:
+            raise ValueError(f"NVLAMB: weight_decay={weight_decay} must be >= 0")
+        defaults = dict(
+            lr=lr,
+            betas=tuple(betas),
+            eps=eps,
+            weight_decay=weight_decay,
+            bias_correction=bias_correction,
+            max_grad_norm=max_grad_norm,
+            use_nvlamb=use_nvlamb,
+        )
+        super().__init__(params, defaults)
+
+    def step(  # type: ignore[override]
+        self,
+        closure: Callable[[], Tensor] | None = None,
+        *,
+        grad_norm: Tensor | float | None = None,
+    ) -> Tensor | None:
+        """Take one optimization step.
+
+        Args:
+            closure: optional callable that re-evaluates the model and returns the loss.
+            grad_norm: the global gradient norm over the whole model (all pipeline stages), see
+                [Note: the global norm]. ``None``: computed over this optimizer's parameters.
+                Unused when clipping is disabled.
+
+        Returns:
+            The closure's loss, or ``None``.
+        """
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+
+        with torch.no_grad():
+            max_grad_norm = float(self.defaults["max_grad_norm"])
+            clip_enabled = 0.0 < max_grad_norm < math.inf
+            if clip_enabled and grad_norm is None:
+                grad_norm = global_grad_norm(p for g in self.param_groups for p in g["params"])
+            for group in self.param_groups:
+                self._step_group(group, grad_norm if clip_enabled else None, max_grad_norm)
+        return loss
+
+    def _step_group(
+        self, group: dict[str, Any], grad_norm: Tensor | float | None, max_grad_norm: float
+    ) -> None:
+        params = [p for p in group["params"] if p.grad is not None]
+        if not params:
+            return
+        for (device, _dtype), bucket in _buckets(params).items():
+            self._step_bucket(group, bucket, device, grad_norm, max_grad_norm)
+
+    def _step_bucket(
+        self,
+        group: dict[str, Any],
+        params: list[Tensor],
+        device: torch.device,
+        grad_norm: Tensor | float | None,
+        max_grad_norm: float,
+    ) -> None:
+        beta1, beta2 = group["betas"]
+        lr, eps, wd = group["lr"], group["eps"], group["weight_decay"]
+
+        grads, exp_avgs, exp_avg_sqs, steps = [], [], [], []
+        for p in params:
+            if p.grad.is_sparse:
+                raise ValueError("NVLAMB does not support sparse gradients")
+            state = self.state[p]
+            if not state:
+                state["step"] = 0
+                state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            state["step"] += 1
+            grads.append(p.grad)
+            exp_avgs.append(state["exp_avg"])
+            exp_avg_sqs.append(state["exp_avg_sq"])
+            steps.append(state["step"])
+
+        if grad_norm is not None:
+            # A scaled copy: the caller's .grad stays as it was (K-FAC or logging may read it).
+            grads = torch._foreach_mul(
+                grads, _clip_coefficient(grad_norm, max_grad_norm, device, params[0].dtype)
+            )
+
+        # Adam moments: m = β1 m + (1-β1) g ; v = β2 v + (1-β2) g².
+        torch._foreach_lerp_(exp_avgs, grads, 1.0 - beta1)
+        torch._foreach_mul_(exp_avg_sqs, beta2)
+        torch._foreach_addcmul_(exp_avg_sqs, grads, grads, value=1.0 - beta2)
+        del grads
+
+        # update = (m / bc1) / (sqrt(v) / sqrt(bc2) + eps), built in place in `updates`.
+        updates = torch._foreach_sqrt(exp_avg_sqs)
+        if group["bias_correction"]:
+            torch._foreach_div_(updates, [math.sqrt(1.0 - beta2**t) for t in steps])
+        torch._foreach_add_(updates, eps)
+        torch._foreach_reciprocal_(updates)
+        torch._foreach_mul_(updates, exp_avgs)
+        if group["bias_correction"]:
+            torch._foreach_div_(updates, [1.0 - beta1**t for t in steps])
+        if wd != 0.0:
+            torch._foreach_add_(updates, params, alpha=wd)
+
+        # Per-tensor trust ratio ‖w‖ / ‖u‖, 1 where either norm is 0; computed on the device.
+        if wd != 0.0 or group["use_nvlamb"]:
+            w_norm = torch.stack(torch._foreach_norm(params))
+            u_norm = torch.stack(torch._foreach_norm(updates))
+            ratio = torch.where(
+                (w_norm > 0) & (u_norm > 0), w_norm / u_norm, torch.ones_like(w_norm)
+            )
+            torch._foreach_mul_(updates, list(ratio.unbind(0)))
+        torch._foreach_add_(params, updates, alpha=-lr)
+
+
+# --------------------------------------------------------------------------------------------
+# Back-end choice
+# --------------------------------------------------------------------------------------------
+
+
+class _GlobalNormSGD(torch.optim.SGD):
+    """torch SGD that takes ``step(grad_norm=...)`` like NVLAMB and clips by the global norm.
+
+    Clipping scales ``.grad`` in place. ``max_grad_norm <= 0`` disables it.
+    """
+
+    def __init__(self, params: Any, lr: float, max_grad_norm: float) -> None:
+        super().__init__(params, lr=lr)
+        self.max_grad_norm = float(max_grad_norm)
+
+    def step(  # type: ignore[override]
+        self, closure: Callable[[], Tensor] | None = None, *, grad_norm: Tensor | float | None = None
+    ) -> Tensor | None:
+        """SGD step after clipping the gradients by ``grad_norm`` (computed here when ``None``)."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        if self.max_grad_norm > 0.0:
+            with torch.no_grad():
+                params = _unique(p for g in self.param_groups for p in g["params"])
+                if grad_norm is None:
+                    grad_norm = global_grad_norm(params)
+                _clip_grads_in_place(params, grad_norm, self.max_grad_norm)
+        super().step()
+        return loss
+
+
+def _apex_fused_lamb_class() -> type[torch.optim.Optimizer] | None:
+    """apex's FusedLAMB extended with ``step(grad_norm=...)``, or None when apex is missing.
+
+    apex clips by the norm of its own parameters only. With an external (global) norm we clip the
+    gradients in place first and raise apex's threshold to infinity for that step, so apex's own
+    clip (``norm > max ? norm / max : 1``) becomes 1. ``max_grad_norm <= 0`` is mapped to infinity:
+    apex would otherwise divide by zero and zero every gradient.
+    """
+    try:
+        from apex.optimizers import FusedLAMB  # optional: not on the package index
+    except ImportError:
+        return None
+
+    class _FusedLAMBGlobalNorm(FusedLAMB):  # type: ignore[misc, valid-type]
+        def __init__(self, params: Any, *, max_grad_norm: float, **kwargs: Any) -> None:
+            self.clip_threshold = float(max_grad_norm) if max_grad_norm > 0 else math.inf
+            super().__init__(params, max_grad_norm=self.clip_threshold, **kwargs)
+
+        def step(  # type: ignore[override]
+            self, closure: Callable[[], Tensor] | None = None, *, grad_norm: Tensor | float | None = None
+        ) -> Tensor | None:
+            if grad_norm is None or math.isinf(self.clip_threshold):
+                return super().step(closure)
+            loss = None
+            if closure is not None:
+                with torch.enable_grad():
+                    loss = closure()
+            with torch.no_grad():
+                params = _unique(p for g in self.param_groups for p in g["params"])
+                _clip_grads_in_place(params, grad_norm, self.clip_threshold)
+            self.defaults["max_grad_norm"] = math.inf
+            try:
+                super().step()
+            finally:
+                self.defaults["max_grad_norm"] = self.clip_threshold
+            return loss
+
+    return _FusedLAMBGlobalNorm
+
+
+def build_optimizer(
+    name: str,
+    named_parameters: Iterable[tuple[str, nn.Parameter]],
+    lr: float,
+    weight_decay: float,
+    max_grad_norm: float,
+    device: str | torch.device,
+    *,
+    betas: tuple[float, float] = (0.9, 0.999),
+    eps: float = 1e-6,
+) -> torch.optim.Optimizer:
+    """Build the optimizer called ``name`` over :func:`param_groups` of ``named_parameters``.
+
+    Every optimizer returned takes ``step(closure=None, *, grad_norm=None)``, so the runtime can
+    pass the global gradient norm whichever back end is used.
+
+    Args:
+        name: ``"nvlamb"``: apex ``FusedLAMB`` (with ``use_nvlamb=True``) when apex is importable
+            and ``device`` is CUDA, else :class:`NVLAMB`; ``"sgd"``: ``torch.optim.SGD`` with the
+            same global-norm clipping (weight decay as SGD's L2 term, none on bias/LayerNorm).
+        named_parameters: ``(name, parameter)`` pairs of this stage.
+        lr: learning rate (the schedule multiplies it).
+        weight_decay: weight decay of the decayed group.
+        max_grad_norm: global-norm clip threshold; ``<= 0`` disables clipping.
+        device: the device the parameters live on.
+        betas: Adam coefficients of NVLAMB (unused by SGD).
+        eps: NVLAMB's denominator term (unused by SGD).
+
+    Returns:
+        The optimizer.
+
+    Raises:
+        ValueError: unknown ``name``, or no trainable parameters.
+    """
+    key = name.lower()
+    if key not in OPTIMIZERS:
+        raise ValueError(f"unknown optimizer {name!r}; choose one of: {', '.join(OPTIMIZERS)}")
+    groups = param_groups(named_parameters, weight_decay)
+    if not groups:
+        raise ValueError("build_optimizer: no trainable parameters were given")
+    if key == "sgd":
+        logger.info("optimizer: torch SGD (global-norm clip %s)", max_grad_norm)
+        return _GlobalNormSGD(groups, lr=lr, max_grad_norm=max_grad_norm)
+
+    is_cuda = torch.device(device).type == "cuda"
+    fused = _apex_fused_lamb_class() if is_cuda else None
+    if fused is not None:
+        logger.info("optimizer: apex FusedLAMB (use_nvlamb=True) on %s", device)
+        return fused(
+            groups,
+            lr=lr,
+            betas=betas,
+            eps=eps,
+            weight_decay=weight_decay,
+            max_grad_norm=max_grad_norm,
+            use_nvlamb=True,
+        )
+    reason = "apex is not importable" if is_cuda else f"device {device} is not CUDA"
+    logger.info("optimizer: pure-PyTorch NVLAMB (%s)", reason)
+    return NVLAMB(
+        groups, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, max_grad_norm=max_grad_norm
+    )
