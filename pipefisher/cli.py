@@ -23,7 +23,7 @@ register_configs()
 @hydra.main(config_path="conf", config_name="config", version_base="1.3")
 def train_main(dcfg: DictConfig) -> float:
     """Compose, validate, train; returns the last step's loss (Hydra sweepers may use it)."""
-    from pipefisher.training import run_training  # torch import after config errors are reported
+    from pipefisher.launch import run_training  # torch import after config errors are reported
 
     cfg = to_train_config(dcfg)
     hc = HydraConfig.get()

@@ -1,8 +1,8 @@
 """Run a pretraining job: build what a run needs from its config and train, in one process or many.
 
-``run_training`` is what ``train.py`` calls. With ``stages=1`` and ``data_parallel=1`` it trains in
-this process (:func:`train_single_process`, also the reference the pipeline tests compare with);
-otherwise it starts one worker process per pipeline worker (``pipefisher.launch``).
+:func:`train_single_process` trains with ``stages=1`` and ``data_parallel=1`` (and is the reference
+the pipeline tests compare with); the helpers here are shared with the pipeline workers
+(``pipefisher.runtime.worker``). ``pipefisher.launch.run_training`` chooses between the two.
 
 [Note: loss and gradient scale]
 The loss of a step is the mean over its micro-batches (and data-parallel replicas) of each
@@ -17,7 +17,7 @@ import math
 import os
 import time
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -27,10 +27,9 @@ from pipefisher.config import TrainConfig
 from pipefisher.data import build_source, get_micro_batch
 from pipefisher.model import BertConfig, BertStage, build_full_model
 from pipefisher.optim import build_optimizer, make_lr_scheduler, param_groups
-from pipefisher.tracking import MetricsWriter, WandbLogger, run_name_from_overrides
+from pipefisher.tracking import MetricsWriter, WandbLogger
 
 __all__ = [
-    "run_training",
     "train_single_process",
     "bert_config",
     "data_source",
@@ -39,6 +38,8 @@ __all__ = [
     "set_cpu_threads",
     "make_optimizer",
     "StepTimer",
+    "autocast_context",
+    "progress_range",
 ]
 
 log = logging.getLogger(__name__)
@@ -140,11 +141,13 @@ class StepTimer:
         return time.perf_counter() - self._start
 
 
-def _autocast(cfg: TrainConfig, device: torch.device):
+def autocast_context(cfg: TrainConfig, device: torch.device):
+    """bf16 autocast when ``precision=bf16``, else a no-op context."""
     return torch.autocast(device.type, dtype=torch.bfloat16, enabled=cfg.precision == "bf16")
 
 
-def _progress(cfg: TrainConfig, enabled: bool) -> Iterator[int] | Any:
+def progress_range(cfg: TrainConfig, enabled: bool) -> Iterator[int] | Any:
+    """``range(cfg.steps)``, wrapped in a tqdm bar when ``enabled`` and ``cfg.progress``."""
     if not (enabled and cfg.progress):
         return range(cfg.steps)
     from tqdm import tqdm
@@ -184,7 +187,7 @@ def train_single_process(
     timer = StepTimer(device)
     writer = MetricsWriter(Path(output_dir) / "metrics.jsonl") if output_dir is not None else None
     last: dict[str, Any] = {}
-    bar = _progress(cfg, enabled=True)
+    bar = progress_range(cfg, enabled=True)
     try:
         for step in bar:
             timer.start()
@@ -192,7 +195,7 @@ def train_single_process(
             totals = torch.zeros(2, device=device)
             for j in range(cfg.num_micro_batches):
                 batch = {k: v.to(device, non_blocking=True) for k, v in get_micro_batch(source, step, j, 0, **plan).items()}
-                with _autocast(cfg, device):
+                with autocast_context(cfg, device):
                     losses = model(None, batch).float()  # [mlm, nsp]
                 (losses.sum() / cfg.num_micro_batches).backward()
                 totals += losses.detach()
@@ -225,37 +228,3 @@ def train_single_process(
             bar.close()
     return last
 
-
-def run_training(
-    cfg: TrainConfig,
-    output_dir: str | os.PathLike,
-    overrides: list[str] | None = None,
-    sweep_dir: str | None = None,
-) -> dict[str, Any]:
-    """Train one run described by ``cfg``; metrics go to ``output_dir/metrics.jsonl`` and wandb.
-
-    Returns:
-        The last step's metrics (rank 0's view).
-    """
-    output_dir = Path(output_dir)
-    output_dir.mkdir(parents=True, exist_ok=True)
-    logger = WandbLogger(
-        asdict(cfg),
-        project=cfg.wandb.project,
-        group=cfg.wandb.group or (Path(sweep_dir).name if sweep_dir else None),
-        name=run_name_from_overrides(overrides or []) or None,
-        mode=cfg.wandb.mode,
-        dir=str(output_dir),
-        enabled=True,
-    )
-    try:
-        if cfg.num_workers == 1:
-            result = train_single_process(cfg, output_dir, logger)
-        else:
-            from pipefisher.launch import launch_workers
-
-            result = launch_workers(cfg, output_dir, logger)
-    finally:
-        logger.finish()
-    log.info("finished: %s", {k: result[k] for k in ("step", "loss") if k in result})
-    return result

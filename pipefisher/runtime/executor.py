@@ -1,0 +1,236 @@
+"""Execute one worker's action list for one training step with torch.distributed.
+
+The executor decides nothing about order: it walks the list a schedule generator produced and
+checked (``pipefisher.schedules``), and records what it did as timeline events.
+
+[Note: communication]
+Activations (F) and activation gradients (B) travel point to point with ``isend``/``irecv``; every
+message has a fixed shape ``(micro_batch_size, seq_len, hidden)`` and a tag unique to
+(direction, pipe, stage boundary, micro-batch), so messages of the two Chimera pipelines never
+meet. On gloo every receive of the step is posted when the step starts (tags match them up, and
+the wait is only paid where the data is consumed); on NCCL, which matches point-to-point messages
+in issue order per pair of ranks and serializes a pair's sends behind its posted receives, a
+receive is posted when its RECV action is reached. Sends are waited for at the end of the step.
+
+[Note: gradient synchronization]
+``SYNC_GRAD(stage, pipe)`` starts an asynchronous all-reduce (sum) of that stage's flattened
+gradients over all its replicas (Chimera twin, data-parallel copies), as soon as the replica's last
+backward is done; all handles are waited for at ``STEP``. The word-embedding weight of stage 0 and
+the tied MLM-decoder weight of the last stage are left out of those all-reduces: at ``STEP`` every
+worker adds up its local copies of the tied weight's gradient and all-reduces that sum over all
+holders of either stage, so every copy receives the sum of every copy's gradient exactly once.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from pipefisher.schedules.ir import Action, ActionKind, Schedule
+from pipefisher.timeline import Event
+
+__all__ = ["StageKey", "CommSpec", "StepResult", "WorkerExecutor", "message_tag"]
+
+StageKey = tuple[int, int]  # (pipe, stage)
+
+
+def message_tag(kind: ActionKind, pipe: int, sender_stage: int, micro_batch: int, num_stages: int, num_micro_batches: int) -> int:
+    """Tag of a point-to-point message, identical on sender and receiver."""
+    direction = 0 if kind in (ActionKind.SEND_F, ActionKind.RECV_F) else 1
+    return ((pipe * num_stages + sender_stage) * num_micro_batches + micro_batch) * 2 + direction
+
+
+def _sender_stage(a: Action) -> int:
+    if a.kind in (ActionKind.SEND_F, ActionKind.SEND_B):
+        return a.stage
+    return a.stage - 1 if a.kind == ActionKind.RECV_F else a.stage + 1
+
+
+@dataclass(frozen=True)
+class CommSpec:
+    """Shape and dtype of every activation message (and its gradient)."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    device: torch.device
+
+
+@dataclass
+class StepResult:
+    """What one worker measured in one step."""
+
+    loss_sum: torch.Tensor  # [2] sum of (mlm, nsp) losses of the micro-batches whose last stage is here
+    num_losses: int  # how many micro-batch losses are in loss_sum
+    events: list[Event] = field(default_factory=list)
+
+
+class WorkerExecutor:
+    """Runs one worker's actions of a :class:`Schedule` step by step.
+
+    Args:
+        schedule: the checked schedule (with communication, SYNC_GRAD and STEP actions).
+        rank: this worker's index in the schedule (its global rank).
+        modules: this worker's stage replicas, keyed by (pipe, stage). A stage holding the heads
+            returns the ``[mlm, nsp]`` losses; others return the hidden state.
+        comm: shape/dtype of activation messages.
+        grad_groups: process group of each stage's replicas (None when the stage has one replica).
+        tied: ``(params, group)``: this worker's local copies of the tied weight and the group of all
+            holders of the first or last stage; None when no tied weight crosses workers.
+        optimizer_step: called at STEP after all gradients are synchronized.
+        loss_scale: factor applied to each micro-batch loss before backward (1 / (N · W)).
+        autocast: context factory wrapped around each forward.
+    """
+
+    def __init__(
+        self,
+        schedule: Schedule,
+        rank: int,
+        modules: dict[StageKey, nn.Module],
+        comm: CommSpec,
+        grad_groups: dict[int, dist.ProcessGroup | None],
+        tied: tuple[list[nn.Parameter], dist.ProcessGroup] | None,
+        optimizer_step: Callable[[], None],
+        loss_scale: float,
+        autocast: Callable[[], object],
+    ) -> None:
+        self.schedule = schedule
+        self.rank = rank
+        self.actions: Sequence[Action] = schedule.actions[rank]
+        self.modules = modules
+        self.comm = comm
+        self.grad_groups = grad_groups
+        self.tied = tied
+        self.optimizer_step = optimizer_step
+        self.loss_scale = loss_scale
+        self.autocast = autocast
+        self.eager_recv = dist.get_backend() != "nccl"
+        tied_ids = {id(p) for p in tied[0]} if tied else set()
+        # Parameters all-reduced at SYNC_GRAD, per local stage replica (tied weight excluded).
+        self._sync_params = {
+            key: [p for p in m.parameters() if p.requires_grad and id(p) not in tied_ids]
+            for key, m in modules.items()
+        }
+
+    # -- communication -------------------------------------------------------------------------
+
+    def _tag(self, a: Action) -> int:
+        s = self.schedule
+        return message_tag(a.kind, a.pipe, _sender_stage(a), a.micro_batch, s.num_stages, s.num_micro_batches)
+
+    def _post_recv(self, a: Action) -> tuple[torch.Tensor, dist.Work]:
+        buf = torch.empty(self.comm.shape, dtype=self.comm.dtype, device=self.comm.device)
+        return buf, dist.irecv(buf, src=a.peer, tag=self._tag(a))
+
+    # -- the step ------------------------------------------------------------------------------
+
+    def run_step(self, step: int, get_batch: Callable[[int], dict[str, torch.Tensor]]) -> StepResult:
+        """Execute this worker's actions for one step.
+
+        Args:
+            step: the step index (recorded in events).
+            get_batch: micro-batch index → batch (on the right device); every stage of a
+                micro-batch gets the same batch.
+        """
+        now = time.perf_counter_ns
+        cuda = self.comm.device.type == "cuda"
+        events: list[Event] = []
+        recvs: dict[Action, tuple[torch.Tensor, dist.Work]] = {}
+        if self.eager_recv:
+            for a in self.actions:
+                if a.kind in (ActionKind.RECV_F, ActionKind.RECV_B):
+                    recvs[a] = self._post_recv(a)
+        inputs: dict[tuple[int, int, int], torch.Tensor | None] = {}
+        outputs: dict[tuple[int, int, int], torch.Tensor] = {}
+        grad_in: dict[tuple[int, int, int], torch.Tensor] = {}
+        received: dict[tuple[ActionKind, int, int, int], torch.Tensor] = {}
+        sends: list[tuple[dist.Work, torch.Tensor]] = []
+        syncs: list[tuple[dist.Work, torch.Tensor, list[nn.Parameter]]] = []
+        batches: dict[int, dict[str, torch.Tensor]] = {}
+        loss_sum = torch.zeros(2, device=self.comm.device)
+        num_losses = 0
+
+        for a in self.actions:
+            start = now()
+            key = (a.pipe, a.stage, a.micro_batch)
+            k = a.kind
+            if k == ActionKind.RECV_F or k == ActionKind.RECV_B:
+                buf, work = recvs.pop(a) if a in recvs else self._post_recv(a)
+                work.wait()
+                received[(k, *key)] = buf
+            elif k == ActionKind.FORWARD:
+                module = self.modules[(a.pipe, a.stage)]
+                x = received.pop((ActionKind.RECV_F, *key), None)
+                if x is not None:
+                    x.requires_grad_(True)
+                if a.micro_batch not in batches:
+                    batches[a.micro_batch] = get_batch(a.micro_batch)
+                with self.autocast():
+                    y = module(x, batches[a.micro_batch])
+                inputs[key] = x
+                outputs[key] = y
+                if y.dim() == 1:  # the heads' [mlm, nsp] losses
+                    loss_sum += y.detach().float()
+                    num_losses += 1
+            elif k == ActionKind.SEND_F:
+                y = outputs[key].detach()
+                sends.append((dist.isend(y, dst=a.peer, tag=self._tag(a)), y))
+            elif k == ActionKind.BACKWARD:
+                y = outputs.pop(key)
+                if y.dim() == 1:
+                    (y.float().sum() * self.loss_scale).backward()
+                else:
+                    torch.autograd.backward(y, received.pop((ActionKind.RECV_B, *key)))
+                x = inputs.pop(key)
+                if x is not None:
+                    grad_in[key] = x.grad
+                if not any(m == a.micro_batch for (_, _, m) in outputs):
+                    batches.pop(a.micro_batch, None)
+            elif k == ActionKind.SEND_B:
+                g = grad_in.pop(key)
+                sends.append((dist.isend(g, dst=a.peer, tag=self._tag(a)), g))
+            elif k == ActionKind.SYNC_GRAD:
+                group = self.grad_groups.get(a.stage)
+                if group is not None:
+                    params = self._sync_params[(a.pipe, a.stage)]
+                    flat = torch._utils._flatten_dense_tensors([_grad(p) for p in params])
+                    syncs.append((dist.all_reduce(flat, group=group, async_op=True), flat, params))
+            elif k == ActionKind.STEP:
+                for work, _ in sends:
+                    work.wait()
+                sends.clear()
+                self._finish_grad_sync(syncs)
+                self.optimizer_step()
+            else:  # pragma: no cover - kinds added to the IR must be handled here
+                raise NotImplementedError(f"executor has no handler for {a}")
+            if cuda and k in (ActionKind.FORWARD, ActionKind.BACKWARD, ActionKind.STEP):
+                torch.cuda.current_stream().synchronize()
+            events.append(Event(self.rank, str(a), k.value, start, now(), step))
+
+        for work, _ in sends:
+            work.wait()
+        assert not outputs and not received, f"worker {self.rank}: step {step} left work behind"
+        return StepResult(loss_sum=loss_sum, num_losses=num_losses, events=events)
+
+    def _finish_grad_sync(self, syncs: list[tuple[dist.Work, torch.Tensor, list[nn.Parameter]]]) -> None:
+        for work, flat, params in syncs:
+            work.wait()
+            for p, synced in zip(params, torch._utils._unflatten_dense_tensors(flat, [_grad(p) for p in params])):
+                p.grad.copy_(synced)
+        syncs.clear()
+        if self.tied is not None:
+            params, group = self.tied
+            total = torch.stack([_grad(p) for p in params]).sum(0)
+            dist.all_reduce(total, group=group)
+            for p in params:
+                p.grad.copy_(total)
+
+
+def _grad(p: nn.Parameter) -> torch.Tensor:
+    if p.grad is None:  # a parameter this step did not reach still takes part in the all-reduce
+        p.grad = torch.zeros_like(p)
+    return p.grad

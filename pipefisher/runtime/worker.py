@@ -1,0 +1,267 @@
+"""One pipeline worker: build its stage replicas, process groups and optimizer, then run the steps.
+
+Every worker builds the same schedule and the same data stream from the config (both are pure
+functions of it), holds the stage replicas the schedule's placement gives it, and runs its action
+list with :class:`~pipefisher.runtime.executor.WorkerExecutor`. Rank 0 gathers the step's timeline,
+computes the measured and simulated bubble utilization and writes ``metrics.jsonl`` and wandb.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import math
+import os
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from pipefisher.config import TrainConfig
+from pipefisher.data import get_micro_batch
+from pipefisher.model import BertStage, partition_layers
+from pipefisher.runtime.executor import CommSpec, StageKey, WorkerExecutor
+from pipefisher.schedules import build_schedule
+from pipefisher.schedules.ir import Schedule
+from pipefisher.simulate import CostModel, simulate
+from pipefisher.timeline import Event, bubble_utilization, busy_ns
+from pipefisher.tracking import MetricsWriter, WandbLogger
+from pipefisher.training import (
+    StepTimer,
+    autocast_context,
+    progress_range,
+    bert_config,
+    data_plan,
+    data_source,
+    make_optimizer,
+    resolve_device,
+    set_cpu_threads,
+)
+
+__all__ = ["run_worker", "schedule_for", "build_stage_modules"]
+
+log = logging.getLogger(__name__)
+
+
+def schedule_for(cfg: TrainConfig) -> Schedule:
+    """The checked schedule of a run (pure function of the config)."""
+    return build_schedule(
+        cfg.pipeline.method,
+        cfg.stages,
+        cfg.num_micro_batches,
+        dp_width=cfg.data_parallel,
+        num_virtual=cfg.pipeline.num_virtual,
+    )
+
+
+def build_stage_modules(cfg: TrainConfig, schedule: Schedule, rank: int) -> dict[StageKey, BertStage]:
+    """The stage replicas ``rank`` holds, keyed by (pipe, stage); replicas of a stage are identical."""
+    bert = bert_config(cfg)
+    slices = partition_layers(
+        bert,
+        schedule.num_stages,
+        seq_len=cfg.data.seq_len,
+        max_predictions=cfg.data.max_predictions,
+        layers_per_stage=cfg.pipeline.layers_per_stage,
+    )
+    modules: dict[StageKey, BertStage] = {}
+    for _dp, pipe, stage in schedule.placement.stages_of(rank):
+        first, last = slices[stage]
+        modules[(pipe, stage)] = BertStage(bert, first, last, seed=cfg.seed, recompute=cfg.recompute)
+    return modules
+
+
+def _new_groups(schedule: Schedule, rank: int) -> tuple[dict[int, Any], Any]:
+    """Gradient groups per stage and the tied-weight group; every rank creates all, in one order."""
+    placement = schedule.placement
+    groups: dict[int, Any] = {}
+    for s in range(schedule.num_stages):
+        ranks = placement.replicas_of_stage(s)
+        g = dist.new_group(ranks) if len(ranks) > 1 else None
+        groups[s] = g if rank in ranks else None
+    tied_group = None
+    if schedule.num_stages > 1:
+        holders = sorted(set(placement.replicas_of_stage(0)) | set(placement.replicas_of_stage(schedule.num_stages - 1)))
+        g = dist.new_group(holders)
+        tied_group = g if rank in holders else None
+    return groups, tied_group
+
+
+def _tied_params(modules: dict[StageKey, BertStage], num_stages: int) -> list[nn.Parameter]:
+    out = []
+    for (_, stage), m in sorted(modules.items()):
+        if stage in (0, num_stages - 1) and m.tied_parameter_name is not None:
+            out.append(m.get_parameter(m.tied_parameter_name))
+    return out
+
+
+def _norm_params(modules: dict[StageKey, BertStage], schedule: Schedule, rank: int) -> list[nn.Parameter]:
+    """Parameters this rank counts in the global gradient norm: one replica of each stage
+    (data-parallel group 0, pipe 0) and the tied weight only on the first stage."""
+    mine = {(p, s) for dp, p, s in schedule.placement.stages_of(rank) if dp == 0 and p == 0}
+    params = []
+    for (pipe, stage), m in modules.items():
+        if (pipe, stage) not in mine:
+            continue
+        skip = m.tied_parameter_name if (stage == schedule.num_stages - 1 and stage != 0) else None
+        params += [p for n, p in m.named_parameters() if n != skip]
+    return params
+
+
+def _step_utilization(events: list[Event], num_workers: int) -> float:
+    """Σ busy / (workers × wall), wall = the longest worker's step (robust to clock offsets)."""
+    busy = busy_ns(events)
+    spans: dict[int, tuple[int, int]] = {}
+    for e in events:
+        lo, hi = spans.get(e.worker, (e.start_ns, e.end_ns))
+        spans[e.worker] = (min(lo, e.start_ns), max(hi, e.end_ns))
+    wall = max(hi - lo for lo, hi in spans.values())
+    return sum(busy.values()) / (num_workers * wall) if wall > 0 else 0.0
+
+
+def _measured_costs(events: list[Event], schedule: Schedule) -> CostModel:
+    """Mean F and B time per stage in this step's timeline → a cost model for the simulator."""
+    sums: dict[tuple[str, int], list[int]] = {}
+    for e in events:
+        if e.kind in ("F", "B"):
+            stage = int(e.name.split(e.kind, 1)[0])
+            sums.setdefault((e.kind, stage), []).append(e.duration_ns)
+    mean = {k: sum(v) / len(v) for k, v in sums.items()}
+    d = schedule.num_stages
+    return CostModel(
+        forward_ns=[mean.get(("F", s), 0.0) for s in range(d)],
+        backward_ns=[mean.get(("B", s), 0.0) for s in range(d)],
+    )
+
+
+def run_worker(
+    cfg: TrainConfig,
+    rank: int,
+    world_size: int,
+    output_dir: str | os.PathLike,
+    run_name: str | None = None,
+    group: str | None = None,
+    local_rank: int = 0,
+    local_world_size: int | None = None,
+) -> dict[str, Any]:
+    """Train as worker ``rank`` of ``world_size``; the process group is set up from ``MASTER_ADDR``
+    and ``MASTER_PORT`` in the environment.
+
+    Returns:
+        The last step's metrics on rank 0 (other ranks: their last loss).
+    """
+    if world_size != cfg.num_workers:
+        raise ValueError(
+            f"world size {world_size} does not fit stages={cfg.stages} x data_parallel={cfg.data_parallel}"
+            f" = {cfg.num_workers} workers; start {cfg.num_workers} processes or change stages/data_parallel"
+        )
+    device = resolve_device(cfg.device, local_rank)
+    if device.type == "cpu":
+        set_cpu_threads(local_world_size or world_size)
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    dist.init_process_group(
+        backend,
+        rank=rank,
+        world_size=world_size,
+        timeout=datetime.timedelta(seconds=cfg.cluster.worker_timeout_s),
+    )
+    try:
+        return _train(cfg, rank, world_size, device, Path(output_dir), run_name, group)
+    finally:
+        dist.destroy_process_group()
+
+
+def _train(cfg, rank, world_size, device, output_dir, run_name, group) -> dict[str, Any]:
+    schedule = schedule_for(cfg)
+    modules = build_stage_modules(cfg, schedule, rank)
+    for m in modules.values():
+        m.to(device).train()
+    grad_groups, tied_group = _new_groups(schedule, rank)
+    tied = None
+    if tied_group is not None:
+        tied = (_tied_params(modules, schedule.num_stages), tied_group)
+    named = [(f"{pipe}.{stage}.{n}", p) for (pipe, stage), m in sorted(modules.items()) for n, p in m.named_parameters()]
+    optimizer, scheduler = make_optimizer(cfg, named, device)
+    norm_params = _norm_params(modules, schedule, rank)
+
+    def optimizer_step() -> None:
+        sq = torch.zeros((), device=device)
+        for p in norm_params:
+            if p.grad is not None:
+                sq += p.grad.detach().float().pow(2).sum()
+        dist.all_reduce(sq)
+        optimizer.step(grad_norm=sq.sqrt())
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    hidden = cfg.model.hidden_size
+    comm = CommSpec((cfg.micro_batch_size, cfg.data.seq_len, hidden), torch.float32, device)
+    executor = WorkerExecutor(
+        schedule,
+        rank,
+        modules,
+        comm,
+        grad_groups,
+        tied,
+        optimizer_step,
+        loss_scale=1.0 / (cfg.num_micro_batches * cfg.data_parallel),
+        autocast=lambda: autocast_context(cfg, device),
+    )
+    source = data_source(cfg)
+    plan = data_plan(cfg)
+    dp_rank = schedule.placement.dp_group_of(rank)
+    timer = StepTimer(device)
+    writer = MetricsWriter(output_dir / "metrics.jsonl") if rank == 0 else None
+    logger = (
+        WandbLogger(asdict(cfg), project=cfg.wandb.project, group=group, name=run_name, mode=cfg.wandb.mode,
+                    dir=str(output_dir), enabled=True)
+        if rank == 0 else None
+    )
+    last: dict[str, Any] = {}
+    bar = progress_range(cfg, enabled=rank == 0)
+    try:
+        for step in bar:
+            lr = optimizer.param_groups[0]["lr"]
+            timer.start()
+
+            def get_batch(mb: int, _step: int = step) -> dict[str, torch.Tensor]:
+                batch = get_micro_batch(source, _step, mb, dp_rank, **plan)
+                return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+
+            result = executor.run_step(step, get_batch)
+            step_time = timer.stop()
+            losses = result.loss_sum.clone()
+            dist.all_reduce(losses)
+            losses = (losses / (cfg.num_micro_batches * cfg.data_parallel)).tolist()
+            gathered: list[list[Event]] | None = [[] for _ in range(world_size)] if rank == 0 else None
+            dist.gather_object(result.events, gathered, dst=0)
+            last = {"step": step, "loss": losses[0] + losses[1], "mlm_loss": losses[0], "nsp_loss": losses[1]}
+            if not math.isfinite(last["loss"]):
+                raise FloatingPointError(f"step {step}: loss is {last['loss']}; lower lr or check the data")
+            if rank != 0:
+                continue
+            events = [e for evs in gathered for e in evs]
+            simulated = simulate(schedule, _measured_costs(events, schedule))
+            last.update(
+                lr=lr,
+                step_time_s=step_time,
+                samples_per_s=cfg.global_batch_size / step_time,
+                bubble_utilization=_step_utilization(events, world_size),
+                simulated_bubble_utilization=bubble_utilization(simulated, world_size),
+            )
+            writer.write(last)
+            if step % cfg.log_every == 0 or step == cfg.steps - 1:
+                logger.log(last, step=step)
+                if hasattr(bar, "set_postfix"):
+                    bar.set_postfix(loss=f"{last['loss']:.3f}", util=f"{last['bubble_utilization']:.2f}")
+    finally:
+        if writer is not None:
+            writer.close()
+        if logger is not None:
+            logger.finish()
+        if hasattr(bar, "close"):
+            bar.close()
+    return last

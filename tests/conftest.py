@@ -1,0 +1,55 @@
+"""Shared test fixtures: compose the real Hydra config, shrunk to tiny CPU runs."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+from omegaconf import DictConfig
+
+from pipefisher.config import TrainConfig, register_configs, to_train_config
+
+REPO = Path(__file__).resolve().parents[1]
+CONF_DIR = REPO / "pipefisher" / "conf"
+
+# Tiny runs: no dropout so that pipeline and single-process runs are comparable bit for bit.
+TINY = [
+    "model=bert-tiny",
+    "model.vocab_size=512",
+    "model.hidden_dropout=0.0",
+    "model.attention_dropout=0.0",
+    "data.seq_len=32",
+    "data.max_predictions=5",
+    "micro_batch_size=2",
+    "progress=false",
+    "wandb.mode=disabled",
+    "device=cpu",
+]
+
+
+@pytest.fixture(autouse=True)
+def _offline_wandb(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> None:
+    wandb_dir = tmp_path_factory.mktemp("wandb")
+    for var in ("WANDB_DIR", "WANDB_CONFIG_DIR", "WANDB_CACHE_DIR", "WANDB_DATA_DIR"):
+        monkeypatch.setenv(var, str(wandb_dir))
+    monkeypatch.setenv("WANDB_MODE", os.environ.get("WANDB_MODE", "offline"))
+
+
+def compose_dict(overrides: list[str], with_hydra: bool = False) -> DictConfig:
+    """The composed (unvalidated) Hydra config of train.py with ``overrides``."""
+    register_configs()
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        return compose(config_name="config", overrides=overrides, return_hydra_config=with_hydra)
+
+
+def compose_train(overrides: list[str], tiny: bool = True) -> TrainConfig:
+    """The validated :class:`TrainConfig` of train.py with ``overrides`` (after the tiny defaults)."""
+    return to_train_config(compose_dict((TINY if tiny else []) + overrides))
+
+
+@pytest.fixture
+def make_cfg() -> Callable[..., TrainConfig]:
+    return lambda *overrides, tiny=True: compose_train(list(overrides), tiny=tiny)

@@ -1,0 +1,96 @@
+"""The Hydra config: groups compose, schemas catch typos and wrong types, cross-field checks name the fix."""
+
+from __future__ import annotations
+
+import pytest
+from hydra.errors import ConfigCompositionException
+from omegaconf.errors import ConfigAttributeError, ConfigKeyError, ValidationError
+
+from pipefisher.config import ConfigError, TrainConfig
+from tests.conftest import CONF_DIR, compose_dict, compose_train
+
+SIZES = {  # L / H / A from DESIGN.md
+    "bert-tiny": (2, 128, 2), "bert-mini": (4, 256, 4), "bert-small": (4, 512, 8),
+    "bert-medium": (8, 512, 8), "bert-base": (12, 768, 12), "bert-large": (24, 1024, 16),
+}
+
+
+@pytest.mark.parametrize("name", sorted(SIZES))
+def test_model_group_has_every_bert_size(name: str) -> None:
+    cfg = compose_train([f"model={name}"], tiny=False)
+    assert (cfg.model.num_layers, cfg.model.hidden_size, cfg.model.num_heads) == SIZES[name]
+    assert cfg.model.name == name
+
+
+def test_default_config_is_a_valid_single_process_run() -> None:
+    cfg = compose_train([], tiny=False)
+    assert isinstance(cfg, TrainConfig)
+    assert (cfg.stages, cfg.pipeline.method, cfg.optimizer.name, cfg.data.kind, cfg.cluster.name) == (
+        1, "gpipe", "nvlamb", "synthetic", "local")
+    assert cfg.wandb.mode == "offline"
+
+
+@pytest.mark.parametrize("group,options", [
+    ("pipeline", ["gpipe", "1f1b", "chimera", "interleaved"]),
+    ("optimizer", ["nvlamb", "kfac", "pipefisher"]),
+    ("data", ["synthetic", "hdf5"]),
+    ("cluster", ["local", "slurm"]),
+])
+def test_every_group_option_composes(group: str, options: list[str]) -> None:
+    for option in options:
+        assert (CONF_DIR / group / f"{option}.yaml").exists()
+        compose_dict([f"{group}={option}"])
+
+
+def test_top_level_keys_users_type() -> None:
+    cfg = compose_train(["stages=2", "micro_batch_size=4", "num_micro_batches=3", "steps=7", "seed=5",
+                         "lr=0.002", "wandb.mode=disabled"])
+    assert (cfg.stages, cfg.micro_batch_size, cfg.num_micro_batches, cfg.steps, cfg.seed, cfg.lr) == (
+        2, 4, 3, 7, 5, 0.002)
+    assert cfg.wandb.mode == "disabled"
+
+
+def test_typo_in_a_key_fails_at_composition() -> None:
+    with pytest.raises((ConfigCompositionException, ConfigAttributeError, ConfigKeyError)):
+        compose_dict(["stagse=2"])
+    with pytest.raises((ConfigCompositionException, ConfigAttributeError, ConfigKeyError)):
+        compose_dict(["model.hiden_size=64"])
+
+
+def test_wrong_type_fails_at_composition() -> None:
+    with pytest.raises((ConfigCompositionException, ValidationError)):
+        compose_dict(["stages=two"])
+
+
+def test_unknown_group_option_lists_the_choices() -> None:
+    with pytest.raises(ConfigCompositionException, match="bert-tiny"):
+        compose_dict(["model=bert-huge"])
+
+
+@pytest.mark.parametrize("overrides,field,fix", [
+    (["model.num_heads=3"], "model.num_heads", "divisible"),
+    (["stages=3"], "stages", "exceeds model.num_layers=2"),
+    (["model=bert-mini", "pipeline=chimera", "stages=3", "model.num_layers=4"], "stages", "even number"),
+    (["model=bert-mini", "pipeline=chimera", "stages=2", "num_micro_batches=3"], "num_micro_batches", "multiple"),
+    (["data.seq_len=1024"], "data.seq_len", "max_position_embeddings"),
+    (["micro_batch_size=0"], "micro_batch_size", "at least 1"),
+    (["lr=-1"], "lr", "positive"),
+    (["pipeline.layers_per_stage=[1,2]", "stages=2"], "pipeline.layers_per_stage", "summing to"),
+    (["data=hdf5", "data.path=/nonexistent/shards"], "data.path", "prepare"),
+    (["optimizer=kfac"], "optimizer", "nvlamb"),
+])
+def test_cross_field_errors_name_the_field_and_the_fix(overrides: list[str], field: str, fix: str) -> None:
+    with pytest.raises(ConfigError) as err:
+        compose_train(overrides)
+    assert field in str(err.value) and fix in str(err.value)
+
+
+def test_hdf5_needs_a_path() -> None:
+    with pytest.raises(Exception, match="data.path"):
+        compose_train(["data=hdf5"])
+
+
+def test_slurm_cluster_selects_the_submitit_launcher() -> None:
+    cfg = compose_dict(["cluster=slurm"], with_hydra=True)
+    assert cfg.cluster.name == "slurm"
+    assert "SlurmLauncher" in cfg.hydra.launcher._target_
