@@ -1,0 +1,366 @@
+"""Static checks of a schedule: coverage, dependencies, message matching, collectives, deadlock.
+
+:func:`check_schedule` raises :class:`ScheduleError` with the step × worker grid
+(``Schedule.format_grid``) and the failing cell bracketed, e.g.::
+
+    B0 of stage 1 (pipe 0) on worker 1 runs before its own forward
+    step W0     W1
+       0 0F0    [1B0]
+       1 0B0    1F0
+
+[Note: deadlock semantics]
+The deadlock check executes the lists abstractly under the strictest semantics the executor may
+face: a SEND completes only together with its matching RECV on the peer (rendezvous), and a
+SYNC_GRAD only when every replica of its stage is at its SYNC_GRAD of that stage (a blocking
+collective). A schedule that completes this way also completes with buffered sends and
+asynchronous all-reduces, which is what the executor and the simulator use. Computes never wait
+in a schedule with communication: their inputs are carried by RECVs, which the checks require.
+A compute-only schedule (generator output) is executed with its data dependencies instead: an F
+waits for the upstream F, a B for the downstream B.
+"""
+
+from __future__ import annotations
+
+from collections import Counter, defaultdict
+from typing import NoReturn
+
+from pipefisher.schedules.ir import Action, ActionKind, Schedule
+from pipefisher.schedules.passes import matching_recv, worker_dp_groups
+
+__all__ = ["ScheduleError", "check_schedule"]
+
+K = ActionKind
+_SENDS = (K.SEND_F, K.SEND_B)
+_RECVS = (K.RECV_F, K.RECV_B)
+
+
+class ScheduleError(ValueError):
+    """A schedule that is incomplete, inconsistent or would deadlock; the message shows the grid."""
+
+
+def _fail(schedule: Schedule, message: str, mark: tuple[int, int] | None = None) -> NoReturn:
+    raise ScheduleError(f"{schedule.method} schedule (D={schedule.num_stages}, "
+                        f"N={schedule.num_micro_batches}): {message}\n{schedule.format_grid(mark=mark)}")
+
+
+def check_schedule(schedule: Schedule, *, complete: bool = True) -> None:
+    """Check that ``schedule`` is well formed and runs to completion.
+
+    Checks, in order: every action sits on a worker holding its stage replica (right pipe, right
+    peer); every micro-batch gets exactly one F and one B per stage replica; on a worker, B comes
+    after its own F, and co-located stages keep data order; every cross-worker dependency is
+    carried by a SEND after the producer and a RECV before the consumer, each SEND matching exactly
+    one RECV on its peer; exactly one SYNC_GRAD per stage replica (after its last B), issued in the
+    same relative order by workers that share collectives, and one STEP per worker after all its
+    work; no deadlock (see [Note: deadlock semantics]).
+
+    Args:
+        schedule: the schedule to check.
+        complete: require communication, SYNC_GRAD and STEP (an executable schedule). With False,
+            a compute-only schedule passes; whatever communication or synchronization it has is
+            still checked.
+
+    Raises:
+        ScheduleError: the first violation found; the message includes the grid with the failing
+            cell marked.
+    """
+    _check_placement(schedule)
+    _check_coverage(schedule)
+    _check_local_order(schedule)
+    has_comm = any(a.kind.is_comm for acts in schedule.actions.values() for a in acts)
+    if has_comm or complete:
+        _check_communication(schedule)
+    has_sync = any(a.kind in (K.SYNC_GRAD, K.STEP) for acts in schedule.actions.values() for a in acts)
+    if has_sync or complete:
+        _check_sync_and_step(schedule)
+    _check_no_deadlock(schedule, data_dependencies=not has_comm)
+
+
+# -- placement ---------------------------------------------------------------------------------
+
+
+def _neighbor(schedule: Schedule, dp: int, a: Action) -> int | None:
+    """The worker a communication action must name as its peer, or None if there is none."""
+    other = a.stage + (1 if a.kind in (K.SEND_F, K.RECV_B) else -1)
+    return schedule.placement.workers.get((dp, a.pipe, other))
+
+
+def _check_placement(schedule: Schedule) -> None:
+    placed = set(schedule.placement.workers.values())
+    if set(schedule.actions) != placed:
+        _fail(schedule, f"workers with actions {sorted(schedule.actions)} differ from the workers "
+                        f"of the placement {sorted(placed)}")
+    if len(schedule.pipe_of_micro_batch) != schedule.num_micro_batches:
+        _fail(schedule, f"pipe_of_micro_batch has {len(schedule.pipe_of_micro_batch)} entries for "
+                        f"N={schedule.num_micro_batches} micro-batches")
+    dp_of = worker_dp_groups(schedule.placement)
+    where = schedule.placement.workers
+    for w, actions in schedule.actions.items():
+        dp = dp_of[w]
+        for i, a in enumerate(actions):
+            if a.kind == K.STEP:
+                if a.stage is not None or a.micro_batch is not None:
+                    _fail(schedule, f"STEP on worker {w} takes no stage or micro-batch", (w, i))
+                continue
+            if a.stage is None or not 0 <= a.stage < schedule.num_stages:
+                _fail(schedule, f"{a} on worker {w}: stage out of range [0, {schedule.num_stages})", (w, i))
+            if where.get((dp, a.pipe, a.stage)) != w:
+                _fail(schedule, f"{a} on worker {w}: the worker does not hold stage {a.stage} of "
+                                f"pipe {a.pipe} (data-parallel group {dp})", (w, i))
+            if a.kind == K.SYNC_GRAD:
+                continue
+            if not 0 <= a.micro_batch < schedule.num_micro_batches:
+                _fail(schedule, f"{a} on worker {w}: micro-batch out of range "
+                                f"[0, {schedule.num_micro_batches})", (w, i))
+            if a.pipe != schedule.pipe_of_micro_batch[a.micro_batch]:
+                _fail(schedule, f"{a} on worker {w}: micro-batch {a.micro_batch} travels on pipe "
+                                f"{schedule.pipe_of_micro_batch[a.micro_batch]}", (w, i))
+            if a.kind.is_comm:
+                expected = _neighbor(schedule, dp, a)
+                if expected is None:
+                    _fail(schedule, f"{a} on worker {w}: stage {a.stage} has no neighbor in that "
+                                    f"direction", (w, i))
+                if a.peer != expected:
+                    _fail(schedule, f"{a} on worker {w}: the peer must be worker {expected}", (w, i))
+
+
+# -- coverage and local order ------------------------------------------------------------------
+
+
+def _compute_positions(schedule: Schedule) -> dict[tuple[int, Action], list[int]]:
+    pos: dict[tuple[int, Action], list[int]] = defaultdict(list)
+    for w, actions in schedule.actions.items():
+        for i, a in enumerate(actions):
+            if a.kind.is_compute:
+                pos[(w, a)].append(i)
+    return pos
+
+
+def _check_coverage(schedule: Schedule) -> None:
+    pos = _compute_positions(schedule)
+    for (w, a), where in pos.items():
+        if len(where) > 1:
+            _fail(schedule, f"{a} appears {len(where)} times on worker {w}; each micro-batch gets "
+                            f"exactly one F and one B per stage replica", (w, where[1]))
+    for dp in range(schedule.dp_width):
+        for j, pipe in enumerate(schedule.pipe_of_micro_batch):
+            for s in range(schedule.num_stages):
+                w = schedule.placement.worker_of(dp, pipe, s)
+                for kind in (K.FORWARD, K.BACKWARD):
+                    a = Action(kind, s, j, pipe)
+                    if (w, a) not in pos:
+                        _fail(schedule, f"{a} is missing on worker {w} (data-parallel group {dp}); "
+                                        f"each micro-batch gets one F and one B per stage replica")
+
+
+def _check_local_order(schedule: Schedule) -> None:
+    pos = {key: where[0] for key, where in _compute_positions(schedule).items()}
+    where = schedule.placement.workers
+    dp_of = worker_dp_groups(schedule.placement)
+    last = schedule.num_stages - 1
+    for (w, a), i in pos.items():
+        s, j, p, dp = a.stage, a.micro_batch, a.pipe, dp_of[w]
+        if a.kind == K.FORWARD:
+            if s > 0 and where[(dp, p, s - 1)] == w and pos[(w, Action(K.FORWARD, s - 1, j, p))] > i:
+                _fail(schedule, f"{a} on worker {w} runs before the forward of stage {s - 1} that "
+                                f"feeds it (same worker)", (w, i))
+        else:
+            if pos[(w, Action(K.FORWARD, s, j, p))] > i:
+                _fail(schedule, f"{a} on worker {w} runs before its own forward", (w, i))
+            if s < last and where[(dp, p, s + 1)] == w and pos[(w, Action(K.BACKWARD, s + 1, j, p))] > i:
+                _fail(schedule, f"{a} on worker {w} runs before the backward of stage {s + 1} that "
+                                f"feeds it (same worker)", (w, i))
+
+
+# -- communication -----------------------------------------------------------------------------
+
+
+def _required_comm(schedule: Schedule, w: int, dp: int, a: Action) -> list[tuple[Action, bool]]:
+    """The messages a compute needs: (action, True if it must come before the compute)."""
+    s, j, p = a.stage, a.micro_batch, a.pipe
+    where = schedule.placement.workers
+    last = schedule.num_stages - 1
+    need = []
+    if a.kind == K.FORWARD:
+        if s > 0 and (u := where[(dp, p, s - 1)]) != w:
+            need.append((Action(K.RECV_F, s, j, p, u), True))
+        if s < last and (v := where[(dp, p, s + 1)]) != w:
+            need.append((Action(K.SEND_F, s, j, p, v), False))
+    else:
+        if s < last and (v := where[(dp, p, s + 1)]) != w:
+            need.append((Action(K.RECV_B, s, j, p, v), True))
+        if s > 0 and (u := where[(dp, p, s - 1)]) != w:
+            need.append((Action(K.SEND_B, s, j, p, u), False))
+    return need
+
+
+def _check_communication(schedule: Schedule) -> None:
+    dp_of = worker_dp_groups(schedule.placement)
+    comm_pos: dict[tuple[int, Action], int] = {}
+    for w, actions in schedule.actions.items():
+        for i, a in enumerate(actions):
+            if not a.kind.is_comm:
+                continue
+            if (w, a) in comm_pos:
+                _fail(schedule, f"{a} appears twice on worker {w}", (w, i))
+            if a.peer == w:
+                _fail(schedule, f"{a} on worker {w} sends to itself; co-located stages exchange "
+                                f"nothing", (w, i))
+            comm_pos[(w, a)] = i
+    used: set[tuple[int, Action]] = set()
+    for w, actions in schedule.actions.items():
+        for i, a in enumerate(actions):
+            if not a.kind.is_compute:
+                continue
+            for msg, before in _required_comm(schedule, w, dp_of[w], a):
+                j = comm_pos.get((w, msg))
+                if j is None:
+                    _fail(schedule, f"{a} on worker {w} needs {msg} "
+                                    f"{'before' if before else 'after'} it", (w, i))
+                if (j < i) != before:
+                    _fail(schedule, f"{msg} on worker {w} must come {'before' if before else 'after'} "
+                                    f"{a}", (w, j))
+                used.add((w, msg))
+    for (w, a), i in sorted(comm_pos.items(), key=lambda kv: (kv[0][0], kv[1])):
+        if (w, a) not in used:
+            _fail(schedule, f"{a} on worker {w} belongs to no compute of this worker", (w, i))
+        if a.kind in _SENDS and (a.peer, matching_recv(a, w)) not in comm_pos:
+            _fail(schedule, f"{a} on worker {w} has no matching {matching_recv(a, w)} on worker "
+                            f"{a.peer}", (w, i))
+    # Every RECV is required by a compute whose producer is on the peer, and that producer's SEND
+    # is required there too, so RECVs without a SEND were reported above as missing SENDs.
+
+
+# -- gradient synchronization and step ---------------------------------------------------------
+
+
+def _check_sync_and_step(schedule: Schedule) -> None:
+    placement = schedule.placement
+    for w, actions in schedule.actions.items():
+        held = [(s, p) for (_, p, s) in placement.stages_of(w)]
+        stages = Counter(s for s, _ in held)
+        if any(c > 1 for c in stages.values()):
+            _fail(schedule, f"worker {w} holds two replicas of one stage ({held}); one SYNC_GRAD "
+                            f"collective per stage cannot tell them apart")
+        syncs: dict[tuple[int, int], list[int]] = defaultdict(list)
+        last_b: dict[tuple[int, int], int] = {}
+        steps: list[int] = []
+        last_work = -1
+        for i, a in enumerate(actions):
+            if a.kind == K.SYNC_GRAD:
+                syncs[(a.stage, a.pipe)].append(i)
+                last_work = i
+            elif a.kind == K.BACKWARD:
+                last_b[(a.stage, a.pipe)] = i
+                last_work = i
+            elif a.kind == K.FORWARD:
+                last_work = i
+            elif a.kind == K.STEP:
+                steps.append(i)
+        for s, p in held:
+            where = syncs.get((s, p), [])
+            if not where:
+                _fail(schedule, f"worker {w} never runs SYNC_GRAD for stage {s} (pipe {p})")
+            if len(where) > 1:
+                _fail(schedule, f"SYNC_GRAD of stage {s} (pipe {p}) appears {len(where)} times on "
+                                f"worker {w}; one per stage replica per step", (w, where[1]))
+            if where[0] < last_b.get((s, p), -1):
+                _fail(schedule, f"{actions[where[0]]} on worker {w} comes before the replica's last "
+                                f"backward", (w, where[0]))
+        if len(steps) != 1:
+            _fail(schedule, f"worker {w} has {len(steps)} STEP actions; exactly one per worker",
+                  (w, steps[1]) if steps else None)
+        if steps[0] < last_work:
+            _fail(schedule, f"STEP on worker {w} comes before the worker's last F/B/SYNC_GRAD",
+                  (w, steps[0]))
+    _check_collective_order(schedule)
+
+
+def _check_collective_order(schedule: Schedule) -> None:
+    """Workers sharing collectives must issue them in the same relative order."""
+    members = {s: set(schedule.placement.replicas_of_stage(s)) for s in range(schedule.num_stages)}
+    sync_seq = {
+        w: [(i, a.stage) for i, a in enumerate(actions) if a.kind == K.SYNC_GRAD]
+        for w, actions in schedule.actions.items()
+    }
+    workers = sorted(schedule.actions)
+    for x in workers:
+        for y in workers:
+            if y <= x:
+                continue
+            shared = {s for s, m in members.items() if x in m and y in m}
+            if len(shared) < 2:
+                continue
+            seq_x = [(i, s) for i, s in sync_seq[x] if s in shared]
+            seq_y = [(i, s) for i, s in sync_seq[y] if s in shared]
+            for (i, sx), (_, sy) in zip(seq_x, seq_y):
+                if sx != sy:
+                    _fail(schedule, f"workers {x} and {y} share the gradient all-reduces of stages "
+                                    f"{sorted(shared)} but issue them in different orders "
+                                    f"({[s for _, s in seq_x]} vs {[s for _, s in seq_y]})", (x, i))
+
+
+# -- deadlock ----------------------------------------------------------------------------------
+
+
+def _check_no_deadlock(schedule: Schedule, data_dependencies: bool) -> None:
+    """Abstract execution; see [Note: deadlock semantics]."""
+    actions = schedule.actions
+    dp_of = worker_dp_groups(schedule.placement)
+    members = {s: schedule.placement.replicas_of_stage(s) for s in range(schedule.num_stages)}
+    last = schedule.num_stages - 1
+    ptr = {w: 0 for w in actions}
+    done: set[tuple[int, Action]] = set()  # (dp, compute action) executed
+
+    def current(w: int) -> Action | None:
+        return actions[w][ptr[w]] if ptr[w] < len(actions[w]) else None
+
+    def ready_compute(w: int, a: Action) -> bool:
+        if not data_dependencies:
+            return True
+        dp, s, j, p = dp_of[w], a.stage, a.micro_batch, a.pipe
+        if a.kind == K.FORWARD:
+            return s == 0 or (dp, Action(K.FORWARD, s - 1, j, p)) in done
+        return (dp, Action(K.FORWARD, s, j, p)) in done and (
+            s == last or (dp, Action(K.BACKWARD, s + 1, j, p)) in done)
+
+    def step(w: int) -> bool:
+        a = current(w)
+        if a is None:
+            return False
+        if a.kind.is_compute:
+            if not ready_compute(w, a):
+                return False
+            done.add((dp_of[w], a))
+            ptr[w] += 1
+            return True
+        if a.kind == K.STEP:
+            ptr[w] += 1
+            return True
+        if a.kind in _SENDS:
+            if current(a.peer) != matching_recv(a, w):
+                return False
+            ptr[w] += 1
+            ptr[a.peer] += 1
+            return True
+        if a.kind in _RECVS:
+            return False  # completes from the sender's side
+        group = members[a.stage]  # SYNC_GRAD
+        if not all((c := current(m)) is not None and c.kind == K.SYNC_GRAD and c.stage == a.stage
+                   for m in group):
+            return False
+        for m in group:
+            ptr[m] += 1
+        return True
+
+    progress = True
+    while progress:
+        progress = False
+        for w in actions:
+            while step(w):
+                progress = True
+    stuck = [w for w in sorted(actions) if current(w) is not None]
+    if stuck:
+        waits = ", ".join(f"worker {w} at {current(w)}" for w in stuck)
+        _fail(schedule, f"deadlock under blocking send/receive and collectives: {waits}",
+              (stuck[0], ptr[stuck[0]]))

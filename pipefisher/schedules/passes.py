@@ -1,0 +1,345 @@
+"""Pure passes that turn a compute-only schedule into an executable one.
+
+Chained by :func:`pipefisher.schedules.build_schedule` in this order::
+
+    generator (F, B)  ──►  add_communication (SEND_*/RECV_*)  ──►  add_grad_sync_and_step
+
+Each pass takes a :class:`Schedule` and returns a new one; none mutates its input.
+
+[Note: ordering point-to-point messages]
+A RECV goes just before the compute that consumes it and a SEND just after the compute that
+produces it, so between two computes of a worker there is a *cluster* of sends (of the earlier
+compute) and receives (for the later one). Their order inside a cluster is free, but not every
+order is safe when a send blocks until its receiver is there (rendezvous). 1F1B, D=2, N=2::
+
+    W0: 0F0 0SEND_F0>1 0F1 0SEND_F1>1 0RECV_B0<1 0B0 ...     W0 blocks in SEND_F1 ...
+    W1: 1RECV_F0<0 1F0 1B0 1SEND_B0>0 1RECV_F1<0 1F1 ...     ... W1 blocks in SEND_B0: deadlock
+
+Swapping W1's cluster to ``1RECV_F1<0 1SEND_B0>0`` resolves it. Both passes therefore order the
+floating actions (SEND, RECV, SYNC_GRAD) by a rendezvous execution of the whole schedule in which
+each compute takes one time unit and the earliest completable pair (a send and its receive, both
+pending) or collective (every member at its SYNC_GRAD of the stage) completes first; ties go to
+messages before collectives, then by worker. When nothing can complete, the receive of the
+earliest blocked send is *posted early*: moved from the cluster before its consumer into the
+receiver's current cluster. Interleaved 1F1B needs this (Megatron-LM posts such receives early
+for the same reason: ``send_backward_recv_backward``)::
+
+    D=2, v=2, N=4 (W0 holds stages 0 and 2, W1 stages 1 and 3)
+    W0: .. 2B0 2SEND_B0>1 0F3 .. 2RECV_B1<1 2B1        W0 waits for W1 to take B0 ...
+    W1: .. 3B1 3SEND_B1>0 1F2 .. 1RECV_B0<0 1B0        ... W1 waits for W0 to take B1
+    fix: W1 posts 1RECV_B0<0 before 3SEND_B1>0
+
+The order of completions *is* a blocking execution that finishes, so the result cannot deadlock
+under rendezvous semantics and blocking collectives; :func:`pipefisher.schedules.checks.
+check_schedule` verifies it independently. If the compute order itself cannot complete (a
+dependency cycle), the rest keeps its natural order and the checker reports the deadlock.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections.abc import Iterable
+from dataclasses import replace
+
+from pipefisher.schedules.ir import Action, ActionKind, Placement, Schedule
+
+__all__ = [
+    "add_communication",
+    "add_grad_sync_and_step",
+    "worker_dp_groups",
+    "matching_recv",
+    "matching_send",
+]
+
+K = ActionKind
+
+
+def worker_dp_groups(placement: Placement) -> dict[int, int]:
+    """``{worker: dp group}``; a worker belongs to exactly one data-parallel group."""
+    return {w: dp for (dp, _, _), w in placement.workers.items()}
+
+
+def matching_recv(send: Action, sender: int) -> Action:
+    """The receive that pairs with ``send`` issued on worker ``sender``.
+
+    ``SEND_F`` of stage s pairs with ``RECV_F`` of stage s+1; ``SEND_B`` of stage s with
+    ``RECV_B`` of stage s−1 (same micro-batch and pipe).
+    """
+    if send.kind == K.SEND_F:
+        return Action(K.RECV_F, send.stage + 1, send.micro_batch, send.pipe, sender)
+    if send.kind == K.SEND_B:
+        return Action(K.RECV_B, send.stage - 1, send.micro_batch, send.pipe, sender)
+    raise ValueError(f"{send} is not a send")
+
+
+def matching_send(recv: Action, receiver: int) -> Action:
+    """The send that pairs with ``recv`` posted on worker ``receiver`` (inverse of ``matching_recv``)."""
+    if recv.kind == K.RECV_F:
+        return Action(K.SEND_F, recv.stage - 1, recv.micro_batch, recv.pipe, receiver)
+    if recv.kind == K.RECV_B:
+        return Action(K.SEND_B, recv.stage + 1, recv.micro_batch, recv.pipe, receiver)
+    raise ValueError(f"{recv} is not a receive")
+
+
+def _comm_around(action: Action, worker: int, dp: int,
+                 schedule: Schedule) -> tuple[list[Action], list[Action]]:
+    """(receives before, sends after) a compute action; none between co-located stages."""
+    if not action.kind.is_compute:
+        return [], []
+    s, j, p = action.stage, action.micro_batch, action.pipe
+    last = schedule.num_stages - 1
+    where = schedule.placement.workers
+    before: list[Action] = []
+    after: list[Action] = []
+    if action.kind == K.FORWARD:
+        if s > 0 and (up := where[(dp, p, s - 1)]) != worker:
+            before.append(Action(K.RECV_F, s, j, p, up))
+        if s < last and (down := where[(dp, p, s + 1)]) != worker:
+            after.append(Action(K.SEND_F, s, j, p, down))
+    else:
+        if s < last and (down := where[(dp, p, s + 1)]) != worker:
+            before.append(Action(K.RECV_B, s, j, p, down))
+        if s > 0 and (up := where[(dp, p, s - 1)]) != worker:
+            after.append(Action(K.SEND_B, s, j, p, up))
+    return before, after
+
+
+Segments = dict[int, tuple[list[Action], list[list[Action]]]]
+"""Per worker: its *anchors* (computes and STEP) and the n+1 *clusters* of floating actions
+(SEND/RECV/SYNC_GRAD) before, between and after them, each in its natural order."""
+
+
+def _is_floating(a: Action) -> bool:
+    return a.kind.is_comm or a.kind == K.SYNC_GRAD
+
+
+def _split(actions: Iterable[Action]) -> tuple[list[Action], list[list[Action]]]:
+    anchors: list[Action] = []
+    clusters: list[list[Action]] = [[]]
+    for a in actions:
+        if _is_floating(a):
+            clusters[-1].append(a)
+        else:
+            anchors.append(a)
+            clusters.append([])
+    return anchors, clusters
+
+
+def _join(anchors: list[Action], clusters: list[list[Action]]) -> tuple[Action, ...]:
+    out = list(clusters[0])
+    for a, cluster in zip(anchors, clusters[1:]):
+        out.append(a)
+        out.extend(cluster)
+    return tuple(out)
+
+
+class _Legalizer:
+    """Orders every cluster by a rendezvous execution; see [Note: ordering point-to-point messages]."""
+
+    def __init__(self, schedule: Schedule, segments: Segments) -> None:
+        self.anchors = {w: anchors for w, (anchors, _) in segments.items()}
+        self.clusters = {w: [list(c) for c in clusters] for w, (_, clusters) in segments.items()}
+        self.members = {s: schedule.placement.replicas_of_stage(s) for s in range(schedule.num_stages)}
+        self.workers = sorted(segments)
+        self.out: dict[int, list[Action]] = {w: [] for w in self.workers}
+        self.pos = {w: 0 for w in self.workers}  # current cluster index (== index of next anchor)
+        self.clock = {w: 0 for w in self.workers}
+        self.pending = {w: self.clusters[w][0] for w in self.workers}
+        # (time, 0 = message / 1 = collective, worker, index in its cluster, tie counter, action)
+        self.heap: list[tuple[int, int, int, int, int, Action]] = []
+        self._tie = itertools.count()
+        for w in self.workers:
+            self._queue_ready(w)
+
+    # -- readiness --------------------------------------------------------------------------
+
+    def _sync_ready(self, stage: int) -> bool:
+        return all(any(x.kind == K.SYNC_GRAD and x.stage == stage for x in self.pending[m])
+                   for m in self.members[stage])
+
+    def _queue_ready(self, w: int) -> None:
+        """Queue every pair or collective that w's pending actions can complete now."""
+        for i, a in enumerate(self.pending[w]):
+            if a.kind in (K.SEND_F, K.SEND_B):
+                sender, send = w, a
+            elif a.kind in (K.RECV_F, K.RECV_B):
+                sender, send = a.peer, matching_send(a, w)
+            else:
+                if self._sync_ready(a.stage):
+                    t = max(self.clock[m] for m in self.members[a.stage])
+                    heapq.heappush(self.heap, (t, 1, w, i, next(self._tie), a))
+                continue
+            if send in self.pending[sender] and matching_recv(send, sender) in self.pending[send.peer]:
+                t = max(self.clock[sender], self.clock[send.peer])
+                i_send = self.pending[sender].index(send)
+                heapq.heappush(self.heap, (t, 0, sender, i_send, next(self._tie), send))
+
+    # -- execution --------------------------------------------------------------------------
+
+    def _advance(self, w: int) -> None:
+        """Run w's anchors while its current cluster is empty."""
+        anchors = self.anchors[w]
+        while not self.pending[w] and self.pos[w] < len(anchors):
+            a = anchors[self.pos[w]]
+            self.out[w].append(a)
+            self.clock[w] += 1 if a.kind.is_compute else 0
+            self.pos[w] += 1
+            self.pending[w] = self.clusters[w][self.pos[w]]
+            self._queue_ready(w)
+
+    def _fire(self, t: int, a: Action, w: int) -> list[int]:
+        """Complete the pair (a is the send, w its sender) or collective (a a SYNC_GRAD)."""
+        if a.kind == K.SYNC_GRAD:
+            if not self._sync_ready(a.stage):
+                return []
+            involved = self.members[a.stage]
+            done = [next(x for x in self.pending[m] if x.kind == K.SYNC_GRAD and x.stage == a.stage)
+                    for m in involved]
+        else:
+            recv = matching_recv(a, w)
+            if a not in self.pending[w] or recv not in self.pending[a.peer]:
+                return []
+            involved, done = [w, a.peer], [a, recv]
+        now = max([t] + [self.clock[m] for m in involved])
+        if now > t:  # a member got busier since this entry was queued: requeue at the true time
+            kind = 1 if a.kind == K.SYNC_GRAD else 0
+            heapq.heappush(self.heap, (now, kind, w, 0, next(self._tie), a))
+            return []
+        for m, x in zip(involved, done):
+            self.pending[m].remove(x)
+            self.out[m].append(x)
+            self.clock[m] = now
+        return involved
+
+    def _hoist_one_receive(self) -> bool:
+        """Break a stall: post the receive of the earliest blocked send early (see the Note)."""
+        blocked = sorted(
+            (self.clock[w], w, i, a)
+            for w in self.workers
+            for i, a in enumerate(self.pending[w])
+            if a.kind in (K.SEND_F, K.SEND_B)
+        )
+        for _, w, _, send in blocked:
+            b, recv = send.peer, matching_recv(send, w)
+            for k in range(self.pos[b] + 1, len(self.clusters[b])):
+                if recv in self.clusters[b][k]:
+                    self.clusters[b][k].remove(recv)
+                    self.pending[b].append(recv)
+                    self._queue_ready(b)
+                    return True
+        return False
+
+    def run(self) -> dict[int, tuple[Action, ...]]:
+        todo = list(self.workers)
+        while True:
+            while todo:
+                self._advance(todo.pop())
+            if self.heap:
+                t, _, w, _, _, a = heapq.heappop(self.heap)
+                todo.extend(self._fire(t, a, w))
+                continue
+            if all(not self.pending[w] and self.pos[w] == len(self.anchors[w]) for w in self.workers):
+                break
+            if not self._hoist_one_receive():
+                break  # the compute order itself cannot complete: keep the rest as it is
+        for w in self.workers:
+            p = self.pos[w]
+            rest = _join(self.anchors[w][p:], [self.pending[w]] + self.clusters[w][p + 1:])
+            self.out[w].extend(rest)
+        return {w: tuple(self.out[w]) for w in self.workers}
+
+
+def add_communication(schedule: Schedule) -> Schedule:
+    """Insert the point-to-point messages of every stage boundary that crosses workers.
+
+    ``RECV_F`` (from the worker of stage s−1, same dp group and pipe) goes before each F of stage
+    s > 0 and ``SEND_F`` (to stage s+1's worker) after each F of stage s < D−1; ``RECV_B`` goes
+    before each B of stage s < D−1 and ``SEND_B`` after each B of stage s > 0. Stages on the same
+    worker exchange nothing. The order is then made safe under blocking (rendezvous) semantics;
+    see [Note: ordering point-to-point messages].
+
+    Args:
+        schedule: a schedule without SEND/RECV actions (generator output; SYNC_GRAD/STEP allowed).
+
+    Returns:
+        A new schedule with the same computes in the same order, plus communication.
+
+    Raises:
+        ValueError: the schedule already holds communication actions.
+    """
+    dp_of = worker_dp_groups(schedule.placement)
+    segments: Segments = {}
+    for w, actions in schedule.actions.items():
+        anchors: list[Action] = []
+        clusters: list[list[Action]] = [[]]
+        for a in actions:
+            if a.kind.is_comm:
+                raise ValueError(f"worker {w} already has {a}: add_communication expects a "
+                                 f"schedule without SEND/RECV actions (run it once, on generator output)")
+            if a.kind == K.SYNC_GRAD:
+                clusters[-1].append(a)
+                continue
+            before, after = _comm_around(a, w, dp_of[w], schedule)
+            clusters[-1].extend(before)
+            anchors.append(a)
+            clusters.append(after)
+        segments[w] = (anchors, clusters)
+    return replace(schedule, actions=_Legalizer(schedule, segments).run())
+
+
+def _insert_syncs(anchors: list[Action], clusters: list[list[Action]]) -> set[tuple[int, int]]:
+    """Put a SYNC_GRAD after the last B of each (stage, pipe), after that B's own SEND_B."""
+    last_b: dict[tuple[int, int], int] = {}
+    for i, a in enumerate(anchors):
+        if a.kind == K.BACKWARD:
+            last_b[(a.stage, a.pipe)] = i
+    for (stage, pipe), i in last_b.items():
+        b = anchors[i]
+        cluster = clusters[i + 1]
+        at = 0
+        for k, x in enumerate(cluster):
+            if (x.kind == K.SEND_B and x.stage == b.stage and x.micro_batch == b.micro_batch
+                    and x.pipe == b.pipe):
+                at = k + 1
+        cluster.insert(at, Action(K.SYNC_GRAD, stage, None, pipe))
+    return set(last_b)
+
+
+def add_grad_sync_and_step(schedule: Schedule) -> Schedule:
+    """Insert one ``SYNC_GRAD(stage, pipe)`` per stage replica and one ``STEP`` per worker.
+
+    The SYNC_GRAD of a replica goes right after its last B (after that B's ``SEND_B`` when there is
+    one), so a replica that finishes early starts its all-reduce early (DESIGN.md, "Schedules");
+    STEP ends every worker's list. SYNC_GRAD is a collective over all replicas of the stage
+    (Chimera twin and data-parallel copies); it is placed among the messages around it by the same
+    rendezvous execution as ``add_communication`` (a collective completes when every member is
+    at it), so members issue shared collectives in one relative order and nothing deadlocks
+    under blocking semantics. Chimera positions r and D−1−r both finish stage D−1−r at slot
+    2D+r−2 and stage r at slot 3D−3−r, so their two all-reduces line up.
+
+    Args:
+        schedule: a schedule without SYNC_GRAD or STEP actions (with or without communication).
+
+    Returns:
+        A new schedule with the synchronizations and steps added.
+
+    Raises:
+        ValueError: the schedule already has SYNC_GRAD/STEP, or a worker holds a replica it never
+            runs a backward for.
+    """
+    segments: Segments = {}
+    for w in sorted(schedule.actions):
+        for a in schedule.actions[w]:
+            if a.kind in (K.SYNC_GRAD, K.STEP):
+                raise ValueError(f"worker {w} already has {a}: add_grad_sync_and_step runs once")
+        anchors, clusters = _split(schedule.actions[w])
+        synced = _insert_syncs(anchors, clusters)
+        held = {(s, p) for (_, p, s) in schedule.placement.stages_of(w)}
+        if held - synced:
+            missing = ", ".join(f"stage {s} pipe {p}" for s, p in sorted(held - synced))
+            raise ValueError(f"worker {w} holds {missing} but runs no backward for it")
+        anchors.append(Action(K.STEP))
+        clusters.append([])
+        segments[w] = (anchors, clusters)
+    return replace(schedule, actions=_Legalizer(schedule, segments).run())
