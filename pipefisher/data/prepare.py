@@ -1,0 +1,528 @@
+"""Text -> NVIDIA-format pretraining shards (``pipefisher-prepare``).
+
+Run as ``pipefisher-prepare --input wiki.txt --output-dir DIR ...`` or
+``python -m pipefisher.data.prepare ...``.
+
+Input is ``wikipedia.segmented.nltk.txt``-style text: one sentence per line, a blank line
+between documents (each input file also starts a new document). The steps follow the published
+description of Google's ``create_pretraining_data.py`` (BERT paper, appendix A.1 and the
+repository README), re-implemented here:
+
+1. WordPiece tokenization (``tokenizers``' ``BertWordPieceTokenizer``) with a given
+   ``vocab.txt``, or one trained on the input. A trained vocabulary puts [PAD], [unused0..98],
+   [UNK], [CLS], [SEP], [MASK] at ids 0..103 as bert-base-uncased does, and is written as
+   ``vocab.txt`` beside the shards (a given one is copied there), where `Hdf5Source` finds it.
+2. Documents are shuffled; each is read ``dupe_factor`` times (different masks and splits).
+3. Per document, a target length is drawn: ``seq_len - 3``, or with ``short_seq_prob`` a
+   uniform length in ``[2, seq_len - 3]``. Sentences are gathered until the target is reached;
+   sentence A takes a random number of them, and sentence B is the rest (label 0), or, with
+   p = 0.5 (always when only one sentence was gathered), text from a random position in another
+   random document (label 1), in which case the unused sentences are put back. The pair is
+   truncated to ``seq_len - 3`` tokens by removing tokens from the longer side, at its front or
+   back at random, and laid out as ``[CLS] A [SEP] B [SEP]``.
+4. Masking: ``min(P, max(1, round(len(tokens) * masked_lm_prob)))`` positions chosen at random
+   among non-special tokens; each becomes [MASK] (80%), stays (10%), or becomes a random
+   vocabulary id (10%).
+5. All instances are shuffled and split into ``num_shards`` files with NVIDIA's fields and dtypes
+   (`pipefisher.data.hdf5.NVIDIA_DTYPES`).
+
+Everything is seeded by ``--seed``. Every instance is held in memory until written (as in the
+reference); for a full Wikipedia dump, split the text into parts and run this once per part with
+its own ``--prefix`` and ``--seed`` into the same directory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import random
+import shutil
+import sys
+from collections.abc import Iterator, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import h5py
+import numpy as np
+from tokenizers import BertWordPieceTokenizer
+from tqdm import tqdm
+
+from pipefisher.data.batches import BERT_VOCAB_SIZE, DataError
+from pipefisher.data.hdf5 import NVIDIA_DTYPES, SHARD_SUFFIXES
+
+__all__ = [
+    "BERT_SPECIAL_TOKENS",
+    "PrepareConfig",
+    "PrepareResult",
+    "create_instances",
+    "load_tokenizer",
+    "main",
+    "prepare",
+    "read_documents",
+    "write_shards",
+]
+
+log = logging.getLogger(__name__)
+
+#: Special tokens in bert-base-uncased's id order: [PAD]=0, [unused0..98]=1..99, [UNK]=100,
+#: [CLS]=101, [SEP]=102, [MASK]=103.
+BERT_SPECIAL_TOKENS: tuple[str, ...] = (
+    "[PAD]", *(f"[unused{i}]" for i in range(99)), "[UNK]", "[CLS]", "[SEP]", "[MASK]"
+)
+
+Document = list[list[int]]  # sentences of token ids
+
+
+@dataclass(frozen=True)
+class PrepareConfig:
+    """Settings of one preparation run (the CLI flags; see ``--help``)."""
+
+    seq_len: int = 128
+    max_predictions: int = 20
+    dupe_factor: int = 5
+    short_seq_prob: float = 0.1
+    masked_lm_prob: float = 0.15
+    num_shards: int = 1
+    seed: int = 12345
+    vocab_size: int = BERT_VOCAB_SIZE  # only when training a vocabulary
+    lowercase: bool = True
+    prefix: str = ""  # shard name prefix; "" means f"pretrain_s{seq_len}_p{max_predictions}"
+    compression: str | None = "gzip"
+
+    def __post_init__(self) -> None:
+        checks = [
+            ("seq_len", self.seq_len >= 5, "at least 5 ([CLS] A [SEP] B [SEP])"),
+            ("max_predictions", self.max_predictions >= 1, "at least 1"),
+            ("dupe_factor", self.dupe_factor >= 1, "at least 1"),
+            ("num_shards", self.num_shards >= 1, "at least 1"),
+            ("short_seq_prob", 0.0 <= self.short_seq_prob <= 1.0, "in [0, 1]"),
+            ("masked_lm_prob", 0.0 < self.masked_lm_prob < 1.0, "in (0, 1)"),
+            ("vocab_size", self.vocab_size > len(BERT_SPECIAL_TOKENS), "above 104"),
+            ("compression", self.compression in (None, "gzip", "lzf"), "gzip, lzf or none"),
+        ]
+        for name, ok, want in checks:
+            if not ok:
+                raise ValueError(f"{name}={getattr(self, name)!r}: must be {want}")
+
+
+@dataclass
+class PrepareResult:
+    """What a preparation run wrote."""
+
+    shards: list[Path]
+    vocab_path: Path
+    num_documents: int
+    num_instances: int
+    vocab_size: int
+    shard_sizes: list[int] = field(default_factory=list)
+
+
+def load_tokenizer(
+    vocab: str | Path | None,
+    train_files: Sequence[str | Path] = (),
+    *,
+    vocab_size: int = BERT_VOCAB_SIZE,
+    lowercase: bool = True,
+) -> BertWordPieceTokenizer:
+    """A WordPiece tokenizer from a ``vocab.txt``, or trained on text files.
+
+    Args:
+        vocab: path of a ``vocab.txt`` (one token per line); ``None`` trains one.
+        train_files: text to train on when ``vocab`` is ``None``.
+        vocab_size: target size of a trained vocabulary (the alphabet may add a few).
+        lowercase: lowercase and strip accents (uncased BERT).
+
+    Returns:
+        The tokenizer; [CLS], [SEP], [MASK], [PAD] and [UNK] are in its vocabulary.
+
+    Raises:
+        DataError: the vocab file is missing or lacks a special token.
+    """
+    if vocab is not None:
+        path = Path(vocab)
+        if not path.is_file():
+            raise DataError(f"{path}: vocab file not found (--vocab); give a vocab.txt or "
+                            "leave --vocab out to train one on the input")
+        tok = BertWordPieceTokenizer(str(path), lowercase=lowercase)
+        missing = [t for t in ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")
+                   if tok.token_to_id(t) is None]
+        if missing:
+            raise DataError(f"{path}: vocab lacks special tokens {missing}; use a BERT vocab.txt")
+        return tok
+    tok = BertWordPieceTokenizer(lowercase=lowercase)
+    tok.train(
+        [str(f) for f in train_files],
+        vocab_size=vocab_size,
+        min_frequency=2,
+        special_tokens=list(BERT_SPECIAL_TOKENS),
+        show_progress=False,
+    )
+    for i, t in enumerate(BERT_SPECIAL_TOKENS):
+        assert tok.token_to_id(t) == i, "trainer must keep the special tokens' order"
+    return tok
+
+
+def _lines(paths: Sequence[Path]) -> Iterator[str | None]:
+    """Stripped lines; ``None`` marks a document boundary (blank line or new file)."""
+    for path in paths:
+        yield None
+        with path.open(encoding="utf-8", errors="replace") as f:
+            for line in f:
+                line = line.strip()
+                yield line if line else None
+
+
+def read_documents(
+    paths: Sequence[str | Path],
+    tokenizer: BertWordPieceTokenizer,
+    *,
+    progress: bool = False,
+    chunk_lines: int = 10_000,
+) -> list[Document]:
+    """Tokenize documents (sentences of token ids, without special tokens).
+
+    Args:
+        paths: text files, one sentence per line, blank line between documents.
+        tokenizer: from `load_tokenizer`.
+        progress: show a tqdm bar over lines.
+        chunk_lines: lines tokenized per ``encode_batch`` call.
+
+    Returns:
+        Non-empty documents of non-empty sentences.
+    """
+    documents: list[Document] = [[]]
+    pending: list[str | None] = []
+
+    def flush() -> None:
+        texts = [s for s in pending if s is not None]
+        encoded = iter(tokenizer.encode_batch(texts, add_special_tokens=False)) if texts else None
+        for s in pending:
+            if s is None:
+                if documents[-1]:
+                    documents.append([])
+            else:
+                assert encoded is not None
+                ids = next(encoded).ids
+                if ids:
+                    documents[-1].append(ids)
+        pending.clear()
+
+    for line in tqdm(_lines([Path(p) for p in paths]), desc="tokenize", unit=" lines",
+                     disable=not progress):
+        pending.append(line)
+        if len(pending) >= chunk_lines:
+            flush()
+    flush()
+    return [d for d in documents if d]
+
+
+def _truncate_pair(a: list[int], b: list[int], max_tokens: int, rng: random.Random) -> None:
+    while len(a) + len(b) > max_tokens:
+        longer = a if len(a) > len(b) else b
+        assert len(longer) >= 1
+        if rng.random() < 0.5:
+            del longer[0]
+        else:
+            longer.pop()
+
+
+def _mask(
+    tokens: list[int], cfg: PrepareConfig, vocab_size: int, special: frozenset[int],
+    mask_id: int, rng: random.Random,
+) -> tuple[list[int], list[int], list[int]]:
+    """BERT masking: (tokens with masks applied, sorted positions, original ids)."""
+    candidates = [i for i, t in enumerate(tokens) if t not in special]
+    rng.shuffle(candidates)
+    num = min(cfg.max_predictions, max(1, int(round(len(tokens) * cfg.masked_lm_prob))))
+    chosen = sorted(candidates[:num])
+    out = list(tokens)
+    for i in chosen:
+        if rng.random() < 0.8:
+            out[i] = mask_id
+        elif rng.random() < 0.5:
+            pass  # keep the original token
+        else:
+            out[i] = rng.randint(0, vocab_size - 1)
+    return out, chosen, [tokens[i] for i in chosen]
+
+
+def _instances_from_document(
+    documents: Sequence[Document], doc_index: int, cfg: PrepareConfig, vocab_size: int,
+    ids: dict[str, int], rng: random.Random,
+) -> Iterator[np.ndarray]:
+    """Packed instances (see `_pack`) from one document."""
+    document = documents[doc_index]
+    max_tokens = cfg.seq_len - 3
+    target = max_tokens
+    if rng.random() < cfg.short_seq_prob:
+        target = rng.randint(2, max_tokens)
+    special = frozenset((ids["[CLS]"], ids["[SEP]"]))
+    chunk: list[list[int]] = []
+    length = 0
+    i = 0
+    while i < len(document):
+        chunk.append(document[i])
+        length += len(document[i])
+        if i == len(document) - 1 or length >= target:
+            a_end = rng.randint(1, len(chunk) - 1) if len(chunk) >= 2 else 1
+            tokens_a = [t for s in chunk[:a_end] for t in s]
+            tokens_b: list[int] = []
+            is_random = len(chunk) == 1 or rng.random() < 0.5
+            if is_random:
+                target_b = target - len(tokens_a)
+                other = doc_index
+                for _ in range(10):  # another document, unless there is only one
+                    other = rng.randint(0, len(documents) - 1)
+                    if other != doc_index:
+                        break
+                rand_doc = documents[other]
+                for sentence in rand_doc[rng.randint(0, len(rand_doc) - 1):]:
+                    tokens_b.extend(sentence)
+                    if len(tokens_b) >= target_b:
+                        break
+                i -= len(chunk) - a_end  # the unused sentences start the next instance
+            else:
+                tokens_b = [t for s in chunk[a_end:] for t in s]
+            _truncate_pair(tokens_a, tokens_b, max_tokens, rng)
+            tokens = [ids["[CLS]"], *tokens_a, ids["[SEP]"], *tokens_b, ids["[SEP]"]]
+            segments = [0] * (len(tokens_a) + 2) + [1] * (len(tokens_b) + 1)
+            masked, positions, labels = _mask(
+                tokens, cfg, vocab_size, special, ids["[MASK]"], rng
+            )
+            yield _pack(masked, segments, positions, labels, is_random, cfg)
+            chunk, length = [], 0
+        i += 1
+
+
+def _pack(
+    tokens: list[int], segments: list[int], positions: list[int], labels: list[int],
+    is_random: bool, cfg: PrepareConfig,
+) -> np.ndarray:
+    """One instance as an int32 row: ids (S), segments (S), positions (P), labels (P), nsp, n."""
+    S, P = cfg.seq_len, cfg.max_predictions
+    row = np.zeros(2 * S + 2 * P + 2, dtype=np.int32)
+    row[: len(tokens)] = tokens
+    row[S : S + len(segments)] = segments
+    row[2 * S : 2 * S + len(positions)] = positions
+    row[2 * S + P : 2 * S + P + len(labels)] = labels
+    row[-2] = int(is_random)
+    row[-1] = len(tokens)
+    return row
+
+
+def create_instances(
+    documents: Sequence[Document],
+    cfg: PrepareConfig,
+    vocab_size: int,
+    special_ids: dict[str, int],
+    *,
+    progress: bool = False,
+) -> dict[str, np.ndarray]:
+    """Pretraining instances from tokenized documents, shuffled, as NVIDIA-layout arrays.
+
+    Args:
+        documents: from `read_documents`; shuffled here (a copy) with ``cfg.seed``.
+        cfg: lengths, probabilities, duplication and seed.
+        vocab_size: random replacement ids are drawn from ``[0, vocab_size)``.
+        special_ids: ids of ``"[CLS]"``, ``"[SEP]"`` and ``"[MASK]"``.
+        progress: show a tqdm bar over documents.
+
+    Returns:
+        Field name -> array (N rows) with the dtypes of `NVIDIA_DTYPES`.
+    """
+    rng = random.Random(cfg.seed)
+    docs = list(documents)
+    rng.shuffle(docs)
+    rows: list[np.ndarray] = []
+    with tqdm(total=cfg.dupe_factor * len(docs), desc="instances", unit=" docs",
+              disable=not progress) as bar:
+        for _ in range(cfg.dupe_factor):
+            for d in range(len(docs)):
+                rows.extend(_instances_from_document(docs, d, cfg, vocab_size, special_ids, rng))
+                bar.update()
+    rng.shuffle(rows)
+    S, P = cfg.seq_len, cfg.max_predictions
+    packed = np.stack(rows) if rows else np.zeros((0, 2 * S + 2 * P + 2), dtype=np.int32)
+    arrays = {
+        "input_ids": packed[:, :S],
+        "input_mask": np.arange(S)[None, :] < packed[:, -1:],
+        "segment_ids": packed[:, S : 2 * S],
+        "masked_lm_positions": packed[:, 2 * S : 2 * S + P],
+        "masked_lm_ids": packed[:, 2 * S + P : 2 * S + 2 * P],
+        "next_sentence_labels": packed[:, -2],
+    }
+    return {k: np.ascontiguousarray(a, dtype=NVIDIA_DTYPES[k]) for k, a in arrays.items()}
+
+
+def write_shards(
+    arrays: dict[str, np.ndarray],
+    output_dir: str | Path,
+    num_shards: int,
+    *,
+    prefix: str,
+    compression: str | None = "gzip",
+) -> list[Path]:
+    """Split instances into ``num_shards`` contiguous, near-equal hdf5 files.
+
+    Args:
+        arrays: from `create_instances`.
+        output_dir: created if missing.
+        num_shards: files to write (at most one per instance).
+        prefix: file names are ``{prefix}_{k:05d}.hdf5``.
+        compression: h5py compression filter or ``None``.
+
+    Returns:
+        The written paths.
+    """
+    out = Path(output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    n = len(arrays["input_ids"])
+    if num_shards > n:
+        log.warning("only %d instances: writing %d shards, not %d", n, n, num_shards)
+        num_shards = n
+    bounds = np.linspace(0, n, num_shards + 1).astype(np.int64)
+    paths = []
+    for k in range(num_shards):
+        path = out / f"{prefix}_{k:05d}.hdf5"
+        lo, hi = int(bounds[k]), int(bounds[k + 1])
+        with h5py.File(path, "w") as f:
+            for name, dtype in NVIDIA_DTYPES.items():
+                f.create_dataset(name, data=arrays[name][lo:hi].astype(dtype, copy=False),
+                                 compression=compression)
+        paths.append(path)
+    return paths
+
+
+def prepare(
+    inputs: Sequence[str | Path],
+    output_dir: str | Path,
+    cfg: PrepareConfig,
+    *,
+    vocab: str | Path | None = None,
+    overwrite: bool = False,
+    progress: bool = True,
+) -> PrepareResult:
+    """Tokenize text, create masked instances and write NVIDIA-format shards plus vocab.txt.
+
+    Args:
+        inputs: text files (one sentence per line, blank line between documents).
+        output_dir: where shards, ``vocab.txt`` and ``prepare.json`` (the settings) go.
+        cfg: settings.
+        vocab: an existing ``vocab.txt``; ``None`` trains one of ``cfg.vocab_size`` on inputs.
+        overwrite: allow an output directory that already holds shards.
+        progress: tqdm bars.
+
+    Returns:
+        What was written.
+
+    Raises:
+        DataError: missing input, existing shards without ``overwrite``, or no instances.
+    """
+    paths = [Path(p) for p in inputs]
+    for p in paths:
+        if not p.is_file():
+            raise DataError(f"{p}: input text file not found (--input)")
+    out = Path(output_dir)
+    existing = sorted(q.name for q in out.glob("*") if q.suffix in SHARD_SUFFIXES) \
+        if out.is_dir() else []
+    if existing and not overwrite:
+        raise DataError(f"{out}: already holds shards {existing[:3]}...; choose another "
+                        "--output-dir or pass --overwrite")
+    out.mkdir(parents=True, exist_ok=True)
+    for name in existing:
+        (out / name).unlink()
+
+    tokenizer = load_tokenizer(vocab, paths, vocab_size=cfg.vocab_size, lowercase=cfg.lowercase)
+    vocab_path = out / "vocab.txt"
+    if vocab is None:
+        tokenizer.save_model(str(out))
+    elif Path(vocab).resolve() != vocab_path.resolve():
+        shutil.copyfile(vocab, vocab_path)
+    vocab_size = tokenizer.get_vocab_size()
+    log.info("vocabulary: %d tokens (%s)", vocab_size, vocab_path)
+
+    documents = read_documents(paths, tokenizer, progress=progress)
+    if not documents:
+        raise DataError(f"{paths}: no sentences found; expected one sentence per line")
+    special = {t: tokenizer.token_to_id(t) for t in ("[CLS]", "[SEP]", "[MASK]")}
+    arrays = create_instances(documents, cfg, vocab_size, special, progress=progress)
+    num = len(arrays["input_ids"])
+    if num == 0:
+        raise DataError(f"{paths}: no instances created")
+    prefix = cfg.prefix or f"pretrain_s{cfg.seq_len}_p{cfg.max_predictions}"
+    shards = write_shards(arrays, out, cfg.num_shards, prefix=prefix,
+                          compression=cfg.compression)
+    sizes = np.diff(np.linspace(0, num, len(shards) + 1).astype(np.int64)).tolist()
+    result = PrepareResult(shards, vocab_path, len(documents), num, vocab_size, sizes)
+    info = {"inputs": [str(p) for p in paths], "vocab": str(vocab) if vocab else None,
+            **asdict(cfg), "num_documents": len(documents), "num_instances": num,
+            "vocab_size_actual": vocab_size, "shards": [p.name for p in shards],
+            "shard_sizes": sizes}
+    (out / "prepare.json").write_text(json.dumps(info, indent=2) + "\n")
+    log.info("%d documents -> %d instances in %d shard(s) under %s",
+             len(documents), num, len(shards), out)
+    return result
+
+
+def _parser() -> argparse.ArgumentParser:
+    d = PrepareConfig()
+    p = argparse.ArgumentParser(
+        prog="pipefisher-prepare",
+        description="Make NVIDIA-format BERT pretraining hdf5 shards from sentence-per-line text.",
+    )
+    p.add_argument("--input", nargs="+", required=True,
+                   help="text file(s): one sentence per line, blank line between documents")
+    p.add_argument("--output-dir", required=True, help="directory for shards and vocab.txt")
+    p.add_argument("--vocab", default=None, help="existing vocab.txt (default: train one)")
+    p.add_argument("--vocab-size", type=int, default=d.vocab_size,
+                   help="size of a trained vocabulary (ignored with --vocab)")
+    p.add_argument("--cased", action="store_true", help="keep case and accents")
+    p.add_argument("--seq-len", type=int, default=d.seq_len, help="S (phase 1: 128, 2: 512)")
+    p.add_argument("--max-predictions", type=int, default=d.max_predictions,
+                   help="P (phase 1: 20, 2: 80)")
+    p.add_argument("--dupe-factor", type=int, default=d.dupe_factor,
+                   help="passes over the documents, each with new splits and masks")
+    p.add_argument("--short-seq-prob", type=float, default=d.short_seq_prob,
+                   help="probability of a shorter target length for a document")
+    p.add_argument("--masked-lm-prob", type=float, default=d.masked_lm_prob,
+                   help="fraction of tokens masked (at most --max-predictions)")
+    p.add_argument("--num-shards", type=int, default=d.num_shards, help="hdf5 files to write")
+    p.add_argument("--seed", type=int, default=d.seed, help="seeds every random choice")
+    p.add_argument("--prefix", default="",
+                   help="shard file name prefix (default pretrain_s{seq-len}_p{max-predictions})")
+    p.add_argument("--compression", default="gzip", choices=["gzip", "lzf", "none"],
+                   help="hdf5 compression filter (NVIDIA's shards use gzip)")
+    p.add_argument("--overwrite", action="store_true", help="replace shards in --output-dir")
+    p.add_argument("--no-progress", action="store_true", help="hide progress bars")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Command line entry point (``pipefisher-prepare``); returns the exit status."""
+    args = _parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    if args.vocab is not None and args.vocab_size != BERT_VOCAB_SIZE:
+        log.warning("--vocab-size %d has no effect with --vocab (the file sets the size)",
+                    args.vocab_size)
+    try:
+        cfg = PrepareConfig(
+            seq_len=args.seq_len, max_predictions=args.max_predictions,
+            dupe_factor=args.dupe_factor, short_seq_prob=args.short_seq_prob,
+            masked_lm_prob=args.masked_lm_prob, num_shards=args.num_shards, seed=args.seed,
+            vocab_size=args.vocab_size, lowercase=not args.cased, prefix=args.prefix,
+            compression=None if args.compression == "none" else args.compression,
+        )
+        result = prepare(args.input, args.output_dir, cfg, vocab=args.vocab,
+                         overwrite=args.overwrite, progress=not args.no_progress)
+    except ValueError as e:  # DataError included
+        print(f"pipefisher-prepare: error: {e}", file=sys.stderr)
+        return 2
+    print(f"wrote {result.num_instances} instances from {result.num_documents} documents "
+          f"into {len(result.shards)} shard(s) in {args.output_dir} "
+          f"(vocab {result.vocab_size}: {result.vocab_path})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
