@@ -13,6 +13,7 @@ import logging
 import math
 import os
 from dataclasses import asdict
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +24,7 @@ from torch import nn
 from pipefisher.config import TrainConfig
 from pipefisher.data import get_micro_batch
 from pipefisher.model import BertStage, partition_layers
-from pipefisher.runtime.executor import CommSpec, StageKey, WorkerExecutor
+from pipefisher.runtime.executor import CommSpec, StageKey, StepResult, WorkerExecutor
 from pipefisher.schedules import build_schedule
 from pipefisher.schedules.ir import Schedule
 from pipefisher.simulate import CostModel, simulate
@@ -41,7 +42,7 @@ from pipefisher.training import (
     set_cpu_threads,
 )
 
-__all__ = ["run_worker", "schedule_for", "build_stage_modules"]
+__all__ = ["run_worker", "PipelineWorker", "schedule_for", "build_stage_modules"]
 
 log = logging.getLogger(__name__)
 
@@ -129,11 +130,11 @@ def _measured_costs(events: list[Event], schedule: Schedule) -> CostModel:
         if e.kind in ("F", "B"):
             stage = int(e.name.split(e.kind, 1)[0])
             sums.setdefault((e.kind, stage), []).append(e.duration_ns)
-    mean = {k: sum(v) / len(v) for k, v in sums.items()}
+    mean = {k: round(sum(v) / len(v)) for k, v in sums.items()}
     d = schedule.num_stages
     return CostModel(
-        forward_ns=[mean.get(("F", s), 0.0) for s in range(d)],
-        backward_ns=[mean.get(("B", s), 0.0) for s in range(d)],
+        forward_ns=[mean.get(("F", s), 0) for s in range(d)],
+        backward_ns=[mean.get(("B", s), 0) for s in range(d)],
     )
 
 
@@ -153,11 +154,6 @@ def run_worker(
     Returns:
         The last step's metrics on rank 0 (other ranks: their last loss).
     """
-    if world_size != cfg.num_workers:
-        raise ValueError(
-            f"world size {world_size} does not fit stages={cfg.stages} x data_parallel={cfg.data_parallel}"
-            f" = {cfg.num_workers} workers; start {cfg.num_workers} processes or change stages/data_parallel"
-        )
     device = resolve_device(cfg.device, local_rank)
     if device.type == "cpu":
         set_cpu_threads(local_world_size or world_size)
@@ -174,45 +170,84 @@ def run_worker(
         dist.destroy_process_group()
 
 
-def _train(cfg, rank, world_size, device, output_dir, run_name, group) -> dict[str, Any]:
-    schedule = schedule_for(cfg)
-    modules = build_stage_modules(cfg, schedule, rank)
-    for m in modules.values():
-        m.to(device).train()
-    grad_groups, tied_group = _new_groups(schedule, rank)
-    tied = None
-    if tied_group is not None:
-        tied = (_tied_params(modules, schedule.num_stages), tied_group)
-    named = [(f"{pipe}.{stage}.{n}", p) for (pipe, stage), m in sorted(modules.items()) for n, p in m.named_parameters()]
-    optimizer, scheduler = make_optimizer(cfg, named, device)
-    norm_params = _norm_params(modules, schedule, rank)
+class PipelineWorker:
+    """Everything one worker holds: its stage replicas, optimizer, executor and data stream.
 
-    def optimizer_step() -> None:
-        sq = torch.zeros((), device=device)
-        for p in norm_params:
+    The process group must be initialized. :meth:`train_step` runs one step; hooks in
+    ``before_optimizer_step`` see the synchronized gradients just before the optimizer uses them
+    (the tests compare them with a single-process run).
+    """
+
+    def __init__(self, cfg: TrainConfig, rank: int, world_size: int, device: torch.device) -> None:
+        if world_size != cfg.num_workers:
+            raise ValueError(
+                f"world size {world_size} does not fit stages={cfg.stages} x data_parallel="
+                f"{cfg.data_parallel} = {cfg.num_workers} workers; start {cfg.num_workers} processes"
+                " or change stages/data_parallel"
+            )
+        self.cfg, self.rank, self.world_size, self.device = cfg, rank, world_size, device
+        self.schedule = schedule_for(cfg)
+        self.modules = build_stage_modules(cfg, self.schedule, rank)
+        for m in self.modules.values():
+            m.to(device).train()
+        grad_groups, tied_group = _new_groups(self.schedule, rank)
+        tied = (_tied_params(self.modules, self.schedule.num_stages), tied_group) if tied_group is not None else None
+        named = [(f"{pipe}.{stage}.{n}", p) for (pipe, stage), m in sorted(self.modules.items())
+                 for n, p in m.named_parameters()]
+        self.optimizer, self.scheduler = make_optimizer(cfg, named, device)
+        self._norm_params = _norm_params(self.modules, self.schedule, rank)
+        self.before_optimizer_step: list[Callable[[], None]] = []
+        self.executor = WorkerExecutor(
+            self.schedule,
+            rank,
+            self.modules,
+            CommSpec((cfg.micro_batch_size, cfg.data.seq_len, cfg.model.hidden_size), torch.float32, device),
+            grad_groups,
+            tied,
+            self._optimizer_step,
+            loss_scale=1.0 / (cfg.num_micro_batches * cfg.data_parallel),
+            autocast=lambda: autocast_context(cfg, device),
+        )
+        self.source = data_source(cfg)
+        self.plan = data_plan(cfg)
+        self.dp_rank = self.schedule.placement.dp_group_of(rank)
+
+    def global_grad_norm(self) -> torch.Tensor:
+        """L2 norm of the gradient over all stages, each stage and the tied weight counted once."""
+        sq = torch.zeros((), device=self.device)
+        for p in self._norm_params:
             if p.grad is not None:
                 sq += p.grad.detach().float().pow(2).sum()
         dist.all_reduce(sq)
-        optimizer.step(grad_norm=sq.sqrt())
-        scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
+        return sq.sqrt()
 
-    hidden = cfg.model.hidden_size
-    comm = CommSpec((cfg.micro_batch_size, cfg.data.seq_len, hidden), torch.float32, device)
-    executor = WorkerExecutor(
-        schedule,
-        rank,
-        modules,
-        comm,
-        grad_groups,
-        tied,
-        optimizer_step,
-        loss_scale=1.0 / (cfg.num_micro_batches * cfg.data_parallel),
-        autocast=lambda: autocast_context(cfg, device),
-    )
-    source = data_source(cfg)
-    plan = data_plan(cfg)
-    dp_rank = schedule.placement.dp_group_of(rank)
+    def _optimizer_step(self) -> None:
+        for hook in self.before_optimizer_step:
+            hook()
+        self.optimizer.step(grad_norm=self.global_grad_norm())
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def get_batch(self, step: int, micro_batch: int) -> dict[str, torch.Tensor]:
+        """This worker's data-parallel group's micro-batch (the same on every stage)."""
+        batch = get_micro_batch(self.source, step, micro_batch, self.dp_rank, **self.plan)
+        return {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
+
+    def train_step(self, step: int) -> tuple[list[float], StepResult]:
+        """Run one step on this worker; returns the step's [mlm, nsp] loss (same on every rank)
+        and this worker's step result (its timeline events)."""
+        result = self.executor.run_step(step, lambda mb: self.get_batch(step, mb))
+        losses = result.loss_sum.clone()
+        dist.all_reduce(losses)
+        losses = (losses / (self.cfg.num_micro_batches * self.cfg.data_parallel)).tolist()
+        if not all(math.isfinite(v) for v in losses):
+            raise FloatingPointError(f"step {step}: loss is {losses}; lower lr or check the data")
+        return losses, result
+
+
+def _train(cfg, rank, world_size, device, output_dir, run_name, group) -> dict[str, Any]:
+    worker = PipelineWorker(cfg, rank, world_size, device)
+    schedule = worker.schedule
     timer = StepTimer(device)
     writer = MetricsWriter(output_dir / "metrics.jsonl") if rank == 0 else None
     logger = (
@@ -224,23 +259,13 @@ def _train(cfg, rank, world_size, device, output_dir, run_name, group) -> dict[s
     bar = progress_range(cfg, enabled=rank == 0)
     try:
         for step in bar:
-            lr = optimizer.param_groups[0]["lr"]
+            lr = worker.optimizer.param_groups[0]["lr"]
             timer.start()
-
-            def get_batch(mb: int, _step: int = step) -> dict[str, torch.Tensor]:
-                batch = get_micro_batch(source, _step, mb, dp_rank, **plan)
-                return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
-
-            result = executor.run_step(step, get_batch)
+            losses, result = worker.train_step(step)
             step_time = timer.stop()
-            losses = result.loss_sum.clone()
-            dist.all_reduce(losses)
-            losses = (losses / (cfg.num_micro_batches * cfg.data_parallel)).tolist()
             gathered: list[list[Event]] | None = [[] for _ in range(world_size)] if rank == 0 else None
             dist.gather_object(result.events, gathered, dst=0)
             last = {"step": step, "loss": losses[0] + losses[1], "mlm_loss": losses[0], "nsp_loss": losses[1]}
-            if not math.isfinite(last["loss"]):
-                raise FloatingPointError(f"step {step}: loss is {last['loss']}; lower lr or check the data")
             if rank != 0:
                 continue
             events = [e for evs in gathered for e in evs]

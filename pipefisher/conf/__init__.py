@@ -1,0 +1,1 @@
+"""Hydra config groups of pipefisher (``conf/`` at the repository root links here)."""

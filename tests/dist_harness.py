@@ -1,0 +1,61 @@
+"""Run pipeline workers for tests: one spawn of up to 8 processes runs many configurations in turn.
+
+Spawning processes costs seconds each on 2 cores, so the tests spawn ``max_world`` processes once;
+every process walks the list of cases, joins those whose world includes its rank (a fresh gloo
+group per case, rendezvous through a file), and saves what the test needs with ``torch.save``.
+"""
+
+from __future__ import annotations
+
+import datetime
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from pipefisher.config import TrainConfig
+from pipefisher.runtime.worker import PipelineWorker
+
+
+def _worker(rank: int, cases: list[tuple[TrainConfig, int]], out_dir: str) -> None:
+    torch.set_num_threads(1)
+    for i, (cfg, steps) in enumerate(cases):
+        world = cfg.num_workers
+        if rank >= world:
+            continue
+        dist.init_process_group("gloo", init_method=f"file://{out_dir}/pg{i}", rank=rank, world_size=world,
+                                timeout=datetime.timedelta(seconds=120))
+        try:
+            worker = PipelineWorker(cfg, rank, world, torch.device("cpu"))
+            first_grads: dict[str, torch.Tensor] = {}
+
+            def capture(w: PipelineWorker = worker, out: dict = first_grads) -> None:
+                if not out:
+                    for (pipe, stage), m in w.modules.items():
+                        for name, p in m.named_parameters():
+                            out[f"{pipe}/{stage}/{name}"] = p.grad.detach().clone()
+
+            worker.before_optimizer_step.append(capture)
+            losses = [worker.train_step(step)[0] for step in range(steps)]
+            params = {f"{pipe}/{stage}/{name}": p.detach().clone()
+                      for (pipe, stage), m in worker.modules.items() for name, p in m.named_parameters()}
+            torch.save({"losses": losses, "grads": first_grads, "params": params},
+                       Path(out_dir) / f"case{i}_rank{rank}.pt")
+        finally:
+            dist.destroy_process_group()
+
+
+def run_cases(cases: list[tuple[TrainConfig, int]], out_dir: Path) -> list[dict[int, dict]]:
+    """Run each (config, steps) case on its ``stages × data_parallel`` workers.
+
+    Returns:
+        Per case, rank → {"losses": per-step [mlm, nsp], "grads": first step's synchronized
+        gradients, "params": parameters after the last step}, keyed "pipe/stage/name".
+    """
+    max_world = max(cfg.num_workers for cfg, _ in cases)
+    mp.start_processes(_worker, args=(cases, str(out_dir)), nprocs=max_world, join=True, start_method="spawn")
+    return [
+        {r: torch.load(out_dir / f"case{i}_rank{r}.pt", weights_only=True) for r in range(cfg.num_workers)}
+        for i, (cfg, _) in enumerate(cases)
+    ]

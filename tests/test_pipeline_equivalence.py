@@ -1,0 +1,118 @@
+"""Every pipeline method gives the loss and gradients of single-process training (CPU, gloo).
+
+The reference is an independent plain loop: the full model, the same micro-batches, loss scaled by
+1/(N·W) per micro-batch, one backward each. For 5 NVLAMB steps the reference is
+``train_single_process`` with N·W micro-batches (the same samples, see ``data.micro_batch_indices``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+import torch
+
+from pipefisher.config import TrainConfig
+from pipefisher.data import get_micro_batch
+from pipefisher.model import build_full_model
+from pipefisher.training import bert_config, data_plan, data_source, train_single_process
+from tests.conftest import compose_train
+from tests.dist_harness import run_cases
+
+MODEL = ["model.num_layers=4", "model.hidden_size=32", "model.num_heads=2", "model.vocab_size=128",
+         "data.seq_len=16", "data.max_predictions=3", "micro_batch_size=2", "lr=0.01", "steps=5"]
+WORD = "bert.embeddings.word_embeddings.weight"
+DECODER = "cls.predictions.decoder.weight"
+
+
+def _grid() -> list[tuple[str, int, int, int]]:
+    cases = []
+    for method in ("gpipe", "1f1b", "chimera", "interleaved"):
+        for d in (2, 4):
+            for n in (d, 2 * d):
+                for w in (1, 2):
+                    if d * w > 8 or (method == "interleaved" and d == 4):  # 4 workers x 2 chunks > 4 layers
+                        continue
+                    cases.append((method, d, n, w))
+    return cases
+
+
+GRID = _grid()
+LONG = [("gpipe", 4, 8, 1), ("1f1b", 2, 4, 2), ("chimera", 4, 8, 1), ("chimera", 2, 4, 2), ("interleaved", 2, 4, 1)]
+
+
+def _cfg(method: str, d: int, n: int, w: int) -> TrainConfig:
+    return compose_train(MODEL + [f"pipeline={method}", f"stages={d}", f"num_micro_batches={n}", f"data_parallel={w}"])
+
+
+def _reference_grads(cfg: TrainConfig) -> tuple[list[float], dict[str, torch.Tensor]]:
+    torch.manual_seed(0)
+    model = build_full_model(bert_config(cfg), seed=cfg.seed)
+    source, plan = data_source(cfg), data_plan(cfg)
+    total = torch.zeros(2)
+    scale = 1.0 / (cfg.num_micro_batches * cfg.data_parallel)
+    for dp in range(cfg.data_parallel):
+        for j in range(cfg.num_micro_batches):
+            losses = model(None, get_micro_batch(source, 0, j, dp, **plan))
+            (losses.sum() * scale).backward()
+            total += losses.detach() * scale
+    return total.tolist(), {n: p.grad for n, p in model.named_parameters()}
+
+
+def _reference_params(cfg: TrainConfig) -> tuple[dict[str, torch.Tensor], float]:
+    single = dataclasses.replace(cfg, stages=1, data_parallel=1, num_micro_batches=cfg.num_micro_batches * cfg.data_parallel,
+                                 pipeline=dataclasses.replace(cfg.pipeline, method="gpipe", num_virtual=1, layers_per_stage=None))
+    model = build_full_model(bert_config(single), seed=single.seed)
+    last = train_single_process(single, output_dir=None, model=model)
+    return {n: p.detach() for n, p in model.named_parameters()}, last["loss"]
+
+
+def _by_name(results: dict[int, dict], key: str) -> list[tuple[str, torch.Tensor]]:
+    return [(k.split("/", 2)[2], t) for r in sorted(results) for k, t in results[r][key].items()]
+
+
+@pytest.fixture(scope="module")
+def grid_results(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple, dict[int, dict]]:
+    keys = [(c, 1) for c in GRID] + [(c, 5) for c in LONG]
+    results = run_cases([(_cfg(*c), steps) for c, steps in keys], tmp_path_factory.mktemp("pipeline"))
+    return dict(zip(keys, results))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", GRID, ids=[f"{m}-D{d}-N{n}-W{w}" for m, d, n, w in GRID])
+def test_first_step_loss_and_every_gradient_equal_single_process(case, grid_results) -> None:
+    cfg = _cfg(*case)
+    ref_loss, ref_grads = _reference_grads(cfg)
+    results = grid_results[(case, 1)]
+    for r, res in results.items():  # every rank reports the step's global loss
+        torch.testing.assert_close(torch.tensor(res["losses"][0]), torch.tensor(ref_loss), rtol=1e-5, atol=1e-6)
+    seen = set()
+    for name, grad in _by_name(results, "grads"):
+        expected = ref_grads[WORD if name == DECODER else name]  # the tied weight: sum of both uses
+        torch.testing.assert_close(grad, expected, rtol=1e-5, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
+        seen.add(WORD if name == DECODER else name)
+    assert seen == set(ref_grads), f"parameters missing from the pipeline: {set(ref_grads) - seen}"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", LONG, ids=[f"{m}-D{d}-N{n}-W{w}" for m, d, n, w in LONG])
+def test_parameters_after_five_nvlamb_steps_equal_single_process(case, grid_results) -> None:
+    cfg = _cfg(*case)
+    ref_params, ref_last_loss = _reference_params(cfg)
+    results = grid_results[(case, 5)]
+    assert sum(results[0]["losses"][-1]) == pytest.approx(ref_last_loss, rel=1e-5)
+    for name, value in _by_name(results, "params"):
+        torch.testing.assert_close(value, ref_params[WORD if name == DECODER else name], rtol=1e-5, atol=1e-6,
+                                   msg=lambda m, n=name: f"{n}: {m}")
+
+
+@pytest.mark.slow
+def test_chimera_replicas_start_from_identical_weights(grid_results) -> None:
+    # After 5 steps the twins (pipe 0 and pipe 1 copies of one stage) must still be identical.
+    results = grid_results[(("chimera", 4, 8, 1), 5)]
+    params = {k: t for r in results for k, t in results[r]["params"].items()}
+    for key, value in params.items():
+        pipe, stage, name = key.split("/", 2)
+        if pipe == "0":
+            torch.testing.assert_close(params[f"1/{stage}/{name}"], value, rtol=0, atol=0)
