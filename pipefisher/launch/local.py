@@ -19,6 +19,7 @@ from typing import Any
 import torch.multiprocessing as mp
 
 from pipefisher.config import TrainConfig
+from pipefisher.launch.slurm import slurm_task_env
 from pipefisher.runtime.worker import run_worker, schedule_for
 from pipefisher.tracking import WandbLogger, read_metrics, run_name_from_overrides
 from pipefisher.training import train_single_process
@@ -36,11 +37,14 @@ def free_port(addr: str = "127.0.0.1") -> int:
 
 
 def _env_world() -> tuple[int, int, int, int] | None:
-    """(rank, world, local_rank, local_world) from torchrun's variables, or None outside torchrun."""
+    """(rank, world, local_rank, local_world) from torchrun's or a SLURM job step's variables, else None."""
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         world = int(os.environ["WORLD_SIZE"])
         return (int(os.environ["RANK"]), world, int(os.environ.get("LOCAL_RANK", 0)),
                 int(os.environ.get("LOCAL_WORLD_SIZE", world)))
+    task = slurm_task_env()  # also exports MASTER_ADDR/MASTER_PORT for init_process_group
+    if task is not None:
+        return task.rank, task.world_size, task.local_rank, task.local_world_size
     return None
 
 

@@ -1,0 +1,187 @@
+"""Worker environment of a SLURM job step (srun, or a submitit job started by ``cluster=slurm``).
+
+Each SLURM task of a multi-task job step is one pipeline worker: its rank is ``SLURM_PROCID``, the
+world is the step's task count, and the rendezvous address is the first host of the job's node
+list. All tasks must agree on the rendezvous port without talking to each other, so it is derived
+from the job id (see :func:`master_port_for_job`).
+
+Entry points: :func:`slurm_task_env` (what ``launch.local`` asks) and :func:`register_resolvers`
+(the ``pf.tasks_per_node`` and ``pf.mul`` resolvers used by ``conf/cluster/slurm.yaml``, registered through
+:class:`RegisterResolvers`, a Hydra callback).
+
+[Note: which processes count as SLURM workers]
+Only a process of a job *step* with more than one task is a worker (``SLURM_STEP_ID`` set and
+``SLURM_STEP_NUM_TASKS > 1``). The batch script itself (``sbatch -n2 --wrap 'python train.py …'``)
+also sees ``SLURM_NTASKS=2`` and ``SLURM_PROCID=0``, but it is a single process: it, an
+``salloc`` shell and a one-task step start their workers as local processes instead, as on a
+laptop.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import subprocess
+from dataclasses import dataclass
+from typing import Any
+
+from hydra.experimental.callback import Callback
+from omegaconf import DictConfig, OmegaConf
+
+__all__ = [
+    "SlurmTask",
+    "slurm_task_env",
+    "master_port_for_job",
+    "tasks_on_node",
+    "register_resolvers",
+    "RegisterResolvers",
+]
+
+log = logging.getLogger(__name__)
+
+PORT_BASE = 20000  # rendezvous ports are PORT_BASE + job id % PORT_SPAN
+PORT_SPAN = 20000
+
+
+@dataclass(frozen=True)
+class SlurmTask:
+    """Where this process stands in its SLURM job step."""
+
+    rank: int  # SLURM_PROCID: global worker rank
+    world_size: int  # tasks in the step
+    local_rank: int  # SLURM_LOCALID: rank among the tasks on this node
+    local_world_size: int  # tasks of the step on this node
+    master_addr: str  # first host of the job's node list
+    master_port: int  # derived from the job id; the same in every task
+    job_id: str  # SLURM_JOB_ID (an array task has its own), for logs
+
+
+def master_port_for_job(job_id: int) -> int:
+    """The rendezvous port of job ``job_id``: ``20000 + job_id % 20000``.
+
+    Every task computes the same port without communicating. Each task of a job array has its own
+    ``SLURM_JOB_ID`` (array job id + task offset), so the runs of a ``-m`` sweep that share a node
+    get different ports; two jobs collide only if their ids differ by a multiple of 20000 and they
+    share a node at the same time.
+    """
+    return PORT_BASE + job_id % PORT_SPAN
+
+
+def tasks_on_node(tasks_per_node: str, node_index: int) -> int:
+    """Tasks on node ``node_index`` from SLURM's compressed count list, e.g. ``"2(x3),1"``.
+
+    Args:
+        tasks_per_node: the value of ``SLURM_STEP_TASKS_PER_NODE`` / ``SLURM_TASKS_PER_NODE``.
+        node_index: ``SLURM_NODEID``, the node's position in the job's node list.
+    """
+    counts: list[int] = []
+    for part in tasks_per_node.split(","):
+        count, _, repeat = part.partition("(x")
+        counts += [int(count)] * (int(repeat.rstrip(")")) if repeat else 1)
+    if not 0 <= node_index < len(counts):
+        raise ValueError(f"node index {node_index} is outside the tasks-per-node list {tasks_per_node!r}")
+    return counts[node_index]
+
+
+def _first_host(nodelist: str) -> str:
+    """First host name of a SLURM node list such as ``gpu[01-04],cpu7``."""
+    if os.environ.get("SUBMITIT_EXECUTOR") == "slurm":
+        import submitit  # parses the node list itself, no scontrol call
+
+        return submitit.JobEnvironment().hostnames[0]
+    try:
+        out = subprocess.run(["scontrol", "show", "hostnames", nodelist], check=True,
+                             capture_output=True, text=True, timeout=30).stdout.split()
+    except (OSError, subprocess.SubprocessError) as e:
+        raise RuntimeError(f"cannot expand the SLURM node list {nodelist!r} with `scontrol show hostnames`: {e}") from e
+    if not out:
+        raise RuntimeError(f"`scontrol show hostnames {nodelist}` printed no host")
+    return out[0]
+
+
+def slurm_task_env(set_environ: bool = True) -> SlurmTask | None:
+    """This process's place in a multi-task SLURM job step, or None outside one.
+
+    Reads ``SLURM_*`` variables (through ``submitit.JobEnvironment`` inside a submitit job). See
+    [Note: which processes count as SLURM workers] for when None is returned.
+
+    Args:
+        set_environ: also export ``MASTER_ADDR`` / ``MASTER_PORT`` for ``init_process_group``.
+    """
+    env = os.environ
+    if "SLURM_JOB_ID" not in env or "SLURM_STEP_ID" not in env:
+        return None
+    world = int(env.get("SLURM_STEP_NUM_TASKS", env.get("SLURM_NTASKS", "1")))
+    if world <= 1:
+        return None
+    if env.get("SUBMITIT_EXECUTOR") == "slurm":
+        import submitit
+
+        je = submitit.JobEnvironment()
+        rank, local_rank, node = je.global_rank, je.local_rank, je.node
+    else:
+        rank, local_rank, node = int(env["SLURM_PROCID"]), int(env.get("SLURM_LOCALID", 0)), int(env.get("SLURM_NODEID", 0))
+    per_node = env.get("SLURM_STEP_TASKS_PER_NODE") or env.get("SLURM_TASKS_PER_NODE") or str(world)
+    nodelist = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST") or env.get("SLURMD_NODENAME", "localhost")
+    task = SlurmTask(
+        rank=rank,
+        world_size=world,
+        local_rank=local_rank,
+        local_world_size=tasks_on_node(per_node, node),
+        master_addr=_first_host(nodelist),
+        master_port=master_port_for_job(int(env["SLURM_JOB_ID"])),
+        job_id=env["SLURM_JOB_ID"],
+    )
+    if set_environ:
+        env["MASTER_ADDR"], env["MASTER_PORT"] = task.master_addr, str(task.master_port)
+    log.info("SLURM task: SLURM_JOB_ID=%s array=%s rank %d/%d (local %d/%d) on %s, rendezvous %s:%d",
+             task.job_id, env.get("SLURM_ARRAY_JOB_ID", "-") + "_" + env.get("SLURM_ARRAY_TASK_ID", "-"),
+             task.rank, task.world_size, task.local_rank, task.local_world_size,
+             env.get("SLURMD_NODENAME", "?"), task.master_addr, task.master_port)
+    return task
+
+
+def _mul(*factors: Any) -> int:
+    """``${pf.mul:a,b,…}``: the product of integers (OmegaConf has no arithmetic)."""
+    return math.prod(int(f) for f in factors)
+
+
+def _tasks_per_node(stages: Any, data_parallel: Any, nodes: Any) -> int:
+    """``${pf.tasks_per_node:stages,data_parallel,nodes}``: one SLURM task per worker, spread evenly."""
+    workers, nodes = int(stages) * int(data_parallel), int(nodes)
+    if nodes < 1 or workers % nodes:
+        raise ValueError(
+            f"hydra.launcher.nodes={nodes}: stages*data_parallel={workers} workers (one SLURM task each) "
+            f"must split evenly over the nodes; use a divisor of {workers}, or set hydra.launcher.tasks_per_node"
+        )
+    return workers // nodes
+
+
+_RESOLVERS = {"pf.mul": _mul, "pf.tasks_per_node": _tasks_per_node}
+
+
+def register_resolvers() -> None:
+    """Register pipefisher's OmegaConf resolvers (``pf.mul``, ``pf.tasks_per_node``); idempotent."""
+    for name, fn in _RESOLVERS.items():
+        if not OmegaConf.has_resolver(name):
+            OmegaConf.register_new_resolver(name, fn)
+
+
+class RegisterResolvers(Callback):
+    """Hydra callback that registers :func:`register_resolvers` before the launcher is built.
+
+    ``conf/cluster/slurm.yaml`` lists it under ``hydra.callbacks``: Hydra instantiates callbacks
+    right after composing the config and before it resolves ``hydra.launcher``, and the submitit
+    job unpickles it (importing this module) before it composes the job's config.
+    """
+
+    def __init__(self) -> None:
+        register_resolvers()
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        register_resolvers()
+
+    def on_job_start(self, config: DictConfig, **kwargs: Any) -> None:
+        register_resolvers()

@@ -1,0 +1,239 @@
+"""SLURM launch: task environment, ``cluster=slurm`` config, and real jobs on a local SLURM.
+
+The tests that call ``_require_slurm`` need a running SLURM controller: start the single-node
+cluster with ``sudo scripts/slurm/start.sh`` (CI does, in ``.ci/run``). Without one they fail,
+on purpose; on a developer machine without SLURM, ``PIPEFISHER_SKIP_SLURM=1`` skips them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
+
+from pipefisher.config import register_configs
+from pipefisher.launch.slurm import (
+    master_port_for_job,
+    register_resolvers,
+    slurm_task_env,
+    tasks_on_node,
+)
+
+REPO = Path(__file__).resolve().parents[1]
+CONF = REPO / "pipefisher" / "conf"
+START = "scripts/slurm/start.sh"
+# Subprocesses (and the SLURM jobs, which inherit the environment) import this checkout, installed or not.
+SUB_ENV = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
+           "WANDB_MODE": "offline"}
+
+
+# --- the task environment, without a cluster ------------------------------------------------------
+
+
+@pytest.fixture
+def clean_env(monkeypatch: pytest.MonkeyPatch) -> pytest.MonkeyPatch:
+    """An environment without any SLURM, submitit or torchrun variable."""
+    for k in list(os.environ):
+        if k.startswith(("SLURM_", "SUBMITIT_")) or k in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE"):
+            monkeypatch.delenv(k)
+    return monkeypatch
+
+
+def _srun_task(mp: pytest.MonkeyPatch, procid: int, **extra: str) -> None:
+    """Variables of task ``procid`` of a two-node, four-task srun step inside a submitit job."""
+    env = dict(SUBMITIT_EXECUTOR="slurm", SLURM_JOB_ID="4242", SLURM_STEP_ID="0", SLURM_NTASKS="4",
+               SLURM_STEP_NUM_TASKS="4", SLURM_STEP_TASKS_PER_NODE="2(x2)", SLURM_JOB_NODELIST="gpu[07-08]",
+               SLURM_STEP_NODELIST="gpu[07-08]", SLURM_JOB_NUM_NODES="2", SLURM_PROCID=str(procid),
+               SLURM_LOCALID=str(procid % 2), SLURM_NODEID=str(procid // 2))
+    env.update(extra)
+    for k, v in env.items():
+        mp.setenv(k, v)
+
+
+def test_tasks_on_node_expands_slurm_counts() -> None:
+    assert tasks_on_node("4", 0) == 4
+    assert [tasks_on_node("2(x3),1", i) for i in range(4)] == [2, 2, 2, 1]
+    with pytest.raises(ValueError, match="node index 2"):
+        tasks_on_node("2(x2)", 2)
+
+
+def test_master_port_is_deterministic_and_in_range() -> None:
+    assert master_port_for_job(4242) == master_port_for_job(4242) == 24242
+    assert master_port_for_job(123_456) == 23456
+    assert all(20000 <= master_port_for_job(j) < 40000 for j in (0, 1, 19_999, 20_000, 10**9 + 7))
+
+
+def test_every_task_of_a_step_agrees_on_the_rendezvous(clean_env: pytest.MonkeyPatch) -> None:
+    seen = []
+    for procid in range(4):
+        _srun_task(clean_env, procid)
+        t = slurm_task_env()
+        assert t is not None
+        assert (t.rank, t.world_size, t.local_rank, t.local_world_size) == (procid, 4, procid % 2, 2)
+        assert (os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"]) == ("gpu07", str(master_port_for_job(4242)))
+        seen.append((t.master_addr, t.master_port))
+    assert len(set(seen)) == 1
+
+
+def test_array_tasks_get_different_ports(clean_env: pytest.MonkeyPatch) -> None:
+    ports = set()
+    for job_id, task_id in (("500", "0"), ("501", "1")):  # SLURM_JOB_ID of array 500's tasks
+        _srun_task(clean_env, 0, SLURM_ARRAY_JOB_ID="500", SLURM_ARRAY_TASK_ID=task_id)
+        clean_env.setenv("SLURM_JOB_ID", job_id)
+        ports.add(slurm_task_env(set_environ=False).master_port)
+    assert len(ports) == 2
+
+
+def test_batch_script_and_one_task_steps_are_not_workers(clean_env: pytest.MonkeyPatch) -> None:
+    assert slurm_task_env() is None  # no SLURM at all
+    _srun_task(clean_env, 0)
+    clean_env.delenv("SLURM_STEP_ID")  # the batch step: SLURM_NTASKS=4 but one process
+    assert slurm_task_env() is None
+    _srun_task(clean_env, 0, SLURM_STEP_NUM_TASKS="1")
+    assert slurm_task_env() is None
+    assert "MASTER_PORT" not in os.environ
+
+
+# --- cluster=slurm config --------------------------------------------------------------------------
+
+
+def _launcher(overrides: list[str]):
+    register_configs()
+    register_resolvers()
+    with initialize_config_dir(str(CONF), version_base="1.3"):
+        cfg = compose("config", overrides=["cluster=slurm", *overrides], return_hydra_config=True)
+    return cfg.hydra.launcher
+
+
+def test_cluster_slurm_asks_one_task_per_worker() -> None:
+    launcher = _launcher(["stages=2", "data_parallel=2"])
+    assert launcher._target_.endswith("SlurmLauncher")
+    assert launcher.tasks_per_node == 4 and launcher.nodes == 1
+    assert _launcher(["stages=4", "data_parallel=2", "hydra.launcher.nodes=2"]).tasks_per_node == 4
+
+
+def test_uneven_split_over_nodes_names_the_fix() -> None:
+    launcher = _launcher(["stages=3", "hydra.launcher.nodes=2"])
+    with pytest.raises(Exception, match=r"hydra.launcher.nodes=2.*stages\*data_parallel=3"):
+        OmegaConf.to_container(launcher, resolve=True)
+
+
+# --- a real SLURM cluster --------------------------------------------------------------------------
+
+
+def _require_slurm() -> str:
+    """The name of an up node of the SLURM cluster; fails the test (not skips) when there is none."""
+    if os.environ.get("PIPEFISHER_SKIP_SLURM") == "1":
+        pytest.skip("PIPEFISHER_SKIP_SLURM=1")
+    if shutil.which("sinfo") is None:
+        pytest.fail(f"SLURM is not installed (no sinfo on PATH): run `sudo {START}` first "
+                    "(or set PIPEFISHER_SKIP_SLURM=1 on a machine without SLURM)", pytrace=False)
+    try:
+        out = subprocess.run(["sinfo", "-h", "-N", "-o", "%N %t"], capture_output=True, text=True, timeout=60)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"the SLURM controller does not answer: run `sudo {START}`", pytrace=False)
+    nodes = dict(line.split() for line in out.stdout.splitlines() if line.strip())
+    up = [n for n, state in nodes.items() if state in ("idle", "mix", "alloc")]
+    if out.returncode or not up:
+        pytest.fail(f"the SLURM controller does not answer or no node is up ({out.stderr.strip() or nodes}): "
+                    f"run `sudo {START}`", pytrace=False)
+    return up[0]
+
+
+@pytest.mark.slow
+def test_sbatch_runs_a_two_task_job(tmp_path: Path) -> None:
+    slurm = _require_slurm()
+    out = tmp_path / "job.out"
+    subprocess.run(["sbatch", "--wait", "--parsable", "-n", "2", "-t", "2", f"--output={out}",
+                    "--wrap", "srun hostname"], check=True, cwd=tmp_path, env=SUB_ENV, timeout=120, capture_output=True)
+    assert out.read_text().split() == [slurm, slurm]
+
+
+@pytest.mark.slow
+def test_srun_tasks_get_their_worker_environment(tmp_path: Path) -> None:
+    slurm = _require_slurm()
+    code = ("from pipefisher.launch.slurm import slurm_task_env as e; import os; t = e(); "
+            "print(t.rank, t.world_size, t.local_rank, t.local_world_size, os.environ['MASTER_ADDR'], "
+            "os.environ['MASTER_PORT'], os.environ['SLURM_JOB_ID'])")
+    res = subprocess.run(["srun", "-n", "2", "-t", "2", sys.executable, "-c", code], cwd=tmp_path, env=SUB_ENV,
+                         capture_output=True, text=True, timeout=180)
+    assert res.returncode == 0, res.stderr
+    rows = sorted(line.split() for line in res.stdout.splitlines())
+    assert [r[:4] for r in rows] == [["0", "2", "0", "2"], ["1", "2", "1", "2"]]
+    job_id = int(rows[0][6])
+    assert {tuple(r[4:]) for r in rows} == {(slurm, str(master_port_for_job(job_id)), str(job_id))}
+
+
+def _array_jobs(submitit_dir: Path) -> list[str]:
+    """submitit's per-job folders ``<array job id>_<task id>`` (``<id>/`` holds the batch script)."""
+    if not submitit_dir.exists():
+        return []
+    return sorted(p.name for p in submitit_dir.iterdir() if p.is_dir() and re.fullmatch(r"\d+_\d+", p.name))
+
+
+def _job_records(job_id: str, timeout_s: float = 60) -> list[dict[str, str]]:
+    """``scontrol show job`` records of ``job_id`` (one per array task) once all have ended.
+
+    Hydra returns when submitit has the results; the SLURM job may still be completing.
+    """
+    deadline = time.monotonic() + timeout_s
+    while True:
+        out = subprocess.run(["scontrol", "-o", "show", "job", job_id], capture_output=True, text=True, timeout=30)
+        records = [dict(kv.split("=", 1) for kv in line.split() if "=" in kv) for line in out.stdout.splitlines()]
+        if (records and all(r.get("JobState") not in ("PENDING", "RUNNING", "COMPLETING", "CONFIGURING") for r in records)) \
+                or time.monotonic() > deadline:
+            return records
+        time.sleep(0.5)
+
+
+@pytest.mark.slow
+def test_sweep_runs_as_slurm_job_array_of_two_worker_pipelines(tmp_path: Path) -> None:
+    _require_slurm()
+    sweep = tmp_path / "sweep"
+    cmd = [sys.executable, str(REPO / "train.py"), "-m", "cluster=slurm", "model=bert-tiny", "stages=2",
+           "pipeline=gpipe,chimera", "steps=3", "progress=false", "wandb.mode=offline", "data.seq_len=32",
+           "micro_batch_size=2", "num_micro_batches=2", "hydra.launcher.timeout_min=5", f"hydra.sweep.dir={sweep}"]
+    try:
+        res = subprocess.run(cmd, cwd=tmp_path, env=SUB_ENV, capture_output=True, text=True, timeout=240)
+    except subprocess.TimeoutExpired:
+        ids = sorted({d.split("_")[0] for d in _array_jobs(sweep / ".submitit")})
+        subprocess.run(["scancel", *ids], check=False, timeout=30)
+        raise
+    logs = sorted((sweep / ".submitit").glob("*/*_log.*"))
+    tails = "\n".join(f"== {p}\n{p.read_text()[-2000:]}" for p in logs)
+    assert res.returncode == 0, f"{res.stdout[-3000:]}\n{res.stderr[-3000:]}\n{tails}"
+
+    # One job array of two jobs, each with two SLURM tasks, both completed.
+    job_dirs = _array_jobs(sweep / ".submitit")
+    array_id = job_dirs[0].split("_")[0]
+    assert job_dirs == [f"{array_id}_0", f"{array_id}_1"], job_dirs
+    records = _job_records(array_id)
+    assert sorted(r.get("ArrayTaskId") for r in records) == ["0", "1"], records
+    for r in records:
+        assert (r["ArrayJobId"], r["JobState"], r["NumTasks"]) == (array_id, "COMPLETED", "2"), r
+
+    # Each array task was a two-worker pipeline: both of its SLURM tasks logged their rank and job id.
+    for r in records:
+        d = f"{array_id}_{r['ArrayTaskId']}"
+        for rank in (0, 1):
+            out = (sweep / ".submitit" / d / f"{d}_{rank}_log.out").read_text()
+            assert f"SLURM task: SLURM_JOB_ID={r['JobId']} array={d} rank {rank}/2" in out, out[-2000:]
+
+    # Both runs wrote three steps of metrics.
+    methods = {}
+    for num in ("0", "1"):
+        run = sweep / num
+        overrides = (run / ".hydra" / "overrides.yaml").read_text()
+        methods[re.search(r"pipeline=(\w+)", overrides).group(1)] = run
+        steps = [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
+        assert steps == [0, 1, 2], steps
+    assert set(methods) == {"gpipe", "chimera"}
