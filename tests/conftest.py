@@ -7,10 +7,15 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+import torch
 from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig
 
 from pipefisher.config import TrainConfig, register_configs, to_train_config
+
+# Tiny models on a shared 2-core machine: one intra-op thread. Two OpenMP threads contending with
+# other processes make a tiny backward ~100x slower.
+torch.set_num_threads(1)
 
 REPO = Path(__file__).resolve().parents[1]
 CONF_DIR = REPO / "pipefisher" / "conf"
