@@ -25,6 +25,7 @@ __all__ = [
     "DataConfig",
     "ClusterConfig",
     "WandbConfig",
+    "FaultConfig",
     "TrainConfig",
     "register_configs",
     "to_train_config",
@@ -38,6 +39,7 @@ OPTIMIZERS = ("nvlamb", "kfac", "pipefisher")
 DATA_KINDS = ("synthetic", "hdf5")
 PRECISIONS = ("fp32", "bf16")
 WANDB_MODES = ("offline", "online", "disabled")
+FAULT_MODES = ("none", "raise", "kill", "stall")
 
 
 class ConfigError(ValueError):
@@ -119,6 +121,15 @@ class WandbConfig:
 
 
 @dataclass
+class FaultConfig:
+    """Inject a failure into one worker, to test that the job ends promptly (a testing aid)."""
+
+    mode: str = "none"  # none, raise (exception), kill (SIGKILL itself), stall (sleep forever)
+    rank: int = 0  # which worker fails
+    step: int = 0  # at the start of which step
+
+
+@dataclass
 class TrainConfig:
     """One pretraining run. Top-level keys are the ones users type most."""
 
@@ -128,6 +139,7 @@ class TrainConfig:
     data: DataConfig = field(default_factory=DataConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     wandb: WandbConfig = field(default_factory=WandbConfig)
+    fault: FaultConfig = field(default_factory=FaultConfig)
 
     stages: int = 1  # pipeline stages D (1 = single process)
     data_parallel: int = 1  # data-parallel width W (W pipelines, or W Chimera pairs)
@@ -202,6 +214,9 @@ def validate(cfg: TrainConfig) -> None:
     _check_choice("wandb.mode", cfg.wandb.mode, WANDB_MODES)
     _check_choice("cluster.name", cfg.cluster.name, ("local", "slurm"))
     _check_choice("device", cfg.device, ("auto", "cpu", "cuda"))
+    _check_choice("fault.mode", cfg.fault.mode, FAULT_MODES)
+    if cfg.fault.mode != "none" and not 0 <= cfg.fault.rank < cfg.num_workers:
+        _fail("fault.rank", cfg.fault.rank, f"must name a worker in [0, {cfg.num_workers})")
     if cfg.lr <= 0:
         _fail("lr", cfg.lr, "the learning rate must be positive, e.g. lr=1e-3")
     if not 0.0 <= cfg.optimizer.warmup_proportion < 1.0:

@@ -12,6 +12,8 @@ import datetime
 import logging
 import math
 import os
+import signal
+import time
 from dataclasses import asdict
 from collections.abc import Callable
 from pathlib import Path
@@ -154,6 +156,7 @@ def run_worker(
     Returns:
         The last step's metrics on rank 0 (other ranks: their last loss).
     """
+    check_world_size(cfg, world_size)
     device = resolve_device(cfg.device, local_rank)
     if device.type == "cpu":
         set_cpu_threads(local_world_size or world_size)
@@ -170,6 +173,16 @@ def run_worker(
         dist.destroy_process_group()
 
 
+def check_world_size(cfg: TrainConfig, world_size: int) -> None:
+    """Raise ValueError when ``world_size`` processes cannot run ``cfg``'s pipeline."""
+    if world_size != cfg.num_workers:
+        raise ValueError(
+            f"world size {world_size} does not fit stages={cfg.stages} x data_parallel="
+            f"{cfg.data_parallel} = {cfg.num_workers} workers; start {cfg.num_workers} processes"
+            " (e.g. SLURM tasks) or change stages/data_parallel"
+        )
+
+
 class PipelineWorker:
     """Everything one worker holds: its stage replicas, optimizer, executor and data stream.
 
@@ -179,12 +192,7 @@ class PipelineWorker:
     """
 
     def __init__(self, cfg: TrainConfig, rank: int, world_size: int, device: torch.device) -> None:
-        if world_size != cfg.num_workers:
-            raise ValueError(
-                f"world size {world_size} does not fit stages={cfg.stages} x data_parallel="
-                f"{cfg.data_parallel} = {cfg.num_workers} workers; start {cfg.num_workers} processes"
-                " or change stages/data_parallel"
-            )
+        check_world_size(cfg, world_size)
         self.cfg, self.rank, self.world_size, self.device = cfg, rank, world_size, device
         self.schedule = schedule_for(cfg)
         self.modules = build_stage_modules(cfg, self.schedule, rank)
@@ -236,6 +244,7 @@ class PipelineWorker:
     def train_step(self, step: int) -> tuple[list[float], StepResult]:
         """Run one step on this worker; returns the step's [mlm, nsp] loss (same on every rank)
         and this worker's step result (its timeline events)."""
+        inject_fault(self.cfg, self.rank, step)
         result = self.executor.run_step(step, lambda mb: self.get_batch(step, mb))
         losses = result.loss_sum.clone()
         dist.all_reduce(losses)
@@ -243,6 +252,21 @@ class PipelineWorker:
         if not all(math.isfinite(v) for v in losses):
             raise FloatingPointError(f"step {step}: loss is {losses}; lower lr or check the data")
         return losses, result
+
+
+def inject_fault(cfg: TrainConfig, rank: int, step: int) -> None:
+    """Fail as ``cfg.fault`` asks, at the start of ``step`` on worker ``rank`` (a testing aid)."""
+    f = cfg.fault
+    if f.mode == "none" or (f.rank, f.step) != (rank, step):
+        return
+    log.error("injecting fault %r on worker %d at step %d", f.mode, rank, step)
+    if f.mode == "raise":
+        raise RuntimeError(f"injected fault on worker {rank} at step {step} (fault.mode=raise)")
+    if f.mode == "kill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    if f.mode == "stall":
+        while True:
+            time.sleep(3600)
 
 
 def _train(cfg, rank, world_size, device, output_dir, run_name, group) -> dict[str, Any]:
