@@ -1,0 +1,255 @@
+"""K-FAC state and work units of one ``nn.Linear`` layer.
+
+:class:`~pipefisher.optim.kfac.KFACPreconditioner` holds one :class:`LinearKFAC` per layer and
+dispatches its work units by layer name; the module notes of :mod:`pipefisher.optim.kfac` explain
+the order of the units, the gradient scale, replicas, the running average and staleness.
+
+Shape legend:
+    T   rows (tokens) of one micro-batch: B·S flattened
+    I   input features of the layer; Ĩ = I + 1 with the bias column (else Ĩ = I)
+    O   output features of the layer
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from pipefisher.optim.kfac_factors import (
+    damped_inverse,
+    factored_damping,
+    grad_factor_sum,
+    input_factor_sum,
+    kron_precondition,
+)
+
+__all__ = ["LinearKFAC", "STATE_ENTRIES"]
+
+#: Per-layer entries of a state dict (see :meth:`LinearKFAC.state_dict`).
+STATE_ENTRIES: tuple[str, ...] = ("A", "B", "A_inv", "B_inv", "damping", "num_updates")
+
+
+class LinearKFAC:
+    """Captured tensors, factor sums, factors and inverses of one Linear layer.
+
+    Factors and inverses are kept in ``factor_dtype`` on the weight's device.
+
+    Args:
+        name: the layer's qualified name (used in messages).
+        module: the layer.
+        loss_scale: factor each micro-batch loss was multiplied by before backward.
+        factor_dtype: dtype of factors and inverses.
+    """
+
+    def __init__(self, name: str, module: nn.Linear, loss_scale: float, factor_dtype: torch.dtype) -> None:
+        self.name = name
+        self.module = module
+        self.bias = module.bias is not None
+        self.loss_scale = loss_scale
+        self.factor_dtype = factor_dtype
+        self.xs: dict[int, Tensor] = {}  # micro-batch → captured input [..., I]
+        self.gs: dict[int, Tensor] = {}  # micro-batch → captured output gradient [..., O]
+        self.seen: set[int] = set()  # micro-batches captured in the current capture window
+        self.acc_a: Tensor | None = None  # [Ĩ, Ĩ] this refresh's sum (a mean once normalized)
+        self.acc_b: Tensor | None = None  # [O, O]
+        self.rows_a = 0
+        self.rows_b = 0
+        self.normalized = False  # acc_* hold means (handed out by factor_tensors)
+        self.a: Tensor | None = None  # [Ĩ, Ĩ] running-average factor A
+        self.b: Tensor | None = None  # [O, O] running-average factor B
+        self.a_inv: Tensor | None = None  # [Ĩ, Ĩ] (A + λ_A I)⁻¹
+        self.b_inv: Tensor | None = None  # [O, O] (B + λ_B I)⁻¹
+        self.damping: tuple[float, float] = (0.0, 0.0)  # (λ_A, λ_B) of the current inverses
+        self.num_updates = 0
+
+    @property
+    def dims(self) -> tuple[int, int]:
+        """(Ĩ, O): the sizes of A and B."""
+        out_features, in_features = self.module.weight.shape
+        return in_features + int(self.bias), out_features
+
+    # -- capture ---------------------------------------------------------------------------------
+
+    def capture(self, micro_batch: int, x: Tensor, output: Tensor) -> None:
+        """Keep the input of ``micro_batch`` and hook its output's gradient, once per window."""
+        if micro_batch in self.seen:  # a recomputation inside backward: already captured
+            return
+        self.seen.add(micro_batch)
+        self.xs[micro_batch] = x.detach()
+
+        def grad_hook(grad: Tensor) -> None:
+            self.gs.setdefault(micro_batch, grad.detach())
+
+        output.register_hook(grad_hook)
+
+    def open_window(self) -> None:
+        """Start a new capture window: every micro-batch may be captured once more."""
+        self.seen.clear()
+
+    def clear_captures(self) -> None:
+        """Drop captured tensors and close the capture window."""
+        self.xs.clear()
+        self.gs.clear()
+        self.seen.clear()
+
+    # -- work units ------------------------------------------------------------------------------
+
+    def curvature_a(self, micro_batch: int) -> None:
+        """Add Σ_t x̃_t x̃_tᵀ of ``micro_batch``'s captured input to this refresh's A sum; free it.
+
+        Raises:
+            ValueError: nothing captured for that micro-batch (scheduled before its F).
+            RuntimeError: this refresh's estimates were already handed out by factor_tensors.
+        """
+        x = self.xs.pop(micro_batch, None)
+        if x is None:
+            raise ValueError(
+                f"K-FAC curvature_a({self.name!r}, {micro_batch}): no input captured for this micro-batch"
+            )
+        self._check_open("curvature_a")
+        s = input_factor_sum(x, self.bias, self.factor_dtype)  # [Ĩ, Ĩ]
+        self.acc_a = s if self.acc_a is None else self.acc_a.add_(s)
+        self.rows_a += x.numel() // x.shape[-1]
+
+    def curvature_b(self, micro_batch: int) -> None:
+        """Add Σ_t g̃_t g̃_tᵀ, g̃ = g·T/loss_scale, of ``micro_batch``'s captured gradient; free it.
+
+        Raises:
+            ValueError: nothing captured for that micro-batch (scheduled before its B).
+            RuntimeError: this refresh's estimates were already handed out by factor_tensors.
+        """
+        g = self.gs.pop(micro_batch, None)
+        if g is None:
+            raise ValueError(
+                f"K-FAC curvature_b({self.name!r}, {micro_batch}): no gradient captured for this micro-batch"
+            )
+        self._check_open("curvature_b")
+        rows = g.numel() // g.shape[-1]
+        s = grad_factor_sum(g, rows / self.loss_scale, self.factor_dtype)  # [O, O]
+        self.acc_b = s if self.acc_b is None else self.acc_b.add_(s)
+        self.rows_b += rows
+
+    def _check_open(self, unit: str) -> None:
+        if self.normalized:
+            raise RuntimeError(
+                f"K-FAC {unit}({self.name!r}): this refresh's factors were handed out by factor_tensors; "
+                "call update_factors before adding curvature of the next refresh"
+            )
+
+    def has_curvature(self) -> bool:
+        """Whether both factor sums of a refresh are waiting for :meth:`update_factors`."""
+        return self.acc_a is not None and self.acc_b is not None
+
+    def _normalize(self) -> tuple[Tensor, Tensor]:
+        if self.acc_a is None or self.acc_b is None:
+            missing = "A" if self.acc_a is None else "B"
+            raise ValueError(f"K-FAC layer {self.name!r}: no curvature for {missing} since the last update")
+        if not self.normalized:
+            self.acc_a.div_(self.rows_a)
+            self.acc_b.div_(self.rows_b)
+            self.normalized = True
+        return self.acc_a, self.acc_b
+
+    def factor_tensors(self) -> list[Tensor]:
+        """[A_batch [Ĩ, Ĩ], B_batch [O, O]]: this refresh's means over this process's rows.
+
+        All-reduce them (sum, in place), then call :meth:`finish_sync`.
+        """
+        return list(self._normalize())
+
+    def finish_sync(self, world: int) -> None:
+        """Divide the summed estimates by the number of replicas ``world``."""
+        if not self.normalized:
+            raise RuntimeError(f"K-FAC finish_sync({self.name!r}): call factor_tensors (and all-reduce) first")
+        if world < 1:
+            raise ValueError(f"K-FAC finish_sync({self.name!r}): world={world} must be >= 1")
+        if world > 1:
+            acc_a, acc_b = self._normalize()
+            acc_a.div_(world)
+            acc_b.div_(world)
+
+    def update_factors(self, factor_decay: float) -> None:
+        """A ← decay·A + (1 − decay)·A_batch, B likewise; the first update takes the estimates as is."""
+        acc_a, acc_b = self._normalize()
+        if self.a is None or self.b is None or factor_decay == 0.0:
+            self.a, self.b = acc_a, acc_b
+        else:
+            self.a.lerp_(acc_a, 1.0 - factor_decay)
+            self.b.lerp_(acc_b, 1.0 - factor_decay)
+        self.acc_a = self.acc_b = None
+        self.rows_a = self.rows_b = 0
+        self.normalized = False
+        self.num_updates += 1
+
+    def invert(self, damping: float) -> None:
+        """Both damped inverses, with λ_A, λ_B from the traces of both factors read first.
+
+        The factors stay as they are (the running average and the next inversion need them).
+
+        Raises:
+            ValueError: no factors yet (no :meth:`update_factors` so far).
+        """
+        if self.a is None or self.b is None:
+            raise ValueError(f"K-FAC invert({self.name!r}): no factors yet; run curvature and update_factors first")
+        lam_a, lam_b = factored_damping(self.a, self.b, damping)
+        self.a_inv = damped_inverse(self.a, lam_a)
+        self.b_inv = damped_inverse(self.b, lam_b)
+        self.damping = (lam_a, lam_b)
+
+    def precondition(self) -> bool:
+        """Replace ``W.grad`` [O, I] (and ``b.grad`` [O]) by (B + λ_B I)⁻¹ [∇W | ∇b] (A + λ_A I)⁻¹.
+
+        Returns:
+            False (gradients untouched) when there are no inverses yet or ``W.grad`` is None.
+        """
+        w, b = self.module.weight, self.module.bias
+        if self.a_inv is None or self.b_inv is None or w.grad is None:
+            return False
+        with torch.no_grad():
+            grad = w.grad  # [O, I]
+            if b is not None:
+                if b.grad is None:
+                    b.grad = torch.zeros_like(b)
+                grad = torch.cat([grad, b.grad.unsqueeze(1)], dim=1)  # [O, I+1]
+            p = kron_precondition(grad, self.a_inv, self.b_inv)  # [O, Ĩ]
+            w.grad.copy_(p[:, : w.shape[1]])
+            if b is not None:
+                b.grad.copy_(p[:, -1])
+        return True
+
+    # -- checkpoints -----------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Tensor]:
+        """``{entry: tensor}`` for the :data:`STATE_ENTRIES` that exist (damping: [2] float64)."""
+        matrices = (("A", self.a), ("B", self.b), ("A_inv", self.a_inv), ("B_inv", self.b_inv))
+        out = {k: t.detach().clone() for k, t in matrices if t is not None}
+        out["damping"] = torch.tensor(self.damping, dtype=torch.float64)
+        out["num_updates"] = torch.tensor(self.num_updates, dtype=torch.int64)
+        return out
+
+    def load_state_dict(self, state: dict[str, Tensor]) -> None:
+        """Restore :meth:`state_dict` output; pending captures and sums are dropped.
+
+        Raises:
+            ValueError: a matrix has the wrong shape.
+        """
+        dim_a, dim_b = self.dims
+        device = self.module.weight.device
+        for entry, n in (("A", dim_a), ("B", dim_b), ("A_inv", dim_a), ("B_inv", dim_b)):
+            t = state.get(entry)
+            if t is not None and tuple(t.shape) != (n, n):
+                raise ValueError(
+                    f"K-FAC load_state_dict: {self.name}/{entry} has shape {tuple(t.shape)}, expected ({n}, {n})"
+                )
+        self.a, self.b, self.a_inv, self.b_inv = (
+            None if state.get(e) is None else state[e].to(device, self.factor_dtype).clone()
+            for e in ("A", "B", "A_inv", "B_inv")
+        )
+        damping = state.get("damping")
+        self.damping = (0.0, 0.0) if damping is None else (float(damping[0]), float(damping[1]))
+        updates = state.get("num_updates")
+        self.num_updates = 0 if updates is None else int(updates)
+        self.clear_captures()
+        self.acc_a = self.acc_b = None
+        self.rows_a = self.rows_b = 0
+        self.normalized = False
