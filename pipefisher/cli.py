@@ -14,18 +14,16 @@ from omegaconf import DictConfig
 
 from pipefisher.config import register_configs, to_train_config
 
-__all__ = ["train_main"]
+__all__ = ["train_main", "profile_main"]
 
 log = logging.getLogger(__name__)
 register_configs()
 
 
-@hydra.main(config_path="conf", config_name="config", version_base="1.3")
-def train_main(dcfg: DictConfig) -> float:
-    """Compose, validate, train; returns the last step's loss (Hydra sweepers may use it)."""
-    from pipefisher.launch import run_training  # torch import after config errors are reported
-
+def _run(dcfg: DictConfig) -> float:
     cfg = to_train_config(dcfg)
+    from pipefisher.launch import run_training  # imports torch: only after the config is valid
+
     hc = HydraConfig.get()
     result = run_training(
         cfg,
@@ -34,3 +32,15 @@ def train_main(dcfg: DictConfig) -> float:
         sweep_dir=hc.sweep.dir if hc.mode.name == "MULTIRUN" else None,
     )
     return float(result.get("loss", float("nan")))
+
+
+@hydra.main(config_path="conf", config_name="config", version_base="1.3")
+def train_main(dcfg: DictConfig) -> float:
+    """Compose, validate, train; returns the last step's loss (Hydra sweepers may use it)."""
+    return _run(dcfg)
+
+
+@hydra.main(config_path="conf", config_name="profile", version_base="1.3")
+def profile_main(dcfg: DictConfig) -> float:
+    """Train a few steps recording the timeline; writes profile.sqlite and timeline.pdf/png."""
+    return _run(dcfg)

@@ -25,6 +25,7 @@ __all__ = [
     "DataConfig",
     "ClusterConfig",
     "WandbConfig",
+    "ProfileConfig",
     "FaultConfig",
     "TrainConfig",
     "register_configs",
@@ -121,6 +122,14 @@ class WandbConfig:
 
 
 @dataclass
+class ProfileConfig:
+    """Timeline recording into ``profile.sqlite`` and a picture (``profile.py`` turns it on)."""
+
+    enabled: bool = False  # write profile.sqlite, timeline.pdf/png in the run's output directory
+    warmup_steps: int = 1  # steps left out of the profile (allocator and thread-pool warm-up)
+
+
+@dataclass
 class FaultConfig:
     """Inject a failure into one worker, to test that the job ends promptly (a testing aid)."""
 
@@ -139,6 +148,7 @@ class TrainConfig:
     data: DataConfig = field(default_factory=DataConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     wandb: WandbConfig = field(default_factory=WandbConfig)
+    profile: ProfileConfig = field(default_factory=ProfileConfig)
     fault: FaultConfig = field(default_factory=FaultConfig)
 
     stages: int = 1  # pipeline stages D (1 = single process)
@@ -215,6 +225,9 @@ def validate(cfg: TrainConfig) -> None:
     _check_choice("cluster.name", cfg.cluster.name, ("local", "slurm"))
     _check_choice("device", cfg.device, ("auto", "cpu", "cuda"))
     _check_choice("fault.mode", cfg.fault.mode, FAULT_MODES)
+    if cfg.profile.enabled and not 0 <= cfg.profile.warmup_steps < cfg.steps:
+        _fail("profile.warmup_steps", cfg.profile.warmup_steps,
+              f"must be below steps={cfg.steps} so that some steps are profiled; e.g. steps={cfg.profile.warmup_steps + 3}")
     if cfg.fault.mode != "none" and not 0 <= cfg.fault.rank < cfg.num_workers:
         _fail("fault.rank", cfg.fault.rank, f"must name a worker in [0, {cfg.num_workers})")
     if cfg.lr <= 0:

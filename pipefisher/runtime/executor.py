@@ -37,6 +37,8 @@ from pipefisher.timeline import Event
 __all__ = ["StageKey", "CommSpec", "StepResult", "WorkerExecutor", "message_tag"]
 
 StageKey = tuple[int, int]  # (pipe, stage)
+# Name of the event covering STEP's wait for all gradient all-reduces and the global norm.
+_WAIT_ALL_SYNCS = str(Action(ActionKind.SYNC_GRAD))
 
 
 def message_tag(kind: ActionKind, pipe: int, sender_stage: int, micro_batch: int, num_stages: int, num_micro_batches: int) -> int:
@@ -81,7 +83,9 @@ class WorkerExecutor:
         grad_groups: process group of each stage's replicas (None when the stage has one replica).
         tied: ``(params, group)``: this worker's local copies of the tied weight and the group of all
             holders of the first or last stage; None when no tied weight crosses workers.
-        optimizer_step: called at STEP after all gradients are synchronized.
+        grad_norm: called at STEP after all gradients are synchronized: the global gradient norm
+            (a collective over all workers).
+        optimizer_step: then called with that norm to update the parameters.
         loss_scale: factor applied to each micro-batch loss before backward (1 / (N · W)).
         autocast: context factory wrapped around each forward.
     """
@@ -94,7 +98,8 @@ class WorkerExecutor:
         comm: CommSpec,
         grad_groups: dict[int, dist.ProcessGroup | None],
         tied: tuple[list[nn.Parameter], dist.ProcessGroup] | None,
-        optimizer_step: Callable[[], None],
+        grad_norm: Callable[[], torch.Tensor],
+        optimizer_step: Callable[[torch.Tensor], None],
         loss_scale: float,
         autocast: Callable[[], object],
     ) -> None:
@@ -105,6 +110,7 @@ class WorkerExecutor:
         self.comm = comm
         self.grad_groups = grad_groups
         self.tied = tied
+        self.grad_norm = grad_norm
         self.optimizer_step = optimizer_step
         self.loss_scale = loss_scale
         self.autocast = autocast
@@ -155,6 +161,8 @@ class WorkerExecutor:
         num_losses = 0
 
         for a in self.actions:
+            if cuda:  # the same names in an nsys capture as in our timeline
+                torch.cuda.nvtx.range_push(str(a))
             start = now()
             key = (a.pipe, a.stage, a.micro_batch)
             k = a.kind
@@ -200,15 +208,22 @@ class WorkerExecutor:
                     flat = torch._utils._flatten_dense_tensors([_grad(p) for p in params])
                     syncs.append((dist.all_reduce(flat, group=group, async_op=True), flat, params))
             elif k == ActionKind.STEP:
+                # Waiting for sends, gradient all-reduces and the global norm is communication, not
+                # compute: it gets its own (non-busy) event, and STEP covers the update only.
                 for work, _ in sends:
                     work.wait()
                 sends.clear()
                 self._finish_grad_sync(syncs)
-                self.optimizer_step()
+                grad_norm = self.grad_norm()
+                events.append(Event(self.rank, _WAIT_ALL_SYNCS, ActionKind.SYNC_GRAD.value, start, now(), step))
+                start = now()
+                self.optimizer_step(grad_norm)
             else:  # pragma: no cover - kinds added to the IR must be handled here
                 raise NotImplementedError(f"executor has no handler for {a}")
-            if cuda and k in (ActionKind.FORWARD, ActionKind.BACKWARD, ActionKind.STEP):
-                torch.cuda.current_stream().synchronize()
+            if cuda:
+                if k in (ActionKind.FORWARD, ActionKind.BACKWARD, ActionKind.STEP):
+                    torch.cuda.current_stream().synchronize()
+                torch.cuda.nvtx.range_pop()
             events.append(Event(self.rank, str(a), k.value, start, now(), step))
 
         for work, _ in sends:

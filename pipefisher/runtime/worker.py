@@ -13,6 +13,7 @@ import logging
 import math
 import os
 import signal
+import socket
 import time
 from dataclasses import asdict
 from collections.abc import Callable
@@ -26,6 +27,7 @@ from torch import nn
 from pipefisher.config import TrainConfig
 from pipefisher.data import get_micro_batch
 from pipefisher.model import BertStage, partition_layers
+from pipefisher.profiling import plot_timeline, utilization_table, write_profile
 from pipefisher.runtime.executor import CommSpec, StageKey, StepResult, WorkerExecutor
 from pipefisher.schedules import build_schedule
 from pipefisher.schedules.ir import Schedule
@@ -44,7 +46,7 @@ from pipefisher.training import (
     set_cpu_threads,
 )
 
-__all__ = ["run_worker", "PipelineWorker", "schedule_for", "build_stage_modules"]
+__all__ = ["run_worker", "PipelineWorker", "schedule_for", "build_stage_modules", "write_run_profile", "check_world_size"]
 
 log = logging.getLogger(__name__)
 
@@ -212,6 +214,7 @@ class PipelineWorker:
             CommSpec((cfg.micro_batch_size, cfg.data.seq_len, cfg.model.hidden_size), torch.float32, device),
             grad_groups,
             tied,
+            self.global_grad_norm,
             self._optimizer_step,
             loss_scale=1.0 / (cfg.num_micro_batches * cfg.data_parallel),
             autocast=lambda: autocast_context(cfg, device),
@@ -229,10 +232,10 @@ class PipelineWorker:
         dist.all_reduce(sq)
         return sq.sqrt()
 
-    def _optimizer_step(self) -> None:
+    def _optimizer_step(self, grad_norm: torch.Tensor) -> None:
         for hook in self.before_optimizer_step:
             hook()
-        self.optimizer.step(grad_norm=self.global_grad_norm())
+        self.optimizer.step(grad_norm=grad_norm)
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
 
@@ -280,6 +283,7 @@ def _train(cfg, rank, world_size, device, output_dir, run_name, group) -> dict[s
         if rank == 0 else None
     )
     last: dict[str, Any] = {}
+    profiled: list[Event] = []
     bar = progress_range(cfg, enabled=rank == 0)
     try:
         for step in bar:
@@ -293,6 +297,8 @@ def _train(cfg, rank, world_size, device, output_dir, run_name, group) -> dict[s
             if rank != 0:
                 continue
             events = [e for evs in gathered for e in evs]
+            if cfg.profile.enabled and step >= cfg.profile.warmup_steps:
+                profiled += events
             simulated = simulate(schedule, _measured_costs(events, schedule))
             last.update(
                 lr=lr,
@@ -306,6 +312,10 @@ def _train(cfg, rank, world_size, device, output_dir, run_name, group) -> dict[s
                 logger.log(last, step=step)
                 if hasattr(bar, "set_postfix"):
                     bar.set_postfix(loss=f"{last['loss']:.3f}", util=f"{last['bubble_utilization']:.2f}")
+        if rank == 0 and profiled:
+            for picture in write_run_profile(cfg, profiled, world_size, output_dir, device):
+                if picture.suffix == ".png":
+                    logger.log_image("timeline", str(picture))
     finally:
         if writer is not None:
             writer.close()
@@ -314,3 +324,33 @@ def _train(cfg, rank, world_size, device, output_dir, run_name, group) -> dict[s
         if hasattr(bar, "close"):
             bar.close()
     return last
+
+
+def write_run_profile(cfg: TrainConfig, events: list[Event], num_workers: int, output_dir: Path,
+                      device: torch.device) -> list[Path]:
+    """Write ``profile.sqlite`` and ``timeline.pdf/png`` of a run; log the utilization table.
+
+    Returns:
+        The paths of the pictures.
+    """
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    oversubscribed = device.type == "cpu" and num_workers > cores
+    metadata = {
+        "config": asdict(cfg),
+        "method": cfg.pipeline.method,
+        "num_stages": cfg.stages,
+        "num_micro_batches": cfg.num_micro_batches,
+        "num_steps": cfg.steps - cfg.profile.warmup_steps,
+        "device": str(device),
+        "oversubscribed": oversubscribed,
+        "cores": cores,
+    }
+    write_profile(output_dir / "profile.sqlite", events, metadata=metadata,
+                  worker_ranks={w: w for w in range(num_workers)}, worker_hosts={w: socket.gethostname() for w in range(num_workers)})
+    title = (f"{cfg.model.name} {cfg.pipeline.method} D={cfg.stages} N={cfg.num_micro_batches}"
+             f" W={cfg.data_parallel} on {device.type}")
+    pictures = plot_timeline(events, output_dir / "timeline", title=title, num_workers=num_workers,
+                             oversubscribed=oversubscribed)
+    log.info("profile written to %s\n%s", output_dir / "profile.sqlite",
+             utilization_table(events, num_workers, oversubscribed=oversubscribed))
+    return pictures
