@@ -5,7 +5,7 @@ executor's timeline. Nothing here imports torch.
 
 String form of an action (parses back with :meth:`Action.from_str`)::
 
-    {stage}{KIND}{micro_batch}[@{pipe}][{>|<}{peer}]
+    {stage}{KIND}{micro_batch}[@{pipe}][{>|<}{peer}][#{layer}]
 
     0F2        stage 0, forward, micro-batch 2 (pipe 0: the "down" pipeline)
     3B5@1      stage 3, backward, micro-batch 5, on pipe 1 (Chimera's "up" pipeline)
@@ -13,6 +13,8 @@ String form of an action (parses back with :meth:`Action.from_str`)::
     2RECV_F2<1 stage 2 receives that activation from worker 1
     1SYNC_GRAD stage 1 all-reduces its gradients with its replicas (no micro-batch)
     STEP       optimizer step of every stage the worker holds (stage omitted)
+    1CURV_A3#2 K-FAC: A factor of the stage's Linear layer 2 from micro-batch 3
+    2INVERT#0  K-FAC: damped inverses of both factors of stage 2's layer 0
 """
 
 from __future__ import annotations
@@ -35,6 +37,13 @@ class ActionKind(str, Enum):
     RECV_B = "RECV_B"
     SYNC_GRAD = "SYNC_GRAD"  # all-reduce a stage's gradients over its replicas (twin / data parallel)
     STEP = "STEP"  # optimizer step
+    # K-FAC work units (DESIGN.md, "K-FAC"); ``layer`` picks one Linear layer of the stage, or
+    # None for all of them.
+    CURV_A = "CURV_A"  # accumulate A = E[x xᵀ] from a micro-batch's captured inputs (after its F)
+    CURV_B = "CURV_B"  # accumulate B = E[g gᵀ] from a micro-batch's output gradients (after its B)
+    SYNC_FACTOR = "SYNC_FACTOR"  # all-reduce a stage's factors over its replicas, then average
+    INVERT = "INVERT"  # damped inverses of both factors of a layer (one unit: damping needs both)
+    PRECOND = "PRECOND"  # replace a stage's gradients by the preconditioned ones (before STEP)
 
     def __str__(self) -> str:
         return self.value
@@ -45,15 +54,23 @@ class ActionKind(str, Enum):
 
     @property
     def is_compute(self) -> bool:
+        """Forward or backward of a micro-batch."""
         return self in (ActionKind.FORWARD, ActionKind.BACKWARD)
+
+    @property
+    def is_kfac(self) -> bool:
+        """A K-FAC work unit."""
+        return self in _KFAC
 
 
 _COMM = frozenset({ActionKind.SEND_F, ActionKind.RECV_F, ActionKind.SEND_B, ActionKind.RECV_B})
+_KFAC = frozenset({ActionKind.CURV_A, ActionKind.CURV_B, ActionKind.SYNC_FACTOR, ActionKind.INVERT,
+                   ActionKind.PRECOND})
 # Longest names first so "SEND_F" is not read as "S" + ... and "F" does not shadow "SEND_F".
 _KIND_ALTERNATIVES = "|".join(sorted((k.value for k in ActionKind), key=len, reverse=True))
 _ACTION_RE = re.compile(
     rf"^(?P<stage>\d+)?(?P<kind>{_KIND_ALTERNATIVES})(?P<mb>\d+)?(?:@(?P<pipe>\d+))?"
-    rf"(?:(?P<dir>[<>])(?P<peer>\d+))?$"
+    rf"(?:(?P<dir>[<>])(?P<peer>\d+))?(?:#(?P<layer>\d+))?$"
 )
 
 
@@ -69,6 +86,8 @@ class Action:
             pipeline is 1). Data flows from stage s to s+1 in every pipe; only the placement of
             stages on workers differs.
         peer: the other worker of a send/receive, else None.
+        layer: for K-FAC units, the index of one Linear layer in the stage's K-FAC layer list
+            (None: all of the stage's layers); None for every other kind.
     """
 
     kind: ActionKind
@@ -76,6 +95,7 @@ class Action:
     micro_batch: int | None = None
     pipe: int = 0
     peer: int | None = None
+    layer: int | None = None
 
     def __post_init__(self) -> None:
         if self.kind.is_comm and self.peer is None:
@@ -85,6 +105,12 @@ class Action:
         if self.kind in (ActionKind.FORWARD, ActionKind.BACKWARD) or self.kind.is_comm:
             if self.stage is None or self.micro_batch is None:
                 raise ValueError(f"{self.kind} needs a stage and a micro-batch")
+        if self.layer is not None and not self.kind.is_kfac:
+            raise ValueError(f"{self.kind} takes no layer")
+        if self.kind in (ActionKind.CURV_A, ActionKind.CURV_B) and (self.stage is None or self.micro_batch is None):
+            raise ValueError(f"{self.kind} needs a stage and a micro-batch")
+        if self.kind in (ActionKind.SYNC_FACTOR, ActionKind.INVERT, ActionKind.PRECOND) and self.stage is None:
+            raise ValueError(f"{self.kind} needs a stage")
 
     def __str__(self) -> str:
         s = "" if self.stage is None else str(self.stage)
@@ -95,6 +121,8 @@ class Action:
             s += f"@{self.pipe}"
         if self.peer is not None:
             s += (">" if self.kind in (ActionKind.SEND_F, ActionKind.SEND_B) else "<") + str(self.peer)
+        if self.layer is not None:
+            s += f"#{self.layer}"
         return s
 
     @classmethod
@@ -110,6 +138,7 @@ class Action:
             micro_batch=None if m["mb"] is None else int(m["mb"]),
             pipe=0 if m["pipe"] is None else int(m["pipe"]),
             peer=None if m["peer"] is None else int(m["peer"]),
+            layer=None if m["layer"] is None else int(m["layer"]),
         )
 
 
