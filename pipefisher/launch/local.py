@@ -9,13 +9,14 @@ rank and traceback. A worker that stalls without exiting is caught by the proces
 
 from __future__ import annotations
 
+import datetime
 import logging
 import os
-import socket
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from pipefisher.config import TrainConfig
@@ -24,16 +25,9 @@ from pipefisher.runtime.worker import run_worker, schedule_for
 from pipefisher.tracking import WandbLogger, read_metrics, run_name_from_overrides
 from pipefisher.training import train_single_process
 
-__all__ = ["run_training", "launch_workers", "free_port"]
+__all__ = ["run_training", "launch_workers"]
 
 log = logging.getLogger(__name__)
-
-
-def free_port(addr: str = "127.0.0.1") -> int:
-    """A TCP port that is free on ``addr`` right now."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((addr, 0))
-        return s.getsockname()[1]
 
 
 def _env_world() -> tuple[int, int, int, int] | None:
@@ -54,7 +48,7 @@ def _spawned_worker(index: int, cfg: TrainConfig, world: int, addr: str, port: i
                       LOCAL_RANK=str(index), LOCAL_WORLD_SIZE=str(world))
     logging.basicConfig(level=logging.INFO, format=f"[worker {index}] %(levelname)s %(name)s: %(message)s")
     run_worker(cfg, index, world, output_dir, run_name=run_name, group=group, local_rank=index,
-               local_world_size=world)
+               local_world_size=world, external_store=True)
 
 
 def launch_workers(cfg: TrainConfig, output_dir: str | os.PathLike, run_name: str | None = None,
@@ -72,7 +66,12 @@ def launch_workers(cfg: TrainConfig, output_dir: str | os.PathLike, run_name: st
                           local_rank=local_rank, local_world_size=local_world)
     world = cfg.num_workers
     addr = cfg.cluster.master_addr
-    port = cfg.cluster.master_port or free_port(addr)
+    # This process hosts the rendezvous store on a port the OS picks while binding it, so no other
+    # program can take the port between choosing and binding it.
+    timeout = datetime.timedelta(seconds=cfg.cluster.worker_timeout_s)
+    store = dist.TCPStore(addr, cfg.cluster.master_port, world, is_master=True, timeout=timeout,
+                          wait_for_workers=False)
+    port = store.port
     log.info("starting %d workers on this machine (%s:%d)", world, addr, port)
     mp.start_processes(
         _spawned_worker,
@@ -81,6 +80,7 @@ def launch_workers(cfg: TrainConfig, output_dir: str | os.PathLike, run_name: st
         join=True,
         start_method="spawn",
     )
+    del store
     metrics = read_metrics(Path(output_dir) / "metrics.jsonl")
     return metrics[-1] if metrics else {}
 

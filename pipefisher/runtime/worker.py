@@ -151,9 +151,11 @@ def run_worker(
     group: str | None = None,
     local_rank: int = 0,
     local_world_size: int | None = None,
+    external_store: bool = False,
 ) -> dict[str, Any]:
     """Train as worker ``rank`` of ``world_size``; the process group is set up from ``MASTER_ADDR``
-    and ``MASTER_PORT`` in the environment.
+    and ``MASTER_PORT`` in the environment (``external_store``: a store already listens there,
+    hosted by the launcher; otherwise rank 0 hosts it).
 
     Returns:
         The last step's metrics on rank 0 (other ranks: their last loss).
@@ -163,12 +165,12 @@ def run_worker(
     if device.type == "cpu":
         set_cpu_threads(local_world_size or world_size)
     backend = "nccl" if device.type == "cuda" else "gloo"
-    dist.init_process_group(
-        backend,
-        rank=rank,
-        world_size=world_size,
-        timeout=datetime.timedelta(seconds=cfg.cluster.worker_timeout_s),
-    )
+    timeout = datetime.timedelta(seconds=cfg.cluster.worker_timeout_s)
+    store = None
+    if external_store:  # the launcher hosts the rendezvous store: every worker is a client
+        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size,
+                              is_master=False, timeout=timeout)
+    dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timeout, store=store)
     try:
         return _train(cfg, rank, world_size, device, Path(output_dir), run_name, group)
     finally:
