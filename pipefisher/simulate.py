@@ -16,8 +16,17 @@ Chosen to match ``pipefisher.runtime.executor``:
 - A compute-only schedule (no SEND/RECV) is simulated with its data dependencies instead: an F
   starts after the upstream F ended (+ ``p2p_ns`` across workers), a B after its own F and the
   downstream B.
+- K-FAC work (DESIGN.md, "K-FAC"; ``pipefisher.schedules.kfac``): ``CURV_A``/``CURV_B``/``INVERT``
+  of a stage's layer occupy the worker for ``cost.kfac_ns(kind, stage, layer)`` (``layer=None``:
+  the sum over the stage's layers); ``PRECOND`` waits for the stage's ``SYNC_GRAD`` all-reduce and
+  lasts ``cost.precond_ns[stage]``. ``SYNC_FACTOR`` is an asynchronous all-reduce like
+  ``SYNC_GRAD`` (it starts when every replica of the stage has reached its ``SYNC_FACTOR`` of that
+  layer, lasts ``cost.sync_factor_ns[stage][layer]``); the ``INVERT`` of that layer waits for it,
+  ``STEP`` does not (a factor all-reduce may still run across a step boundary; its inversion is
+  what needs it).
 
 With ``steps > 1`` the lists are repeated; a worker starts step k+1 right after its own STEP.
+:func:`simulate_phases` runs a different schedule per step (the phases of a K-FAC assignment).
 Example, 1F1B, D=3, N=4, F = B = 1 unit, no communication cost (``.`` = bubble)::
 
     W0  F0 F1 F2 .  .  B0 F3 B1 .  B2 .  B3
@@ -30,22 +39,41 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
+from typing import NamedTuple
 
 from pipefisher.schedules.checks import ScheduleError
 from pipefisher.schedules.ir import Action, ActionKind, Schedule
 from pipefisher.schedules.passes import matching_send, worker_dp_groups
 from pipefisher.timeline import Event, bubble_utilization
 
-__all__ = ["CostModel", "simulate", "peak_activations", "simulated_bubble_ratio"]
+__all__ = ["ActionTime", "CostModel", "action_times", "peak_activations", "simulate", "simulate_phases",
+           "simulated_bubble_ratio"]
 
 K = ActionKind
 
 
 def _as_tuple(values: Sequence[int] | int, n: int, name: str) -> tuple[int, ...]:
     out = (values,) * n if isinstance(values, int) else tuple(values)
-    if any(not isinstance(v, int) or v < 0 for v in out):
+    if any(not isinstance(v, int) or isinstance(v, bool) or v < 0 for v in out):
         raise ValueError(f"CostModel.{name}={values!r}: costs are non-negative integer ns")
     return out
+
+
+KfacTable = tuple[tuple[int, ...], ...]
+"""Per-stage, per-layer costs in ns: ``table[stage][layer]``; ``()`` means 0 everywhere."""
+
+_KFAC_TABLES = {K.CURV_A: "curv_a_ns", K.CURV_B: "curv_b_ns", K.SYNC_FACTOR: "sync_factor_ns",
+                K.INVERT: "invert_ns"}
+
+
+def _as_table(values: Sequence[Sequence[int]], n: int, name: str) -> KfacTable:
+    if isinstance(values, int) or values is None:
+        raise ValueError(f"CostModel.{name}={values!r}: give one tuple of per-layer ns per stage, "
+                         f"e.g. CostModel.uniform(..., kfac_layers=6, {name}=100)")
+    rows = tuple(_as_tuple(row, 0, name) for row in values)
+    if rows and len(rows) != n:
+        raise ValueError(f"CostModel.{name} has {len(rows)} rows; forward_ns has {n} (one per stage)")
+    return rows
 
 
 @dataclass(frozen=True)
@@ -58,6 +86,12 @@ class CostModel:
         p2p_ns: latency of one point-to-point message (send issued → data received).
         sync_ns: gradient all-reduce cost of each stage (empty means 0 for every stage).
         step_ns: optimizer step cost per worker.
+        curv_a_ns: K-FAC: ``[stage][layer]`` cost of one CURV_A unit (one layer, one micro-batch);
+            ``()`` means K-FAC work costs nothing (a schedule without K-FAC actions).
+        curv_b_ns: the same for CURV_B.
+        sync_factor_ns: ``[stage][layer]`` cost of the factor all-reduce of one layer.
+        invert_ns: ``[stage][layer]`` cost of inverting both factors of one layer.
+        precond_ns: per-stage cost of preconditioning all the stage's gradients (empty: 0).
     """
 
     forward_ns: tuple[int, ...]
@@ -65,6 +99,11 @@ class CostModel:
     p2p_ns: int = 0
     sync_ns: tuple[int, ...] = ()
     step_ns: int = 0
+    curv_a_ns: KfacTable = ()
+    curv_b_ns: KfacTable = ()
+    sync_factor_ns: KfacTable = ()
+    invert_ns: KfacTable = ()
+    precond_ns: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         n = len(self.forward_ns)
@@ -72,16 +111,31 @@ class CostModel:
         object.__setattr__(self, "backward_ns", _as_tuple(self.backward_ns, n, "backward_ns"))
         sync = self.sync_ns if (isinstance(self.sync_ns, int) or len(self.sync_ns)) else 0
         object.__setattr__(self, "sync_ns", _as_tuple(sync, n, "sync_ns"))
+        precond = self.precond_ns if (isinstance(self.precond_ns, int) or len(self.precond_ns)) else 0
+        object.__setattr__(self, "precond_ns", _as_tuple(precond, n, "precond_ns"))
         _as_tuple(self.p2p_ns, 1, "p2p_ns")
         _as_tuple(self.step_ns, 1, "step_ns")
-        for name in ("backward_ns", "sync_ns"):
+        for name in ("backward_ns", "sync_ns", "precond_ns"):
             if len(getattr(self, name)) != n:
                 raise ValueError(f"CostModel.{name} has {len(getattr(self, name))} entries; "
                                  f"forward_ns has {n} (one per stage)")
+        counts: tuple[int, ...] | None = None
+        for name in _KFAC_TABLES.values():
+            table = _as_table(getattr(self, name), n, name)
+            object.__setattr__(self, name, table)
+            if not table:
+                continue
+            mine = tuple(len(row) for row in table)
+            if counts is not None and mine != counts:
+                raise ValueError(f"CostModel.{name} has {list(mine)} layers per stage, the other K-FAC "
+                                 f"tables {list(counts)}; give every K-FAC kind the same layers")
+            counts = mine
 
     @classmethod
     def uniform(cls, num_stages: int, forward_ns: int, backward_ns: int | None = None, *,
-                p2p_ns: int = 0, sync_ns: int = 0, step_ns: int = 0) -> CostModel:
+                p2p_ns: int = 0, sync_ns: int = 0, step_ns: int = 0, kfac_layers: int = 0,
+                curv_a_ns: int = 0, curv_b_ns: int = 0, sync_factor_ns: int = 0, invert_ns: int = 0,
+                precond_ns: int = 0) -> CostModel:
         """Every stage costs the same.
 
         Args:
@@ -92,18 +146,65 @@ class CostModel:
             p2p_ns: point-to-point latency.
             sync_ns: all-reduce cost of a stage.
             step_ns: optimizer step cost.
+            kfac_layers: K-FAC layers per stage (0: no K-FAC cost tables).
+            curv_a_ns: cost of one CURV_A unit (one layer, one micro-batch).
+            curv_b_ns: cost of one CURV_B unit.
+            sync_factor_ns: factor all-reduce of one layer.
+            invert_ns: inversion of one layer's factors.
+            precond_ns: preconditioning of one stage.
         """
+        def table(value: int) -> KfacTable:
+            return ((value,) * kfac_layers,) * num_stages if kfac_layers else ()
+
         return cls(
             forward_ns=(forward_ns,) * num_stages,
             backward_ns=((forward_ns if backward_ns is None else backward_ns),) * num_stages,
             p2p_ns=p2p_ns,
             sync_ns=(sync_ns,) * num_stages,
             step_ns=step_ns,
+            curv_a_ns=table(curv_a_ns),
+            curv_b_ns=table(curv_b_ns),
+            sync_factor_ns=table(sync_factor_ns),
+            invert_ns=table(invert_ns),
+            precond_ns=(precond_ns,) * num_stages,
         )
 
     @property
     def num_stages(self) -> int:
         return len(self.forward_ns)
+
+    @property
+    def kfac_layers(self) -> tuple[int, ...] | None:
+        """K-FAC layers per stage according to the cost tables, or None when they are empty."""
+        for name in _KFAC_TABLES.values():
+            table = getattr(self, name)
+            if table:
+                return tuple(len(row) for row in table)
+        return None
+
+    def kfac_ns(self, kind: ActionKind, stage: int, layer: int | None = None) -> int:
+        """Cost of one K-FAC unit: CURV_A/CURV_B (per micro-batch), SYNC_FACTOR, INVERT, PRECOND.
+
+        Args:
+            kind: a K-FAC kind.
+            stage: the stage.
+            layer: the stage's K-FAC layer; None sums over all of them (``PRECOND`` ignores it).
+
+        Raises:
+            ValueError: ``layer`` beyond the layers the cost tables give the stage.
+        """
+        if kind == K.PRECOND:
+            return self.precond_ns[stage]
+        table = getattr(self, _KFAC_TABLES[kind])
+        if not table:
+            return 0
+        row = table[stage]
+        if layer is None:
+            return sum(row)
+        if not 0 <= layer < len(row):
+            raise ValueError(f"{kind} of stage {stage} layer {layer}: the cost model has {len(row)} "
+                             f"K-FAC layers for that stage; build it with the run's layer counts")
+        return row[layer]
 
     # Short aliases: cost.forward[stage], cost.backward[stage], cost.sync[stage], cost.step.
     @property
@@ -123,26 +224,49 @@ class CostModel:
         return self.step_ns
 
 
-class _Sim:
-    """State of one simulation; ``run`` fills ``events``."""
+class ActionTime(NamedTuple):
+    """When one action ran on its worker (ns).
 
-    def __init__(self, schedule: Schedule, cost: CostModel, steps: int) -> None:
-        self.s = schedule
+    Attributes:
+        free_ns: the worker became free for it (end of the worker's previous action).
+        start_ns: it started (after waiting for inputs or all-reduces; a RECV starts at once and
+            spans its wait; a SYNC_GRAD/SYNC_FACTOR arrival takes no worker time).
+        end_ns: it ended (for a RECV: the data arrived).
+    """
+
+    free_ns: int
+    start_ns: int
+    end_ns: int
+
+
+class _Sim:
+    """State of one simulation; ``run`` fills ``events`` (and ``times``)."""
+
+    def __init__(self, steps: Sequence[Schedule], cost: CostModel) -> None:
+        self.s = steps[0]
+        self.steps = list(steps)
         self.cost = cost
-        self.dp_of = worker_dp_groups(schedule.placement)
-        self.where = schedule.placement.workers
-        self.members = {st: schedule.placement.replicas_of_stage(st) for st in range(schedule.num_stages)}
-        self.data_deps = not any(a.kind.is_comm for acts in schedule.actions.values() for a in acts)
-        self.work = {w: [(k, a) for k in range(steps) for a in acts]
-                     for w, acts in schedule.actions.items()}
+        self.dp_of = worker_dp_groups(self.s.placement)
+        self.where = self.s.placement.workers
+        self.members = {st: self.s.placement.replicas_of_stage(st) for st in range(self.s.num_stages)}
+        self.data_deps = [not any(a.kind.is_comm for acts in sch.actions.values() for a in acts)
+                          for sch in self.steps]
+        self.work = {w: [(k, i, a) for k, sch in enumerate(self.steps) for i, a in enumerate(sch.actions[w])]
+                     for w in self.s.actions}
         self.ptr = {w: 0 for w in self.work}
         self.clock = {w: 0 for w in self.work}
         self.compute_end: dict[tuple[int, int, Action], int] = {}  # (step, dp, F/B) -> end
         self.sent: dict[tuple[int, int, Action], int] = {}  # (step, sender, SEND) -> issue time
-        self.arrivals: dict[tuple[int, int], dict[int, int]] = defaultdict(dict)  # (step, stage)
+        # Collectives: (step, kind, stage, layer) -> {worker: arrival}.
+        self.arrivals: dict[tuple[int, ActionKind, int, int | None], dict[int, int]] = defaultdict(dict)
         self.open_syncs: dict[tuple[int, int], set[int]] = defaultdict(set)  # (step, w) -> stages
         self.sync_end: dict[tuple[int, int], int] = defaultdict(int)  # (step, w) -> latest end
+        self.stage_sync_end: dict[tuple[int, int, int], int] = {}  # (step, w, stage) -> end
+        # Factor all-reduces per (w, stage): layers in flight, and layer -> end of the latest.
+        self.open_factors: dict[tuple[int, int], set[int | None]] = defaultdict(set)
+        self.factor_end: dict[tuple[int, int], dict[int | None, int]] = defaultdict(dict)
         self.events: list[Event] = []
+        self.times: dict[tuple[int, int, int], ActionTime] = {}  # (step, w, index) -> times
 
     def _emit(self, w: int, k: int, a: Action, start: int, end: int) -> None:
         self.events.append(Event(worker=w, name=str(a), kind=a.kind.value, start_ns=start,
@@ -151,7 +275,7 @@ class _Sim:
     def _input_ready(self, w: int, k: int, a: Action) -> int | None:
         """Earliest start allowed by data dependencies (compute-only schedules), None if unknown."""
         t = 0
-        if not self.data_deps:
+        if not self.data_deps[k]:
             return t
         dp, s, j, p = self.dp_of[w], a.stage, a.micro_batch, a.pipe
         deps = []
@@ -169,8 +293,18 @@ class _Sim:
             t = max(t, end + (self.cost.p2p_ns if self.where[(dp, p, d.stage)] != w else 0))
         return t
 
+    def _factor_ready(self, w: int, a: Action) -> int | None:
+        """When the factor all-reduce(s) an INVERT needs have ended; None while one is in flight."""
+        def relevant(layer: int | None) -> bool:
+            return a.layer is None or layer is None or layer == a.layer
+
+        if any(relevant(layer) for layer in self.open_factors[(w, a.stage)]):
+            return None
+        return max((end for layer, end in self.factor_end[(w, a.stage)].items() if relevant(layer)),
+                   default=0)
+
     def _advance(self, w: int) -> bool:
-        k, a = self.work[w][self.ptr[w]]
+        k, i, a = self.work[w][self.ptr[w]]
         now = self.clock[w]
         if a.kind.is_compute:
             ready = self._input_ready(w, k, a)
@@ -187,8 +321,9 @@ class _Sim:
             if issued is None:
                 return False
             start, end = now, max(now, issued + self.cost.p2p_ns)
-        elif a.kind == K.SYNC_GRAD:
+        elif a.kind in (K.SYNC_GRAD, K.SYNC_FACTOR):
             self._arrive(w, k, a, now)
+            self.times[(k, w, i)] = ActionTime(now, now, now)
             self.ptr[w] += 1
             return True
         elif a.kind == K.STEP:
@@ -196,25 +331,53 @@ class _Sim:
                 return False
             start = max(now, self.sync_end[(k, w)])
             end = start + self.cost.step_ns
+        elif a.kind in (K.CURV_A, K.CURV_B):
+            start = now
+            end = start + self.cost.kfac_ns(a.kind, a.stage, a.layer)
+        elif a.kind == K.INVERT:
+            ready = self._factor_ready(w, a)
+            if ready is None:
+                return False
+            start = max(now, ready)
+            end = start + self.cost.kfac_ns(a.kind, a.stage, a.layer)
+        elif a.kind == K.PRECOND:
+            if a.stage in self.open_syncs[(k, w)]:
+                return False
+            start = max(now, self.stage_sync_end.get((k, w, a.stage), 0))
+            end = start + self.cost.precond_ns[a.stage]
         else:  # pragma: no cover - kinds added to the IR must be simulated here
             raise NotImplementedError(f"simulator has no rule for {a}")
         self._emit(w, k, a, start, end)
+        self.times[(k, w, i)] = ActionTime(now, start, end)
         self.clock[w] = end
         self.ptr[w] += 1
         return True
 
     def _arrive(self, w: int, k: int, a: Action, now: int) -> None:
-        arrived = self.arrivals[(k, a.stage)]
+        layer = a.layer if a.kind == K.SYNC_FACTOR else None
+        arrived = self.arrivals[(k, a.kind, a.stage, layer)]
         arrived[w] = now
-        self.open_syncs[(k, w)].add(a.stage)
+        if a.kind == K.SYNC_GRAD:
+            self.open_syncs[(k, w)].add(a.stage)
+        else:
+            self.open_factors[(w, a.stage)].add(layer)
         if set(arrived) != set(self.members[a.stage]):
             return
         start = max(arrived.values())
-        end = start + self.cost.sync_ns[a.stage]
+        if a.kind == K.SYNC_GRAD:
+            end = start + self.cost.sync_ns[a.stage]
+        else:
+            end = start + self.cost.kfac_ns(K.SYNC_FACTOR, a.stage, layer)
         for m in self.members[a.stage]:
-            self.open_syncs[(k, m)].discard(a.stage)
-            self.sync_end[(k, m)] = max(self.sync_end[(k, m)], end)
-            mine = next(x for x in self.s.actions[m] if x.kind == K.SYNC_GRAD and x.stage == a.stage)
+            if a.kind == K.SYNC_GRAD:
+                self.open_syncs[(k, m)].discard(a.stage)
+                self.sync_end[(k, m)] = max(self.sync_end[(k, m)], end)
+                self.stage_sync_end[(k, m, a.stage)] = end
+            else:
+                self.open_factors[(m, a.stage)].discard(layer)
+                self.factor_end[(m, a.stage)][layer] = end
+            mine = next(x for x in self.steps[k].actions[m]
+                        if x.kind == a.kind and x.stage == a.stage and x.layer == layer)
             self._emit(m, k, mine, start, end)
 
     def run(self) -> list[Event]:
@@ -226,18 +389,27 @@ class _Sim:
                     progress = True
         stuck = [w for w, work in self.work.items() if self.ptr[w] < len(work)]
         if stuck:
-            waits = ", ".join(f"worker {w} at {self.work[w][self.ptr[w]][1]}" for w in stuck)
+            waits = ", ".join(f"worker {w} at {self.work[w][self.ptr[w]][2]} (step {self.work[w][self.ptr[w]][0]})"
+                              for w in stuck)
             raise ScheduleError(f"simulation of {self.s.method} cannot proceed: {waits}; "
                                 f"run check_schedule for the grid")
         self.events.sort(key=lambda e: (e.start_ns, e.worker, e.end_ns))
         return self.events
 
 
+def _check_fits(schedule: Schedule, cost: CostModel) -> None:
+    if cost.num_stages != schedule.num_stages:
+        raise ValueError(f"CostModel has {cost.num_stages} stages, the {schedule.method} schedule "
+                         f"{schedule.num_stages}; build it with CostModel.uniform("
+                         f"{schedule.num_stages}, ...)")
+
+
 def simulate(schedule: Schedule, cost: CostModel, steps: int = 1) -> list[Event]:
     """Predict the timeline of ``steps`` training steps of ``schedule``.
 
     Args:
-        schedule: a schedule (compute-only, or complete from ``build_schedule``).
+        schedule: a schedule (compute-only, or complete from ``build_schedule``, with or without
+            K-FAC work).
         cost: per-action costs; ``cost.num_stages`` must equal ``schedule.num_stages``.
         steps: how many consecutive steps to simulate.
 
@@ -249,13 +421,57 @@ def simulate(schedule: Schedule, cost: CostModel, steps: int = 1) -> list[Event]
         ValueError: the cost model does not fit the schedule, or ``steps < 1``.
         ScheduleError: the schedule cannot run to completion.
     """
-    if cost.num_stages != schedule.num_stages:
-        raise ValueError(f"CostModel has {cost.num_stages} stages, the {schedule.method} schedule "
-                         f"{schedule.num_stages}; build it with CostModel.uniform("
-                         f"{schedule.num_stages}, ...)")
+    _check_fits(schedule, cost)
     if steps < 1:
         raise ValueError(f"steps={steps}: simulate at least one step")
-    return _Sim(schedule, cost, steps).run()
+    return _Sim([schedule] * steps, cost).run()
+
+
+def simulate_phases(phases: Sequence[Schedule], cost: CostModel, cycles: int = 1) -> list[Event]:
+    """Predict consecutive steps that run different schedules (e.g. a K-FAC assignment's phases).
+
+    Step t runs ``phases[t % len(phases)]``; ``cycles`` repetitions of all phases are simulated.
+    Events carry the step index t.
+
+    Args:
+        phases: one schedule per step of a cycle; same method, stages and placement.
+        cost: per-action costs, including the K-FAC unit costs the phases need.
+        cycles: how many times to run the whole cycle.
+
+    Returns:
+        The events of ``len(phases) * cycles`` steps, sorted by start time.
+
+    Raises:
+        ValueError: no phases, ``cycles < 1``, phases of different pipelines, or a cost model
+            that does not fit.
+        ScheduleError: a phase cannot run to completion.
+    """
+    if not phases or cycles < 1:
+        raise ValueError(f"simulate_phases needs at least one phase and cycles >= 1 "
+                         f"(got {len(phases)} phases, cycles={cycles})")
+    first = phases[0]
+    for p in phases:
+        _check_fits(p, cost)
+        if p.placement != first.placement or set(p.actions) != set(first.actions):
+            raise ValueError("simulate_phases: every phase must have the placement and workers of "
+                             "phase 0 (one pipeline, different action lists)")
+    return _Sim(list(phases) * cycles, cost).run()
+
+
+def action_times(schedule: Schedule, cost: CostModel) -> dict[int, list[ActionTime]]:
+    """When each action of one step of ``schedule`` ran, per worker, in list order.
+
+    The planner (``pipefisher.planning``) reads the bubbles off these: before action i a worker
+    idles from ``times[i-1].end_ns`` to ``times[i].start_ns`` (``end_ns`` for a RECV, which spans
+    its own wait).
+
+    Returns:
+        ``{worker: [ActionTime, ...]}``, one entry per action of ``schedule.actions[worker]``.
+    """
+    _check_fits(schedule, cost)
+    sim = _Sim([schedule], cost)
+    sim.run()
+    return {w: [sim.times[(0, w, i)] for i in range(len(acts))] for w, acts in schedule.actions.items()}
 
 
 def peak_activations(schedule: Schedule) -> dict[int, int]:

@@ -1,7 +1,10 @@
 """Pipeline schedules as data: the action IR, generators, passes and static checks.
 
 Entry point: :func:`build_schedule` (generator → :func:`add_communication` →
-:func:`add_grad_sync_and_step` → :func:`check_schedule`). Nothing here imports torch.
+:func:`add_grad_sync_and_step` → :func:`check_schedule`). K-FAC work over a refresh cycle:
+:class:`Assignment`, :func:`critical_path_assignment`, :func:`check_assignment` and the JSON form
+(:func:`assignment_to_json` / :func:`assignment_from_json`) in ``pipefisher.schedules.kfac``.
+Nothing here imports torch.
 """
 
 from __future__ import annotations
@@ -19,6 +22,15 @@ from pipefisher.schedules.generators import (
     one_f_one_b,
 )
 from pipefisher.schedules.ir import Action, ActionKind, Placement, Schedule
+from pipefisher.schedules.kfac import (
+    Assignment,
+    assignment_from_json,
+    assignment_to_json,
+    check_assignment,
+    critical_path_assignment,
+    kfac_layer_counts,
+    strip_kfac,
+)
 from pipefisher.schedules.passes import add_communication, add_grad_sync_and_step
 
 __all__ = [
@@ -37,6 +49,13 @@ __all__ = [
     "add_grad_sync_and_step",
     "check_schedule",
     "build_schedule",
+    "Assignment",
+    "assignment_from_json",
+    "assignment_to_json",
+    "check_assignment",
+    "critical_path_assignment",
+    "kfac_layer_counts",
+    "strip_kfac",
 ]
 
 

@@ -16,7 +16,21 @@ collective). A schedule that completes this way also completes with buffered sen
 asynchronous all-reduces, which is what the executor and the simulator use. Computes never wait
 in a schedule with communication: their inputs are carried by RECVs, which the checks require.
 A compute-only schedule (generator output) is executed with its data dependencies instead: an F
-waits for the upstream F, a B for the downstream B.
+waits for the upstream F, a B for the downstream B. ``SYNC_FACTOR`` (K-FAC) is a blocking
+collective like ``SYNC_GRAD``, over the same members, matched by (stage, layer); the other K-FAC
+units are local work and never wait.
+
+[Note: K-FAC rules of one step]
+For a schedule with K-FAC work (``pipefisher.schedules.kfac``; the rules over a whole refresh
+cycle are in :func:`pipefisher.schedules.kfac.check_assignment`): a K-FAC unit sits on a worker
+holding its stage replica; ``CURV_A`` of (stage, micro-batch, pipe) comes after that forward on
+the same worker and ``CURV_B`` after that backward; no unit appears twice and a kind does not mix
+the all-layers form (no ``#layer``) with per-layer units of the same replica; a ``SYNC_FACTOR``
+comes after every curvature unit of its layer in the step and is issued by every replica of the
+stage; an ``INVERT`` comes after the ``SYNC_FACTOR`` of its layer when the step has one;
+``PRECOND`` (whole replica, no layer) exactly once per stage replica, after the replica's
+``SYNC_GRAD``; every K-FAC unit before ``STEP``. Workers sharing collectives issue them all
+(gradient and factor all-reduces) in one relative order.
 """
 
 from __future__ import annotations
@@ -27,11 +41,14 @@ from typing import NoReturn
 from pipefisher.schedules.ir import Action, ActionKind, Schedule
 from pipefisher.schedules.passes import matching_recv, worker_dp_groups
 
-__all__ = ["ScheduleError", "check_schedule"]
+__all__ = ["ScheduleError", "check_schedule", "stuck_positions"]
 
 K = ActionKind
 _SENDS = (K.SEND_F, K.SEND_B)
 _RECVS = (K.RECV_F, K.RECV_B)
+_COLLECTIVES = (K.SYNC_GRAD, K.SYNC_FACTOR)
+_LOCAL_KFAC = (K.CURV_A, K.CURV_B, K.INVERT, K.PRECOND)
+_NO_MICRO_BATCH = (K.SYNC_GRAD, K.SYNC_FACTOR, K.INVERT, K.PRECOND)
 
 
 class ScheduleError(ValueError):
@@ -43,7 +60,7 @@ def _fail(schedule: Schedule, message: str, mark: tuple[int, int] | None = None)
                         f"N={schedule.num_micro_batches}): {message}\n{schedule.format_grid(mark=mark)}")
 
 
-def check_schedule(schedule: Schedule, *, complete: bool = True) -> None:
+def check_schedule(schedule: Schedule, *, complete: bool = True, kfac: bool | None = None) -> None:
     """Check that ``schedule`` is well formed and runs to completion.
 
     Checks, in order: every action sits on a worker holding its stage replica (right pipe, right
@@ -52,13 +69,17 @@ def check_schedule(schedule: Schedule, *, complete: bool = True) -> None:
     carried by a SEND after the producer and a RECV before the consumer, each SEND matching exactly
     one RECV on its peer; exactly one SYNC_GRAD per stage replica (after its last B), issued in the
     same relative order by workers that share collectives, and one STEP per worker after all its
-    work; no deadlock (see [Note: deadlock semantics]).
+    work; the K-FAC rules of [Note: K-FAC rules of one step]; no deadlock (see
+    [Note: deadlock semantics]).
 
     Args:
         schedule: the schedule to check.
         complete: require communication, SYNC_GRAD and STEP (an executable schedule). With False,
             a compute-only schedule passes; whatever communication or synchronization it has is
             still checked.
+        kfac: require one PRECOND per stage replica (a step of a K-FAC run). None: require it
+            when the schedule has any K-FAC unit; False: never require it (K-FAC units present
+            are still checked).
 
     Raises:
         ScheduleError: the first violation found; the message includes the grid with the failing
@@ -73,6 +94,11 @@ def check_schedule(schedule: Schedule, *, complete: bool = True) -> None:
     has_sync = any(a.kind in (K.SYNC_GRAD, K.STEP) for acts in schedule.actions.values() for a in acts)
     if has_sync or complete:
         _check_sync_and_step(schedule)
+    has_kfac = any(a.kind.is_kfac for acts in schedule.actions.values() for a in acts)
+    if has_kfac or kfac:
+        _check_kfac(schedule, require_precond=has_kfac if kfac is None else kfac)
+    if has_sync or has_kfac or complete:
+        _check_collective_order(schedule)
     _check_no_deadlock(schedule, data_dependencies=not has_comm)
 
 
@@ -107,7 +133,9 @@ def _check_placement(schedule: Schedule) -> None:
             if where.get((dp, a.pipe, a.stage)) != w:
                 _fail(schedule, f"{a} on worker {w}: the worker does not hold stage {a.stage} of "
                                 f"pipe {a.pipe} (data-parallel group {dp})", (w, i))
-            if a.kind == K.SYNC_GRAD:
+            if a.kind in _NO_MICRO_BATCH:
+                if a.micro_batch is not None:
+                    _fail(schedule, f"{a} on worker {w}: {a.kind} takes no micro-batch", (w, i))
                 continue
             if not 0 <= a.micro_batch < schedule.num_micro_batches:
                 _fail(schedule, f"{a} on worker {w}: micro-batch out of range "
@@ -253,7 +281,7 @@ def _check_sync_and_step(schedule: Schedule) -> None:
             elif a.kind == K.BACKWARD:
                 last_b[(a.stage, a.pipe)] = i
                 last_work = i
-            elif a.kind == K.FORWARD:
+            elif a.kind == K.FORWARD or a.kind.is_kfac:
                 last_work = i
             elif a.kind == K.STEP:
                 steps.append(i)
@@ -271,16 +299,24 @@ def _check_sync_and_step(schedule: Schedule) -> None:
             _fail(schedule, f"worker {w} has {len(steps)} STEP actions; exactly one per worker",
                   (w, steps[1]) if steps else None)
         if steps[0] < last_work:
-            _fail(schedule, f"STEP on worker {w} comes before the worker's last F/B/SYNC_GRAD",
+            _fail(schedule, f"STEP on worker {w} comes before the worker's last F/B/SYNC_GRAD/K-FAC unit",
                   (w, steps[0]))
-    _check_collective_order(schedule)
+
+
+def _collective_key(a: Action) -> tuple[str, int, int | None]:
+    return (a.kind.value, a.stage, a.layer if a.kind == K.SYNC_FACTOR else None)
+
+
+def _describe(key: tuple[str, int, int | None]) -> str:
+    kind, stage, layer = key
+    return f"{stage}{kind}" + ("" if layer is None else f"#{layer}")
 
 
 def _check_collective_order(schedule: Schedule) -> None:
     """Workers sharing collectives must issue them in the same relative order."""
     members = {s: set(schedule.placement.replicas_of_stage(s)) for s in range(schedule.num_stages)}
     sync_seq = {
-        w: [(i, a.stage) for i, a in enumerate(actions) if a.kind == K.SYNC_GRAD]
+        w: [(i, _collective_key(a)) for i, a in enumerate(actions) if a.kind in _COLLECTIVES]
         for w, actions in schedule.actions.items()
     }
     workers = sorted(schedule.actions)
@@ -289,22 +325,135 @@ def _check_collective_order(schedule: Schedule) -> None:
             if y <= x:
                 continue
             shared = {s for s, m in members.items() if x in m and y in m}
-            if len(shared) < 2:
+            if not shared:
                 continue
-            seq_x = [(i, s) for i, s in sync_seq[x] if s in shared]
-            seq_y = [(i, s) for i, s in sync_seq[y] if s in shared]
-            for (i, sx), (_, sy) in zip(seq_x, seq_y):
-                if sx != sy:
-                    _fail(schedule, f"workers {x} and {y} share the gradient all-reduces of stages "
+            seq_x = [(i, key) for i, key in sync_seq[x] if key[1] in shared]
+            seq_y = [(i, key) for i, key in sync_seq[y] if key[1] in shared]
+            if len({key for _, key in seq_x}) < 2:
+                continue
+            for (i, kx), (_, ky) in zip(seq_x, seq_y):
+                if kx != ky:
+                    what = ("gradient all-reduces" if all(k[0] == K.SYNC_GRAD.value for _, k in seq_x + seq_y)
+                            else "all-reduces")
+                    _fail(schedule, f"workers {x} and {y} share the {what} of stages "
                                     f"{sorted(shared)} but issue them in different orders "
-                                    f"({[s for _, s in seq_x]} vs {[s for _, s in seq_y]})", (x, i))
+                                    f"({[_describe(k) for _, k in seq_x]} vs "
+                                    f"{[_describe(k) for _, k in seq_y]})", (x, i))
+
+
+# -- K-FAC -------------------------------------------------------------------------------------
+
+
+def _layers_match(a: int | None, b: int | None) -> bool:
+    """Does a unit of layer ``a`` touch layer ``b`` (None: every layer of the stage)?"""
+    return a is None or b is None or a == b
+
+
+def _check_kfac(schedule: Schedule, require_precond: bool) -> None:
+    """[Note: K-FAC rules of one step]."""
+    placement = schedule.placement
+    factor_syncs: dict[tuple[int, int | None], dict[int, int]] = defaultdict(dict)
+    for w, actions in schedule.actions.items():
+        computes = {(a.kind, a.stage, a.micro_batch, a.pipe): i
+                    for i, a in enumerate(actions) if a.kind.is_compute}
+        grad_syncs = {(a.stage, a.pipe): i for i, a in enumerate(actions) if a.kind == K.SYNC_GRAD}
+        seen: dict[Action, int] = {}
+        layers: dict[tuple[ActionKind, int, int | None, int], set[int | None]] = defaultdict(set)
+        curvature: list[tuple[int, Action]] = []
+        syncs: list[tuple[int, Action]] = []
+        inverts: list[tuple[int, Action]] = []
+        preconds: dict[tuple[int, int], list[int]] = defaultdict(list)
+        for i, a in enumerate(actions):
+            if not a.kind.is_kfac:
+                continue
+            if a in seen:
+                _fail(schedule, f"{a} appears twice on worker {w}; each K-FAC unit runs once per step",
+                      (w, i))
+            seen[a] = i
+            group = layers[(a.kind, a.stage, a.micro_batch, a.pipe)]
+            if group and (a.layer is None or None in group):
+                _fail(schedule, f"{a} on worker {w}: {a.kind} of stage {a.stage} mixes the all-layers "
+                                f"form (no #layer) with per-layer units in one step; use one form", (w, i))
+            group.add(a.layer)
+            if a.kind in (K.CURV_A, K.CURV_B):
+                dep = K.FORWARD if a.kind == K.CURV_A else K.BACKWARD
+                j = computes.get((dep, a.stage, a.micro_batch, a.pipe))
+                need = Action(dep, a.stage, a.micro_batch, a.pipe)
+                if j is None:
+                    _fail(schedule, f"{a} on worker {w} has no {need} on this worker in this step; "
+                                    f"curvature uses what that {'forward' if dep == K.FORWARD else 'backward'} "
+                                    f"captured", (w, i))
+                if j > i:
+                    _fail(schedule, f"{a} on worker {w} runs before {need}, whose "
+                                    f"{'input' if dep == K.FORWARD else 'output gradient'} it needs", (w, i))
+                curvature.append((i, a))
+            elif a.kind == K.SYNC_FACTOR:
+                syncs.append((i, a))
+                factor_syncs[(a.stage, a.layer)][w] = i
+            elif a.kind == K.INVERT:
+                inverts.append((i, a))
+            else:  # PRECOND
+                if a.layer is not None:
+                    _fail(schedule, f"{a} on worker {w}: PRECOND preconditions a whole stage replica; "
+                                    f"drop the #layer", (w, i))
+                j = grad_syncs.get((a.stage, a.pipe))
+                if j is None or j > i:
+                    _fail(schedule, f"{a} on worker {w} must come after {a.stage}SYNC_GRAD"
+                                    f"{'@' + str(a.pipe) if a.pipe else ''}: it preconditions the "
+                                    f"all-reduced gradients", (w, i))
+                preconds[(a.stage, a.pipe)].append(i)
+        for i, sync in syncs:
+            for j, c in curvature:
+                if j > i and (c.stage, c.pipe) == (sync.stage, sync.pipe) and _layers_match(c.layer, sync.layer):
+                    _fail(schedule, f"{sync} on worker {w} comes before {c}; the factor all-reduce "
+                                    f"needs every curvature unit of its layer first", (w, i))
+        for i, inv in inverts:
+            for j, sync in syncs:
+                if j > i and (sync.stage, sync.pipe) == (inv.stage, inv.pipe) and _layers_match(sync.layer, inv.layer):
+                    _fail(schedule, f"{inv} on worker {w} comes before {sync}; the inversion needs the "
+                                    f"all-reduced factors", (w, i))
+        if require_precond:
+            for (_, p, st) in placement.stages_of(w):
+                where = preconds.get((st, p), [])
+                if len(where) != 1:
+                    _fail(schedule, f"worker {w} runs PRECOND of stage {st} (pipe {p}) {len(where)} times; "
+                                    f"a K-FAC step preconditions each stage replica exactly once, "
+                                    f"after its SYNC_GRAD and before STEP", (w, where[1]) if where else None)
+    for (stage, layer), have in factor_syncs.items():
+        members = placement.replicas_of_stage(stage)
+        missing = [m for m in members if m not in have]
+        if missing:
+            w = min(have)
+            name = f"SYNC_FACTOR of stage {stage}" + ("" if layer is None else f" layer {layer}")
+            _fail(schedule, f"{name} is issued by workers {sorted(have)} but not by {missing}: it is a "
+                            f"collective over every replica of the stage", (w, have[w]))
 
 
 # -- deadlock ----------------------------------------------------------------------------------
 
 
+def stuck_positions(schedule: Schedule) -> dict[int, int]:
+    """Where each worker stops in the abstract execution of [Note: deadlock semantics].
+
+    Returns:
+        ``{worker: index of the action it cannot complete}`` for the workers that do not finish;
+        empty when the schedule runs to completion. Planners use it to repair an order.
+    """
+    has_comm = any(a.kind.is_comm for acts in schedule.actions.values() for a in acts)
+    return _abstract_run(schedule, data_dependencies=not has_comm)
+
+
 def _check_no_deadlock(schedule: Schedule, data_dependencies: bool) -> None:
     """Abstract execution; see [Note: deadlock semantics]."""
+    stuck = _abstract_run(schedule, data_dependencies)
+    if stuck:
+        waits = ", ".join(f"worker {w} at {schedule.actions[w][i]}" for w, i in stuck.items())
+        first = min(stuck)
+        _fail(schedule, f"deadlock under blocking send/receive and collectives: {waits}",
+              (first, stuck[first]))
+
+
+def _abstract_run(schedule: Schedule, data_dependencies: bool) -> dict[int, int]:
     actions = schedule.actions
     dp_of = worker_dp_groups(schedule.placement)
     members = {s: schedule.placement.replicas_of_stage(s) for s in range(schedule.num_stages)}
@@ -345,8 +494,12 @@ def _check_no_deadlock(schedule: Schedule, data_dependencies: bool) -> None:
             return True
         if a.kind in _RECVS:
             return False  # completes from the sender's side
-        group = members[a.stage]  # SYNC_GRAD
-        if not all((c := current(m)) is not None and c.kind == K.SYNC_GRAD and c.stage == a.stage
+        if a.kind in _LOCAL_KFAC:
+            ptr[w] += 1
+            return True
+        group = members[a.stage]  # SYNC_GRAD or SYNC_FACTOR: blocking collectives
+        key = _collective_key(a)
+        if not all((c := current(m)) is not None and c.kind in _COLLECTIVES and _collective_key(c) == key
                    for m in group):
             return False
         for m in group:
@@ -359,8 +512,4 @@ def _check_no_deadlock(schedule: Schedule, data_dependencies: bool) -> None:
         for w in actions:
             while step(w):
                 progress = True
-    stuck = [w for w in sorted(actions) if current(w) is not None]
-    if stuck:
-        waits = ", ".join(f"worker {w} at {current(w)}" for w in stuck)
-        _fail(schedule, f"deadlock under blocking send/receive and collectives: {waits}",
-              (stuck[0], ptr[stuck[0]]))
+    return {w: ptr[w] for w in sorted(actions) if current(w) is not None}
