@@ -62,6 +62,7 @@ __all__ = [
     "check_assignment",
     "critical_path_assignment",
     "kfac_layer_counts",
+    "require_plain_schedule",
     "strip_kfac",
     "with_preconditioning",
 ]
@@ -168,7 +169,9 @@ def _micro_batches(schedule: Schedule, pipe: int) -> list[int]:
     return [j for j, p in enumerate(schedule.pipe_of_micro_batch) if p == pipe]
 
 
-def _check_base(schedule: Schedule, kfac_layers: Sequence[int]) -> None:
+def require_plain_schedule(schedule: Schedule, kfac_layers: Sequence[int]) -> None:
+    """Raise ValueError unless ``schedule`` is complete, has no K-FAC units, and ``kfac_layers``
+    gives a count per stage: what the assignment builders start from."""
     if any(a.kind.is_kfac for acts in schedule.actions.values() for a in acts):
         raise ValueError("the schedule already has K-FAC units; pass the pipeline's own schedule "
                          "(build_schedule output, or strip_kfac(...))")
@@ -213,7 +216,7 @@ def critical_path_assignment(schedule: Schedule, kfac_layers: Sequence[int], int
     Returns:
         A checked assignment.
     """
-    _check_base(schedule, kfac_layers)
+    require_plain_schedule(schedule, kfac_layers)
     if not isinstance(interval, int) or interval < 1:
         raise ValueError(f"interval={interval!r}: the refresh interval is a positive number of steps")
     plain = with_preconditioning(schedule)
@@ -274,8 +277,10 @@ def check_assignment(a: Assignment) -> None:
             _fail(a, p, "the phase is a different pipeline from phase 0 (method, D, N or placement)")
         if strip_kfac(phase).actions != base:
             w = next(w for w in base if strip_kfac(phase).actions.get(w) != base[w])
+            mine = [(i, x) for i, x in enumerate(phase.actions.get(w, ())) if not x.kind.is_kfac]
+            i = next((i for (i, x), y in zip(mine, base[w]) if x != y), mine[-1][0] if mine else 0)
             _fail(a, p, f"worker {w} runs different pipeline actions than in phase 0; phases differ "
-                        f"only in K-FAC units")
+                        f"only in K-FAC units", (w, i))
         try:
             check_schedule(phase, kfac=True)
         except ScheduleError as exc:
@@ -327,14 +332,19 @@ def _check_cycle(a: Assignment) -> None:
                 _fail(a, p, f"curvature of {name} is split over phases {sorted(curv_phases)}; all of a "
                             f"layer's curvature runs in one step (captures do not outlive a step)", (w, i))
             p_curv = min(curv_phases, default=0)
+            last = (p_curv, max((i for kind in (K.CURV_A, K.CURV_B) for q, i, _ in got.get(kind, []) if q == p_curv),
+                                default=None))
             for kind, after, p_after in ((K.SYNC_FACTOR, "its curvature", p_curv), (K.INVERT, "its SYNC_FACTOR", None)):
                 where = got.get(kind, [])
-                if len(where) != 1:
-                    _fail(a, where[1][0] if where else 0,
-                          f"{name} has {len(where)} {kind} in the cycle; exactly one per refresh",
-                          (w, where[1][1]) if len(where) > 1 else None)
+                if len(where) > 1:
+                    _fail(a, where[1][0], f"{name} has {len(where)} {kind} in the cycle; exactly one per refresh",
+                          (w, where[1][1]))
+                if not where:
+                    _fail(a, last[0], f"{name} has no {kind} in the cycle; exactly one per refresh, after "
+                                      f"{after}", None if last[1] is None else (w, last[1]))
                 if p_after is None:
                     p_after = got[K.SYNC_FACTOR][0][0]
+                last = where[0][:2]
                 p, i, _ = where[0]
                 if p < p_after:
                     _fail(a, p, f"{kind} of {name} runs in phase {p}, before {after} (phase {p_after})",
