@@ -1,0 +1,52 @@
+"""Planning: bubbles of a simulated pipeline → a K-FAC work assignment (PipeFisher), and what-if.
+
+Entry points: :func:`plan_pipefisher` (K-FAC units into the bubbles, smallest refresh interval k),
+:func:`compare_optimizers` (predicted step time and utilization of nvlamb, kfac and pipefisher),
+:func:`estimate_costs` / :func:`costs_from_profile` (cost models with K-FAC unit costs),
+:func:`find_bubbles`, :func:`estimate_memory` and :func:`what_if`. ``schedule.py`` runs
+``pipefisher.planning.cli.schedule_main`` (not imported here: it registers Hydra configs).
+"""
+
+from pipefisher.planning.assign import PlanStats, plan_interval, plan_pipefisher
+from pipefisher.planning.bubbles import Bubble, TimelineSummary, find_bubbles, summarize_timeline
+from pipefisher.planning.costs import (
+    Hardware,
+    RunShape,
+    costs_from_profile,
+    encoder_layers_per_stage,
+    estimate_costs,
+    estimate_run_costs,
+    kfac_linear_dims,
+    stage_parameters,
+)
+from pipefisher.planning.memory import MemoryEstimate, estimate_memory
+from pipefisher.planning.predict import Comparison, Prediction, compare_optimizers, predict_assignment, predict_schedule
+from pipefisher.planning.whatif import Candidate, format_candidates, what_if
+
+__all__ = [
+    "Bubble",
+    "Candidate",
+    "Comparison",
+    "Hardware",
+    "MemoryEstimate",
+    "PlanStats",
+    "Prediction",
+    "RunShape",
+    "TimelineSummary",
+    "compare_optimizers",
+    "costs_from_profile",
+    "encoder_layers_per_stage",
+    "estimate_costs",
+    "estimate_memory",
+    "estimate_run_costs",
+    "find_bubbles",
+    "format_candidates",
+    "kfac_linear_dims",
+    "plan_interval",
+    "plan_pipefisher",
+    "predict_assignment",
+    "predict_schedule",
+    "stage_parameters",
+    "summarize_timeline",
+    "what_if",
+]

@@ -1,0 +1,215 @@
+"""Bubbles of a simulated step, and step time / utilization of simulated steps.
+
+[Note: bubbles as insertion windows]
+A bubble is idle time of a worker in the simulated timeline, tied to a place in its action list:
+before action i the worker is free from the end of action i−1 (``free``) until action i can do
+its work (``ready``: the start of a compute, STEP or PRECOND, the arrival of a RECV's data).
+Work of total length ≤ ``ready − free`` inserted at that place leaves every later action's time
+unchanged (each action starts at max(worker free, inputs ready), and neither moves), so the
+pipeline does not slow down. Sends and all-reduce arrivals take no worker time and never wait, so
+they open no window; work is inserted after them, so messages and all-reduces are not delayed.
+
+The last window of a worker, the *tail* (before STEP), also holds the worker's *slack*: the time
+its step ends before the slowest worker's, by which its STEP can slip without lengthening the
+step (a PRECOND waiting for its gradient all-reduce opens a window of its own before it)::
+
+    W0  F0 F1 .. B0 .. B1 SYNC_GRAD [wait for all-reduce] PRECOND | STEP     slowest: no slack
+    W1  .. F0 F1 B0 .. B1 SYNC_GRAD [wait for all-reduce] PRECOND |[slack ......] STEP
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from pipefisher.schedules import Action, ActionKind, Schedule
+from pipefisher.simulate import CostModel, action_times
+from pipefisher.timeline import COMPUTE_KINDS, Event
+
+__all__ = ["Bubble", "TimelineSummary", "Window", "WindowItem", "find_bubbles", "find_windows", "summarize_timeline"]
+
+K = ActionKind
+
+
+@dataclass(frozen=True)
+class Bubble:
+    """Idle time of one worker in one simulated step.
+
+    Attributes:
+        worker: the worker.
+        point: index of the action the bubble precedes (work goes before it).
+        start_ns: the worker becomes free.
+        end_ns: the next action needs the worker (for the last window: plus the worker's slack).
+        tail: the worker's last window (before STEP).
+    """
+
+    worker: int
+    point: int
+    start_ns: int
+    end_ns: int
+    tail: bool = False
+
+    @property
+    def length_ns(self) -> int:
+        return self.end_ns - self.start_ns
+
+
+@dataclass
+class WindowItem:
+    """An action placed in a window over [start, end) ns; ``seq`` breaks ties in list order."""
+
+    start: int
+    end: int
+    seq: int
+    action: Action
+
+
+@dataclass
+class Window:
+    """A bubble being filled by the planner: items are kept in time order.
+
+    ``fit`` finds room at or after a ready time without passing ``end``; ``force`` puts work
+    after everything already there, past ``end`` if need be (exposed work).
+    """
+
+    point: int
+    start: int
+    end: int
+    tail: bool = False
+    items: list[WindowItem] = field(default_factory=list)
+
+    def fit(self, ready: int, cost: int) -> int | None:
+        """Earliest start >= ready (and >= start) of a free span of ``cost`` ns, or None.
+
+        Work never overlaps an item, and a span of work never contains a zero-length item (an
+        all-reduce's arrival) strictly inside it.
+        """
+        t = max(ready, self.start)
+        moved = True
+        while moved:
+            moved = False
+            for item in self.items:
+                if item.end > item.start:
+                    overlap = item.start < t + cost and item.end > t if cost else item.start < t < item.end
+                else:
+                    overlap = t < item.start < t + cost
+                if overlap:
+                    t, moved = item.end, True
+        return t if t + cost <= self.end else None
+
+    def force(self, ready: int, cost: int) -> int:
+        """Start of ``cost`` ns of work after every item here (and after ``ready``)."""
+        return max([ready, self.start] + [item.end for item in self.items])
+
+    def add(self, start: int, cost: int, seq: int, action: Action) -> WindowItem:
+        item = WindowItem(start, start + cost, seq, action)
+        self.items.append(item)
+        self.items.sort(key=lambda x: (x.start, x.end, x.seq))
+        return item
+
+    def remove(self, item: WindowItem) -> None:
+        self.items.remove(item)
+
+    def busy_until(self, t: int) -> int:
+        """The first instant >= t at which no item of this window is running."""
+        moved = True
+        while moved:
+            moved = False
+            for item in self.items:
+                if item.start < t < item.end:
+                    t, moved = item.end, True
+        return t
+
+    @property
+    def actions(self) -> list[Action]:
+        return [item.action for item in self.items]
+
+    @property
+    def exposed_ns(self) -> int:
+        """How far the items run past ``end``."""
+        return max([0] + [item.end - self.end for item in self.items])
+
+
+def find_windows(schedule: Schedule, cost: CostModel) -> tuple[dict[int, list[Window]], dict[int, list[tuple[int, int, int]]], int]:
+    """The insertion windows of one simulated step ([Note: bubbles as insertion windows]).
+
+    Args:
+        schedule: a complete schedule (PRECONDs included when the run preconditions).
+        cost: its cost model.
+
+    Returns:
+        ``(windows, times, step_end)``: per worker its windows in list order (every worker has a
+        tail window, possibly empty); per worker ``(free, ready, end)`` of each action; the end of
+        the slowest worker's STEP.
+    """
+    times = action_times(schedule, cost)
+    step_end = max(t[-1].end_ns for t in times.values())
+    windows: dict[int, list[Window]] = {}
+    spans: dict[int, list[tuple[int, int, int]]] = {}
+    for w, acts in schedule.actions.items():
+        ts = times[w]
+        tail = next(i for i, a in enumerate(acts) if a.kind == K.STEP)
+        slack = step_end - ts[-1].end_ns
+        spans[w] = []
+        out = []
+        for i, a in enumerate(acts):
+            free = ts[i - 1].end_ns if i else 0
+            ready = ts[i].end_ns if a.kind in (K.RECV_F, K.RECV_B) else ts[i].start_ns
+            spans[w].append((free, ready, ts[i].end_ns))
+            if i == tail:
+                out.append(Window(i, free, ready + slack, tail=True))
+            elif ready > free:
+                out.append(Window(i, free, ready))
+        windows[w] = out
+    return windows, spans, step_end
+
+
+def find_bubbles(schedule: Schedule, cost: CostModel) -> list[Bubble]:
+    """The bubbles of one simulated step of ``schedule``, by worker and time."""
+    windows, _, _ = find_windows(schedule, cost)
+    return [Bubble(w, win.point, win.start, win.end, win.tail)
+            for w in sorted(windows) for win in windows[w] if win.end > win.start]
+
+
+@dataclass(frozen=True)
+class TimelineSummary:
+    """Step time and utilization of simulated steps.
+
+    Attributes:
+        step_time_ns: mean time per step (last STEP end − first start, over the steps).
+        utilization: Σ busy / (workers × that span), busy being the union of compute intervals
+            (``timeline.COMPUTE_KINDS``: F, B, K-FAC work, STEP) clipped to the span.
+        num_steps: steps summarized.
+    """
+
+    step_time_ns: float
+    utilization: float
+    num_steps: int
+
+
+def summarize_timeline(events: Sequence[Event], num_workers: int, num_steps: int) -> TimelineSummary:
+    """Step time and bubble utilization of ``num_steps`` consecutive simulated steps.
+
+    The span ends with the last STEP: a factor all-reduce still running after it belongs to the
+    next step's time (it overlaps that step's work).
+    """
+    start = min(e.start_ns for e in events)
+    steps = [e.end_ns for e in events if e.kind == K.STEP.value]
+    end = max(steps) if steps else max(e.end_ns for e in events)
+    span = max(end - start, 1)
+    busy = 0
+    for w in range(num_workers):
+        intervals = sorted((max(e.start_ns, start), min(e.end_ns, end)) for e in events
+                           if e.worker == w and e.kind in COMPUTE_KINDS and e.start_ns < end)
+        cur_s = cur_e = None
+        for s, e in intervals:
+            if cur_e is None or s > cur_e:
+                if cur_e is not None:
+                    busy += cur_e - cur_s
+                cur_s, cur_e = s, e
+            else:
+                cur_e = max(cur_e, e)
+        if cur_e is not None:
+            busy += cur_e - cur_s
+    return TimelineSummary(step_time_ns=(end - start) / num_steps, utilization=busy / (num_workers * span),
+                           num_steps=num_steps)

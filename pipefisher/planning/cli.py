@@ -1,0 +1,244 @@
+"""``schedule.py``: a profile (or an estimate) → a PipeFisher work assignment, a predicted timeline
+and a summary; or, with ``whatif=true``, a ranking of configurations under a memory budget.
+
+The entry point :func:`schedule_main` (``schedule.py``, console script ``pipefisher-schedule``)
+composes ``conf/schedule.yaml``; :func:`plan_run` and :func:`run_whatif` do the work and return
+the summary text, so tests call them without a subprocess.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Collection, Mapping, Sequence
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import hydra
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig
+
+from pipefisher.model.config import BertConfig
+from pipefisher.planning.config import ScheduleConfig, register_schedule_configs, to_schedule_config
+from pipefisher.planning.costs import Hardware, RunShape, costs_from_profile, estimate_run_costs
+from pipefisher.planning.predict import Comparison, compare_optimizers
+from pipefisher.planning.whatif import format_candidates, what_if
+from pipefisher.profiling import OVERSUBSCRIBED_NOTE, plot_timeline, read_profile
+from pipefisher.schedules.kfac import assignment_to_json
+
+__all__ = ["PlanResult", "plan_run", "run_whatif", "schedule_main"]
+
+log = logging.getLogger(__name__)
+register_schedule_configs()
+
+# Keys shared with train.py's config that describe the run (compared against a profile's run).
+_RUN_KEYS = ("stages", "data_parallel", "micro_batch_size", "num_micro_batches", "recompute", "precision")
+_GROUP_FIELDS = {
+    "model": ("name", "num_layers", "hidden_size", "num_heads", "intermediate_size", "vocab_size"),
+    "pipeline": ("method", "num_virtual", "layers_per_stage"),
+    "data": ("seq_len", "max_predictions"),
+}
+
+
+@dataclass(frozen=True)
+class PlanResult:
+    """What :func:`plan_run` produced."""
+
+    run: RunShape
+    comparison: Comparison
+    assignment_path: Path
+    pictures: list[Path]
+    summary: str
+
+
+def _hardware(cfg: ScheduleConfig) -> Hardware:
+    return Hardware(cfg.flops_per_s, cfg.p2p_bytes_per_s, cfg.allreduce_bytes_per_s, cfg.memory_bytes_per_s)
+
+
+def _bert(cfg: ScheduleConfig) -> BertConfig:
+    m = cfg.model
+    return BertConfig(vocab_size=m.vocab_size, hidden_size=m.hidden_size, num_layers=m.num_layers,
+                      num_heads=m.num_heads, intermediate_size=m.intermediate_size,
+                      max_position_embeddings=m.max_position_embeddings, type_vocab_size=m.type_vocab_size)
+
+
+def _run_from_config(cfg: ScheduleConfig) -> RunShape:
+    lps = cfg.pipeline.layers_per_stage
+    return RunShape(_bert(cfg), cfg.pipeline.method, cfg.stages, cfg.num_micro_batches, cfg.micro_batch_size,
+                    cfg.data_parallel, cfg.pipeline.num_virtual, cfg.data.seq_len, cfg.data.max_predictions,
+                    tuple(lps) if lps else None, cfg.recompute, cfg.precision)
+
+
+def _norm(value: Any) -> Any:
+    return list(value) if isinstance(value, (list, tuple)) else value
+
+
+def _conflicts(cfg: ScheduleConfig, run_cfg: Mapping[str, Any], requested: Collection[str]) -> list[str]:
+    """Keys the user set that differ from the profiled run."""
+    out = []
+    for key in sorted(requested):
+        head, _, rest = key.partition(".")
+        if head in _GROUP_FIELDS:
+            names = [rest] if rest in _GROUP_FIELDS[head] else ([] if rest else _GROUP_FIELDS[head])
+            for name in names:
+                mine, theirs = getattr(getattr(cfg, head), name), run_cfg.get(head, {}).get(name)
+                if _norm(mine) != _norm(theirs):
+                    out.append(f"{head}.{name}={mine!r} (the profiled run has {theirs!r})")
+        elif key in _RUN_KEYS and getattr(cfg, key) != run_cfg.get(key):
+            out.append(f"{key}={getattr(cfg, key)!r} (the profiled run has {run_cfg.get(key)!r})")
+    return out
+
+
+def _run_from_profile(cfg: ScheduleConfig, path: Path, metadata: Mapping[str, Any],
+                      requested: Collection[str]) -> RunShape:
+    run_cfg = metadata.get("config")
+    if not isinstance(run_cfg, Mapping):
+        if any(k.partition(".")[0] in (*_RUN_KEYS, *_GROUP_FIELDS) for k in requested):
+            return _run_from_config(cfg)  # an nsys export: the run is what the keys say
+        raise ValueError(f"{path}: field metadata.config is missing (an nsys export, or not written by "
+                         f"profile.py); give the run's keys too (model=, pipeline=, stages=, "
+                         f"num_micro_batches=, micro_batch_size=) or rerun profile.py")
+    for field, key in (("num_stages", "stages"), ("num_micro_batches", "num_micro_batches")):
+        if field in metadata and metadata[field] != run_cfg.get(key):
+            raise ValueError(f"{path}: field metadata.{field}={metadata[field]!r} disagrees with "
+                             f"metadata.config.{key}={run_cfg.get(key)!r}; the file is damaged: rerun profile.py")
+    if "method" in metadata and metadata["method"] != run_cfg.get("pipeline", {}).get("method"):
+        raise ValueError(f"{path}: field metadata.method={metadata['method']!r} disagrees with "
+                         f"metadata.config.pipeline.method; rerun profile.py")
+    conflicts = _conflicts(cfg, run_cfg, requested)
+    if conflicts:
+        raise ValueError(f"{path}: the profile is of another run than requested: {'; '.join(conflicts)}. "
+                         f"Profile the run you plan for (python profile.py with those keys) or drop "
+                         f"those keys to plan the profiled run")
+    try:
+        return RunShape.from_train_config(run_cfg)
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ValueError(f"{path}: field metadata.config is not a train config ({exc!r}); rerun profile.py "
+                         f"with this version of pipefisher") from None
+
+
+def _override_keys(overrides: Sequence[str]) -> set[str]:
+    return {o.lstrip("+~").split("=", 1)[0] for o in overrides}
+
+
+def _train_keys(run: RunShape, path: Path) -> str:
+    v = f" pipeline.num_virtual={run.num_virtual}" if run.method == "interleaved" else ""
+    return (f"python train.py optimizer=pipefisher optimizer.schedule={path} pipeline={run.method}{v} "
+            f"stages={run.stages} num_micro_batches={run.num_micro_batches} "
+            f"micro_batch_size={run.micro_batch_size} data_parallel={run.dp_width}")
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1e3:10.2f} ms"
+
+
+def plan_run(cfg: ScheduleConfig, out_dir: str | Path, requested: Collection[str] = ()) -> PlanResult:
+    """Plan PipeFisher for the configured run; write assignment.json and timeline.pdf/png.
+
+    Args:
+        cfg: the schedule config; with ``from_`` the run and its costs come from that profile.
+        out_dir: where to write.
+        requested: config keys the user set (checked against a profile's run).
+
+    Returns:
+        The run, the comparison, the paths written and the summary text.
+
+    Raises:
+        ValueError: a profile that does not fit the requested run, or a bad config; the message
+            names the file/field and the fix.
+    """
+    out_dir = Path(out_dir)
+    notes = []
+    if cfg.from_:
+        path = Path(cfg.from_)
+        profile = read_profile(path)
+        run = _run_from_profile(cfg, path, profile.metadata, requested)
+        workers = {e.worker for e in profile.events}
+        if workers and max(workers) >= run.num_workers:
+            raise ValueError(f"{path}: events of worker {max(workers)} but the run has {run.num_workers} workers "
+                             f"(stages × data_parallel); profile that run or pass its stages=/data_parallel=")
+        cost = costs_from_profile(profile, run, path=path)
+        source = f"measured in {path} ({len(profile.events)} events; K-FAC units measured or estimated at the measured FLOP rate)"
+        if profile.metadata.get("oversubscribed"):
+            notes.append(OVERSUBSCRIBED_NOTE)
+        if str(profile.metadata.get("device", "")).startswith("cpu"):
+            notes.append("costs measured on CPU: the prediction is for devices that run each action as fast "
+                         "as these CPU workers did, with workers <= cores (DESIGN.md, Conventions)")
+    else:
+        run = _run_from_config(cfg)
+        cost = estimate_run_costs(run, _hardware(cfg))
+        source = (f"estimated from FLOPs (flops_per_s={cfg.flops_per_s:g}, p2p_bytes_per_s={cfg.p2p_bytes_per_s:g}, "
+                  f"allreduce_bytes_per_s={cfg.allreduce_bytes_per_s or cfg.p2p_bytes_per_s:g})")
+    schedule = run.build_schedule()
+    comparison = compare_optimizers(schedule, cost, run.kfac_layers, max_interval=cfg.max_interval,
+                                    kfac_interval=cfg.kfac_interval)
+    a = comparison.assignment
+    meta = dict(a.metadata)
+    meta.update(source=source, model=cfg.model.name if not cfg.from_ else run.bert.__dict__,
+                micro_batch_size=run.micro_batch_size, seq_len=run.seq_len, costs=asdict(cost))
+    a = replace(a, metadata=meta)
+    path = assignment_to_json(a, out_dir / "assignment.json")
+    title = (f"PipeFisher plan: {run.method} D={run.stages} N={run.num_micro_batches} W={run.dp_width}, "
+             f"k={a.interval} (predicted)")
+    pictures = plot_timeline(comparison.events, out_dir / "timeline", title=title,
+                             num_workers=schedule.num_workers) if cfg.plot else []
+    c = comparison
+    k = c.pipefisher.interval
+    lines = [
+        f"PipeFisher plan for {cfg.model.name if not cfg.from_ else 'the profiled model'} "
+        f"(L={run.bert.num_layers}, H={run.bert.hidden_size}): {run.method} D={run.stages} "
+        f"N={run.num_micro_batches} W={run.dp_width}, micro-batch {run.micro_batch_size} × {run.seq_len} tokens",
+        f"costs: {source}",
+        f"bubble utilization: {c.nvlamb.utilization:.1%} before (nvlamb) -> {c.pipefisher.utilization:.1%} "
+        f"after (pipefisher, k={k})",
+        "predicted step time:",
+        f"  {'nvlamb':<44}{_ms(c.nvlamb.step_time_s)}",
+        f"  {f'kfac (critical path), refresh every {c.kfac.interval} step(s)':<44}{_ms(c.kfac.step_time_s)}",
+        f"  {f'kfac (critical path), refresh every {k} step(s)':<44}{_ms(c.kfac_same_interval.step_time_s)}",
+        f"  {f'pipefisher, refresh every k={k} step(s)':<44}{_ms(c.pipefisher.step_time_s)}",
+        f"refresh interval k={k} (smallest whose bubbles hold the K-FAC work; max_interval={cfg.max_interval}); "
+        f"per refresh {a.metadata['spilled_ns'] / 1e6:.2f} ms spilled before STEP, "
+        f"{a.metadata['tail_ns'] / 1e6:.2f} ms after the last backward (no bubble there)",
+        f"wrote {', '.join(p.name for p in [path, *pictures])}, summary.txt in {out_dir}",
+        f"use it: {_train_keys(run, path)}",
+    ] + [f"note: {n}" for n in notes]
+    summary = "\n".join(lines)
+    (out_dir / "summary.txt").write_text(summary + "\n")
+    log.debug("%s", summary)
+    return PlanResult(run, comparison, path, pictures, summary)
+
+
+def run_whatif(cfg: ScheduleConfig, out_dir: str | Path) -> str:
+    """Rank configurations (``whatif=true``); writes whatif.json; returns the text to print."""
+    out_dir = Path(out_dir)
+    s = cfg.search
+    candidates = what_if(_bert(cfg), devices=cfg.devices, memory_gb=cfg.memory_gb, global_batch=cfg.global_batch,
+                         hardware=_hardware(cfg), methods=s.methods, micro_batch_sizes=s.micro_batch_sizes,
+                         optimizers=s.optimizers, recompute=s.recompute, num_virtual=s.num_virtual,
+                         seq_len=cfg.data.seq_len, max_predictions=cfg.data.max_predictions,
+                         precision=cfg.precision, max_interval=cfg.max_interval)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "whatif.json").write_text(json.dumps([asdict(c) for c in candidates], indent=1) + "\n")
+    header = (f"what-if: {cfg.model.name} on {cfg.devices} devices × {cfg.memory_gb:g} GB, global batch "
+              f"{cfg.global_batch}, {cfg.data.seq_len} tokens; predicted from FLOP estimates "
+              f"(flops_per_s={cfg.flops_per_s:g}, p2p_bytes_per_s={cfg.p2p_bytes_per_s:g}); memory excludes "
+              f"framework overhead")
+    text = header + "\n" + format_candidates(candidates, cfg.search.top) + f"\nwrote whatif.json in {out_dir}"
+    log.debug("%s", text)
+    return text
+
+
+@hydra.main(config_path="../conf", config_name="schedule", version_base="1.3")
+def schedule_main(dcfg: DictConfig) -> None:
+    """Compose, validate, plan (or rank) and print the summary; bad input exits with the message."""
+    hc = HydraConfig.get()
+    try:
+        cfg = to_schedule_config(dcfg)
+        if cfg.whatif:
+            text = run_whatif(cfg, hc.runtime.output_dir)
+        else:
+            text = plan_run(cfg, hc.runtime.output_dir, _override_keys(hc.overrides.task)).summary
+    except ValueError as exc:  # ConfigError, ProfileError, ScheduleError are ValueErrors
+        raise SystemExit(f"schedule.py: {exc}") from None
+    print(text)

@@ -1,0 +1,117 @@
+"""The config schema of ``schedule.py`` (registered in Hydra's ConfigStore as ``schedule_schema``).
+
+It reuses train.py's ``model``, ``pipeline`` and ``data`` groups and top-level keys (``stages``,
+``num_micro_batches``, ``micro_batch_size``, ``data_parallel``, ``recompute``, ``precision``), so
+a run's overrides plan that run. ``from`` (the profile to plan from) is a Python keyword, so the
+dataclass field is ``from_`` and the stored schema node names the key ``from`` (a typed
+``DictConfig`` built from the dataclass: a typo or a wrong type still fails at composition).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Optional, Union, get_args, get_origin, get_type_hints
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import DictConfig, ListConfig, OmegaConf
+from omegaconf.nodes import AnyNode, BooleanNode, FloatNode, IntegerNode, StringNode
+
+from pipefisher.config import ConfigError, DataConfig, ModelConfig, PipelineConfig, register_configs
+
+__all__ = ["ScheduleConfig", "WhatIfConfig", "register_schedule_configs", "schedule_schema_node",
+           "to_schedule_config"]
+
+
+@dataclass
+class WhatIfConfig:
+    """The search space of ``whatif=true``."""
+
+    methods: list[str] = field(default_factory=lambda: ["gpipe", "1f1b", "chimera", "interleaved"])  # pipeline methods
+    micro_batch_sizes: list[int] = field(default_factory=lambda: [4, 8, 16, 32])  # sequences per micro-batch
+    optimizers: list[str] = field(default_factory=lambda: ["nvlamb", "kfac", "pipefisher"])  # optimizers to compare
+    recompute: list[bool] = field(default_factory=lambda: [False, True])  # recomputation settings to try
+    num_virtual: int = 2  # model chunks per worker for interleaved
+    top: int = 20  # lines of the printed ranking (and of the exclusions)
+
+
+@dataclass
+class ScheduleConfig:
+    """What ``schedule.py`` plans: from a profile (``from=``), from estimates, or a what-if search."""
+
+    from_: Optional[str] = None  # key `from`: profile.sqlite to take costs and the run from; None = estimate
+    model: ModelConfig = field(default_factory=ModelConfig)  # the model (group `model`)
+    pipeline: PipelineConfig = field(default_factory=PipelineConfig)  # the pipeline method (group `pipeline`)
+    data: DataConfig = field(default_factory=DataConfig)  # sequence shape: data.seq_len, data.max_predictions
+    stages: int = 4  # pipeline stages D (workers per pipeline)
+    data_parallel: int = 1  # data-parallel width W
+    micro_batch_size: int = 32  # sequences per micro-batch
+    num_micro_batches: int = 8  # micro-batches per step N
+    recompute: bool = False  # activation recomputation (B costs 3F; less activation memory)
+    precision: str = "fp32"  # fp32 or bf16: bytes of activations and messages
+    flops_per_s: float = 1.0e14  # sustained FLOP/s of one device (A100/H100-class TF32 ~ 1e14)
+    p2p_bytes_per_s: float = 5.0e10  # stage-to-stage bandwidth in bytes/s (NVLink-class)
+    allreduce_bytes_per_s: Optional[float] = None  # all-reduce bandwidth; None = p2p_bytes_per_s
+    memory_bytes_per_s: float = 1.5e12  # device memory bandwidth (optimizer step)
+    max_interval: int = 8  # largest K-FAC refresh interval k PipeFisher may choose
+    kfac_interval: int = 1  # refresh interval of the kfac (critical path) baseline in the summary
+    plot: bool = True  # write the predicted timeline (timeline.pdf/png)
+    whatif: bool = False  # rank configurations instead of planning one
+    devices: int = 16  # whatif: devices to use
+    memory_gb: float = 40.0  # whatif: memory per device in GB
+    global_batch: int = 256  # whatif: sequences per optimizer step
+    search: WhatIfConfig = field(default_factory=WhatIfConfig)  # whatif: the search space
+
+    def __post_init__(self) -> None:
+        for name in ("stages", "data_parallel", "micro_batch_size", "num_micro_batches", "max_interval",
+                     "kfac_interval", "devices", "global_batch"):
+            value = getattr(self, name)
+            if value < 1:
+                raise ConfigError(f"{name}={value!r}: must be at least 1")
+        for name in ("flops_per_s", "p2p_bytes_per_s", "memory_bytes_per_s", "memory_gb"):
+            value = getattr(self, name)
+            if not value > 0:
+                raise ConfigError(f"{name}={value!r}: must be positive")
+        if self.allreduce_bytes_per_s is not None and not self.allreduce_bytes_per_s > 0:
+            raise ConfigError(f"allreduce_bytes_per_s={self.allreduce_bytes_per_s!r}: must be positive, or null")
+        if self.precision not in ("fp32", "bf16"):
+            raise ConfigError(f"precision={self.precision!r}: choose fp32 or bf16")
+
+
+_NODE_TYPES = {int: IntegerNode, float: FloatNode, bool: BooleanNode, str: StringNode}
+
+
+def _node(tp: Any, value: Any) -> Any:
+    optional = get_origin(tp) is Union and type(None) in get_args(tp)
+    inner = next((t for t in get_args(tp) if t is not type(None)), tp) if optional else tp
+    if dataclasses.is_dataclass(inner):
+        return OmegaConf.structured(value)
+    if get_origin(inner) is list:
+        return ListConfig(value, element_type=get_args(inner)[0])
+    return _NODE_TYPES.get(inner, AnyNode)(value, is_optional=optional)
+
+
+def schedule_schema_node() -> DictConfig:
+    """The typed schema of :class:`ScheduleConfig` with ``from_`` named ``from``."""
+    hints = get_type_hints(ScheduleConfig)
+    default = ScheduleConfig()
+    return OmegaConf.create({("from" if f.name == "from_" else f.name): _node(hints[f.name], getattr(default, f.name))
+                             for f in dataclasses.fields(ScheduleConfig)})
+
+
+def register_schedule_configs() -> None:
+    """Register ``schedule_schema`` (and train.py's group schemas, which its defaults use)."""
+    register_configs()
+    ConfigStore.instance().store(name="schedule_schema", node=schedule_schema_node())
+
+
+def to_schedule_config(cfg: DictConfig) -> ScheduleConfig:
+    """A validated :class:`ScheduleConfig` from the composed config (``hydra`` keys dropped)."""
+    data = OmegaConf.to_container(cfg, resolve=True)
+    data.pop("hydra", None)
+    data["from_"] = data.pop("from", None)
+    data["model"] = ModelConfig(**data["model"])
+    data["pipeline"] = PipelineConfig(**data["pipeline"])
+    data["data"] = DataConfig(**data["data"])
+    data["search"] = WhatIfConfig(**data["search"])
+    return ScheduleConfig(**data)

@@ -1,0 +1,130 @@
+"""Per-worker memory estimate of a run: weights, gradients, optimizer state, activations, captures.
+
+[Note: memory model] (bytes, for the worker that needs the most)::
+
+    weights, gradients   4 per parameter of every stage replica the worker holds (fp32 master)
+    optimizer state      NVLAMB: 2 moments, 8 per parameter; K-FAC adds per Linear layer the two
+                         factors and their inverses, 4·((in+1)² + out²) each set: 2 sets for kfac,
+                         3 for PipeFisher (deferred: the inverses in use and the ones being built)
+    activations          peak in-flight micro-batches of the schedule (``peak_activations``) × the
+                         activations one micro-batch leaves in the largest stage it holds: per encoder
+                         layer S·b·H·(34 + 5·A·S/H) bytes at 16 bits (Korthikanti et al., 2022,
+                         "Reducing activation recomputation"), twice that in fp32; with recomputation
+                         only each layer's input (S·b·H elements) plus one layer's full activations
+    captures (K-FAC)     a layer's input x (T × in) from its F until its CURV_A, its output gradient
+                         (T × out) from its B until its CURV_B, for the layers refreshed in a step:
+                         the peak over the worker's action list, the largest over the phases
+
+Framework overhead (CUDA context, allocator fragmentation, workspaces) is not included: leave a
+margin of a few GB.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+
+from pipefisher.planning.costs import RunShape, kfac_linear_dims, stage_parameters
+from pipefisher.schedules import ActionKind, Schedule
+from pipefisher.schedules.kfac import Assignment
+from pipefisher.simulate import peak_activations
+
+__all__ = ["MemoryEstimate", "estimate_memory"]
+
+K = ActionKind
+GB = 1e9
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """Bytes of the worker that needs the most, by component (see [Note: memory model])."""
+
+    worker: int
+    weights: float
+    gradients: float
+    optimizer: float
+    activations: float
+    captures: float
+
+    @property
+    def total(self) -> float:
+        return self.weights + self.gradients + self.optimizer + self.activations + self.captures
+
+    @property
+    def total_gb(self) -> float:
+        return self.total / GB
+
+    def describe(self) -> str:
+        parts = ", ".join(f"{name} {getattr(self, name) / GB:.1f}" for name in
+                          ("weights", "gradients", "optimizer", "activations", "captures"))
+        return f"{self.total_gb:.1f} GB on worker {self.worker} ({parts} GB)"
+
+
+def _activation_bytes(run: RunShape, encoder_layers: int, first: bool) -> float:
+    b, s = run.micro_batch_size, run.seq_len
+    h, a = run.bert.hidden_size, run.bert.num_heads
+    per_layer_16 = s * b * h * (34 + 5 * a * s / h)
+    scale = run.bytes_per_element / 2
+    if run.recompute:
+        layers = encoder_layers * s * b * h * run.bytes_per_element + per_layer_16 * scale
+    else:
+        layers = encoder_layers * per_layer_16 * scale
+    return layers + (s * b * h * run.bytes_per_element if first else 0)
+
+
+def _capture_peak(phase: Schedule, worker: int, run: RunShape, kfac_layers: list[int]) -> float:
+    tokens = run.micro_batch_size * run.seq_len
+    elem = run.bytes_per_element
+    dims = {s: kfac_linear_dims(run.bert, n) for s, n in enumerate(run.encoder_layers)}
+    acts = phase.actions[worker]
+    refreshed: dict[tuple[int, int], set[int]] = defaultdict(set)
+    for a in acts:
+        if a.kind in (K.CURV_A, K.CURV_B):
+            refreshed[(a.stage, a.pipe)].update(range(kfac_layers[a.stage]) if a.layer is None else (a.layer,))
+    held = peak = 0.0
+    for a in acts:
+        key = (a.stage, a.pipe)
+        if a.kind in (K.FORWARD, K.BACKWARD) and key in refreshed:
+            side = 0 if a.kind == K.FORWARD else 1
+            held += sum(tokens * dims[a.stage][layer][side] * elem for layer in refreshed[key])
+        elif a.kind in (K.CURV_A, K.CURV_B):
+            side = 0 if a.kind == K.CURV_A else 1
+            layers = range(kfac_layers[a.stage]) if a.layer is None else (a.layer,)
+            held -= sum(tokens * dims[a.stage][layer][side] * elem for layer in layers)
+        peak = max(peak, held)
+    return peak
+
+
+def estimate_memory(run: RunShape, optimizer: str, schedule: Schedule | None = None,
+                    assignment: Assignment | None = None) -> MemoryEstimate:
+    """Memory of the most loaded worker of ``run`` under ``optimizer`` ([Note: memory model]).
+
+    Args:
+        run: the run's shape.
+        optimizer: ``nvlamb``, ``kfac`` or ``pipefisher``.
+        schedule: the run's schedule (built from ``run`` when None).
+        assignment: the K-FAC assignment, for the capture memory (none counted when None).
+
+    Returns:
+        The estimate of the worker with the largest total.
+    """
+    if optimizer not in ("nvlamb", "kfac", "pipefisher"):
+        raise ValueError(f"optimizer={optimizer!r}: choose nvlamb, kfac or pipefisher")
+    schedule = schedule or run.build_schedule()
+    params = stage_parameters(run.bert, run.partition)
+    encoder = run.encoder_layers
+    peaks = peak_activations(schedule)
+    factor_sets = {"nvlamb": 0, "kfac": 2, "pipefisher": 3}[optimizer]
+    best = None
+    for w in sorted(schedule.actions):
+        stages = [s for (_, _, s) in schedule.placement.stages_of(w)]
+        p = sum(params[s] for s in stages)
+        factors = sum(4.0 * ((i + 1) ** 2 + o * o) for s in stages for i, o in kfac_linear_dims(run.bert, encoder[s]))
+        act = peaks[w] * max(_activation_bytes(run, encoder[s], s == 0) for s in stages)
+        captures = 0.0
+        if assignment is not None and optimizer != "nvlamb":
+            captures = max(_capture_peak(ph, w, run, list(assignment.kfac_layers)) for ph in assignment.phases)
+        est = MemoryEstimate(w, 4.0 * p, 4.0 * p, 8.0 * p + factor_sets * factors, act, captures)
+        if best is None or est.total > best.total:
+            best = est
+    return best

@@ -1,0 +1,188 @@
+"""What-if search: rank pipeline shapes and optimizers by predicted throughput under a memory budget.
+
+For a model, a device count and a global batch, every combination of method, stages D (a divisor
+of the device count; data-parallel width W = devices / D), micro-batch size, recomputation and
+optimizer is either ranked by predicted samples per second (simulated with
+:func:`~pipefisher.planning.costs.estimate_costs`; PipeFisher planned with
+:func:`~pipefisher.planning.assign.plan_pipefisher`) or excluded with the reason: a shape the
+method does not support, a global batch that does not split into micro-batches, or a memory
+estimate (:func:`~pipefisher.planning.memory.estimate_memory`) over the budget.
+
+One data-parallel group is simulated (the groups run identical lists); W enters through the
+all-reduce costs and the global batch.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+
+from pipefisher.model.config import BertConfig
+from pipefisher.planning.assign import plan_pipefisher
+from pipefisher.planning.costs import Hardware, RunShape, estimate_run_costs
+from pipefisher.planning.memory import estimate_memory
+from pipefisher.planning.predict import predict_assignment, predict_schedule
+from pipefisher.schedules.kfac import critical_path_assignment
+
+__all__ = ["Candidate", "format_candidates", "what_if"]
+
+log = logging.getLogger(__name__)
+
+METHODS = ("gpipe", "1f1b", "chimera", "interleaved")
+OPTIMIZERS = ("nvlamb", "kfac", "pipefisher")
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One configuration of the search and its prediction (or why it was excluded).
+
+    Attributes:
+        method, stages, num_virtual, micro_batch_size, dp_width, num_micro_batches, recompute,
+        optimizer: the configuration (``stages`` = workers per pipeline).
+        samples_per_s: predicted throughput (None when excluded before simulation).
+        step_time_s: predicted mean step time.
+        utilization: predicted bubble utilization.
+        interval: K-FAC refresh interval (1 for nvlamb and the kfac baseline).
+        memory_gb: estimated memory of the most loaded worker.
+        excluded: why the configuration cannot run, or None.
+    """
+
+    method: str
+    stages: int
+    num_virtual: int
+    micro_batch_size: int
+    dp_width: int
+    num_micro_batches: int
+    recompute: bool
+    optimizer: str
+    samples_per_s: float | None = None
+    step_time_s: float | None = None
+    utilization: float | None = None
+    interval: int | None = None
+    memory_gb: float | None = None
+    excluded: str | None = None
+
+    @property
+    def label(self) -> str:
+        v = f" v={self.num_virtual}" if self.method == "interleaved" else ""
+        return (f"{self.method} D={self.stages}{v} W={self.dp_width} mbs={self.micro_batch_size} "
+                f"N={self.num_micro_batches} recompute={str(self.recompute).lower()} {self.optimizer}")
+
+
+def _shape_problem(bert: BertConfig, method: str, d: int, v: int, n: int) -> str | None:
+    if method == "chimera" and d % 2:
+        return f"chimera needs an even number of stages (stages={d})"
+    if d * v > bert.num_layers:
+        return f"{d * v} model stages exceed the model's {bert.num_layers} encoder layers"
+    if method in ("chimera", "interleaved") and n % d:
+        return f"{method} needs num_micro_batches={n} to be a multiple of stages={d}"
+    return None
+
+
+def what_if(bert: BertConfig, *, devices: int, memory_gb: float, global_batch: int,
+            hardware: Hardware = Hardware(), methods: Sequence[str] = METHODS,
+            micro_batch_sizes: Sequence[int] = (4, 8, 16, 32), optimizers: Sequence[str] = OPTIMIZERS,
+            recompute: Sequence[bool] = (False, True), num_virtual: int = 2, seq_len: int = 128,
+            max_predictions: int = 20, precision: str = "fp32", max_interval: int = 8) -> list[Candidate]:
+    """Rank configurations by predicted throughput; list the excluded ones with the reason.
+
+    Args:
+        bert: the model.
+        devices: GPUs (workers) available; every configuration uses all of them.
+        memory_gb: memory per device.
+        global_batch: sequences per optimizer step.
+        hardware: device and link speeds for the cost estimate.
+        methods, micro_batch_sizes, optimizers, recompute: the search space.
+        num_virtual: model chunks per worker for interleaved.
+        seq_len, max_predictions, precision: the data shape.
+        max_interval: largest PipeFisher refresh interval.
+
+    Returns:
+        The feasible candidates, best first, then the excluded ones.
+    """
+    for m in methods:
+        if m not in METHODS:
+            raise ValueError(f"whatif method {m!r}: choose from {', '.join(METHODS)}")
+    for o in optimizers:
+        if o not in OPTIMIZERS:
+            raise ValueError(f"whatif optimizer {o!r}: choose from {', '.join(OPTIMIZERS)}")
+    if devices < 1 or global_batch < 1 or not memory_gb > 0:
+        raise ValueError(f"devices={devices}, global_batch={global_batch}, memory_gb={memory_gb}: all must be positive")
+    ranked: list[Candidate] = []
+    excluded: list[Candidate] = []
+    budget = memory_gb * 1e9
+    for method in methods:
+        v = num_virtual if method == "interleaved" else 1
+        for d in (x for x in range(1, devices + 1) if devices % x == 0):
+            w = devices // d
+            for mbs in micro_batch_sizes:
+                for rc in recompute:
+                    base = Candidate(method, d, v, mbs, w, 0, rc, "")
+                    if global_batch % (mbs * w):
+                        for o in optimizers:
+                            excluded.append(replace(base, optimizer=o, excluded=(
+                                f"global_batch={global_batch} is not a multiple of micro_batch_size×data_parallel={mbs * w}")))
+                        continue
+                    n = global_batch // (mbs * w)
+                    base = replace(base, num_micro_batches=n)
+                    problem = _shape_problem(bert, method, d, v, n)
+                    if problem:
+                        excluded += [replace(base, optimizer=o, excluded=problem) for o in optimizers]
+                        continue
+                    run = RunShape(bert, method, d, n, mbs, w, v, seq_len, max_predictions, None, rc, precision)
+                    ranked_here, excluded_here = _evaluate(run, base, optimizers, hardware, budget, max_interval)
+                    ranked += ranked_here
+                    excluded += excluded_here
+    ranked.sort(key=lambda c: -c.samples_per_s)
+    return ranked + excluded
+
+
+def _evaluate(run: RunShape, base: Candidate, optimizers: Sequence[str], hardware: Hardware, budget: float,
+              max_interval: int) -> tuple[list[Candidate], list[Candidate]]:
+    schedule = run.build_schedule(dp_width=1)
+    cost = estimate_run_costs(run, hardware)
+    ranked, excluded = [], []
+    for opt in optimizers:
+        cand = replace(base, optimizer=opt)
+        mem = estimate_memory(run, opt, schedule)
+        if mem.total > budget:
+            excluded.append(replace(cand, memory_gb=mem.total_gb, excluded=(
+                f"memory {mem.describe()} exceeds memory_gb={budget / 1e9:g}")))
+            continue
+        if opt == "nvlamb":
+            pred, _ = predict_schedule(schedule, cost)
+        else:
+            if opt == "kfac":
+                a = critical_path_assignment(schedule, run.kfac_layers, 1)
+            else:
+                a = plan_pipefisher(schedule, cost, run.kfac_layers, max_interval=max_interval)
+            mem = estimate_memory(run, opt, schedule, a)
+            if mem.total > budget:
+                excluded.append(replace(cand, memory_gb=mem.total_gb, interval=a.interval, excluded=(
+                    f"memory {mem.describe()} (with K-FAC captures) exceeds memory_gb={budget / 1e9:g}")))
+                continue
+            pred, _ = predict_assignment(a, cost, opt)
+        ranked.append(replace(cand, samples_per_s=run.global_batch / pred.step_time_s, step_time_s=pred.step_time_s,
+                              utilization=pred.utilization, interval=pred.interval, memory_gb=mem.total_gb))
+    return ranked, excluded
+
+
+def format_candidates(candidates: Sequence[Candidate], top: int = 20) -> str:
+    """The ranking and the exclusions as text (at most ``top`` lines of each)."""
+    ranked = [c for c in candidates if c.excluded is None]
+    excluded = [c for c in candidates if c.excluded is not None]
+    lines = [f"{'rank':>4}  {'samples/s':>10}  {'step ms':>9}  {'util':>6}  {'k':>2}  {'mem GB':>7}  configuration"]
+    for i, c in enumerate(ranked[:top], 1):
+        lines.append(f"{i:>4}  {c.samples_per_s:>10.1f}  {c.step_time_s * 1e3:>9.2f}  {c.utilization:>6.1%}  "
+                     f"{c.interval:>2}  {c.memory_gb:>7.1f}  {c.label}")
+    if len(ranked) > top:
+        lines.append(f"      … {len(ranked) - top} more feasible configurations")
+    if not ranked:
+        lines.append("      no configuration fits: raise memory_gb or devices, or lower the batch")
+    lines.append(f"excluded ({len(excluded)}):")
+    for c in excluded[:top]:
+        lines.append(f"      {c.label}: {c.excluded}")
+    if len(excluded) > top:
+        lines.append(f"      … {len(excluded) - top} more (all rows in whatif.json)")
+    return "\n".join(lines)

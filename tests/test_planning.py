@@ -1,0 +1,319 @@
+"""Planning: PipeFisher's list scheduler, costs, memory, what-if, and schedule.py end to end."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from dataclasses import asdict, replace
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+
+from pipefisher.model.config import BertConfig
+from pipefisher.planning import (
+    RunShape,
+    compare_optimizers,
+    costs_from_profile,
+    estimate_costs,
+    estimate_memory,
+    find_bubbles,
+    format_candidates,
+    plan_interval,
+    plan_pipefisher,
+    predict_assignment,
+    predict_schedule,
+    what_if,
+)
+from pipefisher.planning.cli import plan_run, run_whatif
+from pipefisher.planning.config import register_schedule_configs, to_schedule_config
+from pipefisher.profiling import read_profile, write_profile
+from pipefisher.schedules import (
+    Action,
+    ActionKind,
+    assignment_from_json,
+    build_schedule,
+    check_assignment,
+    critical_path_assignment,
+)
+from pipefisher.schedules.kfac import with_preconditioning
+from pipefisher.simulate import CostModel, simulate, simulate_phases
+from tests.conftest import CONF_DIR, REPO
+
+K = ActionKind
+
+_GRID = [(m, d, n, w) for m in ("gpipe", "1f1b", "chimera", "interleaved") for d in (2, 4)
+         for n in (d // 2, d, 2 * d) for w in (1, 2)
+         if n >= 1 and not (m in ("chimera", "interleaved") and n % d)]
+
+
+def _cost(s, layers: int = 2, *, sync_ns: int = 30, unit: int = 5, precond_ns: int = 3) -> CostModel:
+    return CostModel.uniform(s.num_stages, 100, 100, p2p_ns=5, sync_ns=sync_ns, kfac_layers=layers,
+                             curv_a_ns=unit, curv_b_ns=unit, sync_factor_ns=2 * unit, invert_ns=2 * unit,
+                             precond_ns=precond_ns)
+
+
+# -- the list scheduler ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("method, d, n, w", _GRID, ids=[f"{m}-D{d}-N{n}-W{w}" for m, d, n, w in _GRID])
+def test_pipefisher_plan_passes_the_checks_and_beats_the_critical_path(method, d, n, w):
+    s = build_schedule(method, d, n, w)
+    cost = _cost(s)
+    a = plan_pipefisher(s, cost, [2] * s.num_stages)
+    check_assignment(a)
+    assert a.deferred and 1 <= a.interval <= 8 and a.schedule.actions == s.actions
+    pf, _ = predict_assignment(a, cost)
+    nvlamb, _ = predict_schedule(s, cost)
+    for k in sorted({1, a.interval}):
+        kfac, _ = predict_assignment(critical_path_assignment(s, [2] * s.num_stages, k), cost, "kfac")
+        assert pf.step_time_s <= kfac.step_time_s
+    assert pf.utilization > nvlamb.utilization
+
+
+@pytest.mark.parametrize("method, d, n, w", [("chimera", 4, 4, 1), ("chimera", 4, 8, 2), ("1f1b", 4, 8, 2),
+                                             ("gpipe", 2, 4, 2), ("interleaved", 2, 4, 1)])
+def test_small_kfac_work_is_fully_hidden_with_k_1(method, d, n, w):
+    # Equal F and B, small K-FAC units, a gradient all-reduce to wait for: every unit fits a bubble
+    # (the curvature of the last backward fits the all-reduce wait), so a refresh every step costs
+    # nothing but PRECOND, which every K-FAC step does after the all-reduce.
+    s = build_schedule(method, d, n, w)
+    for precond_ns in (0, 2):
+        cost = CostModel.uniform(s.num_stages, 100, 100, sync_ns=60, kfac_layers=2, curv_a_ns=1, curv_b_ns=1,
+                                 sync_factor_ns=2, invert_ns=2, precond_ns=precond_ns)
+        a = plan_pipefisher(s, cost, [2] * s.num_stages)
+        assert a.interval == 1 and a.metadata["spilled_ns"] == a.metadata["tail_ns"] == 0
+        pf, events = predict_assignment(a, cost)
+        plain, _ = predict_schedule(with_preconditioning(s), cost)
+        assert pf.step_time_s == plain.step_time_s
+        if precond_ns == 0:
+            assert pf.step_time_s == predict_schedule(s, cost)[0].step_time_s
+        # The pipeline's own actions run exactly when they did without K-FAC work.
+        own = {(e.worker, e.name): (e.start_ns, e.end_ns) for e in simulate(with_preconditioning(s), cost)
+               if e.kind in ("F", "B")}
+        assert {(e.worker, e.name): (e.start_ns, e.end_ns) for e in events if e.kind in ("F", "B")} == own
+
+
+def test_larger_work_takes_a_longer_interval_and_stays_off_the_pipeline():
+    s = build_schedule("chimera", 4, 8)
+    cost = _cost(s, layers=6, unit=8)
+    a, stats = plan_interval(s, cost, [6] * 4, 1)
+    assert stats.spilled_ns > 0  # one step's bubbles do not hold a refresh ...
+    b = plan_pipefisher(s, cost, [6] * 4)
+    assert b.interval > 1 and b.metadata["spilled_ns"] == 0  # ... a few steps' bubbles do
+    # Curvature of a layer is refreshed in one phase; the whole cycle refreshes every layer once.
+    phases_of = {}
+    for p, phase in enumerate(b.phases):
+        for acts in phase.actions.values():
+            for x in acts:
+                if x.kind in (K.CURV_A, K.CURV_B):
+                    phases_of.setdefault((x.stage, x.pipe, x.layer), set()).add(p)
+    assert len(phases_of) == 2 * 4 * 6 and all(len(v) == 1 for v in phases_of.values())
+
+
+def test_curvature_after_the_last_backward_without_a_bubble_is_reported_as_tail():
+    s = build_schedule("1f1b", 2, 2)  # W=1, no all-reduce: nothing follows worker 0's last B
+    cost = _cost(s, sync_ns=0, unit=1, precond_ns=0)
+    a = plan_pipefisher(s, cost, [2, 2])
+    assert a.metadata["tail_ns"] > 0
+    check_assignment(a)
+
+
+def test_up_pipe_curvature_runs_after_the_up_pipe_computes():
+    s = build_schedule("chimera", 4, 4)
+    a = plan_pipefisher(s, _cost(s), [2] * 4)
+    for phase in a.phases:
+        for w, acts in phase.actions.items():
+            for i, x in enumerate(acts):
+                if x.kind in (K.CURV_A, K.CURV_B):
+                    dep = Action(K.FORWARD if x.kind == K.CURV_A else K.BACKWARD, x.stage, x.micro_batch, x.pipe)
+                    assert acts.index(dep) < i and s.pipe_of_micro_batch[x.micro_batch] == x.pipe
+
+
+def test_find_bubbles_of_one_f_one_b_add_up_to_the_closed_form():
+    s = build_schedule("1f1b", 4, 8)
+    bubbles = find_bubbles(s, CostModel.uniform(4, 100))
+    idle = sum(b.length_ns for b in bubbles)
+    total = 4 * (8 + 4 - 1) * 200  # workers × step length (N + D − 1 slots of F + B)
+    assert idle / total == pytest.approx(3 / 11)
+    assert all(b.start_ns <= b.end_ns for b in bubbles) and any(b.tail for b in bubbles)
+
+
+def test_planner_rejects_mismatched_inputs():
+    s = build_schedule("1f1b", 2, 2)
+    with pytest.raises(ValueError, match="K-FAC costs for \\[2, 2\\] layers"):
+        plan_pipefisher(s, _cost(s), [3, 3])
+    with pytest.raises(ValueError, match="max_interval=0"):
+        plan_pipefisher(s, _cost(s), [2, 2], max_interval=0)
+
+
+# -- costs -------------------------------------------------------------------------------------
+
+TINY = BertConfig(vocab_size=512, hidden_size=128, num_layers=2, num_heads=2)
+
+
+def test_estimate_costs_follows_the_flop_formulas():
+    cost = estimate_costs(TINY, 2, 2, 32, 5, 1e12, 1e10, num_replicas=2)
+    t = 2 * 32  # tokens per micro-batch
+    assert cost.backward_ns == tuple(2 * f for f in cost.forward_ns) or all(
+        abs(b - 2 * f) <= 1 for f, b in zip(cost.forward_ns, cost.backward_ns))
+    assert cost.kfac_layers == (6, 6)
+    assert cost.curv_a_ns[0][0] == round(2 * t * 128 ** 2 / 1e3)  # 2·T·in² FLOPs at 1e12 FLOP/s, in ns
+    assert cost.curv_b_ns[0][4] == round(2 * t * 512 ** 2 / 1e3)  # intermediate.dense: out = 4H
+    assert cost.invert_ns[0][0] == round(2 * 128 ** 3 * (2 / 3 + 1) / 1e3)
+    assert cost.precond_ns[0] == round((4 * 2 * 128 * 128 * 256 + 2 * 2 * 128 * 512 * 640) / 1e3)
+    assert cost.sync_factor_ns[0][0] == round(4 * 2 * 128 ** 2 / 1e10 * 1e9)  # 2(r-1)/r = 1 for r = 2
+    assert cost.p2p_ns == round(2 * 32 * 128 * 4 / 1e10 * 1e9)
+    single = estimate_costs(TINY, 2, 2, 32, 5, 1e12, 1e10)
+    assert single.sync_ns == (0, 0) and single.sync_factor_ns[0][0] == 0  # one replica: no all-reduce
+
+
+def _profile(tmp_path: Path, make_cfg, method: str = "1f1b", *, kfac: bool = False, extra=()) -> tuple[Path, CostModel]:
+    cfg = make_cfg(f"pipeline={method}", "stages=2", "num_micro_batches=4", *extra)
+    s = build_schedule(method, 2, 4)
+    cost = CostModel.uniform(2, 1000, 2000, p2p_ns=70, sync_ns=0, step_ns=50, kfac_layers=6,
+                             curv_a_ns=11, curv_b_ns=13, sync_factor_ns=0, invert_ns=17, precond_ns=19)
+    if kfac:
+        events = simulate_phases(critical_path_assignment(s, [6, 6], 1).phases, cost, cycles=2)
+    else:
+        events = simulate(s, cost, steps=2)
+    path = tmp_path / "profile.sqlite"
+    write_profile(path, events, metadata={"config": asdict(cfg), "method": method, "num_stages": 2,
+                                          "num_micro_batches": 4, "device": "cpu", "oversubscribed": False})
+    return path, cost
+
+
+def test_costs_from_a_profile_recover_the_simulated_costs(tmp_path: Path, make_cfg):
+    path, truth = _profile(tmp_path, make_cfg, kfac=True)
+    cost = costs_from_profile(read_profile(path), path=path)
+    assert (cost.forward_ns, cost.backward_ns, cost.p2p_ns, cost.step_ns) == (
+        truth.forward_ns, truth.backward_ns, truth.p2p_ns, truth.step_ns)
+    assert (cost.curv_a_ns, cost.curv_b_ns, cost.invert_ns, cost.precond_ns) == (
+        truth.curv_a_ns, truth.curv_b_ns, truth.invert_ns, truth.precond_ns)
+
+
+def test_costs_from_a_profile_without_kfac_estimate_it_at_the_measured_rate(tmp_path: Path, make_cfg):
+    path, _ = _profile(tmp_path, make_cfg)
+    cost = costs_from_profile(read_profile(path), path=path)
+    assert cost.kfac_layers == (6, 6)
+    # Same FLOPs per ns as the forwards: the ratio to F is the ratio of the FLOP counts.
+    run = RunShape.from_train_config(read_profile(path).metadata["config"])
+    flops = estimate_costs(run.bert, 2, run.micro_batch_size, run.seq_len, run.max_predictions, 1e12, 1e10)
+    for s in range(2):
+        ratio = cost.curv_a_ns[s][0] / cost.forward_ns[s]
+        assert ratio == pytest.approx(flops.curv_a_ns[s][0] / flops.forward_ns[s], rel=0.02)
+
+
+def test_profile_that_does_not_fit_the_run_is_refused_with_file_and_field(tmp_path: Path, make_cfg):
+    path, _ = _profile(tmp_path, make_cfg)
+    profile = read_profile(path)
+    run = RunShape.from_train_config(profile.metadata["config"])
+    with pytest.raises(ValueError, match=f"{path}: event .* names stage 1, but the run has 1 stages"):
+        costs_from_profile(profile, replace(run, stages=1), path=path)
+    only_stage_0 = replace(profile, events=[e for e in profile.events if not e.name.startswith("1")])
+    with pytest.raises(ValueError, match=f"{path}: no F events for stage\\(s\\) \\[1\\] of 2"):
+        costs_from_profile(only_stage_0, run, path=path)
+    bad = replace(profile, events=profile.events + [replace(profile.events[0], name="0CURV_A0#9", kind="CURV_A")])
+    with pytest.raises(ValueError, match="names K-FAC layer 9 of stage 0, which has 6"):
+        costs_from_profile(bad, path=path)
+    with pytest.raises(ValueError, match="metadata.config is missing"):
+        costs_from_profile(replace(profile, metadata={}), path=path)
+
+
+# -- memory and what-if ------------------------------------------------------------------------
+
+
+def test_memory_counts_optimizer_state_activations_and_captures():
+    run = RunShape(BertConfig.from_size("mini"), "1f1b", 2, 4, 8, seq_len=64, max_predictions=10)
+    s = run.build_schedule()
+    nvlamb = estimate_memory(run, "nvlamb", s)
+    kfac = estimate_memory(run, "kfac", s, critical_path_assignment(s, run.kfac_layers, 1))
+    assert nvlamb.optimizer == 2 * nvlamb.weights and nvlamb.captures == 0
+    assert kfac.optimizer > nvlamb.optimizer and kfac.captures > 0
+    assert estimate_memory(replace(run, recompute=True), "nvlamb", s).activations < nvlamb.activations
+    assert "GB on worker" in kfac.describe()
+
+
+def test_whatif_ranks_by_throughput_and_excludes_over_budget_configs_with_the_reason():
+    bert = BertConfig.from_size("mini")
+    run = RunShape(bert, "1f1b", 2, 2, 8, 2, seq_len=64, max_predictions=10)
+    need = {o: estimate_memory(run, o, run.build_schedule(1)).total_gb for o in ("nvlamb", "kfac")}
+    budget = (need["nvlamb"] + need["kfac"]) / 2  # nvlamb fits, K-FAC's factors do not
+    found = what_if(bert, devices=4, memory_gb=budget, global_batch=32, methods=["1f1b"],
+                    micro_batch_sizes=[8, 16], optimizers=["nvlamb", "kfac"], recompute=[False], seq_len=64,
+                    max_predictions=10, max_interval=2)
+    ranked = [c for c in found if c.excluded is None]
+    assert ranked and all(a.samples_per_s >= b.samples_per_s for a, b in zip(ranked, ranked[1:]))
+    over = [c for c in found if c.excluded and "exceeds memory_gb" in c.excluded]
+    assert any(c.optimizer == "kfac" and c.stages == 2 for c in over)
+    assert any("not a multiple of micro_batch_size" in (c.excluded or "") for c in found)  # D=1, W=4, mbs=16
+    assert "excluded" in format_candidates(found)
+
+
+# -- schedule.py -------------------------------------------------------------------------------
+
+
+def _compose(overrides: list[str]):
+    register_schedule_configs()
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        return to_schedule_config(compose(config_name="schedule", overrides=overrides))
+
+
+def test_schedule_config_has_a_from_key_and_rejects_typos():
+    cfg = _compose(["from=x.sqlite", "model=bert-mini", "stages=2"])
+    assert cfg.from_ == "x.sqlite" and cfg.model.name == "bert-mini" and cfg.pipeline.method == "chimera"
+    with pytest.raises(Exception, match="frm"):
+        _compose(["frm=x.sqlite"])
+    with pytest.raises(Exception, match="stages"):
+        _compose(["stages=four"])
+
+
+def test_plan_from_a_profile_checks_the_requested_run(tmp_path: Path, make_cfg):
+    path, _ = _profile(tmp_path, make_cfg)
+    cfg = _compose([f"from={path}", "stages=4"])
+    with pytest.raises(ValueError, match=f"{path}: the profile is of another run than requested: stages=4"):
+        plan_run(cfg, tmp_path / "out", requested={"from", "stages"})
+    result = plan_run(_compose([f"from={path}", "plot=false"]), tmp_path / "out", requested={"from", "plot"})
+    assert result.run.method == "1f1b" and result.run.stages == 2
+    assert assignment_from_json(result.assignment_path) == result.comparison.assignment  # metadata aside
+    assert "costs measured on CPU" in result.summary
+
+
+def test_run_whatif_writes_every_row(tmp_path: Path):
+    cfg = _compose(["whatif=true", "model=bert-mini", "devices=2", "global_batch=16", "memory_gb=1",
+                    "search.methods=[1f1b,chimera]", "search.micro_batch_sizes=[8]", "search.recompute=[false]",
+                    "search.optimizers=[nvlamb,pipefisher]", "data.seq_len=64", "max_interval=2"])
+    text = run_whatif(cfg, tmp_path)
+    rows = json.loads((tmp_path / "whatif.json").read_text())
+    assert "samples/s" in text and {r["method"] for r in rows} == {"1f1b", "chimera"}
+
+
+def _run(args: list[str], ok: bool = True) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    assert (proc.returncode == 0) == ok, f"{args}:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    return proc
+
+
+def test_schedule_py_plans_from_a_profile(tmp_path: Path, make_cfg):
+    path, _ = _profile(tmp_path, make_cfg, "chimera")
+    out = tmp_path / "plan"
+    proc = _run(["schedule.py", f"from={path}", f"hydra.run.dir={out}"])
+    assert "bubble utilization" in proc.stdout and "pipefisher, refresh every k=" in proc.stdout
+    a = assignment_from_json(out / "assignment.json")
+    assert a.deferred and a.phases[0].method == "chimera" and a.metadata["predicted"]["pipefisher"]["interval"] == a.interval
+    for suffix in (".pdf", ".png"):
+        assert (out / f"timeline{suffix}").stat().st_size > 1000
+    bad = _run(["schedule.py", f"from={path}", "num_micro_batches=8", f"hydra.run.dir={tmp_path / 'bad'}"], ok=False)
+    assert f"{path}: the profile is of another run" in bad.stderr and "num_micro_batches=8" in bad.stderr
+
+
+def test_schedule_py_plans_from_estimates_without_a_profile(tmp_path: Path):
+    out = tmp_path / "plan"
+    proc = _run(["schedule.py", "model=bert-mini", "pipeline=1f1b", "stages=2", "num_micro_batches=4",
+                 "micro_batch_size=8", f"hydra.run.dir={out}"])
+    assert "estimated from FLOPs" in proc.stdout and "nvlamb" in proc.stdout
+    check_assignment(assignment_from_json(out / "assignment.json"))
+    assert proc.stdout.strip().endswith((out / "summary.txt").read_text().strip())
