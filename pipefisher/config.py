@@ -85,10 +85,11 @@ class OptimizerConfig:
     warmup_proportion: float = 0.1  # fraction of `steps` with linear warm-up
     poly_power: float = 0.5  # polynomial decay power after warm-up (NVIDIA phase 1)
     damping: float = 1e-3  # K-FAC damping λ (kfac, pipefisher)
-    curvature_interval: int = 1  # K-FAC: refresh factors every k steps (kfac, pipefisher)
-    inverse_interval: int = 1  # K-FAC: refresh inverses every k steps (kfac, pipefisher)
+    curvature_interval: int = 1  # kfac: refresh factors and inverses every k steps (pipefisher: the plan picks k)
+    inverse_interval: int = 1  # kfac: must equal curvature_interval (kept for clarity in configs)
     factor_decay: float = 0.95  # K-FAC running-average decay of the factors
-    schedule: Optional[str] = None  # pipefisher: work-assignment JSON written by schedule.py
+    deferred_inverse: bool = False  # kfac: use inverses from the next refresh cycle on, as pipefisher does
+    schedule: Optional[str] = None  # pipefisher: work-assignment JSON from schedule.py (kfac: run it on the critical path)
 
 
 @dataclass
@@ -271,10 +272,20 @@ def validate(cfg: TrainConfig) -> None:
             _fail("pipeline.layers_per_stage", list(lps),
                   f"needs {total_stages} counts, each >= 1, summing to model.num_layers={m.num_layers}")
 
-    # Options that exist in the config but are not available yet: fail before any work starts.
-    if cfg.optimizer.name != "nvlamb":
-        _fail("optimizer", cfg.optimizer.name,
-              "K-FAC and PipeFisher are not available yet (issue 4); use optimizer=nvlamb")
+    o = cfg.optimizer
+    if o.name in ("kfac", "pipefisher"):
+        if o.damping <= 0:
+            _fail("optimizer.damping", o.damping, "K-FAC damping must be positive, e.g. optimizer.damping=1e-3")
+        if not 0.0 <= o.factor_decay < 1.0:
+            _fail("optimizer.factor_decay", o.factor_decay, "must lie in [0, 1); 0 uses only the latest refresh")
+        if o.curvature_interval < 1 or o.inverse_interval != o.curvature_interval:
+            _fail("optimizer.inverse_interval", o.inverse_interval,
+                  f"the refresh interval is optimizer.curvature_interval={o.curvature_interval} (>= 1); "
+                  f"set optimizer.inverse_interval to the same value")
+    if o.schedule and not os.path.exists(o.schedule):
+        _fail("optimizer.schedule", o.schedule, "no such file; write one with `python schedule.py from=profile.sqlite`")
+    if o.name == "nvlamb" and o.schedule:
+        log.warning("optimizer.schedule is only used by optimizer=pipefisher (and kfac, as its baseline)")
     if cfg.data.kind == "hdf5":
         if not cfg.data.path:
             _fail("data.path", cfg.data.path, "data=hdf5 needs data.path=<shard file or directory>")

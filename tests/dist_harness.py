@@ -37,10 +37,20 @@ def _worker(rank: int, cases: list[tuple[TrainConfig, int]], out_dir: str) -> No
                             out[f"{pipe}/{stage}/{name}"] = p.grad.detach().clone()
 
             worker.before_optimizer_step.append(capture)
-            losses = [worker.train_step(step)[0] for step in range(steps)]
+            losses, factors = [], {}
+            for step in range(steps):
+                losses.append(worker.train_step(step)[0])
+                if step == 0 and worker.kfac is not None:  # K-FAC factors after the first refresh
+                    for (pipe, stage), pre in worker.kfac.pre.items():
+                        for name in pre.layer_names:
+                            layer = pre.layer(name)
+                            if layer.a is None:  # PipeFisher: factors of this refresh not synced yet
+                                continue
+                            factors[f"{pipe}/{stage}/{name}/A"] = layer.a.clone()
+                            factors[f"{pipe}/{stage}/{name}/B"] = layer.b.clone()
             params = {f"{pipe}/{stage}/{name}": p.detach().clone()
                       for (pipe, stage), m in worker.modules.items() for name, p in m.named_parameters()}
-            torch.save({"losses": losses, "grads": first_grads, "params": params},
+            torch.save({"losses": losses, "grads": first_grads, "params": params, "factors": factors},
                        Path(out_dir) / f"case{i}_rank{rank}.pt")
         finally:
             dist.destroy_process_group()
@@ -51,7 +61,9 @@ def run_cases(cases: list[tuple[TrainConfig, int]], out_dir: Path) -> list[dict[
 
     Returns:
         Per case, rank → {"losses": per-step [mlm, nsp], "grads": first step's synchronized
-        gradients, "params": parameters after the last step}, keyed "pipe/stage/name".
+        (and, with K-FAC, preconditioned) gradients, "params": parameters after the last step,
+        "factors": K-FAC factors after the first step ("pipe/stage/name/A|B")}, keyed
+        "pipe/stage/name".
     """
     max_world = max(cfg.num_workers for cfg, _ in cases)
     mp.start_processes(_worker, args=(cases, str(out_dir)), nprocs=max_world, join=True, start_method="spawn")

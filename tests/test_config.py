@@ -77,7 +77,7 @@ def test_unknown_group_option_lists_the_choices() -> None:
     (["lr=-1"], "lr", "positive"),
     (["pipeline.layers_per_stage=[1,2]", "stages=2"], "pipeline.layers_per_stage", "summing to"),
     (["data=hdf5", "data.path=/nonexistent/shards"], "data.path", "prepare"),
-    (["optimizer=kfac"], "optimizer", "nvlamb"),
+    (["optimizer=kfac", "optimizer.inverse_interval=2"], "optimizer.inverse_interval", "same value"),
 ])
 def test_cross_field_errors_name_the_field_and_the_fix(overrides: list[str], field: str, fix: str) -> None:
     with pytest.raises(ConfigError) as err:

@@ -79,7 +79,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import re
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 
 import torch
 from torch import Tensor, nn
@@ -198,6 +198,7 @@ class KFACPreconditioner:
         self.last_inverse_step: int | None = None  # step at which the inverses in use were made
         self._layers = {n: LinearKFAC(n, m, float(loss_scale), factor_dtype) for n, m in linears.items()}
         self._capturing = False
+        self._capture_names: set[str] = set(self._layers)
         self._micro_batch: int | None = None
         self._handles = [layer.module.register_forward_hook(self._hook(layer)) for layer in self._layers.values()]
 
@@ -237,16 +238,18 @@ class KFACPreconditioner:
         """Whether the hooks currently record inputs and output gradients."""
         return self._capturing
 
-    def set_capture(self, enabled: bool) -> None:
+    def set_capture(self, enabled: bool, names: Iterable[str] | None = None) -> None:
         """Turn curvature capture on or off (off: the forward hooks return at once).
 
         Turning it on opens a new capture window: each micro-batch is captured once per window
-        (see [Note: recomputation]).
+        (see [Note: recomputation]). ``names`` limits the capture to those layers (a PipeFisher
+        phase may compute the curvature of some layers only); None captures every layer.
         """
+        self._capture_names = set(self._layers) if names is None else {self.layer(n).name for n in names}
         if enabled:
-            for layer in self._layers.values():
-                layer.open_window()
-        self._capturing = bool(enabled)
+            for name in self._capture_names:
+                self._layers[name].open_window()
+        self._capturing = bool(enabled) and bool(self._capture_names)
 
     @contextlib.contextmanager
     def micro_batch(self, index: int) -> Iterator[None]:
@@ -263,7 +266,7 @@ class KFACPreconditioner:
 
     def _hook(self, layer: LinearKFAC) -> Callable[..., None]:
         def hook(module: nn.Module, inputs: tuple[Tensor, ...], output: Tensor) -> None:
-            if not self._capturing or self._micro_batch is None:
+            if not self._capturing or self._micro_batch is None or layer.name not in self._capture_names:
                 return
             if not torch.is_grad_enabled() or not output.requires_grad:
                 return
@@ -316,13 +319,20 @@ class KFACPreconditioner:
         """Fold this refresh's estimates into layer ``name``'s running averages A, B."""
         self.layer(name).update_factors(self.factor_decay)
 
-    def invert(self, name: str) -> None:
+    def invert(self, name: str, deferred: bool = False) -> None:
         """Both damped inverses of layer ``name`` in one unit, λ_A and λ_B from both traces.
+
+        With ``deferred`` they are put in use only by :meth:`promote_inverses` (PipeFisher: the
+        inverses of one refresh cycle are used from the next cycle on).
 
         Raises:
             ValueError: the layer has no factors yet.
         """
-        self.layer(name).invert(self.damping)
+        self.layer(name).invert(self.damping, deferred)
+
+    def promote_inverses(self) -> int:
+        """Put every layer's deferred inverses in use; returns how many layers had some."""
+        return sum(layer.promote() for layer in self._layers.values())
 
     def precondition(self, name: str) -> bool:
         """Replace layer ``name``'s ``W.grad`` (and ``b.grad``) by (B + λ_B I)⁻¹ ∇ (A + λ_A I)⁻¹.

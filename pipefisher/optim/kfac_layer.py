@@ -60,6 +60,8 @@ class LinearKFAC:
         self.a_inv: Tensor | None = None  # [Ĩ, Ĩ] (A + λ_A I)⁻¹
         self.b_inv: Tensor | None = None  # [O, O] (B + λ_B I)⁻¹
         self.damping: tuple[float, float] = (0.0, 0.0)  # (λ_A, λ_B) of the current inverses
+        # Inverses made with ``deferred=True``, waiting for :meth:`promote` (PipeFisher's staleness).
+        self.pending: tuple[Tensor, Tensor, tuple[float, float]] | None = None
         self.num_updates = 0
 
     @property
@@ -181,10 +183,12 @@ class LinearKFAC:
         self.normalized = False
         self.num_updates += 1
 
-    def invert(self, damping: float) -> None:
+    def invert(self, damping: float, deferred: bool = False) -> None:
         """Both damped inverses, with λ_A, λ_B from the traces of both factors read first.
 
         The factors stay as they are (the running average and the next inversion need them).
+        With ``deferred`` the inverses wait in ``pending`` until :meth:`promote`; the ones in use
+        stay until then.
 
         Raises:
             ValueError: no factors yet (no :meth:`update_factors` so far).
@@ -192,9 +196,19 @@ class LinearKFAC:
         if self.a is None or self.b is None:
             raise ValueError(f"K-FAC invert({self.name!r}): no factors yet; run curvature and update_factors first")
         lam_a, lam_b = factored_damping(self.a, self.b, damping)
-        self.a_inv = damped_inverse(self.a, lam_a)
-        self.b_inv = damped_inverse(self.b, lam_b)
-        self.damping = (lam_a, lam_b)
+        inverses = (damped_inverse(self.a, lam_a), damped_inverse(self.b, lam_b), (lam_a, lam_b))
+        if deferred:
+            self.pending = inverses
+        else:
+            self.a_inv, self.b_inv, self.damping = inverses
+
+    def promote(self) -> bool:
+        """Put the pending (deferred) inverses in use; returns whether there were any."""
+        if self.pending is None:
+            return False
+        self.a_inv, self.b_inv, self.damping = self.pending
+        self.pending = None
+        return True
 
     def precondition(self) -> bool:
         """Replace ``W.grad`` [O, I] (and ``b.grad`` [O]) by (B + λ_B I)⁻¹ [∇W | ∇b] (A + λ_A I)⁻¹.

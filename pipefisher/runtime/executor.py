@@ -19,10 +19,14 @@ backward is done; all handles are waited for at ``STEP``. The word-embedding wei
 the tied MLM-decoder weight of the last stage are left out of those all-reduces: at ``STEP`` every
 worker adds up its local copies of the tied weight's gradient and all-reduces that sum over all
 holders of either stage, so every copy receives the sum of every copy's gradient exactly once.
+A K-FAC ``PRECOND(stage, pipe)`` first waits for that replica's all-reduce (K-FAC layers are
+encoder Linear layers, never the tied weight); the global gradient norm is taken at ``STEP``,
+after preconditioning.
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -31,12 +35,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from pipefisher.runtime.kfac_work import KfacWork, StageKey
 from pipefisher.schedules.ir import Action, ActionKind, Schedule
 from pipefisher.timeline import Event
 
 __all__ = ["StageKey", "CommSpec", "StepResult", "WorkerExecutor", "message_tag"]
 
-StageKey = tuple[int, int]  # (pipe, stage)
 # Name of the event covering STEP's wait for all gradient all-reduces and the global norm.
 _WAIT_ALL_SYNCS = str(Action(ActionKind.SYNC_GRAD))
 
@@ -75,7 +79,8 @@ class WorkerExecutor:
     """Runs one worker's actions of a :class:`Schedule` step by step.
 
     Args:
-        schedule: the checked schedule (with communication, SYNC_GRAD and STEP actions).
+        schedule: the checked schedule (with communication, SYNC_GRAD and STEP actions), or the k
+            phases of a K-FAC refresh cycle (step t runs phase t mod k).
         rank: this worker's index in the schedule (its global rank).
         modules: this worker's stage replicas, keyed by (pipe, stage). A stage holding the heads
             returns the ``[mlm, nsp]`` losses; others return the hidden state.
@@ -88,11 +93,12 @@ class WorkerExecutor:
         optimizer_step: then called with that norm to update the parameters.
         loss_scale: factor applied to each micro-batch loss before backward (1 / (N · W)).
         autocast: context factory wrapped around each forward.
+        kfac: performs the K-FAC actions (None: the schedule has none).
     """
 
     def __init__(
         self,
-        schedule: Schedule,
+        schedule: Schedule | Sequence[Schedule],
         rank: int,
         modules: dict[StageKey, nn.Module],
         comm: CommSpec,
@@ -102,10 +108,12 @@ class WorkerExecutor:
         optimizer_step: Callable[[torch.Tensor], None],
         loss_scale: float,
         autocast: Callable[[], object],
+        kfac: KfacWork | None = None,
     ) -> None:
-        self.schedule = schedule
+        self.phases: list[Schedule] = [schedule] if isinstance(schedule, Schedule) else list(schedule)
+        self.schedule = self.phases[0]
         self.rank = rank
-        self.actions: Sequence[Action] = schedule.actions[rank]
+        self.kfac = kfac
         self.modules = modules
         self.comm = comm
         self.grad_groups = grad_groups
@@ -144,10 +152,14 @@ class WorkerExecutor:
         """
         now = time.perf_counter_ns
         cuda = self.comm.device.type == "cuda"
+        phase = step % len(self.phases)
+        actions = self.phases[phase].actions[self.rank]
+        if self.kfac is not None:
+            self.kfac.begin_step(actions, phase)
         events: list[Event] = []
         recvs: dict[Action, tuple[torch.Tensor, dist.Work]] = {}
         if self.eager_recv:
-            for a in self.actions:
+            for a in actions:
                 if a.kind in (ActionKind.RECV_F, ActionKind.RECV_B):
                     recvs[a] = self._post_recv(a)
         inputs: dict[tuple[int, int, int], torch.Tensor | None] = {}
@@ -155,12 +167,12 @@ class WorkerExecutor:
         grad_in: dict[tuple[int, int, int], torch.Tensor] = {}
         received: dict[tuple[ActionKind, int, int, int], torch.Tensor] = {}
         sends: list[tuple[dist.Work, torch.Tensor]] = []
-        syncs: list[tuple[dist.Work, torch.Tensor, list[nn.Parameter]]] = []
+        syncs: dict[StageKey, tuple[dist.Work, torch.Tensor, list[nn.Parameter]]] = {}
         batches: dict[int, dict[str, torch.Tensor]] = {}
         loss_sum = torch.zeros(2, device=self.comm.device)
         num_losses = 0
 
-        for a in self.actions:
+        for a in actions:
             if cuda:  # the same names in an nsys capture as in our timeline
                 torch.cuda.nvtx.range_push(str(a))
             start = now()
@@ -177,7 +189,7 @@ class WorkerExecutor:
                     x.requires_grad_(True)
                 if a.micro_batch not in batches:
                     batches[a.micro_batch] = get_batch(a.micro_batch)
-                with self.autocast():
+                with self.autocast(), self._capture(a):
                     y = module(x, batches[a.micro_batch])
                 inputs[key] = x
                 outputs[key] = y
@@ -206,7 +218,12 @@ class WorkerExecutor:
                 if group is not None:
                     params = self._sync_params[(a.pipe, a.stage)]
                     flat = torch._utils._flatten_dense_tensors([_grad(p) for p in params])
-                    syncs.append((dist.all_reduce(flat, group=group, async_op=True), flat, params))
+                    syncs[(a.pipe, a.stage)] = (dist.all_reduce(flat, group=group, async_op=True), flat, params)
+            elif k == ActionKind.PRECOND:
+                self._finish_grad_sync(syncs, (a.pipe, a.stage))  # precondition synchronized gradients
+                self.kfac.run(a)
+            elif k.is_kfac:
+                self.kfac.run(a)
             elif k == ActionKind.STEP:
                 # Waiting for sends, gradient all-reduces and the global norm is communication, not
                 # compute: it gets its own (non-busy) event, and STEP covers the update only.
@@ -228,15 +245,27 @@ class WorkerExecutor:
 
         for work, _ in sends:
             work.wait()
+        if self.kfac is not None:
+            self.kfac.end_step()
         assert not outputs and not received, f"worker {self.rank}: step {step} left work behind"
         return StepResult(loss_sum=loss_sum, num_losses=num_losses, events=events)
 
-    def _finish_grad_sync(self, syncs: list[tuple[dist.Work, torch.Tensor, list[nn.Parameter]]]) -> None:
-        for work, flat, params in syncs:
+    def _capture(self, a: Action):
+        return self.kfac.forward((a.pipe, a.stage), a.micro_batch) if self.kfac is not None else contextlib.nullcontext()
+
+    def _finish_grad_sync(self, syncs: dict[StageKey, tuple[dist.Work, torch.Tensor, list[nn.Parameter]]],
+                          key: StageKey | None = None) -> None:
+        """Wait for the pending gradient all-reduces (of one stage replica, or all) and copy back;
+        after all of them, sum the tied weight's gradient over its holders."""
+        for k in [key] if key is not None else list(syncs):
+            if k not in syncs:
+                continue
+            work, flat, params = syncs.pop(k)
             work.wait()
             for p, synced in zip(params, torch._utils._unflatten_dense_tensors(flat, [_grad(p) for p in params])):
                 p.grad.copy_(synced)
-        syncs.clear()
+        if key is not None:
+            return
         if self.tied is not None:
             params, group = self.tied
             total = torch.stack([_grad(p) for p in params]).sum(0)

@@ -28,11 +28,17 @@ from pipefisher.config import TrainConfig
 from pipefisher.data import get_micro_batch
 from pipefisher.model import BertStage, partition_layers
 from pipefisher.profiling import plot_timeline, utilization_table, write_profile
+from pipefisher.optim import KFACPreconditioner
+from pipefisher.planning.assign import plan_pipefisher
+from pipefisher.planning.costs import Hardware, estimate_costs
 from pipefisher.runtime.executor import CommSpec, StageKey, StepResult, WorkerExecutor
+from pipefisher.runtime.kfac_work import KfacWork
+from pipefisher.schedules.kfac_baseline import on_critical_path
+from pipefisher.schedules.kfac import Assignment, assignment_from_json, critical_path_assignment, kfac_layer_counts
 from pipefisher.schedules import build_schedule
-from pipefisher.schedules.ir import Schedule
+from pipefisher.schedules.ir import ActionKind, Schedule
 from pipefisher.simulate import CostModel, simulate
-from pipefisher.timeline import Event, bubble_utilization, busy_ns
+from pipefisher.timeline import COMPUTE_KINDS, Event, bubble_utilization, busy_ns
 from pipefisher.tracking import MetricsWriter, WandbLogger
 from pipefisher.training import (
     StepTimer,
@@ -49,6 +55,9 @@ from pipefisher.training import (
 __all__ = ["run_worker", "PipelineWorker", "schedule_for", "build_stage_modules", "write_run_profile", "check_world_size"]
 
 log = logging.getLogger(__name__)
+_KFAC_KINDS = frozenset(k.value for k in ActionKind if k.is_kfac)
+# A rough CPU core for start-up PipeFisher plans: fp32 matmul rate, loopback p2p, memory bandwidth.
+CPU_HARDWARE = Hardware(flops_per_s=3e10, p2p_bytes_per_s=2e9, memory_bytes_per_s=1e10)
 
 
 def schedule_for(cfg: TrainConfig) -> Schedule:
@@ -116,9 +125,9 @@ def _norm_params(modules: dict[StageKey, BertStage], schedule: Schedule, rank: i
     return params
 
 
-def _step_utilization(events: list[Event], num_workers: int) -> float:
+def _step_utilization(events: list[Event], num_workers: int, kinds: frozenset[str] = COMPUTE_KINDS) -> float:
     """Σ busy / (workers × wall), wall = the longest worker's step (robust to clock offsets)."""
-    busy = busy_ns(events)
+    busy = busy_ns(events, kinds)
     spans: dict[int, tuple[int, int]] = {}
     for e in events:
         lo, hi = spans.get(e.worker, (e.start_ns, e.end_ns))
@@ -177,6 +186,51 @@ def run_worker(
         dist.destroy_process_group()
 
 
+def encoder_layers_per_stage(cfg: TrainConfig, num_stages: int) -> list[int]:
+    """How many encoder layers each of the ``num_stages`` stages holds (the partition's choice)."""
+    bert = bert_config(cfg)
+    slices = partition_layers(bert, num_stages, seq_len=cfg.data.seq_len, max_predictions=cfg.data.max_predictions,
+                              layers_per_stage=cfg.pipeline.layers_per_stage)
+    return [sum(1 for j in range(first, last + 1) if 1 <= j <= bert.num_layers) for first, last in slices]
+
+
+def kfac_assignment(cfg: TrainConfig, schedule: Schedule) -> Assignment:
+    """Where K-FAC's work runs: after the flush (``kfac``), or in the bubbles (``pipefisher``, from
+    ``optimizer.schedule`` when given, else planned now from the built-in cost estimate).
+
+    ``kfac`` with ``optimizer.schedule`` runs that plan's work on the critical path
+    (:func:`~pipefisher.schedules.kfac_baseline.on_critical_path`)."""
+    o = cfg.optimizer
+    kfac_layers = kfac_layer_counts(schedule, encoder_layers_per_stage(cfg, schedule.num_stages))
+    if o.name == "kfac" and not o.schedule:
+        return critical_path_assignment(schedule, kfac_layers, o.curvature_interval, deferred=o.deferred_inverse)
+    if o.schedule:
+        assignment = assignment_from_json(o.schedule)
+        base = assignment.phases[0]
+        found = (base.method, base.num_stages, base.num_micro_batches, base.dp_width)
+        wanted = (schedule.method, schedule.num_stages, schedule.num_micro_batches, schedule.dp_width)
+        if found != wanted:
+            raise ValueError(
+                f"optimizer.schedule={o.schedule}: planned for (method, stages, micro-batches, data-parallel) = "
+                f"{found}, but this run is {wanted}; re-plan with `python schedule.py from=<profile of this run>`"
+            )
+        if tuple(assignment.kfac_layers) != tuple(kfac_layers):
+            raise ValueError(
+                f"optimizer.schedule={o.schedule}: planned for K-FAC layers per stage {list(assignment.kfac_layers)}, "
+                f"but this run's stages hold {kfac_layers}; re-plan for this model and partition"
+            )
+        # kfac with a plan: the plan's work on the critical path (same interval and staleness).
+        return on_critical_path(assignment) if o.name == "kfac" else assignment
+    # No plan given: plan now from the built-in estimate of this kind of device (schedule.py from a
+    # profile of this run gives a plan from measured costs).
+    hw = Hardware() if resolve_device(cfg.device).type == "cuda" else CPU_HARDWARE
+    cost = estimate_costs(bert_config(cfg), schedule.num_stages, cfg.micro_batch_size, cfg.data.seq_len,
+                          cfg.data.max_predictions, hw.flops_per_s, hw.p2p_bytes_per_s,
+                          layers_per_stage=encoder_layers_per_stage(cfg, schedule.num_stages),
+                          memory_bytes_per_s=hw.memory_bytes_per_s)
+    return plan_pipefisher(schedule, cost, kfac_layers)
+
+
 def check_world_size(cfg: TrainConfig, world_size: int) -> None:
     """Raise ValueError when ``world_size`` processes cannot run ``cfg``'s pipeline."""
     if world_size != cfg.num_workers:
@@ -209,8 +263,19 @@ class PipelineWorker:
         self.optimizer, self.scheduler = make_optimizer(cfg, named, device)
         self._norm_params = _norm_params(self.modules, self.schedule, rank)
         self.before_optimizer_step: list[Callable[[], None]] = []
+        loss_scale = 1.0 / (cfg.num_micro_batches * cfg.data_parallel)
+        self.assignment: Assignment | None = None
+        self.kfac: KfacWork | None = None
+        if cfg.optimizer.name in ("kfac", "pipefisher"):
+            self.assignment = kfac_assignment(cfg, self.schedule)
+            o = cfg.optimizer
+            preconditioners = {
+                key: KFACPreconditioner(m, damping=o.damping, factor_decay=o.factor_decay, loss_scale=loss_scale)
+                for key, m in self.modules.items()
+            }
+            self.kfac = KfacWork(preconditioners, grad_groups, deferred=self.assignment.deferred)
         self.executor = WorkerExecutor(
-            self.schedule,
+            self.assignment.phases if self.assignment is not None else self.schedule,
             rank,
             self.modules,
             CommSpec((cfg.micro_batch_size, cfg.data.seq_len, cfg.model.hidden_size), torch.float32, device),
@@ -218,8 +283,9 @@ class PipelineWorker:
             tied,
             self.global_grad_norm,
             self._optimizer_step,
-            loss_scale=1.0 / (cfg.num_micro_batches * cfg.data_parallel),
+            loss_scale=loss_scale,
             autocast=lambda: autocast_context(cfg, device),
+            kfac=self.kfac,
         )
         self.source = data_source(cfg)
         self.plan = data_plan(cfg)
@@ -309,6 +375,15 @@ def _train(cfg, rank, world_size, device, output_dir, run_name, group) -> dict[s
                 bubble_utilization=_step_utilization(events, world_size),
                 simulated_bubble_utilization=bubble_utilization(simulated, world_size),
             )
+            if worker.assignment is not None:
+                kfac_events = [e for e in events if e.kind in _KFAC_KINDS]
+                last.update(
+                    refresh_interval=worker.assignment.interval,
+                    kfac_phase=step % worker.assignment.interval,
+                    kfac_work={kind: sum(e.kind == kind for e in kfac_events) for kind in sorted(_KFAC_KINDS)},
+                    kfac_time_s=sum(e.duration_ns for e in kfac_events) / 1e9,
+                    bubble_utilization_without_kfac=_step_utilization(events, world_size, COMPUTE_KINDS - _KFAC_KINDS),
+                )
             writer.write(last)
             if step % cfg.log_every == 0 or step == cfg.steps - 1:
                 logger.log(last, step=step)

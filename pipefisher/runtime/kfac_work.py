@@ -1,0 +1,114 @@
+"""K-FAC work units as the executor runs them: one preconditioner per stage replica of a worker.
+
+The schedule decides when each unit runs (``pipefisher.schedules.kfac``: on the critical path
+for ``optimizer=kfac``, in the bubbles for ``optimizer=pipefisher``); this module only performs a
+unit when the executor reaches it.
+
+[Note: refresh cycle and staleness]
+Step t runs phase t mod k of the assignment. The refresh's curvature is captured and accumulated in
+one phase (captured activations do not outlive a step); factor syncs and inversions may follow in
+later phases. With ``deferred`` inverses (PipeFisher), inverses made during cycle c are put in use
+at the first step of cycle c+1, so every step of a cycle is preconditioned with the same inverses,
+whatever phase the inversion ran in; without (the kfac baseline), an inversion is used from the
+PRECOND right after it. Before the first inverses exist, gradients pass through unpreconditioned.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Sequence
+
+import torch
+import torch.distributed as dist
+
+from pipefisher.optim import KFACPreconditioner
+from pipefisher.schedules.ir import Action, ActionKind
+
+__all__ = ["KfacWork"]
+
+StageKey = tuple[int, int]  # (pipe, stage)
+
+
+class KfacWork:
+    """Performs CURV_A, CURV_B, SYNC_FACTOR, INVERT and PRECOND actions on one worker.
+
+    Args:
+        preconditioners: per local stage replica (pipe, stage), its K-FAC state; the action's
+            ``layer`` indexes ``preconditioner.layer_names``.
+        groups: process group of each stage's replicas (None: a single replica).
+        deferred: inverses wait for the next refresh cycle (see [Note: refresh cycle and staleness]).
+    """
+
+    def __init__(self, preconditioners: dict[StageKey, KFACPreconditioner],
+                 groups: dict[int, dist.ProcessGroup | None], deferred: bool) -> None:
+        self.pre = preconditioners
+        self.groups = groups
+        self.deferred = deferred
+        self._capturing: set[StageKey] = set()
+
+    def _names(self, a: Action) -> list[str]:
+        names = self.pre[(a.pipe, a.stage)].layer_names
+        return names if a.layer is None else [names[a.layer]]
+
+    def begin_step(self, actions: Sequence[Action], phase: int) -> None:
+        """Capture on the stage replicas whose curvature this step computes; promote deferred
+        inverses at the start of a cycle."""
+        if self.deferred and phase == 0:
+            for pre in self.pre.values():
+                pre.promote_inverses()
+        curvature: dict[StageKey, set[str]] = {}
+        for a in actions:
+            if a.kind in (ActionKind.CURV_A, ActionKind.CURV_B):
+                curvature.setdefault((a.pipe, a.stage), set()).update(self._names(a))
+        self._capturing = set(curvature)
+        for key, pre in self.pre.items():  # capture only the layers whose curvature runs this step
+            pre.set_capture(key in curvature, curvature.get(key))
+
+    @contextlib.contextmanager
+    def forward(self, key: StageKey, micro_batch: int) -> Iterator[None]:
+        """Around a forward: file what the capture hooks record under ``micro_batch``."""
+        pre = self.pre.get(key)
+        if pre is None or key not in self._capturing:
+            yield
+            return
+        with pre.micro_batch(micro_batch):
+            yield
+
+    def run(self, a: Action) -> None:
+        """Perform one K-FAC action."""
+        pre = self.pre[(a.pipe, a.stage)]
+        k = a.kind
+        if k == ActionKind.CURV_A:
+            for name in self._names(a):
+                pre.curvature_a(name, a.micro_batch)
+        elif k == ActionKind.CURV_B:
+            for name in self._names(a):
+                pre.curvature_b(name, a.micro_batch)
+        elif k == ActionKind.SYNC_FACTOR:
+            names = self._names(a)
+            group = self.groups.get(a.stage)
+            if group is not None:
+                tensors = [t for name in names for t in pre.factor_tensors(name)]
+                flat = torch._utils._flatten_dense_tensors(tensors)
+                dist.all_reduce(flat, group=group)
+                for t, synced in zip(tensors, torch._utils._unflatten_dense_tensors(flat, tensors)):
+                    t.copy_(synced)
+                world = dist.get_world_size(group)
+                for name in names:
+                    pre.finish_sync(name, world)
+            for name in names:
+                pre.update_factors(name)
+        elif k == ActionKind.INVERT:
+            for name in self._names(a):
+                pre.invert(name, deferred=self.deferred)
+        elif k == ActionKind.PRECOND:
+            for name in self._names(a):
+                pre.precondition(name)
+        else:  # pragma: no cover - only K-FAC kinds are dispatched here
+            raise ValueError(f"not a K-FAC action: {a}")
+
+    def end_step(self) -> None:
+        """Close the capture window (raises if a capture was never consumed by curvature work)."""
+        for key in self._capturing:
+            self.pre[key].step_curvature_done()
+        self._capturing = set()

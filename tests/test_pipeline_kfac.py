@@ -1,0 +1,121 @@
+"""K-FAC across pipeline stages and replicas equals single-process K-FAC; PipeFisher (work in the
+bubbles) equals K-FAC on the critical path with the same refresh interval and staleness (the
+plan's own units moved after the flush: ``optimizer=kfac optimizer.schedule=<plan>``)."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+import torch
+
+from pipefisher.config import TrainConfig
+from pipefisher.data import get_micro_batch
+from pipefisher.model import build_full_model
+from pipefisher.optim import KFACPreconditioner
+from pipefisher.planning.assign import plan_pipefisher
+from pipefisher.planning.costs import estimate_costs
+from pipefisher.runtime.worker import CPU_HARDWARE, encoder_layers_per_stage, schedule_for
+from pipefisher.schedules.kfac import assignment_to_json, kfac_layer_counts
+from pipefisher.training import bert_config, data_plan, data_source, make_optimizer
+from tests.conftest import compose_train
+from tests.dist_harness import run_cases
+
+MODEL = ["model.num_layers=4", "model.hidden_size=32", "model.num_heads=2", "model.vocab_size=128",
+         "data.seq_len=16", "data.max_predictions=3", "micro_batch_size=2", "lr=0.01", "steps=4",
+         "optimizer.damping=0.01"]
+WORD = "bert.embeddings.word_embeddings.weight"
+DECODER = "cls.predictions.decoder.weight"
+CASES = [("chimera", 2, 4, 1), ("1f1b", 2, 2, 2), ("gpipe", 4, 4, 1)]
+
+
+def _cfg(method: str, d: int, n: int, w: int, *extra: str) -> TrainConfig:
+    return compose_train(MODEL + [f"pipeline={method}", f"stages={d}", f"num_micro_batches={n}",
+                                  f"data_parallel={w}", "optimizer=kfac", *extra])
+
+
+def _single_process_kfac(cfg: TrainConfig, steps: int):
+    """Independent reference: one process, every micro-batch of every replica, K-FAC refresh and
+    preconditioning each step (interval 1, inverses used at once), then NVLAMB."""
+    model = build_full_model(bert_config(cfg), seed=cfg.seed)
+    source, plan = data_source(cfg), data_plan(cfg)
+    n_total = cfg.num_micro_batches * cfg.data_parallel
+    pre = KFACPreconditioner(model, damping=cfg.optimizer.damping, factor_decay=cfg.optimizer.factor_decay,
+                             loss_scale=1.0 / n_total)
+    optimizer, scheduler = make_optimizer(cfg, list(model.named_parameters()), torch.device("cpu"))
+    first = {}
+    for step in range(steps):
+        pre.on_step_start(step)
+        for dp in range(cfg.data_parallel):
+            for j in range(cfg.num_micro_batches):
+                with pre.micro_batch(dp * cfg.num_micro_batches + j):
+                    losses = model(None, get_micro_batch(source, step, j, dp, **plan))
+                (losses.sum() / n_total).backward()
+        pre.refresh_and_precondition(step)
+        if step == 0:
+            first["factors"] = {n: (pre.layer(n).a.clone(), pre.layer(n).b.clone()) for n in pre.layer_names}
+            first["grads"] = {n: p.grad.clone() for n, p in model.named_parameters()}
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+    return first, {n: p.detach() for n, p in model.named_parameters()}
+
+
+@pytest.fixture(scope="module")
+def kfac_results(tmp_path_factory: pytest.TempPathFactory):
+    tmp = tmp_path_factory.mktemp("kfac")
+    cases = [(_cfg(*c), 4) for c in CASES]
+    # PipeFisher with the interval its planner picks, and K-FAC running the same plan's units after the flush.
+    pf = _cfg("chimera", 2, 4, 1)
+    schedule = schedule_for(pf)
+    layers = kfac_layer_counts(schedule, encoder_layers_per_stage(pf, schedule.num_stages))
+    cost = estimate_costs(bert_config(pf), pf.stages, pf.micro_batch_size, pf.data.seq_len, pf.data.max_predictions,
+                          CPU_HARDWARE.flops_per_s, CPU_HARDWARE.p2p_bytes_per_s,
+                          layers_per_stage=encoder_layers_per_stage(pf, pf.stages))
+    assignment = plan_pipefisher(schedule, cost, layers)
+    path = tmp / "assignment.json"
+    assignment_to_json(assignment, path)
+    k = assignment.interval
+    steps = 2 * k + 1
+    cases.append((dataclasses.replace(_cfg("chimera", 2, 4, 1, "optimizer=pipefisher", f"optimizer.schedule={path}"),
+                                      steps=steps), steps))
+    cases.append((dataclasses.replace(_cfg("chimera", 2, 4, 1, f"optimizer.schedule={path}"), steps=steps), steps))
+    return run_cases(cases, tmp), k
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("index", range(len(CASES)), ids=[f"{m}-D{d}-N{n}-W{w}" for m, d, n, w in CASES])
+def test_factors_preconditioned_gradients_and_parameters_equal_single_process(index: int, kfac_results) -> None:
+    results = kfac_results[0][index]
+    cfg = _cfg(*CASES[index])
+    first, ref_params = _single_process_kfac(cfg, steps=4)
+    seen = set()
+    for r in results.values():
+        for key, factor in r["factors"].items():
+            _, _, name, which = key.split("/")
+            torch.testing.assert_close(factor, first["factors"][name][which == "B"], rtol=1e-4, atol=1e-6,
+                                       msg=lambda m, k=key: f"{k}: {m}")
+            seen.add(name)
+        for key, grad in r["grads"].items():
+            name = key.split("/", 2)[2]
+            torch.testing.assert_close(grad, first["grads"][WORD if name == DECODER else name], rtol=1e-4, atol=1e-6,
+                                       msg=lambda m, k=key: f"{k}: {m}")
+        for key, value in r["params"].items():
+            name = key.split("/", 2)[2]
+            torch.testing.assert_close(value, ref_params[WORD if name == DECODER else name], rtol=1e-4, atol=1e-5,
+                                       msg=lambda m, k=key: f"{k}: {m}")
+    assert seen == set(first["factors"]), "every encoder Linear layer has factors on some stage"
+
+
+@pytest.mark.slow
+def test_pipefisher_equals_kfac_with_the_same_interval_and_staleness(kfac_results) -> None:
+    results, k = kfac_results
+    pipefisher, kfac = results[len(CASES)], results[len(CASES) + 1]
+    assert k >= 1
+    for rank in pipefisher:
+        for key, value in pipefisher[rank]["params"].items():
+            torch.testing.assert_close(value, kfac[rank]["params"][key], rtol=1e-5, atol=1e-6,
+                                       msg=lambda m, kk=key: f"{kk}: {m}")
+    before = [sum(v) for v in pipefisher[0]["losses"]]
+    assert before == pytest.approx([sum(v) for v in kfac[0]["losses"]], rel=1e-5)
