@@ -38,6 +38,7 @@ from pipefisher.schedules import (
     check_assignment,
     critical_path_assignment,
 )
+from pipefisher.schedules.checks import stuck_positions
 from pipefisher.schedules.kfac import with_preconditioning
 from pipefisher.simulate import CostModel, simulate, simulate_phases
 from tests.conftest import CONF_DIR, REPO
@@ -130,6 +131,20 @@ def test_up_pipe_curvature_runs_after_the_up_pipe_computes():
                 if x.kind in (K.CURV_A, K.CURV_B):
                     dep = Action(K.FORWARD if x.kind == K.CURV_A else K.BACKWARD, x.stage, x.micro_batch, x.pipe)
                     assert acts.index(dep) < i and s.pipe_of_micro_batch[x.micro_batch] == x.pipe
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_factor_syncs_of_twins_that_are_also_neighbours_do_not_deadlock(n):
+    # Chimera D=2: workers 0 and 1 hold both replicas of both stages and exchange every message.
+    # Some mid-step all-reduces would deadlock under blocking semantics; the planner moves those
+    # to the step's tail and keeps the others in the bubbles.
+    s = build_schedule("chimera", 2, n)
+    cost = CostModel.uniform(2, 100, 200, p2p_ns=7, sync_ns=40, kfac_layers=3, curv_a_ns=1, curv_b_ns=3,
+                             sync_factor_ns=3, invert_ns=2, precond_ns=2)
+    a, stats = plan_interval(s, cost, [3, 3], 1)
+    check_assignment(a)
+    assert all(not stuck_positions(phase) for phase in a.phases)
+    assert 0 < stats.mid_step_syncs < 6  # some syncs inside the step, some moved to the tail
 
 
 def test_find_bubbles_of_one_f_one_b_add_up_to_the_closed_form():

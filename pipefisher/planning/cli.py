@@ -150,6 +150,7 @@ def plan_run(cfg: ScheduleConfig, out_dir: str | Path, requested: Collection[str
     """
     out_dir = Path(out_dir)
     notes = []
+    model_name = cfg.model.name
     if cfg.from_:
         path = Path(cfg.from_)
         profile = read_profile(path)
@@ -159,6 +160,7 @@ def plan_run(cfg: ScheduleConfig, out_dir: str | Path, requested: Collection[str
             raise ValueError(f"{path}: events of worker {max(workers)} but the run has {run.num_workers} workers "
                              f"(stages × data_parallel); profile that run or pass its stages=/data_parallel=")
         cost = costs_from_profile(profile, run, path=path)
+        model_name = profile.metadata.get("config", {}).get("model", {}).get("name", "the profiled model")
         source = f"measured in {path} ({len(profile.events)} events; K-FAC units measured or estimated at the measured FLOP rate)"
         if profile.metadata.get("oversubscribed"):
             notes.append(OVERSUBSCRIBED_NOTE)
@@ -175,8 +177,8 @@ def plan_run(cfg: ScheduleConfig, out_dir: str | Path, requested: Collection[str
                                     kfac_interval=cfg.kfac_interval)
     a = comparison.assignment
     meta = dict(a.metadata)
-    meta.update(source=source, model=cfg.model.name if not cfg.from_ else run.bert.__dict__,
-                micro_batch_size=run.micro_batch_size, seq_len=run.seq_len, costs=asdict(cost))
+    meta.update(source=source, model_name=model_name, model=asdict(run.bert), micro_batch_size=run.micro_batch_size,
+                seq_len=run.seq_len, max_predictions=run.max_predictions, costs=asdict(cost))
     a = replace(a, metadata=meta)
     path = assignment_to_json(a, out_dir / "assignment.json")
     title = (f"PipeFisher plan: {run.method} D={run.stages} N={run.num_micro_batches} W={run.dp_width}, "
@@ -186,7 +188,7 @@ def plan_run(cfg: ScheduleConfig, out_dir: str | Path, requested: Collection[str
     c = comparison
     k = c.pipefisher.interval
     lines = [
-        f"PipeFisher plan for {cfg.model.name if not cfg.from_ else 'the profiled model'} "
+        f"PipeFisher plan for {model_name} "
         f"(L={run.bert.num_layers}, H={run.bert.hidden_size}): {run.method} D={run.stages} "
         f"N={run.num_micro_batches} W={run.dp_width}, micro-batch {run.micro_batch_size} × {run.seq_len} tokens",
         f"costs: {source}",

@@ -64,10 +64,16 @@ class Candidate:
     excluded: str | None = None
 
     @property
-    def label(self) -> str:
+    def shape(self) -> str:
+        """The configuration without the optimizer."""
         v = f" v={self.num_virtual}" if self.method == "interleaved" else ""
-        return (f"{self.method} D={self.stages}{v} W={self.dp_width} mbs={self.micro_batch_size} "
-                f"N={self.num_micro_batches} recompute={str(self.recompute).lower()} {self.optimizer}")
+        n = self.num_micro_batches or "-"
+        return (f"{self.method} D={self.stages}{v} W={self.dp_width} mbs={self.micro_batch_size} N={n} "
+                f"recompute={str(self.recompute).lower()}")
+
+    @property
+    def label(self) -> str:
+        return f"{self.shape} {self.optimizer}"
 
 
 def _shape_problem(bert: BertConfig, method: str, d: int, v: int, n: int) -> str | None:
@@ -180,9 +186,14 @@ def format_candidates(candidates: Sequence[Candidate], top: int = 20) -> str:
         lines.append(f"      … {len(ranked) - top} more feasible configurations")
     if not ranked:
         lines.append("      no configuration fits: raise memory_gb or devices, or lower the batch")
-    lines.append(f"excluded ({len(excluded)}):")
-    for c in excluded[:top]:
-        lines.append(f"      {c.label}: {c.excluded}")
-    if len(excluded) > top:
-        lines.append(f"      … {len(excluded) - top} more (all rows in whatif.json)")
+    # One line per configuration and reason (listing its optimizers); over-budget ones first.
+    groups: dict[tuple[str, str], list[str]] = {}
+    for c in excluded:
+        groups.setdefault((c.shape, c.excluded), []).append(c.optimizer)
+    order = sorted(groups, key=lambda key: "exceeds memory_gb" not in key[1])
+    lines.append(f"excluded ({len(excluded)} configurations):")
+    for shape, reason in order[:top]:
+        lines.append(f"      {shape} {','.join(groups[(shape, reason)])}: {reason}")
+    if len(order) > top:
+        lines.append(f"      … {len(order) - top} more (all rows in whatif.json)")
     return "\n".join(lines)
