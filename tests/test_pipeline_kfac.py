@@ -15,8 +15,8 @@ from pipefisher.data import get_micro_batch
 from pipefisher.model import build_full_model
 from pipefisher.optim import KFACPreconditioner
 from pipefisher.planning.assign import plan_pipefisher
-from pipefisher.planning.costs import estimate_costs
-from pipefisher.runtime.worker import CPU_HARDWARE, encoder_layers_per_stage, schedule_for
+from pipefisher.planning.costs import estimate_run_costs
+from pipefisher.runtime.worker import CPU_HARDWARE, encoder_layers_per_stage, run_shape, schedule_for
 from pipefisher.schedules.kfac import assignment_to_json, kfac_layer_counts
 from pipefisher.training import bert_config, data_plan, data_source, make_optimizer
 from tests.conftest import compose_train
@@ -70,10 +70,7 @@ def kfac_results(tmp_path_factory: pytest.TempPathFactory):
     pf = _cfg("chimera", 2, 4, 1)
     schedule = schedule_for(pf)
     layers = kfac_layer_counts(schedule, encoder_layers_per_stage(pf, schedule.num_stages))
-    cost = estimate_costs(bert_config(pf), pf.stages, pf.micro_batch_size, pf.data.seq_len, pf.data.max_predictions,
-                          CPU_HARDWARE.flops_per_s, CPU_HARDWARE.p2p_bytes_per_s,
-                          layers_per_stage=encoder_layers_per_stage(pf, pf.stages))
-    assignment = plan_pipefisher(schedule, cost, layers)
+    assignment = plan_pipefisher(schedule, estimate_run_costs(run_shape(pf), CPU_HARDWARE), layers)
     path = tmp / "assignment.json"
     assignment_to_json(assignment, path)
     k = assignment.interval

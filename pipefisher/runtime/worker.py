@@ -30,7 +30,7 @@ from pipefisher.model import BertStage, partition_layers
 from pipefisher.profiling import plot_timeline, utilization_table, write_profile
 from pipefisher.optim import KFACPreconditioner
 from pipefisher.planning.assign import plan_pipefisher
-from pipefisher.planning.costs import Hardware, estimate_costs
+from pipefisher.planning.costs import Hardware, RunShape, estimate_run_costs
 from pipefisher.runtime.executor import CommSpec, StageKey, StepResult, WorkerExecutor
 from pipefisher.runtime.kfac_work import KfacWork
 from pipefisher.schedules.kfac_baseline import on_critical_path
@@ -52,7 +52,7 @@ from pipefisher.training import (
     set_cpu_threads,
 )
 
-__all__ = ["run_worker", "PipelineWorker", "schedule_for", "build_stage_modules", "write_run_profile", "check_world_size"]
+__all__ = ["run_shape", "kfac_assignment", "run_worker", "PipelineWorker", "schedule_for", "build_stage_modules", "write_run_profile", "check_world_size"]
 
 log = logging.getLogger(__name__)
 _KFAC_KINDS = frozenset(k.value for k in ActionKind if k.is_kfac)
@@ -224,11 +224,25 @@ def kfac_assignment(cfg: TrainConfig, schedule: Schedule) -> Assignment:
     # No plan given: plan now from the built-in estimate of this kind of device (schedule.py from a
     # profile of this run gives a plan from measured costs).
     hw = Hardware() if resolve_device(cfg.device).type == "cuda" else CPU_HARDWARE
-    cost = estimate_costs(bert_config(cfg), schedule.num_stages, cfg.micro_batch_size, cfg.data.seq_len,
-                          cfg.data.max_predictions, hw.flops_per_s, hw.p2p_bytes_per_s,
-                          layers_per_stage=encoder_layers_per_stage(cfg, schedule.num_stages),
-                          memory_bytes_per_s=hw.memory_bytes_per_s)
-    return plan_pipefisher(schedule, cost, kfac_layers)
+    return plan_pipefisher(schedule, estimate_run_costs(run_shape(cfg), hw), kfac_layers)
+
+
+def run_shape(cfg: TrainConfig) -> RunShape:
+    """The planner's description of this run (model, pipeline, batch and sequence shape)."""
+    return RunShape(
+        bert=bert_config(cfg),
+        method=cfg.pipeline.method,
+        stages=cfg.stages,
+        num_micro_batches=cfg.num_micro_batches,
+        micro_batch_size=cfg.micro_batch_size,
+        dp_width=cfg.data_parallel,
+        num_virtual=cfg.pipeline.num_virtual,
+        seq_len=cfg.data.seq_len,
+        max_predictions=cfg.data.max_predictions,
+        layers_per_stage=tuple(encoder_layers_per_stage(cfg, cfg.stages * cfg.pipeline.num_virtual)),
+        recompute=cfg.recompute,
+        precision=cfg.precision,
+    )
 
 
 def check_world_size(cfg: TrainConfig, world_size: int) -> None:
