@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-__all__ = ["Event", "COMPUTE_KINDS", "busy_ns", "bubble_utilization", "worker_utilization"]
+__all__ = ["Event", "COMPUTE_KINDS", "union_length", "busy_ns", "bubble_utilization", "worker_utilization"]
 
 # Action kinds whose time counts as useful work when measuring bubble utilization (DESIGN.md,
 # "Bubble utilization"); communication waits and idle time do not.
@@ -44,7 +44,8 @@ class Event:
         return self.end_ns - self.start_ns
 
 
-def _union_length(intervals: Iterable[tuple[int, int]]) -> int:
+def union_length(intervals: Iterable[tuple[int, int]]) -> int:
+    """Total length covered by ``intervals`` (overlapping or nested parts count once)."""
     total = 0
     cur_start: int | None = None
     cur_end = 0
@@ -67,7 +68,7 @@ def busy_ns(events: Iterable[Event], kinds: frozenset[str] = COMPUTE_KINDS) -> d
         per_worker.setdefault(e.worker, [])
         if e.kind in kinds:
             per_worker[e.worker].append((e.start_ns, e.end_ns))
-    return {w: _union_length(iv) for w, iv in per_worker.items()}
+    return {w: union_length(iv) for w, iv in per_worker.items()}
 
 
 def worker_utilization(

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 from pipefisher.schedules import Action, ActionKind, Schedule
 from pipefisher.simulate import CostModel, action_times
-from pipefisher.timeline import COMPUTE_KINDS, Event
+from pipefisher.timeline import COMPUTE_KINDS, Event, union_length
 
 __all__ = ["Bubble", "TimelineSummary", "Window", "WindowItem", "find_bubbles", "find_windows", "summarize_timeline"]
 
@@ -197,19 +197,10 @@ def summarize_timeline(events: Sequence[Event], num_workers: int, num_steps: int
     steps = [e.end_ns for e in events if e.kind == K.STEP.value]
     end = max(steps) if steps else max(e.end_ns for e in events)
     span = max(end - start, 1)
-    busy = 0
-    for w in range(num_workers):
-        intervals = sorted((max(e.start_ns, start), min(e.end_ns, end)) for e in events
-                           if e.worker == w and e.kind in COMPUTE_KINDS and e.start_ns < end)
-        cur_s = cur_e = None
-        for s, e in intervals:
-            if cur_e is None or s > cur_e:
-                if cur_e is not None:
-                    busy += cur_e - cur_s
-                cur_s, cur_e = s, e
-            else:
-                cur_e = max(cur_e, e)
-        if cur_e is not None:
-            busy += cur_e - cur_s
+    per_worker: dict[int, list[tuple[int, int]]] = {}
+    for e in events:
+        if e.kind in COMPUTE_KINDS and e.start_ns < end:
+            per_worker.setdefault(e.worker, []).append((max(e.start_ns, start), min(e.end_ns, end)))
+    busy = sum(union_length(intervals) for intervals in per_worker.values())
     return TimelineSummary(step_time_ns=(end - start) / num_steps, utilization=busy / (num_workers * span),
                            num_steps=num_steps)
