@@ -341,8 +341,8 @@ def plan_pipefisher(schedule: Schedule, cost: CostModel, kfac_layers: Sequence[i
         schedule: a complete schedule without K-FAC units (``build_schedule``).
         cost: costs including the K-FAC units (``estimate_costs`` / ``costs_from_profile``).
         kfac_layers: K-FAC layers per stage (``kfac_layer_counts``).
-        max_interval: the largest k to try. If no k up to it holds all the work, the smallest k
-            with the least spilled work (before STEP of its last phase) is chosen.
+        max_interval: the largest k to try. If no k up to it holds all the work, the k with the
+            least spilled work (run before STEP of its last phase) per step is chosen.
 
     Returns:
         A checked assignment with ``deferred=True``; ``metadata`` holds ``spilled_ns``,
@@ -350,12 +350,15 @@ def plan_pipefisher(schedule: Schedule, cost: CostModel, kfac_layers: Sequence[i
     """
     if not isinstance(max_interval, int) or max_interval < 1:
         raise ValueError(f"max_interval={max_interval!r}: try at least interval 1")
-    best: tuple[int, Assignment] | None = None
+    best: tuple[float, Assignment] | None = None
     for k in range(1, max_interval + 1):
         a, stats = plan_interval(schedule, cost, kfac_layers, k)
         log.debug("interval %d: spilled %d ns, tail %d ns", k, stats.spilled_ns, stats.tail_ns)
-        if best is None or stats.spilled_ns < best[0]:
-            best = (stats.spilled_ns, a)
+        # Spilled work lengthens one step per refresh: compare it per step, so a pipeline without
+        # bubbles to fill (e.g. Chimera with 2 stages) refreshes rarely instead of every step.
+        per_step = stats.spilled_ns / k
+        if best is None or per_step < best[0]:
+            best = (per_step, a)
         if stats.spilled_ns == 0:
             break
     return best[1]
