@@ -27,6 +27,7 @@ __all__ = [
     "WandbConfig",
     "ProfileConfig",
     "FaultConfig",
+    "CheckpointConfig",
     "TrainConfig",
     "register_configs",
     "to_train_config",
@@ -41,6 +42,7 @@ DATA_KINDS = ("synthetic", "hdf5")
 PRECISIONS = ("fp32", "bf16")
 WANDB_MODES = ("offline", "online", "disabled")
 FAULT_MODES = ("none", "raise", "kill", "stall")
+RESUME_MODES = ("none", "auto")  # or a path to a checkpoint (step_<n>) or a checkpoint directory
 
 
 class ConfigError(ValueError):
@@ -140,6 +142,21 @@ class FaultConfig:
 
 
 @dataclass
+class CheckpointConfig:
+    """Periodic checkpoints for exact resume (``pipefisher.runtime.checkpoint``); ``resume`` is top-level."""
+
+    every_steps: int = 0  # save after step n when (n + 1) % every_steps == 0 (and after the last step); 0 = off
+    every_minutes: float = 0.0  # also save when this many minutes passed since the last save; 0 = off
+    keep_last: int = 2  # complete checkpoints kept in `dir`, older ones deleted; 0 = keep all
+    dir: Optional[str] = None  # where step_<n>/ folders go; None = <run output dir>/checkpoints
+
+    @property
+    def enabled(self) -> bool:
+        """Whether this run writes checkpoints."""
+        return self.every_steps > 0 or self.every_minutes > 0
+
+
+@dataclass
 class TrainConfig:
     """One pretraining run. Top-level keys are the ones users type most."""
 
@@ -151,6 +168,7 @@ class TrainConfig:
     wandb: WandbConfig = field(default_factory=WandbConfig)
     profile: ProfileConfig = field(default_factory=ProfileConfig)
     fault: FaultConfig = field(default_factory=FaultConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
 
     stages: int = 1  # pipeline stages D (1 = single process)
     data_parallel: int = 1  # data-parallel width W (W pipelines, or W Chimera pairs)
@@ -164,6 +182,7 @@ class TrainConfig:
     device: str = "auto"  # auto (cuda if available), cpu or cuda
     log_every: int = 1  # progress-bar refresh and wandb logging interval in steps
     progress: bool = True  # show a progress bar on rank 0
+    resume: str = "none"  # none, auto (latest complete checkpoint in checkpoint.dir, if any) or a checkpoint path
 
     def __post_init__(self) -> None:
         validate(self)
@@ -286,6 +305,7 @@ def validate(cfg: TrainConfig) -> None:
         _fail("optimizer.schedule", o.schedule, "no such file; write one with `python schedule.py from=profile.sqlite`")
     if o.name == "nvlamb" and o.schedule:
         log.warning("optimizer.schedule is only used by optimizer=pipefisher (and kfac, as its baseline)")
+    _validate_checkpoint(cfg)
     if cfg.data.kind == "hdf5":
         if not cfg.data.path:
             _fail("data.path", cfg.data.path, "data=hdf5 needs data.path=<shard file or directory>")
@@ -298,6 +318,28 @@ def validate(cfg: TrainConfig) -> None:
 
         if not torch.cuda.is_available():
             _fail("device", "cuda", "no CUDA device is visible; use device=cpu or device=auto")
+
+
+def _validate_checkpoint(cfg: TrainConfig) -> None:
+    """Checks of ``checkpoint.*`` and ``resume``."""
+    c = cfg.checkpoint
+    if c.every_steps < 0:
+        _fail("checkpoint.every_steps", c.every_steps, "must be >= 0 (0 turns step-based checkpoints off)")
+    if not c.every_minutes >= 0:
+        _fail("checkpoint.every_minutes", c.every_minutes, "must be >= 0 (0 turns time-based checkpoints off)")
+    if c.keep_last < 0:
+        _fail("checkpoint.keep_last", c.keep_last, "must be >= 0 (0 keeps every checkpoint)")
+    if c.dir is not None and not str(c.dir).strip():
+        _fail("checkpoint.dir", c.dir, "give a directory, or leave it unset for <run output dir>/checkpoints")
+    if not cfg.resume:
+        _fail("resume", cfg.resume, "use resume=none, resume=auto or resume=<checkpoint path>")
+    if cfg.resume not in RESUME_MODES and not os.path.isdir(cfg.resume):
+        _fail("resume", cfg.resume,
+              "no such checkpoint; give a step_<n> directory holding manifest.json or a checkpoint directory, "
+              "or use resume=auto (latest complete checkpoint in checkpoint.dir) or resume=none")
+    if c.dir is not None and not c.enabled and cfg.resume != "auto":
+        log.warning("checkpoint.dir is set but has no effect: set checkpoint.every_steps or "
+                    "checkpoint.every_minutes to write checkpoints, or resume=auto to read them")
 
 
 def to_train_config(cfg: DictConfig | TrainConfig) -> TrainConfig:
