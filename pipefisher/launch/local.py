@@ -89,8 +89,8 @@ def run_training(cfg: TrainConfig, output_dir: str | os.PathLike, overrides: lis
                  sweep_dir: str | None = None) -> dict[str, Any]:
     """Train one run described by ``cfg``; metrics go to ``output_dir/metrics.jsonl`` and wandb.
 
-    ``stages=1, data_parallel=1`` with NVLAMB trains in this process (unless profiling); anything
-    else runs pipeline workers (one process for a single stage).
+    ``stages=1, data_parallel=1`` with NVLAMB trains in this process (unless profiling,
+    checkpointing or resuming); anything else runs pipeline workers (one process for a single stage).
 
     Returns:
         The last step's metrics (rank 0's view).
@@ -99,8 +99,10 @@ def run_training(cfg: TrainConfig, output_dir: str | os.PathLike, overrides: lis
     output_dir.mkdir(parents=True, exist_ok=True)
     run_name = run_name_from_overrides(overrides or []) or None
     group = cfg.wandb.group or (Path(sweep_dir).name if sweep_dir else None)
-    # Profiles need the executor's timeline, and K-FAC runs as schedule actions in the executor.
-    if cfg.num_workers > 1 or cfg.profile.enabled or cfg.optimizer.name != "nvlamb":
+    # Profiles need the executor's timeline, K-FAC runs as schedule actions in the executor, and
+    # checkpoints and resume are the pipeline worker's (pipefisher.runtime.checkpoint).
+    if (cfg.num_workers > 1 or cfg.profile.enabled or cfg.optimizer.name != "nvlamb"
+            or cfg.checkpoint.enabled or cfg.resume != "none"):
         result = launch_workers(cfg, output_dir, run_name=run_name, group=group)
     else:
         logger = WandbLogger(asdict(cfg), project=cfg.wandb.project, group=group, name=run_name,

@@ -4,14 +4,21 @@ Every worker builds the same schedule and the same data stream from the config (
 functions of it), holds the stage replicas the schedule's placement gives it, and runs its action
 list with :class:`~pipefisher.runtime.executor.WorkerExecutor`. Rank 0 gathers the step's timeline,
 computes the measured and simulated bubble utilization and writes ``metrics.jsonl`` and wandb.
+
+With ``checkpoint.every_steps`` / ``checkpoint.every_minutes`` every worker saves its shard of a
+checkpoint after the due steps, and ``resume=auto|<path>`` continues a run at the step after its
+checkpoint with the loss trajectory of an uninterrupted run (``pipefisher.runtime.checkpoint``,
+``pipefisher.runtime.state``).
 """
 
 from __future__ import annotations
 
 import datetime
+import hashlib
 import logging
 import math
 import os
+import random
 import signal
 import socket
 import time
@@ -20,9 +27,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch import nn
+from tqdm import tqdm
 
 from pipefisher.config import TrainConfig
 from pipefisher.data import get_micro_batch
@@ -31,7 +40,27 @@ from pipefisher.profiling import plot_timeline, utilization_table, write_profile
 from pipefisher.optim import KFACPreconditioner
 from pipefisher.planning.assign import plan_pipefisher
 from pipefisher.planning.costs import Hardware, RunShape, estimate_run_costs
+from pipefisher.runtime.checkpoint import (
+    CheckpointError,
+    CheckpointPolicy,
+    agree_on_resume,
+    checkpoint_root,
+    load_shard,
+    save_checkpoint,
+    trim_metrics,
+)
 from pipefisher.runtime.executor import CommSpec, StageKey, StepResult, WorkerExecutor
+from pipefisher.runtime.state import (
+    capture_rng_state,
+    kfac_state,
+    load_kfac_state,
+    load_module_states,
+    load_optimizer_state,
+    module_key,
+    optimizer_state,
+    restore_rng_state,
+    to_cpu,
+)
 from pipefisher.runtime.kfac_work import KfacWork
 from pipefisher.schedules.kfac_baseline import on_critical_path
 from pipefisher.schedules.kfac import Assignment, assignment_from_json, critical_path_assignment, kfac_layer_counts
@@ -39,11 +68,10 @@ from pipefisher.schedules import build_schedule
 from pipefisher.schedules.ir import ActionKind, Schedule
 from pipefisher.simulate import CostModel, simulate
 from pipefisher.timeline import COMPUTE_KINDS, Event, bubble_utilization, busy_ns
-from pipefisher.tracking import MetricsWriter, WandbLogger
+from pipefisher.tracking import METRICS_FILE, MetricsWriter, WandbLogger
 from pipefisher.training import (
     StepTimer,
     autocast_context,
-    progress_range,
     bert_config,
     data_plan,
     data_source,
@@ -52,7 +80,8 @@ from pipefisher.training import (
     set_cpu_threads,
 )
 
-__all__ = ["run_shape", "kfac_assignment", "run_worker", "PipelineWorker", "schedule_for", "build_stage_modules", "write_run_profile", "check_world_size"]
+__all__ = ["run_shape", "kfac_assignment", "run_worker", "train_worker", "PipelineWorker", "schedule_for",
+           "build_stage_modules", "write_run_profile", "check_world_size", "seed_worker_rngs"]
 
 log = logging.getLogger(__name__)
 _KFAC_KINDS = frozenset(k.value for k in ActionKind if k.is_kfac)
@@ -181,7 +210,7 @@ def run_worker(
                               is_master=False, timeout=timeout)
     dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timeout, store=store)
     try:
-        return _train(cfg, rank, world_size, device, Path(output_dir), run_name, group)
+        return train_worker(cfg, rank, world_size, device, output_dir, run_name, group)
     finally:
         dist.destroy_process_group()
 
@@ -245,6 +274,19 @@ def run_shape(cfg: TrainConfig) -> RunShape:
     )
 
 
+def seed_worker_rngs(seed: int, rank: int) -> None:
+    """Seed this process's torch (CPU and CUDA), Python and numpy generators from (seed, rank).
+
+    Dropout draws from them; each worker gets its own stream, so data-parallel replicas and the
+    stages of one micro-batch do not share dropout masks, and a run is reproducible.
+    """
+    digest = hashlib.sha256(f"pipefisher/worker-rng/{seed}/{rank}".encode()).digest()
+    value = int.from_bytes(digest[:8], "little") >> 1
+    torch.manual_seed(value)
+    random.seed(value)
+    np.random.seed(value % 2**32)
+
+
 def check_world_size(cfg: TrainConfig, world_size: int) -> None:
     """Raise ValueError when ``world_size`` processes cannot run ``cfg``'s pipeline."""
     if world_size != cfg.num_workers:
@@ -304,6 +346,68 @@ class PipelineWorker:
         self.source = data_source(cfg)
         self.plan = data_plan(cfg)
         self.dp_rank = self.schedule.placement.dp_group_of(rank)
+        seed_worker_rngs(cfg.seed, rank)
+
+    @property
+    def kfac_interval(self) -> int | None:
+        """The K-FAC refresh cycle's length k (None without K-FAC)."""
+        return self.assignment.interval if self.assignment is not None else None
+
+    def state_dict(self) -> dict[str, Any]:
+        """This worker's training state between steps, on the CPU (see ``pipefisher.runtime.state``)."""
+        return to_cpu({
+            "rank": self.rank,
+            "world_size": self.world_size,
+            "modules": {module_key(*key): m.state_dict() for key, m in sorted(self.modules.items())},
+            **optimizer_state(self.optimizer, self.scheduler),
+            "kfac": {} if self.kfac is None else {module_key(*k): kfac_state(p) for k, p in sorted(self.kfac.pre.items())},
+            "rng": capture_rng_state(self.device),
+        })
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict` output of the same worker of a run with the same shape.
+
+        Raises:
+            ValueError: the state belongs to another worker or another shape of run.
+        """
+        if (state["rank"], state["world_size"]) != (self.rank, self.world_size):
+            raise ValueError(f"state of worker {state['rank']} of {state['world_size']} given to worker "
+                             f"{self.rank} of {self.world_size}")
+        load_module_states(self.modules, state["modules"])
+        load_optimizer_state(self.optimizer, self.scheduler, state)
+        wanted = {} if self.kfac is None else {module_key(*k): p for k, p in self.kfac.pre.items()}
+        if set(state["kfac"]) != set(wanted):
+            raise ValueError(f"K-FAC state of stage replicas {sorted(state['kfac'])}, this worker has {sorted(wanted)}")
+        for key, pre in wanted.items():
+            load_kfac_state(pre, state["kfac"][key])
+        restore_rng_state(state["rng"], self.device)
+
+    def save_checkpoint(self, root: Path, step: int) -> Path:
+        """Write this worker's shard of the checkpoint after ``step`` (a collective: every worker calls it)."""
+        return save_checkpoint(root, step, self.rank, self.world_size, {"step": step, **self.state_dict()},
+                               self.cfg, self.kfac_interval)
+
+    def load_checkpoint(self, folder: Path) -> int:
+        """Load this worker's shard of the checkpoint in ``folder`` (a collective); returns its step.
+
+        Raises:
+            CheckpointError: on every worker when any worker's shard failed to load.
+        """
+        error, step = None, -1
+        try:
+            state = load_shard(folder, self.rank)
+            self.load_state_dict(state)
+            step = int(state["step"])
+        except (CheckpointError, ValueError, RuntimeError, KeyError) as err:
+            error = f"worker {self.rank}: {type(err).__name__}: {err}"
+        answers: list[Any] = [None] * self.world_size
+        dist.all_gather_object(answers, (error, step))
+        errors = [e for e, _ in answers if e]
+        if errors:
+            raise CheckpointError(f"cannot resume from {folder}: " + "; ".join(errors))
+        if len({s for _, s in answers}) != 1:
+            raise CheckpointError(f"cannot resume from {folder}: the shards hold different steps {[s for _, s in answers]}")
+        return step
 
     def global_grad_norm(self) -> torch.Tensor:
         """L2 norm of the gradient over all stages, each stage and the tied weight counted once."""
@@ -354,11 +458,51 @@ def inject_fault(cfg: TrainConfig, rank: int, step: int) -> None:
             time.sleep(3600)
 
 
-def _train(cfg, rank, world_size, device, output_dir, run_name, group) -> dict[str, Any]:
+def _step_range(cfg: TrainConfig, first: int, enabled: bool) -> range | tqdm:
+    """Steps ``first … steps-1``, in a progress bar when ``enabled`` and ``cfg.progress``."""
+    steps = range(first, cfg.steps)
+    if not (enabled and cfg.progress):
+        return steps
+    return tqdm(steps, initial=first, total=cfg.steps, desc="train", unit="step", dynamic_ncols=True)
+
+
+def _checkpoint_due(policy: CheckpointPolicy, step: int, device: torch.device) -> bool:
+    """Whether every worker saves after ``step``; the time rule follows rank 0's clock."""
+    due = policy.due_by_steps(step)
+    if policy.every_minutes > 0:
+        flag = torch.tensor([float(due or policy.due_by_time())], device=device)
+        dist.broadcast(flag, src=0)
+        due = bool(flag.item())
+    return due
+
+
+def train_worker(cfg: TrainConfig, rank: int, world_size: int, device: torch.device,
+                 output_dir: str | os.PathLike, run_name: str | None = None,
+                 group: str | None = None) -> dict[str, Any]:
+    """Train as worker ``rank`` in an initialized process group: resume if asked, run the
+    remaining steps, save checkpoints when due; rank 0 writes ``metrics.jsonl`` and wandb.
+
+    Returns:
+        The last step's metrics on rank 0 (other ranks: their last loss); empty when a resumed
+        run had no step left.
+    """
+    output_dir = Path(output_dir)
     worker = PipelineWorker(cfg, rank, world_size, device)
     schedule = worker.schedule
+    root = checkpoint_root(cfg, output_dir)
+    first = 0
+    resumed = agree_on_resume(cfg, root, rank, world_size, worker.kfac_interval)
+    if resumed is not None:
+        folder, saved_step = resumed
+        first = worker.load_checkpoint(folder) + 1
+        if rank == 0:
+            trim_metrics(output_dir / METRICS_FILE, saved_step)
+            log.info("resumed from %s: continuing at step %d of %d", folder, first, cfg.steps)
+    elif cfg.resume != "none" and rank == 0:  # starting over: records of an unsaved earlier attempt go
+        trim_metrics(output_dir / METRICS_FILE, -1)
+    policy = CheckpointPolicy(cfg.checkpoint.every_steps, cfg.checkpoint.every_minutes, last_step=cfg.steps - 1)
     timer = StepTimer(device)
-    writer = MetricsWriter(output_dir / "metrics.jsonl") if rank == 0 else None
+    writer = MetricsWriter(output_dir / METRICS_FILE) if rank == 0 else None
     logger = (
         WandbLogger(asdict(cfg), project=cfg.wandb.project, group=group, name=run_name, mode=cfg.wandb.mode,
                     dir=str(output_dir), enabled=True)
@@ -366,7 +510,7 @@ def _train(cfg, rank, world_size, device, output_dir, run_name, group) -> dict[s
     )
     last: dict[str, Any] = {}
     profiled: list[Event] = []
-    bar = progress_range(cfg, enabled=rank == 0)
+    bar = _step_range(cfg, first, enabled=rank == 0)
     try:
         for step in bar:
             lr = worker.optimizer.param_groups[0]["lr"]
@@ -376,37 +520,42 @@ def _train(cfg, rank, world_size, device, output_dir, run_name, group) -> dict[s
             gathered: list[list[Event]] | None = [[] for _ in range(world_size)] if rank == 0 else None
             dist.gather_object(result.events, gathered, dst=0)
             last = {"step": step, "loss": losses[0] + losses[1], "mlm_loss": losses[0], "nsp_loss": losses[1]}
-            if rank != 0:
-                continue
-            events = [e for evs in gathered for e in evs]
-            if cfg.profile.enabled and step >= cfg.profile.warmup_steps:
-                profiled += events
-            simulated = simulate(schedule, _measured_costs(events, schedule))
-            last.update(
-                lr=lr,
-                step_time_s=step_time,
-                samples_per_s=cfg.global_batch_size / step_time,
-                bubble_utilization=_step_utilization(events, world_size),
-                simulated_bubble_utilization=bubble_utilization(simulated, world_size),
-            )
-            if worker.assignment is not None:
-                kfac_events = [e for e in events if e.kind in _KFAC_KINDS]
+            if rank == 0:
+                events = [e for evs in gathered for e in evs]
+                if cfg.profile.enabled and step >= cfg.profile.warmup_steps:
+                    profiled += events
+                simulated = simulate(schedule, _measured_costs(events, schedule))
                 last.update(
-                    refresh_interval=worker.assignment.interval,
-                    kfac_phase=step % worker.assignment.interval,
-                    kfac_work={kind: sum(e.kind == kind for e in kfac_events) for kind in sorted(_KFAC_KINDS)},
-                    kfac_time_s=sum(e.duration_ns for e in kfac_events) / 1e9,
-                    bubble_utilization_without_kfac=_step_utilization(events, world_size, COMPUTE_KINDS - _KFAC_KINDS),
+                    lr=lr,
+                    step_time_s=step_time,
+                    samples_per_s=cfg.global_batch_size / step_time,
+                    bubble_utilization=_step_utilization(events, world_size),
+                    simulated_bubble_utilization=bubble_utilization(simulated, world_size),
                 )
-            writer.write(last)
-            if step % cfg.log_every == 0 or step == cfg.steps - 1:
-                logger.log(last, step=step)
-                if hasattr(bar, "set_postfix"):
-                    bar.set_postfix(loss=f"{last['loss']:.3f}", util=f"{last['bubble_utilization']:.2f}")
+                if worker.assignment is not None:
+                    kfac_events = [e for e in events if e.kind in _KFAC_KINDS]
+                    last.update(
+                        refresh_interval=worker.assignment.interval,
+                        kfac_phase=step % worker.assignment.interval,
+                        kfac_work={kind: sum(e.kind == kind for e in kfac_events) for kind in sorted(_KFAC_KINDS)},
+                        kfac_time_s=sum(e.duration_ns for e in kfac_events) / 1e9,
+                        bubble_utilization_without_kfac=_step_utilization(events, world_size,
+                                                                          COMPUTE_KINDS - _KFAC_KINDS),
+                    )
+                writer.write(last)
+                if step % cfg.log_every == 0 or step == cfg.steps - 1:
+                    logger.log(last, step=step)
+                    if hasattr(bar, "set_postfix"):
+                        bar.set_postfix(loss=f"{last['loss']:.3f}", util=f"{last['bubble_utilization']:.2f}")
+            if _checkpoint_due(policy, step, device):
+                worker.save_checkpoint(root, step)
+                policy.saved()
         if rank == 0 and profiled:
             for picture in write_run_profile(cfg, profiled, world_size, output_dir, device):
                 if picture.suffix == ".png":
                     logger.log_image("timeline", str(picture))
+        if rank == 0 and first >= cfg.steps:
+            log.info("nothing to train: the checkpoint is at the last step (steps=%d)", cfg.steps)
     finally:
         if writer is not None:
             writer.close()
