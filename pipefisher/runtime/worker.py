@@ -14,6 +14,7 @@ checkpoint with the loss trajectory of an uninterrupted run (``pipefisher.runtim
 from __future__ import annotations
 
 import datetime
+import gc
 import hashlib
 import logging
 import math
@@ -210,8 +211,14 @@ def run_worker(
                               is_master=False, timeout=timeout)
     dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timeout, store=store)
     try:
-        return train_worker(cfg, rank, world_size, device, output_dir, run_name, group)
+        result = train_worker(cfg, rank, world_size, device, output_dir, run_name, group)
+        dist.barrier()  # nobody tears down its connections while a peer still talks to it
+        return result
     finally:
+        # The worker's objects hold the subgroups in reference cycles (executor <-> worker); free
+        # them while the process group still exists, not during interpreter shutdown, where a
+        # gloo group destroyed late aborts the process ("terminate called without an active exception").
+        gc.collect()
         dist.destroy_process_group()
 
 
