@@ -182,6 +182,7 @@ class TrainConfig:
     device: str = "auto"  # auto (cuda if available), cpu or cuda
     log_every: int = 1  # progress-bar refresh and wandb logging interval in steps
     progress: bool = True  # show a progress bar on rank 0
+    comm_ablation: bool = False  # 1-byte messages instead of activations/gradients/all-reduces (timing only: the loss is meaningless)
     resume: str = "none"  # none, auto (latest complete checkpoint in checkpoint.dir, if any) or a checkpoint path
 
     def __post_init__(self) -> None:

@@ -54,3 +54,4 @@ def test_world_size_that_does_not_fit_fails_before_training(tmp_path: Path) -> N
     cfg = compose_train(["stages=2", "num_micro_batches=2"])
     with pytest.raises(ValueError, match="world size 3 does not fit stages=2 x data_parallel=1"):
         run_worker(cfg, rank=0, world_size=3, output_dir=tmp_path)
+

@@ -59,11 +59,22 @@ def _sender_stage(a: Action) -> int:
 
 @dataclass(frozen=True)
 class CommSpec:
-    """Shape and dtype of every activation message (and its gradient)."""
+    """Shape and dtype of every activation message (and its gradient).
+
+    ``ablate``: communication ablation (``comm_ablation=true``): every activation, activation
+    gradient and gradient all-reduce becomes a 1-byte message, and receivers compute on zeros of
+    the right shape, so a step's time splits into compute and communication. The loss and the
+    parameters are then meaningless.
+    """
 
     shape: tuple[int, ...]
     dtype: torch.dtype
     device: torch.device
+    ablate: bool = False
+
+    def message(self, tensor: torch.Tensor) -> torch.Tensor:
+        """What actually travels for ``tensor``: itself, or one byte under ablation."""
+        return torch.zeros(1, dtype=torch.uint8, device=self.device) if self.ablate else tensor
 
 
 @dataclass
@@ -138,6 +149,9 @@ class WorkerExecutor:
 
     def _post_recv(self, a: Action) -> tuple[torch.Tensor, dist.Work]:
         buf = torch.empty(self.comm.shape, dtype=self.comm.dtype, device=self.comm.device)
+        if self.comm.ablate:  # receive one byte, compute on zeros of the real shape
+            return buf.zero_(), dist.irecv(torch.empty(1, dtype=torch.uint8, device=self.comm.device),
+                                           src=a.peer, tag=self._tag(a))
         return buf, dist.irecv(buf, src=a.peer, tag=self._tag(a))
 
     # -- the step ------------------------------------------------------------------------------
@@ -197,7 +211,7 @@ class WorkerExecutor:
                     loss_sum += y.detach().float()
                     num_losses += 1
             elif k == ActionKind.SEND_F:
-                y = outputs[key].detach()
+                y = self.comm.message(outputs[key].detach())
                 sends.append((dist.isend(y, dst=a.peer, tag=self._tag(a)), y))
             elif k == ActionKind.BACKWARD:
                 y = outputs.pop(key)
@@ -211,13 +225,16 @@ class WorkerExecutor:
                 if not any(m == a.micro_batch for (_, _, m) in outputs):
                     batches.pop(a.micro_batch, None)
             elif k == ActionKind.SEND_B:
-                g = grad_in.pop(key)
+                g = self.comm.message(grad_in.pop(key))
                 sends.append((dist.isend(g, dst=a.peer, tag=self._tag(a)), g))
             elif k == ActionKind.SYNC_GRAD:
                 group = self.grad_groups.get(a.stage)
                 if group is not None:
                     params = self._sync_params[(a.pipe, a.stage)]
-                    flat = torch._utils._flatten_dense_tensors([_grad(p) for p in params])
+                    if self.comm.ablate:
+                        flat, params = self.comm.message(None), []  # nothing is copied back
+                    else:
+                        flat = torch._utils._flatten_dense_tensors([_grad(p) for p in params])
                     syncs[(a.pipe, a.stage)] = (dist.all_reduce(flat, group=group, async_op=True), flat, params)
             elif k == ActionKind.PRECOND:
                 self._finish_grad_sync(syncs, (a.pipe, a.stage))  # precondition synchronized gradients
@@ -262,12 +279,16 @@ class WorkerExecutor:
                 continue
             work, flat, params = syncs.pop(k)
             work.wait()
-            for p, synced in zip(params, torch._utils._unflatten_dense_tensors(flat, [_grad(p) for p in params])):
-                p.grad.copy_(synced)
+            if params:
+                for p, synced in zip(params, torch._utils._unflatten_dense_tensors(flat, [_grad(p) for p in params])):
+                    p.grad.copy_(synced)
         if key is not None:
             return
         if self.tied is not None:
             params, group = self.tied
+            if self.comm.ablate:
+                dist.all_reduce(self.comm.message(None), group=group)
+                return
             total = torch.stack([_grad(p) for p in params]).sum(0)
             dist.all_reduce(total, group=group)
             for p in params:

@@ -37,11 +37,13 @@ class KfacWork:
             ``layer`` indexes ``preconditioner.layer_names``.
         groups: process group of each stage's replicas (None: a single replica).
         deferred: inverses wait for the next refresh cycle (see [Note: refresh cycle and staleness]).
+        ablate: communication ablation: factor all-reduces become 1-byte messages.
     """
 
     def __init__(self, preconditioners: dict[StageKey, KFACPreconditioner],
-                 groups: dict[int, dist.ProcessGroup | None], deferred: bool) -> None:
+                 groups: dict[int, dist.ProcessGroup | None], deferred: bool, ablate: bool = False) -> None:
         self.pre = preconditioners
+        self.ablate = ablate
         self.groups = groups
         self.deferred = deferred
         self._capturing: set[StageKey] = set()
@@ -87,7 +89,9 @@ class KfacWork:
         elif k == ActionKind.SYNC_FACTOR:
             names = self._names(a)
             group = self.groups.get(a.stage)
-            if group is not None:
+            if group is not None and self.ablate:
+                dist.all_reduce(torch.zeros(1, dtype=torch.uint8), group=group)  # communication ablation
+            elif group is not None:
                 tensors = [t for name in names for t in pre.factor_tensors(name)]
                 flat = torch._utils._flatten_dense_tensors(tensors)
                 dist.all_reduce(flat, group=group)

@@ -336,12 +336,14 @@ class PipelineWorker:
                 key: KFACPreconditioner(m, damping=o.damping, factor_decay=o.factor_decay, loss_scale=loss_scale)
                 for key, m in self.modules.items()
             }
-            self.kfac = KfacWork(preconditioners, grad_groups, deferred=self.assignment.deferred)
+            self.kfac = KfacWork(preconditioners, grad_groups, deferred=self.assignment.deferred,
+                                 ablate=cfg.comm_ablation)
         self.executor = WorkerExecutor(
             self.assignment.phases if self.assignment is not None else self.schedule,
             rank,
             self.modules,
-            CommSpec((cfg.micro_batch_size, cfg.data.seq_len, cfg.model.hidden_size), torch.float32, device),
+            CommSpec((cfg.micro_batch_size, cfg.data.seq_len, cfg.model.hidden_size), torch.float32, device,
+                     ablate=cfg.comm_ablation),
             grad_groups,
             tied,
             self.global_grad_norm,
@@ -510,6 +512,9 @@ def train_worker(cfg: TrainConfig, rank: int, world_size: int, device: torch.dev
     policy = CheckpointPolicy(cfg.checkpoint.every_steps, cfg.checkpoint.every_minutes, last_step=cfg.steps - 1)
     timer = StepTimer(device)
     writer = MetricsWriter(output_dir / METRICS_FILE) if rank == 0 else None
+    if cfg.comm_ablation and rank == 0:
+        log.warning("comm_ablation=true: activations, gradients and all-reduces are 1-byte messages; "
+                    "step times split compute from communication, but the loss and the model are meaningless")
     logger = (
         WandbLogger(asdict(cfg), project=cfg.wandb.project, group=group, name=run_name, mode=cfg.wandb.mode,
                     dir=str(output_dir), enabled=True)
@@ -527,6 +532,8 @@ def train_worker(cfg: TrainConfig, rank: int, world_size: int, device: torch.dev
             gathered: list[list[Event]] | None = [[] for _ in range(world_size)] if rank == 0 else None
             dist.gather_object(result.events, gathered, dst=0)
             last = {"step": step, "loss": losses[0] + losses[1], "mlm_loss": losses[0], "nsp_loss": losses[1]}
+            if cfg.comm_ablation:
+                last["comm_ablation"] = True  # this loss is meaningless: the stages computed on zeros
             if rank == 0:
                 events = [e for evs in gathered for e in evs]
                 if cfg.profile.enabled and step >= cfg.profile.warmup_steps:
