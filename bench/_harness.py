@@ -1,0 +1,182 @@
+"""Shared helpers of the benchmark scripts: config composition, worker processes, timing, tables.
+
+The scripts in ``bench/`` import this module by name (``python bench/<name>.py`` puts ``bench/`` on
+``sys.path``). Nothing here is part of the ``pipefisher`` package.
+
+[Note: measuring on a shared CPU]
+The benchmark machine has few cores and other jobs run beside us. Every ratio is therefore measured
+side by side in one run: the variants being compared live in the same worker processes and take
+turns step by step (A B A B …, the order rotated every round), and the tables report medians, so
+background noise hits both sides alike. Workers are forked from a parent that has imported torch
+but run no operation yet (OpenMP's thread pool does not survive ``fork``), each gets
+``cores // workers`` intra-op threads (at least 1, DESIGN.md "Conventions"), and they meet in a
+gloo process group through a file.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import resource
+import statistics
+import sys
+import tempfile
+import time
+import traceback
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import pipefisher
+
+from pipefisher.config import TrainConfig, register_configs, to_train_config
+
+__all__ = [
+    "REPO",
+    "compose",
+    "cores",
+    "caveat",
+    "launch",
+    "timed_step",
+    "median",
+    "load",
+    "table",
+    "peak_rss_mib",
+    "main_guard",
+]
+
+REPO = Path(__file__).resolve().parents[1]
+_CONF_DIR = Path(pipefisher.__file__).resolve().parent / "conf"  # the conf train.py composes
+
+# Settings every benchmark shares: CPU, no progress bar, no wandb.
+_BASE = ["device=cpu", "progress=false", "wandb.mode=disabled"]
+
+
+def compose(overrides: Sequence[str]) -> TrainConfig:
+    """The validated run config of ``train.py`` with ``overrides`` (after the benchmark defaults)."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+
+    register_configs()
+    with initialize_config_dir(config_dir=str(_CONF_DIR), version_base="1.3"):
+        return to_train_config(hydra_compose(config_name="config", overrides=_BASE + list(overrides)))
+
+
+def cores() -> int:
+    """CPU cores this process may run on."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+def caveat(workers: int) -> str:
+    """The DESIGN.md caveat for a CPU figure measured with ``workers`` processes."""
+    c = cores()
+    if workers <= c:
+        return f"{workers} worker(s) on {c} cores: figures carry over to one worker per device."
+    return (f"{workers} workers on {c} cores (OVERSUBSCRIBED): one worker's bubble is another's compute, "
+            "so bubbles cost little here and these figures do not carry over to a cluster; "
+            "reach larger D through the simulator (bench/executor_overhead.py).")
+
+
+def _child(rank: int, fn: Callable[..., Any], world: int, out_dir: str, args: tuple) -> None:
+    threads = max(1, cores() // world)
+    torch.set_num_threads(threads)
+    rss_at_start = peak_rss_mib()
+    path = Path(out_dir) / f"rank{rank}.json"
+    try:
+        dist.init_process_group("gloo", init_method=f"file://{out_dir}/rendezvous", rank=rank, world_size=world,
+                                timeout=datetime.timedelta(seconds=900))
+        try:
+            result = fn(rank, world, *args)
+        finally:
+            dist.destroy_process_group()
+        payload = {"result": result, "threads": threads, "rss_at_start_mib": rss_at_start,
+                   "peak_rss_mib": peak_rss_mib()}
+    except BaseException:
+        payload = {"error": traceback.format_exc()}
+        path.write_text(json.dumps(payload))
+        raise
+    path.write_text(json.dumps(payload))
+
+
+def launch(fn: Callable[..., Any], world: int, *args: Any) -> list[dict[str, Any]]:
+    """Run ``fn(rank, world, *args)`` in ``world`` forked processes joined in a gloo group.
+
+    ``fn`` must return something JSON can hold. The parent must not have run a torch operation.
+
+    Returns:
+        Per rank: ``{"result", "threads", "rss_at_start_mib", "peak_rss_mib"}`` (peak RSS from
+        ``getrusage(RUSAGE_SELF).ru_maxrss`` of that worker process; a forked child starts from the
+        parent's resident set, interpreter and imports, which is ``rss_at_start_mib``).
+
+    Raises:
+        RuntimeError: a worker failed; the message holds its traceback.
+    """
+    with tempfile.TemporaryDirectory(prefix="pipefisher-bench-") as out_dir:
+        try:
+            mp.start_processes(_child, args=(fn, world, out_dir, args), nprocs=world, join=True, start_method="fork")
+        except Exception as exc:
+            errors = [json.loads(p.read_text()).get("error", "") for p in sorted(Path(out_dir).glob("rank*.json"))]
+            raise RuntimeError(f"benchmark workers failed: {exc}\n" + "\n".join(e for e in errors if e)) from exc
+        return [json.loads((Path(out_dir) / f"rank{r}.json").read_text()) for r in range(world)]
+
+
+def timed_step(run: Callable[[], Any]) -> tuple[float, Any]:
+    """Wall time of ``run()`` on the slowest worker, started together after a barrier.
+
+    Returns:
+        ``(seconds, run's return value)``; the seconds are the same on every rank.
+    """
+    dist.barrier()
+    start = time.perf_counter()
+    value = run()
+    elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
+    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+    return float(elapsed.item()), value
+
+
+def load() -> str:
+    """The 1-minute load average against the cores, e.g. ``load 1.9 on 2 cores`` (others' jobs count too)."""
+    return f"load {os.getloadavg()[0]:.1f} on {cores()} cores"
+
+
+def median(values: Sequence[float]) -> float:
+    return statistics.median(values) if values else float("nan")
+
+
+def peak_rss_mib() -> float:
+    """This process's peak resident set size so far (``ru_maxrss``, KiB on Linux) in MiB."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+
+
+def table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+    """A Markdown table (pastes into bench/README.md as it is)."""
+    cells = [[str(h) for h in headers]] + [[_fmt(v) for v in row] for row in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
+    lines = ["| " + " | ".join(c.ljust(w) for c, w in zip(r, widths)) + " |" for r in cells]
+    lines.insert(1, "|" + "|".join("-" * (w + 2) for w in widths) + "|")
+    return "\n".join(lines)
+
+
+def _fmt(v: Any) -> str:
+    if isinstance(v, float):
+        if v != v:
+            return "n/a"
+        return f"{v:.3f}" if abs(v) < 10 else f"{v:.1f}"
+    return str(v)
+
+
+def main_guard(main: Callable[[], None]) -> None:
+    """Run ``main``; exit 1 with the error when the benchmark fails to run."""
+    try:
+        main()
+    except KeyboardInterrupt:
+        raise
+    except Exception as exc:  # noqa: BLE001 - a benchmark reports, it does not crash with a trace only
+        traceback.print_exc()
+        print(f"benchmark failed: {exc}", file=sys.stderr)
+        sys.exit(1)

@@ -1,0 +1,143 @@
+"""Executor overhead: measured step time against the simulator's prediction from the same steps' costs.
+
+    python bench/executor_overhead.py            # bert-mini, gpipe/1f1b/chimera, D=2 and D=4, N=8, B=4: ~2 min
+    python bench/executor_overhead.py --quick    # B=2, fewer steps: ~30 s
+
+For every measured step, the mean F and B time of each stage in that step's timeline (the executor's
+events, all workers) becomes a ``CostModel``; ``simulate`` then predicts the step's span with zero
+communication cost, once for F/B alone and once adding the step's mean measured ``STEP`` (optimizer
+update) time. What the prediction leaves out is the executor's cost: waiting for point-to-point
+messages beyond the schedule's dependencies (``RECV_*`` events), waiting for gradient all-reduces
+and the global norm (``SYNC_GRAD`` events: the issue of each all-reduce and STEP's wait), and time
+outside any action ("untracked": Python between actions, the loss all-reduce of ``train_step``).
+The three methods take turns step by step in the same worker processes.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections import defaultdict
+
+import torch
+import torch.distributed as dist
+
+import _harness as h
+from pipefisher.runtime.worker import PipelineWorker
+from pipefisher.schedules.ir import Schedule
+from pipefisher.simulate import CostModel, simulate
+from pipefisher.timeline import Event, bubble_utilization
+
+METHODS = ("gpipe", "1f1b", "chimera")
+_BREAKDOWN = ("F", "B", "RECV", "SEND", "SYNC_GRAD", "STEP")
+
+
+def _costs(events: list[Event], schedule: Schedule, step_ns: int = 0) -> CostModel:
+    """Mean F and B time of each stage over ``events`` (both Chimera pipes pooled)."""
+    sums: dict[tuple[str, int], list[int]] = defaultdict(list)
+    for e in events:
+        if e.kind in ("F", "B"):
+            sums[(e.kind, int(e.name.split(e.kind, 1)[0]))].append(e.duration_ns)
+    mean = {k: round(sum(v) / len(v)) for k, v in sums.items()}
+    d = schedule.num_stages
+    return CostModel(forward_ns=[mean.get(("F", s), 0) for s in range(d)],
+                     backward_ns=[mean.get(("B", s), 0) for s in range(d)], step_ns=step_ns)
+
+
+def _span_ns(events: list[Event]) -> int:
+    return max(e.end_ns for e in events) - min(e.start_ns for e in events)
+
+
+def _per_kind_ms(events: list[Event], workers: int) -> dict[str, float]:
+    """Summed duration of each kind of event (RECV_F/RECV_B pooled, SEND_* too), ms per worker."""
+    per_kind: dict[str, float] = defaultdict(float)
+    for e in events:
+        group = "RECV" if e.kind.startswith("RECV") else "SEND" if e.kind.startswith("SEND") else e.kind
+        per_kind[group] += e.duration_ns / 1e6 / workers
+    return per_kind
+
+
+def _analyse(events: list[Event], wall_s: float, schedule: Schedule) -> dict[str, float]:
+    """One step's figures (times in ms, per worker averaged over workers)."""
+    workers = schedule.num_workers
+    steps = [e for e in events if e.kind == "STEP"]
+    step_ns = round(sum(e.duration_ns for e in steps) / len(steps))
+    fb_only = simulate(schedule, _costs(events, schedule))
+    with_step = simulate(schedule, _costs(events, schedule, step_ns))
+    per_kind = _per_kind_ms(events, workers)
+    tracked = sum(per_kind[k] for k in _BREAKDOWN)
+    fb = frozenset({"F", "B"})
+    return {
+        "wall": 1e3 * wall_s,
+        "span": _span_ns(events) / 1e6,
+        "pred_fb": _span_ns(fb_only) / 1e6,
+        "pred": _span_ns(with_step) / 1e6,
+        "util": bubble_utilization(events, workers),
+        "util_sim": bubble_utilization(with_step, workers),
+        "util_fb": bubble_utilization(events, workers, kinds=fb),
+        "util_fb_sim": bubble_utilization(fb_only, workers, kinds=fb),
+        **{k: per_kind[k] for k in _BREAKDOWN},
+        "untracked": 1e3 * wall_s - tracked,
+        "RECV_sim": _per_kind_ms(with_step, workers)["RECV"],
+    }
+
+
+def _run(rank: int, world: int, overrides: list[str], warmup: int, repeats: int) -> dict | None:
+    workers = {m: PipelineWorker(h.compose(overrides + [f"pipeline={m}"]), rank, world, torch.device("cpu"))
+               for m in METHODS}
+    figures: dict[str, list[dict[str, float]]] = {m: [] for m in METHODS}
+    for step in range(warmup + repeats):
+        order = METHODS[step % len(METHODS):] + METHODS[:step % len(METHODS)]
+        for m in order:
+            wall, (_, result) = h.timed_step(lambda: workers[m].train_step(step))
+            gathered: list | None = [None] * world if rank == 0 else None
+            dist.gather_object(result.events, gathered, dst=0)
+            if rank == 0 and step >= warmup:
+                figures[m].append(_analyse([e for evs in gathered for e in evs], wall, workers[m].schedule))
+    return figures if rank == 0 else None
+
+
+def main() -> None:
+    load_before = h.load()
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="B=2 and fewer steps (about 30 s)")
+    parser.add_argument("--model", default="bert-mini")
+    parser.add_argument("--stages", default="2,4", help="comma-separated D values (even, for chimera)")
+    parser.add_argument("--micro-batches", type=int, default=8, help="N (a multiple of every D)")
+    parser.add_argument("--micro-batch-size", type=int, default=None, help="B (default 4, --quick 2)")
+    parser.add_argument("--repeats", type=int, default=None, help="measured steps per method (default 8, --quick 3)")
+    args = parser.parse_args()
+    b = args.micro_batch_size or (2 if args.quick else 4)
+    repeats = args.repeats or (3 if args.quick else 8)
+    warmup = 1 if args.quick else 2
+    timing, breakdown, notes = [], [], []
+    for d in [int(x) for x in args.stages.split(",")]:
+        overrides = [f"model={args.model}", f"stages={d}", f"num_micro_batches={args.micro_batches}",
+                     f"micro_batch_size={b}", f"steps={warmup + repeats}"]
+        figures = h.launch(_run, d, overrides, warmup, repeats)[0]["result"]
+        for m in METHODS:
+            f = figures[m]
+            med = {k: h.median([x[k] for x in f]) for k in f[0]}
+            ratio = h.median([x["wall"] / x["pred"] for x in f])
+            timing.append([d, m, med["wall"], med["pred_fb"], med["pred"], ratio, med["wall"] - med["pred"],
+                           med["util_fb"], med["util_fb_sim"], med["util"], med["util_sim"]])
+            breakdown.append([d, m, med["F"], med["B"], med["RECV"], med["RECV_sim"], med["SEND"], med["SYNC_GRAD"],
+                              med["STEP"], med["untracked"]])
+        notes.append(f"D={d}: {h.caveat(d)}")
+    print(f"{args.model}, N={args.micro_batches}, B={b}, seq 128, fp32, NVLAMB, dropout 0.1, {repeats} measured "
+          f"steps per method after {warmup} warm-up, interleaved; gloo on CPU; medians over steps")
+    print()
+    print("Step time: measured vs simulated from the same step's per-stage F/B means (p2p cost 0)")
+    print(h.table(["D", "method", "measured ms", "sim F/B ms", "sim F/B+STEP ms", "measured/sim", "gap ms",
+                   "F/B util", "F/B util sim", "util", "util sim"], timing))
+    print()
+    print("Per worker per step (ms, mean over workers): compute, waits, optimizer, untracked")
+    print(h.table(["D", "method", "F", "B", "RECV wait", "RECV wait sim", "SEND issue", "SYNC_GRAD wait", "STEP",
+                   "untracked"],
+                  breakdown))
+    for line in notes:
+        print(line)
+    print(f"Machine: {load_before} before, {h.load()} after (other jobs on the machine count too).")
+
+
+if __name__ == "__main__":
+    h.main_guard(main)
