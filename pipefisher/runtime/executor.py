@@ -289,6 +289,9 @@ class WorkerExecutor:
             if self.comm.ablate:
                 dist.all_reduce(self.comm.message(None), group=group)
                 return
+            if len(params) == 1:  # one local copy (all but Chimera): reduce in place, no extra passes
+                dist.all_reduce(_grad(params[0]), group=group)
+                return
             total = torch.stack([_grad(p) for p in params]).sum(0)
             dist.all_reduce(total, group=group)
             for p in params:
