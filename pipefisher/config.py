@@ -41,7 +41,9 @@ OPTIMIZERS = ("nvlamb", "kfac", "pipefisher")
 DATA_KINDS = ("synthetic", "hdf5")
 PRECISIONS = ("fp32", "bf16")
 WANDB_MODES = ("offline", "online", "disabled")
-FAULT_MODES = ("none", "raise", "kill", "stall")
+FAULT_MODES = ("none", "raise", "kill", "stall", "nan")
+NONFINITE_MODES = ("stop", "skip")
+INVERSE_DTYPES = ("auto", "float32", "float64")
 RESUME_MODES = ("none", "auto")  # or a path to a checkpoint (step_<n>) or a checkpoint directory
 
 
@@ -92,6 +94,7 @@ class OptimizerConfig:
     factor_decay: float = 0.95  # K-FAC running-average decay of the factors
     deferred_inverse: bool = False  # kfac: use inverses from the next refresh cycle on, as pipefisher does
     schedule: Optional[str] = None  # pipefisher: work-assignment JSON from schedule.py (kfac: run it on the critical path)
+    inverse_dtype: str = "auto"  # K-FAC inversion precision: auto (float64 up to 1024 wide, else float32), float32 or float64
 
 
 @dataclass
@@ -113,6 +116,7 @@ class ClusterConfig:
     master_addr: str = "127.0.0.1"  # local: rendezvous address of the worker processes
     master_port: int = 0  # local: rendezvous port; 0 picks a free one
     worker_timeout_s: float = 600.0  # a worker silent for this long ends the job
+    requeue: bool = True  # slurm: on SIGUSR2 (preemption or time limit) checkpoint at the next step end and requeue
 
 
 @dataclass
@@ -136,7 +140,7 @@ class ProfileConfig:
 class FaultConfig:
     """Inject a failure into one worker, to test that the job ends promptly (a testing aid)."""
 
-    mode: str = "none"  # none, raise (exception), kill (SIGKILL itself), stall (sleep forever)
+    mode: str = "none"  # none, raise (exception), kill (SIGKILL itself), stall (sleep forever), nan (poison its gradients)
     rank: int = 0  # which worker fails
     step: int = 0  # at the start of which step
 
@@ -183,6 +187,8 @@ class TrainConfig:
     log_every: int = 1  # progress-bar refresh and wandb logging interval in steps
     progress: bool = True  # show a progress bar on rank 0
     comm_ablation: bool = False  # 1-byte messages instead of activations/gradients/all-reduces (timing only: the loss is meaningless)
+    on_nonfinite: str = "stop"  # NaN/inf in loss or gradients: stop (naming the step) or skip (drop that step's update)
+    max_skipped_steps: int = 10  # on_nonfinite=skip: stop after this many skipped steps in a row
     resume: str = "none"  # none, auto (latest complete checkpoint in checkpoint.dir, if any) or a checkpoint path
 
     def __post_init__(self) -> None:
@@ -246,6 +252,10 @@ def validate(cfg: TrainConfig) -> None:
     _check_choice("cluster.name", cfg.cluster.name, ("local", "slurm"))
     _check_choice("device", cfg.device, ("auto", "cpu", "cuda"))
     _check_choice("fault.mode", cfg.fault.mode, FAULT_MODES)
+    _check_choice("on_nonfinite", cfg.on_nonfinite, NONFINITE_MODES)
+    _check_choice("optimizer.inverse_dtype", cfg.optimizer.inverse_dtype, INVERSE_DTYPES)
+    if cfg.max_skipped_steps < 1:
+        _fail("max_skipped_steps", cfg.max_skipped_steps, "must be >= 1 (skipped steps in a row before the run stops)")
     if cfg.profile.enabled and not 0 <= cfg.profile.warmup_steps < cfg.steps:
         _fail("profile.warmup_steps", cfg.profile.warmup_steps,
               f"must be below steps={cfg.steps} so that some steps are profiled; e.g. steps={cfg.profile.warmup_steps + 3}")
