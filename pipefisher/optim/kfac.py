@@ -146,6 +146,8 @@ class KFACPreconditioner:
         loss_scale: the factor each micro-batch loss is multiplied by before backward (1/(N·W)
             in the pipeline runtime, 1/N with plain accumulation); see [Note: gradient scale].
         factor_dtype: dtype of factors and inverses (float32; float64 for exact tests).
+        inverse_dtype: working precision of the inversions: auto (float64 up to
+            ``FP64_MAX_DIM`` wide, else float32), float32 or float64 (``optimizer.inverse_dtype``).
 
     Raises:
         ValueError: a hyper-parameter out of range, or a given module is not ``nn.Linear``.
@@ -162,6 +164,7 @@ class KFACPreconditioner:
         include: str | Sequence[str] | None = ENCODER_LINEAR_PATTERN,
         loss_scale: float = 1.0,
         factor_dtype: torch.dtype = torch.float32,
+        inverse_dtype: str = "auto",
     ) -> None:
         if not damping > 0.0:
             raise ValueError(f"KFACPreconditioner: damping={damping} must be > 0")
@@ -196,7 +199,7 @@ class KFACPreconditioner:
         self._loss_scale = float(loss_scale)
         self.last_refresh_step: int | None = None  # step whose captures fed the latest update
         self.last_inverse_step: int | None = None  # step at which the inverses in use were made
-        self._layers = {n: LinearKFAC(n, m, float(loss_scale), factor_dtype) for n, m in linears.items()}
+        self._layers = {n: LinearKFAC(n, m, float(loss_scale), factor_dtype, inverse_dtype) for n, m in linears.items()}
         self._capturing = False
         self._capture_names: set[str] = set(self._layers)
         self._micro_batch: int | None = None

@@ -113,17 +113,19 @@ def factored_damping(a: Tensor, b: Tensor, damping: float) -> tuple[float, float
     return pi * root, root / pi
 
 
-def damped_inverse(factor: Tensor, damping: float, max_tries: int = 4) -> Tensor:
+def damped_inverse(factor: Tensor, damping: float, max_tries: int = 4, precision: str = "auto") -> Tensor:
     """(F + damping·I)⁻¹ of a symmetric PSD factor by Cholesky.
 
-    Factors up to :data:`FP64_MAX_DIM` are inverted in float64, larger ones in the factor's dtype
-    (float32 at least). If Cholesky fails (rounding made the damped matrix indefinite) the
+    With ``precision="auto"`` factors up to :data:`FP64_MAX_DIM` are inverted in float64, larger
+    ones in the factor's dtype (float32 at least); ``"float32"`` / ``"float64"`` force the working
+    precision (``optimizer.inverse_dtype``). If Cholesky fails (rounding made the damped matrix indefinite) the
     diagonal shift is multiplied by 10 and the inversion repeated, up to ``max_tries`` times.
 
     Args:
         factor: [n, n] symmetric positive semi-definite matrix.
         damping: shift added to the diagonal, > 0.
         max_tries: Cholesky attempts before giving up.
+        precision: working precision: auto, float32 or float64.
 
     Returns:
         [n, n] inverse, in the factor's dtype.
@@ -133,7 +135,14 @@ def damped_inverse(factor: Tensor, damping: float, max_tries: int = 4) -> Tensor
             (non-finite entries, typically).
     """
     n = factor.shape[0]
-    work_dtype = torch.float64 if n <= FP64_MAX_DIM else torch.promote_types(factor.dtype, torch.float32)
+    if precision == "float64":
+        work_dtype = torch.float64
+    elif precision == "float32":
+        work_dtype = torch.float32
+    elif precision == "auto":
+        work_dtype = torch.float64 if n <= FP64_MAX_DIM else torch.promote_types(factor.dtype, torch.float32)
+    else:
+        raise ValueError(f"damped_inverse: precision={precision!r}; use auto, float32 or float64")
     f = factor.to(work_dtype)
     f = 0.5 * (f + f.T)  # exact symmetry: sums of products are symmetric only up to rounding
     shift = float(damping)

@@ -39,14 +39,17 @@ class LinearKFAC:
         module: the layer.
         loss_scale: factor each micro-batch loss was multiplied by before backward.
         factor_dtype: dtype of factors and inverses.
+        inverse_dtype: working precision of the inversion (see :func:`damped_inverse`).
     """
 
-    def __init__(self, name: str, module: nn.Linear, loss_scale: float, factor_dtype: torch.dtype) -> None:
+    def __init__(self, name: str, module: nn.Linear, loss_scale: float, factor_dtype: torch.dtype,
+                 inverse_dtype: str = "auto") -> None:
         self.name = name
         self.module = module
         self.bias = module.bias is not None
         self.loss_scale = loss_scale
         self.factor_dtype = factor_dtype
+        self.inverse_dtype = inverse_dtype
         self.xs: dict[int, Tensor] = {}  # micro-batch → captured input [..., I]
         self.gs: dict[int, Tensor] = {}  # micro-batch → captured output gradient [..., O]
         self.seen: set[int] = set()  # micro-batches captured in the current capture window
@@ -196,7 +199,8 @@ class LinearKFAC:
         if self.a is None or self.b is None:
             raise ValueError(f"K-FAC invert({self.name!r}): no factors yet; run curvature and update_factors first")
         lam_a, lam_b = factored_damping(self.a, self.b, damping)
-        inverses = (damped_inverse(self.a, lam_a), damped_inverse(self.b, lam_b), (lam_a, lam_b))
+        inverses = (damped_inverse(self.a, lam_a, precision=self.inverse_dtype),
+                    damped_inverse(self.b, lam_b, precision=self.inverse_dtype), (lam_a, lam_b))
         if deferred:
             self.pending = inverses
         else:

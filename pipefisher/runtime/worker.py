@@ -333,7 +333,8 @@ class PipelineWorker:
             self.assignment = kfac_assignment(cfg, self.schedule)
             o = cfg.optimizer
             preconditioners = {
-                key: KFACPreconditioner(m, damping=o.damping, factor_decay=o.factor_decay, loss_scale=loss_scale)
+                key: KFACPreconditioner(m, damping=o.damping, factor_decay=o.factor_decay, loss_scale=loss_scale,
+                                        inverse_dtype=o.inverse_dtype)
                 for key, m in self.modules.items()
             }
             self.kfac = KfacWork(preconditioners, grad_groups, deferred=self.assignment.deferred,
