@@ -188,7 +188,7 @@ class TrainConfig:
     progress: bool = True  # show a progress bar on rank 0
     comm_ablation: bool = False  # 1-byte messages instead of activations/gradients/all-reduces (timing only: the loss is meaningless)
     on_nonfinite: str = "stop"  # NaN/inf in loss or gradients: stop (naming the step) or skip (drop that step's update)
-    max_skipped_steps: int = 10  # on_nonfinite=skip: stop after this many skipped steps in a row
+    max_skipped_steps: int = 10  # on_nonfinite=skip: most skipped steps in a row; one more stops the run
     resume: str = "none"  # none, auto (latest complete checkpoint in checkpoint.dir, if any) or a checkpoint path
 
     def __post_init__(self) -> None:
@@ -254,8 +254,8 @@ def validate(cfg: TrainConfig) -> None:
     _check_choice("fault.mode", cfg.fault.mode, FAULT_MODES)
     _check_choice("on_nonfinite", cfg.on_nonfinite, NONFINITE_MODES)
     _check_choice("optimizer.inverse_dtype", cfg.optimizer.inverse_dtype, INVERSE_DTYPES)
-    if cfg.max_skipped_steps < 1:
-        _fail("max_skipped_steps", cfg.max_skipped_steps, "must be >= 1 (skipped steps in a row before the run stops)")
+    if cfg.max_skipped_steps < 0:
+        _fail("max_skipped_steps", cfg.max_skipped_steps, "must be >= 0 (skipped steps in a row tolerated before the run stops)")
     if cfg.profile.enabled and not 0 <= cfg.profile.warmup_steps < cfg.steps:
         _fail("profile.warmup_steps", cfg.profile.warmup_steps,
               f"must be below steps={cfg.steps} so that some steps are profiled; e.g. steps={cfg.profile.warmup_steps + 3}")

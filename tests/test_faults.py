@@ -3,13 +3,17 @@ pipeline shapes fail before any worker starts."""
 
 from __future__ import annotations
 
+import math
 import time
 from pathlib import Path
 
 import pytest
+import torch
 import torch.multiprocessing as mp
 
 from pipefisher.launch import launch_workers
+from pipefisher.runtime.checkpoint import load_shard
+from pipefisher.tracking import read_metrics
 from pipefisher.runtime.worker import run_worker
 from tests.conftest import compose_train
 
@@ -55,3 +59,58 @@ def test_world_size_that_does_not_fit_fails_before_training(tmp_path: Path) -> N
     with pytest.raises(ValueError, match="world size 3 does not fit stages=2 x data_parallel=1"):
         run_worker(cfg, rank=0, world_size=3, output_dir=tmp_path)
 
+
+
+# --- NaN / inf: stop naming the step, or skip the step's update -----------------------------------
+
+
+def _states_equal(a: object, b: object) -> bool:
+    """Nested dicts/lists of tensors equal (NaN never expected here); K-FAC's fold counter
+    ``num_updates`` is left out (a refresh whose curvature was dropped still counts)."""
+    if isinstance(a, dict):
+        keys = {k for k in a if "num_updates" not in str(k)}
+        return (isinstance(b, dict) and keys == {k for k in b if "num_updates" not in str(k)}
+                and all(_states_equal(a[k], b[k]) for k in keys))
+    if isinstance(a, (list, tuple)):
+        return isinstance(b, (list, tuple)) and len(a) == len(b) and all(_states_equal(x, y) for x, y in zip(a, b))
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.shape == b.shape and bool(torch.equal(a, b))
+    return a == b
+
+
+@pytest.mark.slow
+def test_nonfinite_gradients_stop_the_run_naming_the_step(tmp_path: Path) -> None:
+    with pytest.raises(mp.ProcessRaisedException) as err:
+        _run(tmp_path, "fault.mode=nan", "fault.rank=0", "fault.step=1")
+    assert "step 1: the global gradient norm is nan" in str(err.value)
+    assert "on_nonfinite=skip" in str(err.value)  # the message names the way out
+    rows = read_metrics(tmp_path / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [0]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("optimizer", ["nvlamb", "kfac"])
+def test_skipped_step_leaves_model_optimizer_and_kfac_state_unchanged(tmp_path: Path, optimizer: str) -> None:
+    # Worker 0 (stage 0) makes its outputs NaN at step 1: loss, every gradient and the K-FAC
+    # curvature of both stages are NaN. With on_nonfinite=skip the step changes no parameter, no
+    # optimizer moment and no K-FAC factor, and training goes on with finite losses.
+    _run(tmp_path, f"optimizer={optimizer}", "on_nonfinite=skip", "fault.mode=nan", "fault.rank=0",
+         "fault.step=1", "checkpoint.every_steps=1", "checkpoint.keep_last=0")
+    rows = read_metrics(tmp_path / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [0, 1, 2, 3]
+    assert rows[1].get("skipped") is True and rows[1]["loss"] is None  # NaN is written as null
+    assert all(math.isfinite(r["loss"]) and "skipped" not in r for r in rows[:1] + rows[2:])
+    for rank in (0, 1):
+        before, after = (load_shard(tmp_path / "checkpoints" / f"step_{s}", rank) for s in (0, 1))
+        assert _states_equal(before["modules"], after["modules"])
+        assert _states_equal(before["optimizer"]["state"], after["optimizer"]["state"])
+        assert _states_equal(before["kfac"], after["kfac"])
+        assert before["kfac"] or optimizer == "nvlamb"
+        changed = load_shard(tmp_path / "checkpoints" / "step_2", rank)
+        assert not _states_equal(after["modules"], changed["modules"]), "step 2 must train again"
+
+
+@pytest.mark.slow
+def test_too_many_skipped_steps_in_a_row_stop_the_run(tmp_path: Path) -> None:
+    with pytest.raises(mp.ProcessRaisedException, match=r"step 1: .*non-finite steps in a row: 1 \(max_skipped_steps=0\)"):
+        _run(tmp_path, "on_nonfinite=skip", "max_skipped_steps=0", "fault.mode=nan", "fault.rank=1", "fault.step=1")

@@ -1,5 +1,10 @@
 """Process start on one machine, and adoption of an environment that already started the workers.
 
+Before any worker starts, the config and the schedule are checked, and so is the checkpoint a
+``resume`` asks for (it must fit the run: :func:`check_resume`). In a SLURM job the process that
+owns SLURM's warning signal requeues the job after the workers checkpointed on it (see
+``pipefisher.runtime.preemption``).
+
 [Note: failures end the whole job]
 Local workers are started with ``torch.multiprocessing.start_processes``: when one exits with an
 exception or is killed, ``join`` terminates the others at once and raises with the failed worker's
@@ -9,9 +14,12 @@ rank and traceback. A worker that stalls without exiting is caught by the proces
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
+import json
 import logging
 import os
+import sys
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -21,11 +29,14 @@ import torch.multiprocessing as mp
 
 from pipefisher.config import TrainConfig
 from pipefisher.launch.slurm import slurm_task_env
-from pipefisher.runtime.worker import run_worker, schedule_for
+from pipefisher.runtime import preemption
+from pipefisher.runtime.checkpoint import check_compatible, checkpoint_root, resolve_resume, verify_checkpoint
+from pipefisher.runtime.preemption import PREEMPTED_EXIT_CODE, PREEMPTED_FILE
+from pipefisher.runtime.worker import kfac_assignment, run_worker, schedule_for
 from pipefisher.tracking import WandbLogger, read_metrics, run_name_from_overrides
 from pipefisher.training import train_single_process
 
-__all__ = ["run_training", "launch_workers"]
+__all__ = ["run_training", "launch_workers", "check_resume"]
 
 log = logging.getLogger(__name__)
 
@@ -51,19 +62,60 @@ def _spawned_worker(index: int, cfg: TrainConfig, world: int, addr: str, port: i
                local_world_size=world, external_store=True)
 
 
+def check_resume(cfg: TrainConfig, output_dir: str | os.PathLike) -> None:
+    """Check the checkpoint that ``cfg.resume`` asks for against the run, before workers start.
+
+    The workers check it again (rank 0, :func:`~pipefisher.runtime.checkpoint.agree_on_resume`);
+    here a mismatch costs no process start.
+
+    Raises:
+        CheckpointError: an explicit ``resume`` path holds no valid checkpoint.
+        ConfigError: the checkpoint does not fit this run (stage count, model, K-FAC interval, …).
+    """
+    resume = preemption.resume_mode(cfg.resume, cfg.cluster.requeue and preemption.in_slurm_job())
+    if resume == "none":
+        return
+    folder = resolve_resume(dataclasses.replace(cfg, resume=resume), checkpoint_root(cfg, output_dir))
+    if folder is None:
+        return
+    schedule = schedule_for(cfg)
+    interval = kfac_assignment(cfg, schedule).interval if cfg.optimizer.name != "nvlamb" else None
+    check_compatible(verify_checkpoint(folder), cfg, cfg.num_workers, interval, folder)
+
+
+def _requeue_if_preempted(output_dir: Path) -> None:
+    """After the workers stopped on SLURM's signal (they left :data:`PREEMPTED_FILE`): requeue, exit."""
+    marker = output_dir / PREEMPTED_FILE
+    if not marker.is_file():
+        return
+    info = json.loads(marker.read_text())
+    preemption.requeue(f"workers checkpointed after step {info['step']} in {info['checkpoint']}")
+
+
 def launch_workers(cfg: TrainConfig, output_dir: str | os.PathLike, run_name: str | None = None,
                    group: str | None = None) -> dict[str, Any]:
     """Run the ``stages × data_parallel`` workers of ``cfg`` and return rank 0's last metrics.
 
-    Inside torchrun (``RANK``/``WORLD_SIZE`` set) this process is one worker; otherwise it starts
-    all workers as local processes and waits for them.
+    Inside torchrun (``RANK``/``WORLD_SIZE`` set) or a multi-task SLURM step this process is one
+    worker; otherwise it starts all workers as local processes and waits for them. In a SLURM job
+    (``cluster.requeue``), a preemption or time-limit signal ends in a checkpoint and a requeue:
+    this function then exits the process with status 255 instead of returning.
     """
     schedule_for(cfg)  # build and check the schedule before any process starts
+    watch = cfg.cluster.requeue and preemption.in_slurm_job()
+    if watch:
+        preemption.install()  # SLURM's signal is recorded; the workers act on it at a step's end
     env = _env_world()
     if env is not None:
         rank, world, local_rank, local_world = env
-        return run_worker(cfg, rank, world, output_dir, run_name=run_name, group=group,
-                          local_rank=local_rank, local_world_size=local_world)
+        result = run_worker(cfg, rank, world, output_dir, run_name=run_name, group=group,
+                            local_rank=local_rank, local_world_size=local_world)
+        if result.get("preempted"):
+            if rank == 0:
+                _requeue_if_preempted(Path(output_dir))
+            sys.exit(PREEMPTED_EXIT_CODE)
+        return result
+    check_resume(cfg, output_dir)
     world = cfg.num_workers
     addr = cfg.cluster.master_addr
     # This process hosts the rendezvous store on a port the OS picks while binding it, so no other
@@ -73,14 +125,20 @@ def launch_workers(cfg: TrainConfig, output_dir: str | os.PathLike, run_name: st
                           wait_for_workers=False)
     port = store.port
     log.info("starting %d workers on this machine (%s:%d)", world, addr, port)
-    mp.start_processes(
+    context = mp.start_processes(
         _spawned_worker,
         args=(cfg, world, addr, port, str(output_dir), run_name, group),
         nprocs=world,
-        join=True,
+        join=False,
         start_method="spawn",
     )
+    if watch:
+        preemption.forward_to(context.pids())  # a signal sent to this process alone reaches the workers
+    while not context.join():
+        pass
     del store
+    if watch:
+        _requeue_if_preempted(Path(output_dir))
     metrics = read_metrics(Path(output_dir) / "metrics.jsonl")
     return metrics[-1] if metrics else {}
 
@@ -101,8 +159,10 @@ def run_training(cfg: TrainConfig, output_dir: str | os.PathLike, overrides: lis
     group = cfg.wandb.group or (Path(sweep_dir).name if sweep_dir else None)
     # Profiles need the executor's timeline, K-FAC runs as schedule actions in the executor, and
     # checkpoints and resume are the pipeline worker's (pipefisher.runtime.checkpoint).
+    # In a SLURM job, the workers also handle preemption (checkpoint and requeue).
     if (cfg.num_workers > 1 or cfg.profile.enabled or cfg.optimizer.name != "nvlamb"
-            or cfg.checkpoint.enabled or cfg.resume != "none"):
+            or cfg.checkpoint.enabled or cfg.resume != "none"
+            or (cfg.cluster.requeue and preemption.in_slurm_job())):
         result = launch_workers(cfg, output_dir, run_name=run_name, group=group)
     else:
         logger = WandbLogger(asdict(cfg), project=cfg.wandb.project, group=group, name=run_name,

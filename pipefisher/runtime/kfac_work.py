@@ -16,6 +16,7 @@ PRECOND right after it. Before the first inverses exist, gradients pass through 
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Iterator, Sequence
 
 import torch
@@ -25,6 +26,8 @@ from pipefisher.optim import KFACPreconditioner
 from pipefisher.schedules.ir import Action, ActionKind
 
 __all__ = ["KfacWork"]
+
+log = logging.getLogger(__name__)
 
 StageKey = tuple[int, int]  # (pipe, stage)
 
@@ -101,6 +104,7 @@ class KfacWork:
                 for name in names:
                     pre.finish_sync(name, world)
             for name in names:
+                self._drop_nonfinite(pre, name)
                 pre.update_factors(name)
         elif k == ActionKind.INVERT:
             for name in self._names(a):
@@ -110,6 +114,24 @@ class KfacWork:
                 pre.precondition(name)
         else:  # pragma: no cover - only K-FAC kinds are dispatched here
             raise ValueError(f"not a K-FAC action: {a}")
+
+    @staticmethod
+    def _drop_nonfinite(pre: KFACPreconditioner, name: str) -> None:
+        """Keep NaN/inf curvature out of layer ``name``'s running factors.
+
+        A step whose gradients are not finite is stopped or skipped at STEP (``on_nonfinite``);
+        its curvature must not outlive it. The refresh's estimates are replaced by the running
+        factors, so folding them in leaves the factors as they were (zeros when there are none
+        yet: the inverses are then 1/λ·I). After a factor sync every replica holds the same
+        estimates, so all replicas decide alike.
+        """
+        layer = pre.layer(name)
+        estimates = pre.factor_tensors(name)
+        if all(bool(torch.isfinite(t).all()) for t in estimates):
+            return
+        log.warning("K-FAC layer %s: non-finite curvature this refresh; the factors keep their previous values", name)
+        for t, running in zip(estimates, (layer.a, layer.b)):
+            t.copy_(running) if running is not None else t.zero_()
 
     def end_step(self) -> None:
         """Close the capture window (raises if a capture was never consumed by curvature work)."""

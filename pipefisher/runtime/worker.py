@@ -13,8 +13,11 @@ checkpoint with the loss trajectory of an uninterrupted run (``pipefisher.runtim
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import datetime
 import gc
+import json
 import hashlib
 import logging
 import math
@@ -24,7 +27,7 @@ import signal
 import socket
 import time
 from dataclasses import asdict
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -48,8 +51,11 @@ from pipefisher.runtime.checkpoint import (
     checkpoint_root,
     load_shard,
     save_checkpoint,
+    step_dir,
     trim_metrics,
 )
+from pipefisher.runtime import preemption
+from pipefisher.runtime.preemption import PREEMPTED_FILE
 from pipefisher.runtime.executor import CommSpec, StageKey, StepResult, WorkerExecutor
 from pipefisher.runtime.state import (
     capture_rng_state,
@@ -200,6 +206,8 @@ def run_worker(
         The last step's metrics on rank 0 (other ranks: their last loss).
     """
     check_world_size(cfg, world_size)
+    if cfg.cluster.requeue and preemption.in_slurm_job():
+        preemption.install()  # from now on SLURM's warning signal is recorded, not fatal
     device = resolve_device(cfg.device, local_rank)
     if device.type == "cpu":
         set_cpu_threads(local_world_size or world_size)
@@ -357,6 +365,12 @@ class PipelineWorker:
         self.plan = data_plan(cfg)
         self.dp_rank = self.schedule.placement.dp_group_of(rank)
         seed_worker_rngs(cfg.seed, rank)
+        # Preemption (SLURM) and non-finite steps; see [Note: stopping on a signal] and train_step.
+        self.watch_preemption = cfg.cluster.requeue and preemption.in_slurm_job()
+        self.stop_agreed = False  # a worker got the preemption signal: all stop after this step
+        self.step_skipped = False  # this step's update was dropped (on_nonfinite=skip)
+        self.skipped_in_row = 0
+        self._step = -1
 
     @property
     def kfac_interval(self) -> int | None:
@@ -431,9 +445,40 @@ class PipelineWorker:
     def _optimizer_step(self, grad_norm: torch.Tensor) -> None:
         for hook in self.before_optimizer_step:
             hook()
+        norm = float(grad_norm)  # all-reduced over every worker: all of them decide alike
+        if not math.isfinite(norm):
+            self._nonfinite_update(norm)
+            return
+        self.skipped_in_row = 0
         self.optimizer.step(grad_norm=grad_norm)
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
+
+    def _nonfinite_update(self, norm: float) -> None:
+        """Stop (``on_nonfinite=stop``) or drop this step's update (``skip``) on a NaN/inf gradient norm.
+
+        The learning-rate schedule still advances when a step is skipped, so the rate stays a
+        function of the step number.
+
+        Raises:
+            FloatingPointError: naming the step, on every worker at once (the norm is global).
+        """
+        cfg, step = self.cfg, self._step
+        if cfg.on_nonfinite == "stop":
+            raise FloatingPointError(
+                f"step {step}: the global gradient norm is {norm} (NaN/inf in the loss or gradients); "
+                "lower lr, check the data, or set on_nonfinite=skip to drop such steps")
+        self.skipped_in_row += 1
+        if self.skipped_in_row > cfg.max_skipped_steps:
+            raise FloatingPointError(
+                f"step {step}: the gradient norm is {norm}; non-finite steps in a row: {self.skipped_in_row} "
+                f"(max_skipped_steps={cfg.max_skipped_steps}); lower lr or check the data")
+        if self.rank == 0:
+            log.warning("step %d: gradient norm %s; update skipped (on_nonfinite=skip, %d in a row)",
+                        step, norm, self.skipped_in_row)
+        self.step_skipped = True
+        self.optimizer.zero_grad(set_to_none=True)
+        self.scheduler.step()
 
     def get_batch(self, step: int, micro_batch: int) -> dict[str, torch.Tensor]:
         """This worker's data-parallel group's micro-batch (the same on every stage)."""
@@ -443,20 +488,57 @@ class PipelineWorker:
     def train_step(self, step: int) -> tuple[list[float], StepResult]:
         """Run one step on this worker; returns the step's [mlm, nsp] loss (same on every rank)
         and this worker's step result (its timeline events)."""
+        self._step, self.step_skipped = step, False
         inject_fault(self.cfg, self.rank, step)
-        result = self.executor.run_step(step, lambda mb: self.get_batch(step, mb))
-        losses = result.loss_sum.clone()
-        dist.all_reduce(losses)
-        losses = (losses / (self.cfg.num_micro_batches * self.cfg.data_parallel)).tolist()
-        if not all(math.isfinite(v) for v in losses):
-            raise FloatingPointError(f"step {step}: loss is {losses}; lower lr or check the data")
+        with poison_outputs(self.modules.values(), _fault_here(self.cfg, "nan", self.rank, step)):
+            result = self.executor.run_step(step, lambda mb: self.get_batch(step, mb))
+        # The preemption flag rides on the loss all-reduce (see [Note: stopping on a signal]).
+        stop = float(self.watch_preemption and preemption.requested())
+        totals = torch.cat([result.loss_sum.float(), torch.tensor([stop], device=result.loss_sum.device)])
+        dist.all_reduce(totals)
+        self.stop_agreed = bool(totals[2].item() > 0)
+        losses = (totals[:2] / (self.cfg.num_micro_batches * self.cfg.data_parallel)).tolist()
+        if not all(math.isfinite(v) for v in losses) and not self.step_skipped:
+            raise FloatingPointError(f"step {step}: loss is {losses} but the gradients were finite and the update "
+                                     "was applied; lower lr or check the data")
         return losses, result
 
 
-def inject_fault(cfg: TrainConfig, rank: int, step: int) -> None:
-    """Fail as ``cfg.fault`` asks, at the start of ``step`` on worker ``rank`` (a testing aid)."""
+def _fault_here(cfg: TrainConfig, mode: str, rank: int, step: int) -> bool:
     f = cfg.fault
-    if f.mode == "none" or (f.rank, f.step) != (rank, step):
+    return f.mode == mode and (f.rank, f.step) == (rank, step)
+
+
+@contextlib.contextmanager
+def poison_outputs(modules: Iterable[nn.Module], enabled: bool) -> Iterator[None]:
+    """While active, every floating-point output of ``modules`` is NaN (``fault.mode=nan``): the
+    NaN flows into the loss, every gradient and the K-FAC curvature, as a numerical blow-up would."""
+    if not enabled:
+        yield
+        return
+
+    def hook(module: nn.Module, inputs: Any, output: Any) -> Any:
+        if isinstance(output, torch.Tensor) and output.is_floating_point():
+            return output * float("nan")
+        if isinstance(output, tuple):
+            return tuple(o * float("nan") if isinstance(o, torch.Tensor) and o.is_floating_point() else o
+                         for o in output)
+        return output
+
+    log.error("injecting fault 'nan': this worker's stage outputs are NaN for this step")
+    handles = [m.register_forward_hook(hook) for m in modules]
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def inject_fault(cfg: TrainConfig, rank: int, step: int) -> None:
+    """Fail as ``cfg.fault`` asks, at the start of ``step`` on worker ``rank`` (a testing aid;
+    ``nan`` is done by :func:`poison_outputs` around the step)."""
+    f = cfg.fault
+    if f.mode in ("none", "nan") or (f.rank, f.step) != (rank, step):
         return
     log.error("injecting fault %r on worker %d at step %d", f.mode, rank, step)
     if f.mode == "raise":
@@ -498,6 +580,12 @@ def train_worker(cfg: TrainConfig, rank: int, world_size: int, device: torch.dev
     """
     output_dir = Path(output_dir)
     worker = PipelineWorker(cfg, rank, world_size, device)
+    if worker.watch_preemption:  # the handler is installed (run_worker); a requeued job resumes
+        resume = preemption.resume_mode(cfg.resume, cfg.cluster.requeue)
+        if resume != cfg.resume:
+            cfg = dataclasses.replace(cfg, resume=resume)
+    if rank == 0:
+        (output_dir / PREEMPTED_FILE).unlink(missing_ok=True)
     schedule = worker.schedule
     root = checkpoint_root(cfg, output_dir)
     first = 0
@@ -535,6 +623,8 @@ def train_worker(cfg: TrainConfig, rank: int, world_size: int, device: torch.dev
             last = {"step": step, "loss": losses[0] + losses[1], "mlm_loss": losses[0], "nsp_loss": losses[1]}
             if cfg.comm_ablation:
                 last["comm_ablation"] = True  # this loss is meaningless: the stages computed on zeros
+            if worker.step_skipped:
+                last["skipped"] = True  # non-finite gradients: no update (on_nonfinite=skip)
             if rank == 0:
                 events = [e for evs in gathered for e in evs]
                 if cfg.profile.enabled and step >= cfg.profile.warmup_steps:
@@ -562,9 +652,18 @@ def train_worker(cfg: TrainConfig, rank: int, world_size: int, device: torch.dev
                     logger.log(last, step=step)
                     if hasattr(bar, "set_postfix"):
                         bar.set_postfix(loss=f"{last['loss']:.3f}", util=f"{last['bubble_utilization']:.2f}")
-            if _checkpoint_due(policy, step, device):
+            saved = _checkpoint_due(policy, step, device)
+            if saved:
                 worker.save_checkpoint(root, step)
                 policy.saved()
+            if worker.stop_agreed and step < cfg.steps - 1:  # preempted: see [Note: stopping on a signal]
+                folder = step_dir(root, step) if saved else worker.save_checkpoint(root, step)
+                last["preempted"] = True
+                if rank == 0:
+                    (output_dir / PREEMPTED_FILE).write_text(json.dumps({"step": step, "checkpoint": str(folder)}))
+                    log.warning("preemption signal: stopped after step %d of %d, checkpoint in %s",
+                                step, cfg.steps, folder)
+                break
         if rank == 0 and profiled:
             for picture in write_run_profile(cfg, profiled, world_size, output_dir, device):
                 if picture.suffix == ".png":

@@ -1,0 +1,168 @@
+"""Preemption and time limits on SLURM: checkpoint at the end of a step, requeue, resume.
+
+SLURM warns a job before it takes the nodes away: ``--signal=USR2@<s>`` (submitit asks for it,
+``hydra.launcher.signal_delay_s``) before the time limit, and ``scancel --signal=USR2`` or a
+preemption policy at any time. The signal reaches every worker at a slightly different moment,
+somewhere inside a step; a worker cannot stop there without leaving its peers blocked in a send.
+
+[Note: stopping on a signal]
+1. :func:`install` replaces the signal's handler in every process that gets it with one that only
+   records it (and remembers the handler it replaced: submitit's, in a submitit job).
+2. At the end of each step the workers agree whether any of them got the signal (the flag rides
+   on the step's loss all-reduce, so it costs nothing): all stop after the same step.
+3. They save a checkpoint of that step (whatever ``checkpoint.every_steps`` says) and meet at a
+   barrier, so the checkpoint is complete before anyone leaves.
+4. The process holding SLURM's handler requeues the job (:func:`requeue`): submitit's handler
+   pickles the job again and calls ``scontrol requeue``; without submitit we call it ourselves.
+   Every worker then exits with status 255, and the job step ends.
+5. The requeued job (``SLURM_RESTART_COUNT`` > 0) runs the same config in the same output
+   directory; :func:`resume_mode` turns ``resume=none`` into ``auto`` there, so it continues from
+   that checkpoint with the loss trajectory of an uninterrupted run.
+
+Only the SLURM path is covered (``cluster.requeue``, on by default): outside a SLURM job the
+handlers are left alone.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import subprocess
+import sys
+import types
+from collections.abc import Callable, Iterable
+from typing import Any, NoReturn, Union
+
+__all__ = [
+    "PREEMPTION_SIGNAL",
+    "PREEMPTED_EXIT_CODE",
+    "PREEMPTED_FILE",
+    "in_slurm_job",
+    "requeued_attempt",
+    "resume_mode",
+    "install",
+    "uninstall",
+    "requested",
+    "forward_to",
+    "requeue",
+]
+
+log = logging.getLogger(__name__)
+
+#: The signal SLURM sends ahead of a time limit (``--signal=USR2@…``, as submitit asks) or a preemption.
+PREEMPTION_SIGNAL = signal.SIGUSR2
+#: Exit status of every worker process after a checkpoint-and-requeue (what submitit uses too).
+PREEMPTED_EXIT_CODE = 255
+#: Rank 0 leaves ``{"step", "checkpoint"}`` in this file of the run's output directory when the
+#: workers stopped on the signal; the process that owns the requeue reads it.
+PREEMPTED_FILE = "preempted.json"
+
+Handler = Union[Callable[[int, Union[types.FrameType, None]], Any], int, None]
+
+_received: list[int] = []  # signals recorded since install()
+_previous: dict[int, Handler] = {}  # handler each installed signal had before
+_forward: list[int] = []  # child pids the signal is passed on to (local worker processes)
+
+
+def in_slurm_job() -> bool:
+    """Whether this process runs inside a SLURM job allocation."""
+    return "SLURM_JOB_ID" in os.environ
+
+
+def requeued_attempt() -> int:
+    """How many times SLURM has requeued this job (``SLURM_RESTART_COUNT``; 0 outside SLURM)."""
+    try:
+        return int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0)
+    except ValueError:
+        return 0
+
+
+def resume_mode(resume: str, requeue_enabled: bool) -> str:
+    """The ``resume`` a run uses: ``auto`` instead of ``none`` in a requeued SLURM job (see
+    [Note: stopping on a signal]); anything else as configured."""
+    if resume == "none" and requeue_enabled and requeued_attempt() > 0:
+        log.info("requeued SLURM job (SLURM_RESTART_COUNT=%d): resume=auto", requeued_attempt())
+        return "auto"
+    return resume
+
+
+def _record(signum: int, frame: types.FrameType | None) -> None:
+    if signum not in _received:
+        _received.append(signum)
+        # The logging module is not reentrant; a signal may arrive inside a log call.
+        os.write(2, f"[pipefisher] pid {os.getpid()}: got {signal.Signals(signum).name}; "
+                    "checkpointing after this step, then requeueing\n".encode())
+    for pid in _forward:
+        try:
+            os.kill(pid, signum)
+        except ProcessLookupError:
+            pass
+
+
+def install(signals: Iterable[int] = (PREEMPTION_SIGNAL,)) -> None:
+    """Record ``signals`` instead of acting on them, remembering the handlers they had.
+
+    Must run in the main thread. Idempotent: a second call keeps the first call's saved handlers.
+    """
+    for s in signals:
+        current = signal.getsignal(s)
+        if current is _record:
+            continue
+        _previous[s] = current
+        signal.signal(s, _record)
+
+
+def uninstall() -> None:
+    """Put the saved handlers back and forget what was recorded."""
+    for s, h in _previous.items():
+        signal.signal(s, h if h is not None else signal.SIG_DFL)
+    _previous.clear()
+    _received.clear()
+    _forward.clear()
+
+
+def requested() -> bool:
+    """Whether a recorded signal asks this process to stop (since :func:`install`)."""
+    return bool(_received)
+
+
+def forward_to(pids: Iterable[int]) -> None:
+    """Pass recorded signals on to these processes too (the local workers of a launcher process)."""
+    _forward[:] = list(pids)
+    if _received:
+        for pid in _forward:
+            try:
+                os.kill(pid, _received[0])
+            except ProcessLookupError:
+                pass
+
+
+def requeue(reason: str) -> NoReturn:
+    """Requeue this SLURM job and exit with :data:`PREEMPTED_EXIT_CODE` (call after the checkpoint).
+
+    In a submitit job, submitit's own handler does it (it pickles the job for the next attempt,
+    counts time-outs against ``max_num_timeout`` and calls ``scontrol requeue``); otherwise
+    ``scontrol requeue $SLURM_JOB_ID`` is run here.
+
+    Raises:
+        submitit.core.utils.UncompletedJobError: submitit refused (too many time-outs).
+        RuntimeError: ``scontrol requeue`` failed.
+    """
+    signum = _received[0] if _received else PREEMPTION_SIGNAL
+    previous = _previous.get(signum)
+    owner = getattr(previous, "__self__", None)
+    log.warning("%s: requeueing SLURM job %s", reason, os.environ.get("SLURM_JOB_ID", "?"))
+    if owner is not None and type(owner).__module__.startswith("submitit"):
+        previous(signum, None)  # checkpoint_and_try_requeue: ends with sys.exit
+    else:
+        job = os.environ.get("SLURM_JOB_ID")
+        if job is None:
+            raise RuntimeError("requeue: not inside a SLURM job (SLURM_JOB_ID is not set)")
+        try:
+            subprocess.run(["scontrol", "requeue", job], check=True, capture_output=True, text=True, timeout=60)
+        except (OSError, subprocess.SubprocessError) as e:
+            detail = getattr(e, "stderr", "") or e
+            raise RuntimeError(f"`scontrol requeue {job}` failed: {detail}; the checkpoint is kept, "
+                               "resubmit with resume=auto") from e
+    sys.exit(PREEMPTED_EXIT_CODE)
