@@ -343,6 +343,25 @@ def test_checkpoint_config_errors_name_the_field_and_the_fix(overrides: list[str
     assert field in str(err.value) and fix in str(err.value)
 
 
+def test_checkpoint_that_does_not_fit_is_refused_before_any_worker_starts(tmp_path: Path, monkeypatch) -> None:
+    from pipefisher.launch import local
+
+    saved = compose_train(["stages=2", "num_micro_batches=2"])
+    _fake_checkpoint(tmp_path / "checkpoints", 3, saved)
+    started = []
+    monkeypatch.setattr(local.mp, "start_processes", lambda *a, **k: started.append(a))
+    other = compose_train(["stages=2", "num_micro_batches=2", "model.num_layers=4", "resume=auto"])
+    with pytest.raises(ConfigError, match="model.num_layers: checkpoint 2, this run 4"):
+        local.launch_workers(other, tmp_path)
+    wrong_width = compose_train(["stages=2", "num_micro_batches=2", "data_parallel=2", "resume=auto"])
+    with pytest.raises(ConfigError, match="data_parallel: checkpoint 1, this run 2"):
+        local.launch_workers(wrong_width, tmp_path)
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(CheckpointError, match="no valid checkpoint"):
+        local.launch_workers(dataclasses.replace(saved, resume=str(tmp_path / "empty")), tmp_path)
+    assert not started
+
+
 def test_resume_of_an_explicit_path_without_a_checkpoint_fails(tmp_path: Path) -> None:
     from pipefisher.runtime.checkpoint import resolve_resume
 

@@ -10,10 +10,12 @@ from __future__ import annotations
 import json
 import os
 import re
+import shlex
 import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -237,3 +239,115 @@ def test_sweep_runs_as_slurm_job_array_of_two_worker_pipelines(tmp_path: Path) -
         steps = [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
         assert steps == [0, 1, 2], steps
     assert set(methods) == {"gpipe", "chimera"}
+
+
+# --- preemption: checkpoint on SLURM's signal, requeue, resume --------------------------------------
+
+
+def _scontrol_job(job_id: str) -> dict[str, str]:
+    out = subprocess.run(["scontrol", "-o", "show", "job", job_id], capture_output=True, text=True, timeout=30)
+    return dict(kv.split("=", 1) for kv in out.stdout.split() if "=" in kv)
+
+
+PREEMPT_STEPS = 30
+PREEMPT_RUN = ["model=bert-tiny", "stages=2", "pipeline=1f1b", f"steps={PREEMPT_STEPS}", "progress=false",
+               "data.seq_len=32", "micro_batch_size=2", "num_micro_batches=2", "wandb.mode=offline"]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted_losses(tmp_path_factory: pytest.TempPathFactory) -> list[float]:
+    """Losses of PREEMPT_RUN trained straight through on this machine (no SLURM)."""
+    out = tmp_path_factory.mktemp("reference")
+    subprocess.run([sys.executable, str(REPO / "train.py"), *PREEMPT_RUN, f"hydra.run.dir={out}"], cwd=out,
+                   env=SUB_ENV, check=True, capture_output=True, timeout=300)
+    return [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def _wait_for_rows(metrics: Path, rows: int, alive: Callable[[], bool], timeout_s: float = 180) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not (metrics.exists() and len(metrics.read_text().splitlines()) >= rows):
+        assert alive() and time.monotonic() < deadline, "the job did not start training"
+        time.sleep(0.2)
+
+
+def _release_requeued(job_id: str, alive: Callable[[], bool], timeout_s: float = 120) -> None:
+    """Wait until SLURM requeued ``job_id``, then let it start at once (SLURM holds a requeued
+    job back for about two minutes through its BeginTime)."""
+    deadline = time.monotonic() + timeout_s
+    while (info := _scontrol_job(job_id)).get("Restarts", "0") == "0" or info.get("JobState") != "PENDING":
+        assert alive() and time.monotonic() < deadline, f"job {job_id} was not requeued: {info}"
+        time.sleep(0.2)
+    subprocess.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"], check=True, timeout=30)
+
+
+def _check_resumed(log: str, metrics: Path, run_dir: Path, uninterrupted: list[float]) -> None:
+    stopped = int(re.search(r"stopped after step (\d+) of", log).group(1))
+    assert 3 <= stopped < PREEMPT_STEPS - 1, log[-3000:]
+    assert f"resumed from {run_dir / 'checkpoints' / f'step_{stopped}'}: continuing at step {stopped + 1}" in log
+    rows = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(PREEMPT_STEPS))
+    assert [r["loss"] for r in rows] == pytest.approx(uninterrupted, rel=1e-6)
+
+
+@pytest.mark.slow
+def test_preempted_submitit_job_checkpoints_requeues_and_resumes(tmp_path: Path, uninterrupted_losses: list[float]) -> None:
+    # SLURM's warning signal (USR2, as sent before a time limit or a preemption) reaches the two
+    # workers (SLURM tasks) of a running job mid-run. They finish the step and checkpoint it,
+    # worker 0 requeues the job through submitit, and the requeued job resumes from the
+    # checkpoint: every step's loss equals the uninterrupted run's.
+    _require_slurm()
+    sweep = tmp_path / "sweep"
+    launcher = subprocess.Popen(
+        [sys.executable, str(REPO / "train.py"), "-m", "cluster=slurm", *PREEMPT_RUN, "hydra.launcher.timeout_min=5",
+         f"hydra.sweep.dir={sweep}"], cwd=tmp_path, env=SUB_ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        text=True)
+    alive = lambda: launcher.poll() is None  # noqa: E731
+    job_id = None
+    try:
+        _wait_for_rows(sweep / "0" / "metrics.jsonl", 4, alive)
+        job_id = next(d.name for d in (sweep / ".submitit").iterdir() if d.is_dir() and d.name.isdigit())
+        subprocess.run(["scancel", "--signal=USR2", job_id], check=True, timeout=30)
+        _release_requeued(job_id, alive)
+        out, _ = launcher.communicate(timeout=240)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+            if job_id:
+                subprocess.run(["scancel", job_id], check=False, timeout=30)
+    logs = "\n".join(p.read_text()[-3000:] for p in sorted((sweep / ".submitit").glob("*/*_log.*")))
+    assert launcher.returncode == 0, f"{out[-3000:]}\n{logs}"
+    assert _scontrol_job(job_id).get("Restarts") == "1"
+    log = (sweep / "0" / "train.log").read_text()  # Hydra's job log, appended to by both attempts
+    assert f"Requeued job {job_id}" in log
+    _check_resumed(log, sweep / "0" / "metrics.jsonl", sweep / "0", uninterrupted_losses)
+
+
+@pytest.mark.slow
+def test_preempted_batch_job_with_local_workers_requeues_and_resumes(tmp_path: Path,
+                                                                     uninterrupted_losses: list[float]) -> None:
+    # Without submitit: `sbatch --wrap "exec python train.py stages=2"` starts both workers as
+    # local processes of the batch script. The signal reaches the launcher process only
+    # (scancel --batch); it passes it on, the workers checkpoint, the launcher runs
+    # `scontrol requeue`, and the requeued batch script resumes.
+    _require_slurm()
+    run_dir = tmp_path / "run"
+    cmd = shlex.join([sys.executable, str(REPO / "train.py"), *PREEMPT_RUN, f"hydra.run.dir={run_dir}"])
+    job_id = subprocess.run(["sbatch", "--parsable", "-n1", "-c2", "-t5", f"--output={tmp_path / 'job.out'}",
+                             "--open-mode=append", "--wrap", f"exec {cmd}"], cwd=tmp_path, env=SUB_ENV, check=True,
+                            capture_output=True, text=True, timeout=60).stdout.strip()
+    state = lambda: _scontrol_job(job_id).get("JobState")  # noqa: E731
+    try:
+        _wait_for_rows(run_dir / "metrics.jsonl", 4, lambda: state() in ("PENDING", "RUNNING", "CONFIGURING"))
+        subprocess.run(["scancel", "--batch", "--signal=USR2", job_id], check=True, timeout=30)
+        _release_requeued(job_id, lambda: state() not in ("FAILED", "CANCELLED", "COMPLETED"))
+        deadline = time.monotonic() + 240
+        while state() != "COMPLETED":
+            assert state() in ("PENDING", "RUNNING", "CONFIGURING", "COMPLETING") and time.monotonic() < deadline, \
+                (tmp_path / "job.out").read_text()[-3000:]
+            time.sleep(0.5)
+    finally:
+        subprocess.run(["scancel", job_id], check=False, timeout=30)
+    assert _scontrol_job(job_id).get("Restarts") == "1"
+    log = (run_dir / "train.log").read_text() + (tmp_path / "job.out").read_text()
+    assert "requeueing SLURM job" in log
+    _check_resumed(log, run_dir / "metrics.jsonl", run_dir, uninterrupted_losses)

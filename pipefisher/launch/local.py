@@ -89,7 +89,13 @@ def _requeue_if_preempted(output_dir: Path) -> None:
     if not marker.is_file():
         return
     info = json.loads(marker.read_text())
-    preemption.requeue(f"workers checkpointed after step {info['step']} in {info['checkpoint']}")
+    marker.unlink()
+    try:
+        preemption.requeue(f"workers checkpointed after step {info['step']} in {info['checkpoint']}")
+    except preemption.RequeueError as err:
+        raise preemption.RequeueError(f"stopped after step {info['step']} on SLURM's signal with a checkpoint in "
+                                      f"{info['checkpoint']}, but {err}; resubmit the run with resume=auto") from err
+    sys.exit(PREEMPTED_EXIT_CODE)
 
 
 def launch_workers(cfg: TrainConfig, output_dir: str | os.PathLike, run_name: str | None = None,
@@ -109,10 +115,8 @@ def launch_workers(cfg: TrainConfig, output_dir: str | os.PathLike, run_name: st
     if env is not None:
         rank, world, local_rank, local_world = env
         result = run_worker(cfg, rank, world, output_dir, run_name=run_name, group=group,
-                            local_rank=local_rank, local_world_size=local_world)
-        if result.get("preempted"):
-            if rank == 0:
-                _requeue_if_preempted(Path(output_dir))
+                            local_rank=local_rank, local_world_size=local_world, requeue_here=True)
+        if result.get("preempted"):  # checkpointed, and worker 0 requeued the job
             sys.exit(PREEMPTED_EXIT_CODE)
         return result
     check_resume(cfg, output_dir)

@@ -12,9 +12,11 @@ somewhere inside a step; a worker cannot stop there without leaving its peers bl
    on the step's loss all-reduce, so it costs nothing): all stop after the same step.
 3. They save a checkpoint of that step (whatever ``checkpoint.every_steps`` says) and meet at a
    barrier, so the checkpoint is complete before anyone leaves.
-4. The process holding SLURM's handler requeues the job (:func:`requeue`): submitit's handler
-   pickles the job again and calls ``scontrol requeue``; without submitit we call it ourselves.
-   Every worker then exits with status 255, and the job step ends.
+4. Worker 0 (or, when the workers are local processes of one launcher process, the launcher)
+   requeues the job (:func:`requeue`): submitit's handler pickles the job again and calls
+   ``scontrol requeue``; without submitit we call it ourselves. Every worker then exits with
+   status 255, and the job step ends. If the job cannot be requeued (submitit's
+   ``max_num_timeout`` reached), every worker raises instead, naming the checkpoint.
 5. The requeued job (``SLURM_RESTART_COUNT`` > 0) runs the same config in the same output
    directory; :func:`resume_mode` turns ``resume=none`` into ``auto`` there, so it continues from
    that checkpoint with the loss trajectory of an uninterrupted run.
@@ -29,10 +31,9 @@ import logging
 import os
 import signal
 import subprocess
-import sys
 import types
 from collections.abc import Callable, Iterable
-from typing import Any, NoReturn, Union
+from typing import Any, Union
 
 __all__ = [
     "PREEMPTION_SIGNAL",
@@ -46,6 +47,7 @@ __all__ = [
     "requested",
     "forward_to",
     "requeue",
+    "RequeueError",
 ]
 
 log = logging.getLogger(__name__)
@@ -138,31 +140,39 @@ def forward_to(pids: Iterable[int]) -> None:
                 pass
 
 
-def requeue(reason: str) -> NoReturn:
-    """Requeue this SLURM job and exit with :data:`PREEMPTED_EXIT_CODE` (call after the checkpoint).
+class RequeueError(RuntimeError):
+    """SLURM or submitit did not requeue the job (e.g. too many time-outs)."""
 
-    In a submitit job, submitit's own handler does it (it pickles the job for the next attempt,
-    counts time-outs against ``max_num_timeout`` and calls ``scontrol requeue``); otherwise
-    ``scontrol requeue $SLURM_JOB_ID`` is run here.
+
+def requeue(reason: str) -> None:
+    """Requeue this SLURM job (call after the checkpoint); returns once it is requeued.
+
+    In a submitit job whose handler was saved by :func:`install` in this process, submitit does
+    it (it pickles the job for the next attempt, counts time-outs against
+    ``hydra.launcher.max_num_timeout`` and calls ``scontrol requeue``); otherwise
+    ``scontrol requeue $SLURM_JOB_ID`` is run here. The caller then exits with
+    :data:`PREEMPTED_EXIT_CODE`.
 
     Raises:
-        submitit.core.utils.UncompletedJobError: submitit refused (too many time-outs).
-        RuntimeError: ``scontrol requeue`` failed.
+        RequeueError: the job was not requeued; the message says why.
     """
     signum = _received[0] if _received else PREEMPTION_SIGNAL
     previous = _previous.get(signum)
     owner = getattr(previous, "__self__", None)
-    log.warning("%s: requeueing SLURM job %s", reason, os.environ.get("SLURM_JOB_ID", "?"))
-    if owner is not None and type(owner).__module__.startswith("submitit"):
-        previous(signum, None)  # checkpoint_and_try_requeue: ends with sys.exit
-    else:
-        job = os.environ.get("SLURM_JOB_ID")
-        if job is None:
-            raise RuntimeError("requeue: not inside a SLURM job (SLURM_JOB_ID is not set)")
+    job = os.environ.get("SLURM_JOB_ID")
+    log.warning("%s: requeueing SLURM job %s", reason, job or "?")
+    if callable(previous) and owner is not None and type(owner).__module__.startswith("submitit"):
         try:
-            subprocess.run(["scontrol", "requeue", job], check=True, capture_output=True, text=True, timeout=60)
-        except (OSError, subprocess.SubprocessError) as e:
-            detail = getattr(e, "stderr", "") or e
-            raise RuntimeError(f"`scontrol requeue {job}` failed: {detail}; the checkpoint is kept, "
-                               "resubmit with resume=auto") from e
-    sys.exit(PREEMPTED_EXIT_CODE)
+            previous(signum, None)  # submitit's checkpoint_and_try_requeue
+        except SystemExit:  # it requeued and wants the process to end: our caller does that
+            return
+        except Exception as e:  # UncompletedJobError: submitit refused
+            raise RequeueError(f"submitit did not requeue job {job}: {e} (raise hydra.launcher.max_num_timeout "
+                               "to allow more)") from e
+        raise RequeueError(f"submitit's handler returned without requeueing job {job} (not the job's task 0?)")
+    if job is None:
+        raise RequeueError("not inside a SLURM job (SLURM_JOB_ID is not set)")
+    try:
+        subprocess.run(["scontrol", "requeue", job], check=True, capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.SubprocessError) as e:
+        raise RequeueError(f"`scontrol requeue {job}` failed: {getattr(e, 'stderr', '') or e}") from e

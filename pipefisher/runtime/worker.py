@@ -197,6 +197,7 @@ def run_worker(
     local_rank: int = 0,
     local_world_size: int | None = None,
     external_store: bool = False,
+    requeue_here: bool = False,
 ) -> dict[str, Any]:
     """Train as worker ``rank`` of ``world_size``; the process group is set up from ``MASTER_ADDR``
     and ``MASTER_PORT`` in the environment (``external_store``: a store already listens there,
@@ -219,7 +220,7 @@ def run_worker(
                               is_master=False, timeout=timeout)
     dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timeout, store=store)
     try:
-        result = train_worker(cfg, rank, world_size, device, output_dir, run_name, group)
+        result = train_worker(cfg, rank, world_size, device, output_dir, run_name, group, requeue_here=requeue_here)
         dist.barrier()  # nobody tears down its connections while a peer still talks to it
         return result
     finally:
@@ -568,11 +569,33 @@ def _checkpoint_due(policy: CheckpointPolicy, step: int, device: torch.device) -
     return due
 
 
+def _requeue_from_rank0(rank: int, step: int, folder: Path) -> None:
+    """Worker 0 requeues the SLURM job; every worker learns whether it worked.
+
+    Raises:
+        RequeueError: on every worker, when the job was not requeued (the checkpoint is kept).
+    """
+    outcome: list[Any] = [None]
+    if rank == 0:
+        try:
+            preemption.requeue(f"workers checkpointed after step {step} in {folder}")
+        except preemption.RequeueError as err:
+            outcome[0] = str(err)
+    dist.broadcast_object_list(outcome, src=0)
+    if outcome[0] is not None:
+        raise preemption.RequeueError(f"stopped after step {step} on SLURM's signal with a checkpoint in {folder}, "
+                                      f"but {outcome[0]}; resubmit the run with resume=auto")
+
+
 def train_worker(cfg: TrainConfig, rank: int, world_size: int, device: torch.device,
                  output_dir: str | os.PathLike, run_name: str | None = None,
-                 group: str | None = None) -> dict[str, Any]:
+                 group: str | None = None, requeue_here: bool = False) -> dict[str, Any]:
     """Train as worker ``rank`` in an initialized process group: resume if asked, run the
     remaining steps, save checkpoints when due; rank 0 writes ``metrics.jsonl`` and wandb.
+
+    On SLURM's preemption signal the workers checkpoint and stop (the result then holds
+    ``"preempted": True``); with ``requeue_here`` worker 0 also requeues the job, otherwise it
+    leaves :data:`~pipefisher.runtime.preemption.PREEMPTED_FILE` for the launcher process.
 
     Returns:
         The last step's metrics on rank 0 (other ranks: their last loss); empty when a resumed
@@ -610,6 +633,7 @@ def train_worker(cfg: TrainConfig, rank: int, world_size: int, device: torch.dev
         if rank == 0 else None
     )
     last: dict[str, Any] = {}
+    preempted: tuple[int, Path] | None = None  # (step, checkpoint) when stopped on SLURM's signal
     profiled: list[Event] = []
     bar = _step_range(cfg, first, enabled=rank == 0)
     try:
@@ -658,11 +682,11 @@ def train_worker(cfg: TrainConfig, rank: int, world_size: int, device: torch.dev
                 policy.saved()
             if worker.stop_agreed and step < cfg.steps - 1:  # preempted: see [Note: stopping on a signal]
                 folder = step_dir(root, step) if saved else worker.save_checkpoint(root, step)
-                last["preempted"] = True
                 if rank == 0:
-                    (output_dir / PREEMPTED_FILE).write_text(json.dumps({"step": step, "checkpoint": str(folder)}))
                     log.warning("preemption signal: stopped after step %d of %d, checkpoint in %s",
                                 step, cfg.steps, folder)
+                preempted = (step, folder)
+                last["preempted"] = True
                 break
         if rank == 0 and profiled:
             for picture in write_run_profile(cfg, profiled, world_size, output_dir, device):
@@ -677,6 +701,11 @@ def train_worker(cfg: TrainConfig, rank: int, world_size: int, device: torch.dev
             logger.finish()
         if hasattr(bar, "close"):
             bar.close()
+    # Requeue only now: the requeue's SIGTERM also reaches helper processes (wandb's service).
+    if preempted is not None and requeue_here:
+        _requeue_from_rank0(rank, *preempted)
+    elif preempted is not None and rank == 0:  # the launcher process requeues once the workers exited
+        (output_dir / PREEMPTED_FILE).write_text(json.dumps({"step": preempted[0], "checkpoint": str(preempted[1])}))
     return last
 
 
