@@ -271,12 +271,15 @@ def _wait_for_rows(metrics: Path, rows: int, alive: Callable[[], bool], timeout_
 
 
 def _release_requeued(job_id: str, alive: Callable[[], bool], timeout_s: float = 120) -> None:
-    """Wait until SLURM requeued ``job_id``, then let it start at once (SLURM holds a requeued
-    job back for about two minutes through its BeginTime)."""
+    """Wait until SLURM requeued ``job_id``, then let it start now (SLURM holds a requeued job back
+    for about two minutes through its BeginTime). Not in the second of the requeue: slurmd compares
+    the new launch credential with the old one's revocation time in whole seconds and would refuse
+    it ("Job credential revoked")."""
     deadline = time.monotonic() + timeout_s
     while (info := _scontrol_job(job_id)).get("Restarts", "0") == "0" or info.get("JobState") != "PENDING":
         assert alive() and time.monotonic() < deadline, f"job {job_id} was not requeued: {info}"
         time.sleep(0.2)
+    time.sleep(3)
     subprocess.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"], check=True, timeout=30)
 
 
