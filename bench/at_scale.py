@@ -21,11 +21,14 @@ For each model, method, D and N the table gives
   stage-to-stage messages are not free (16 MiB per BERT-Large micro-batch here, 0.34 ms, against
   about 1 ms for the forward of one encoder layer);
 - ``k``: the refresh interval the planner chose (smallest k whose bubbles hold one refresh; if none
-  up to ``--max-interval`` does, the k with the least work spilled per step), ``spill``: K-FAC
-  work per step that found no bubble and runs before the optimizer step, ``tail``: curvature of a
-  worker's last backwards, which has no bubble after it and runs before the step whatever k is
-  (both in ms per step, averaged over the workers; they and the preconditioning, which runs before
-  every step, are why pipefisher's step is longer than nvlamb's);
+  up to ``--max-interval`` does, the k with the least work spilled per step; "k (cp)" where the
+  plan was predicted slower than the same refresh on the critical path, which it then uses),
+  ``spill``: K-FAC work per step that found no bubble though an empty step's bubbles would hold
+  it, ``tail``: work no k hides: curvature of a worker's last backwards, which has no bubble after
+  it, and the part of a layer's curvature that outgrows one step's bubbles (with N >> D) and found
+  no room (both in ms per step, averaged over the workers; both run before the optimizer step; they
+  and the preconditioning, which runs before every step, are why pipefisher's step is longer than
+  nvlamb's);
 - predicted step times: nvlamb; kfac with all K-FAC work on the critical path, refreshed every step
   (k=1) and every k steps (the same staleness as PipeFisher); pipefisher;
 - ``plan s``: wall time of planning and predicting that row here.
@@ -82,7 +85,8 @@ def _row(size: str, bert: BertConfig, method: str, d: int, n: int, args: argpars
     return [size, method, d, n, f"{min(enc)}-{max(enc)}" if min(enc) != max(enc) else str(enc[0]),
             closed_form_utilization(method, d, n), 1.0 - simulated_bubble_ratio(schedule),
             1.0 - simulated_bubble_ratio(schedule, cost),
-            cmp.nvlamb.utilization, cmp.pipefisher.utilization, k,
+            cmp.nvlamb.utilization, cmp.pipefisher.utilization,
+            f"{k} (cp)" if cmp.assignment.metadata.get("fallback") else k,
             cmp.assignment.metadata["spilled_ns"] / ns_per_ms_worker_step,
             cmp.assignment.metadata["tail_ns"] / ns_per_ms_worker_step,
             cmp.nvlamb.step_time_s * 1e3, cmp.kfac.step_time_s * 1e3, cmp.kfac_same_interval.step_time_s * 1e3,

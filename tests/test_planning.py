@@ -147,6 +147,71 @@ def test_factor_syncs_of_twins_that_are_also_neighbours_do_not_deadlock(n):
     assert 0 < stats.mid_step_syncs < 6  # some syncs inside the step, some moved to the tail
 
 
+# Issue 8, item 5: with N >> D the curvature outgrows the bubbles. The plan must never be predicted
+# slower than the same refresh on the critical path at its k (the bert-large 1F1B D=8 N=32 plan
+# was: 480.3 ms against 462.4 ms, because the last stage's curvature was exposed in phase 0 and the
+# first stages' spill in phase k-1, so the two exposures added up instead of overlapping).
+_BERT_SHAPES = [("base", "1f1b", 4, 16), ("base", "gpipe", 4, 16),
+                ("base", "chimera", 4, 16), ("base", "gpipe", 4, 4), ("base", "1f1b", 6, 6)]
+
+
+def _bert_plan(size: str, method: str, d: int, n: int):
+    from pipefisher.planning import Hardware, estimate_run_costs
+    from pipefisher.schedules.kfac import kfac_layer_counts
+
+    run = RunShape(BertConfig.from_size(size), method, d, n, 32)
+    s = build_schedule(method, d, n)
+    cost = estimate_run_costs(run, Hardware())
+    return s, cost, kfac_layer_counts(s, run.encoder_layers)
+
+
+@pytest.mark.parametrize("size, method, d, n", _BERT_SHAPES,
+                         ids=[f"bert-{z}-{m}-D{d}-N{n}" for z, m, d, n in _BERT_SHAPES])
+def test_pipefisher_is_never_predicted_slower_than_critical_path_kfac_at_its_interval(size, method, d, n):
+    s, cost, layers = _bert_plan(size, method, d, n)
+    cmp = compare_optimizers(s, cost, layers)
+    check_assignment(cmp.assignment)
+    assert cmp.assignment.deferred and cmp.assignment.schedule.actions == s.actions
+    assert cmp.pipefisher.step_time_s <= cmp.kfac_same_interval.step_time_s
+    assert cmp.pipefisher.step_time_s <= cmp.kfac.step_time_s
+
+
+def test_exposed_work_of_one_f_one_b_with_n_4d_overlaps_in_one_phase():
+    # bert-large, 1F1B, D=8, N=32 (the shape of the issue): the plan itself, not the critical-path
+    # fallback, beats critical-path K-FAC at its k (462.4 ms at k=8) by more than 3 %.
+    s, cost, layers = _bert_plan("large", "1f1b", 8, 32)
+    cmp = compare_optimizers(s, cost, layers)
+    check_assignment(cmp.assignment)
+    assert "fallback" not in cmp.assignment.metadata and cmp.assignment.interval == 8
+    assert cmp.pipefisher.step_time_s < 0.97 * cmp.kfac_same_interval.step_time_s
+    assert cmp.nvlamb.step_time_s < cmp.pipefisher.step_time_s
+
+
+def test_a_plan_slower_than_the_critical_path_falls_back_to_it():
+    from pipefisher.planning.assign import _no_slower_than_critical_path
+
+    # Stage s refreshes in phase s: every stage's work is exposed in a step of its own, which is
+    # slower than all of it in phase 0 where the exposures overlap.
+    s = build_schedule("gpipe", 4, 4)
+    cost = _cost(s, layers=2, unit=40)
+    cp = critical_path_assignment(s, [2] * 4, 4, deferred=True)
+    phases = []
+    for p in range(4):
+        actions = {w: tuple(x for x in acts if not x.kind.is_kfac or x.kind == K.PRECOND or x.stage == p)
+                   for w, acts in cp.phases[0].actions.items()}
+        phases.append(replace(cp.phases[0], actions=actions))
+    bad = replace(cp, phases=tuple(phases), metadata={"planner": "pipefisher"})
+    check_assignment(bad)
+    assert predict_assignment(bad, cost)[0].step_time_s > predict_assignment(cp, cost)[0].step_time_s
+    out = _no_slower_than_critical_path(bad, s, cost)
+    assert out.metadata["fallback"] == "critical_path" and out.deferred and out.interval == 4
+    check_assignment(out)
+    assert predict_assignment(out, cost)[0].step_time_s == predict_assignment(cp, cost)[0].step_time_s
+    # A plan that is faster is kept as it is.
+    good = plan_pipefisher(s, cost, [2] * 4)
+    assert _no_slower_than_critical_path(good, s, cost) is good
+
+
 def test_find_bubbles_of_one_f_one_b_add_up_to_the_closed_form():
     s = build_schedule("1f1b", 4, 8)
     bubbles = find_bubbles(s, CostModel.uniform(4, 100))

@@ -6,31 +6,37 @@ Entry point: :func:`plan_pipefisher` (``schedule.py`` calls it; the result is an
 [Note: the list scheduler]
 The pipeline with one PRECOND per stage replica before STEP is simulated once; its bubbles become
 insertion windows ([Note: bubbles as insertion windows] in ``planning.bubbles``), the same in
-every phase of a k-step cycle. For phase p = 0, 1, …, k−1:
+every phase of a k-step cycle.
 
-1. curvature, layer by layer, round robin over the stages: all CURV_A/CURV_B units of a layer,
-   on every replica of its stage, go into the earliest window after their F (A) or B (B) on the
-   same worker (Chimera's up-pipe replica after the up-pipe's computes) that has room; if one
-   does not fit, the layer waits for a later phase (a layer's curvature stays in one step).
-   A unit that no window after its F/B but the worker's last one (before STEP) could ever hold
-   (the curvature of the last backwards of the worker that finishes last) goes to that tail
-   window: such *tail* work lengthens the step once it overflows the tail, whatever k is, and is
-   not counted as spill;
-2. one SYNC_FACTOR per refreshed layer, at the same instant T on every replica (T = when the
-   last replica finished the layer's curvature): each member at the place in its list where it
-   is at time T (after the action it is busy with). Syncs go in order of T, so members issue
-   shared all-reduces in one order. A sync that still deadlocks under blocking semantics
+1. Curvature that fits, phase by phase (p = 0, 1, …, k−1), layer by layer, round robin over the
+   stages: all CURV_A/CURV_B units of a layer, on every replica of its stage, go into the earliest
+   window after their F (A) or B (B) on the same worker (Chimera's up-pipe replica after the
+   up-pipe's computes) that has room; if one does not fit, the layer waits for a later phase (a
+   layer's curvature stays in one step). A unit that no window after its F/B, the tail (the last
+   one, before STEP) included, could hold even in an empty step (the curvature of the last
+   backwards of the worker that finishes last) goes after everything in the tail: such *tail*
+   work lengthens the step whatever k is and is not counted as spill. A layer whose curvature
+   does not fit the windows of an otherwise empty step (*oversized*: with N ≫ D, N units after
+   N forwards in 1F1B's steady state, whose bubbles are short) is left to 2.; its exposed units
+   count as tail work too, as no k hides them.
+2. What did not fit (spill) and the oversized layers, whole layers, largest first: units that fit
+   a window go there, the others after everything in the tail; each layer into the phase whose
+   step it lengthens least ([Note: exposed work goes where exposed work already is]).
+3. Per phase, one SYNC_FACTOR per refreshed layer, at the same instant T on every replica (T =
+   when the last replica finished the layer's curvature): each member at the place in its list
+   where it is at time T (after the action it is busy with). Syncs go in order of T, so members
+   issue shared all-reduces in one order. A sync that still deadlocks under blocking semantics
    (``checks.stuck_positions``) moves to the tail of the phase, where every worker has done all
-   its messages;
-3. INVERT of a layer in the earliest window after its SYNC_FACTOR ended, in this phase or a
-   later one (inverses from earlier phases first).
+   its messages. Then INVERT of a layer in the earliest window after its SYNC_FACTOR ended, in
+   this phase or a later one (inverses from earlier phases first); what does not fit by the last
+   phase runs before STEP of the last phase (spilled).
 
-What does not fit by the last phase is spilled to just before STEP of the last phase (units that
-fit a bubble still go there). k is the smallest interval with no spill; when every interval up to
-``max_interval`` spills (some layer's curvature never fits one step's bubbles), the smallest one
-with the least spilled work per refresh. The work does not slow the
-pipeline: every inserted unit ends before the action after its window needs the worker, so the
-simulated times of the pipeline's own actions do not change (except for tail and spilled work).
+k is the smallest interval with no spill; when every interval up to ``max_interval`` spills, the
+one with the least spilled work per step. The work does not slow the pipeline: every inserted
+unit ends before the action after its window needs the worker, so the simulated times of the
+pipeline's own actions do not change (except for tail and spilled work). Finally the simulator
+compares the plan with the same refresh on the critical path and keeps the faster ([Note: never
+slower than critical-path K-FAC]).
 """
 
 from __future__ import annotations
@@ -42,11 +48,17 @@ from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
-from pipefisher.planning.bubbles import Window, WindowItem, find_windows
+from pipefisher.planning.bubbles import Window, WindowItem, find_windows, summarize_timeline
 from pipefisher.schedules import Action, ActionKind, Schedule
 from pipefisher.schedules.checks import stuck_positions
-from pipefisher.schedules.kfac import Assignment, check_assignment, require_plain_schedule, with_preconditioning
-from pipefisher.simulate import CostModel
+from pipefisher.schedules.kfac import (
+    Assignment,
+    check_assignment,
+    critical_path_assignment,
+    require_plain_schedule,
+    with_preconditioning,
+)
+from pipefisher.simulate import CostModel, simulate_phases
 
 __all__ = ["PlanStats", "plan_pipefisher", "plan_interval"]
 
@@ -60,10 +72,12 @@ class PlanStats:
 
     Attributes:
         interval: k.
-        spilled_ns: work (summed over workers) placed before STEP of the last phase for want of
-            room in the bubbles; 0 means the bubbles hold the refresh.
-        tail_ns: work that follows the last backward of a worker with no bubble after it; it runs
-            before STEP whatever k is.
+        spilled_ns: work (summed over workers) placed before STEP for want of room in the
+            bubbles, though an otherwise empty step's bubbles would hold it; 0 means the bubbles
+            hold the refresh.
+        tail_ns: work placed before STEP that no k would hide: curvature following the last
+            backward of a worker with no bubble after it, and the units of layers whose curvature
+            does not fit one empty step's bubbles that found no room.
         mid_step_syncs: SYNC_FACTORs placed inside a step (the others are at a phase's tail).
     """
 
@@ -71,6 +85,18 @@ class PlanStats:
     spilled_ns: int
     tail_ns: int
     mid_step_syncs: int
+
+
+def _point(window: Window) -> int:
+    return window.point
+
+
+@dataclass(frozen=True)
+class _Placed:
+    worker: int
+    window: Window
+    item: WindowItem
+    how: str  # "fit" (in a window's room), "inherent" or "forced" (after everything in the tail)
 
 
 @dataclass
@@ -94,6 +120,7 @@ class _Planner:
         # For "could a window after action j other than the tail ever hold c ns?": the non-tail
         # windows by point, and suffix maxima of their lengths.
         self.points = {w: [x.point for x in wins if not x.tail] for w, wins in geometry.items()}
+        self.tail_room = {w: next(x.end - x.start for x in wins if x.tail) for w, wins in geometry.items()}
         self.suffix_max = {}
         for w, wins in geometry.items():
             best, out = 0, []
@@ -131,6 +158,9 @@ class _Planner:
         return new
 
     def _inherent(self, w: int, dep: int, cost: int) -> bool:
+        """Whether no window after action ``dep`` (the tail included), even empty, holds ``cost``."""
+        if cost <= self.tail_room[w]:
+            return False
         i = bisect.bisect_right(self.points[w], dep)
         return i >= len(self.points[w]) or self.suffix_max[w][i] < cost
 
@@ -139,11 +169,14 @@ class _Planner:
 
     # -- curvature ------------------------------------------------------------------------------
 
-    def _try_curvature(self, p: int, stage: int, layer: int, force: bool = False) -> dict[int, int] | None:
-        """Place every curvature unit of (stage, layer) in phase p; per worker the last end, or None."""
-        placed: list[tuple[Window, WindowItem]] = []
-        ends: dict[int, int] = {}
-        tail_ns = spilled = 0
+    def _place_curvature(self, p: int, stage: int, layer: int, force: bool = False) -> list[_Placed] | None:
+        """Place every curvature unit of (stage, layer) in phase p; the units placed, or None.
+
+        A unit no window after its F/B could hold even in an empty step goes after everything
+        in the tail window (*inherent*). With ``force``, so does a unit no window has room for
+        (*forced*). Nothing is counted here (see :meth:`_commit`): a placement can be undone.
+        """
+        placed: list[_Placed] = []
         for w, pipe in self.replicas[stage]:
             units = []
             for j in self.mbs[pipe]:
@@ -153,29 +186,49 @@ class _Planner:
             for dep, act in units:
                 c = self.cost.kfac_ns(act.kind, stage, layer)
                 win = t = None
+                how = "fit"
                 if self._inherent(w, dep, c):
-                    win = self._tail(p, w)
+                    win, how = self._tail(p, w), "inherent"
                     t = win.force(0, c)
-                    tail_ns += c
                 else:
-                    for x in self.windows[p][w]:
-                        if x.point > dep and (t := x.fit(0, c)) is not None:
+                    wins = self.windows[p][w]
+                    for x in itertools.islice(wins, bisect.bisect_right(wins, dep, key=_point), None):
+                        if (t := x.fit(0, c)) is not None:
                             win = x
                             break
                 if win is None and force:
-                    win = self._tail(p, w)
+                    win, how = self._tail(p, w), "forced"
                     t = win.force(0, c)
-                    spilled += c
                 if win is None:
-                    for x, item in placed:
-                        x.remove(item)
+                    self._undo(placed)
                     return None
-                item = self._add(win, t, c, act)
-                placed.append((win, item))
-                ends[w] = max(ends.get(w, 0), item.end)
-        self.tail_ns += tail_ns
-        self.spilled_ns += spilled
+                placed.append(_Placed(w, win, self._add(win, t, c, act), how))
+        return placed
+
+    @staticmethod
+    def _undo(placed: list[_Placed]) -> None:
+        for u in placed:
+            u.window.remove(u.item)
+
+    def _commit(self, placed: list[_Placed], oversized: bool) -> dict[int, int]:
+        """Count the exposed units of a placement; per worker the end of its last unit.
+
+        Forced units of an oversized layer (one an empty step cannot hold) count as tail work,
+        not spill: no k hides them.
+        """
+        ends: dict[int, int] = {}
+        for u in placed:
+            ends[u.worker] = max(ends.get(u.worker, 0), u.item.end)
+            c = u.item.end - u.item.start
+            if u.how == "inherent" or (u.how == "forced" and oversized):
+                self.tail_ns += c
+            elif u.how == "forced":
+                self.spilled_ns += c
         return ends
+
+    def _exposure(self, p: int) -> int:
+        """How far phase p's tail work runs past the tail windows (the slowest worker's)."""
+        return max(self._tail(p, w).exposed_ns for w in self.windows[p])
 
     # -- syncs ----------------------------------------------------------------------------------
 
@@ -268,41 +321,92 @@ class _Planner:
 
     # -- the phases -----------------------------------------------------------------------------
 
-    def run(self) -> tuple[tuple[Schedule, ...], PlanStats]:
-        todo = {s: list(range(n)) for s, n in enumerate(self.layers) if n}
+    def _oversized(self) -> set[tuple[int, int]]:
+        """(stage, layer)s whose curvature does not fit the bubbles of an otherwise empty step.
+
+        Tried in a scratch phase built from phase 0's windows, so it runs before any placement.
+        """
+        scratch = {w: [Window(x.point, x.start, x.end, x.tail) for x in wins]
+                   for w, wins in self.windows[0].items()}
+        self.windows.append(scratch)
+        out = set()
+        try:
+            for stage, n in enumerate(self.layers):
+                for layer in range(n):
+                    placed = self._place_curvature(self.k, stage, layer)
+                    if placed is None:
+                        out.add((stage, layer))
+                    else:
+                        self._undo(placed)
+        finally:
+            self.windows.pop()
+        return out
+
+    def _curvature_ns(self, stage: int, layer: int) -> int:
+        per_mb = self.cost.kfac_ns(K.CURV_A, stage, layer) + self.cost.kfac_ns(K.CURV_B, stage, layer)
+        return sum(per_mb * len(self.mbs[pipe]) for _, pipe in self.replicas[stage])
+
+    def _place_exposed(self, stage: int, layer: int, oversized: bool) -> tuple[int, dict[int, int]]:
+        """Force (stage, layer)'s curvature into the phase whose step it lengthens least.
+
+        [Note: exposed work goes where exposed work already is]
+        A phase's step is about as long as its most exposed worker's tail, so exposed work on
+        different workers overlaps when it is in one phase and adds up when it is in different
+        phases (the 1F1B, N = 4D weakness of issue 8: the last stage's curvature exposed in phase
+        0 and the first stages' spill in phase k−1 made the plan slower than critical-path K-FAC
+        at the same k). Each layer goes where max-over-workers exposure grows least; ties go to
+        the earlier phase, which leaves later phases' bubbles for the layer's INVERT.
+        """
+        best = None
         for p in range(self.k):
-            committed: list[tuple[int, int, int, dict[int, int]]] = []  # (T, stage, layer, points)
+            before = self._exposure(p)
+            placed = self._place_curvature(p, stage, layer, force=True)
+            grow = self._exposure(p) - before
+            self._undo(placed)
+            if best is None or grow < best[0]:
+                best = (grow, p)
+        p = best[1]
+        return p, self._commit(self._place_curvature(p, stage, layer, force=True), oversized)
+
+    def run(self) -> tuple[tuple[Schedule, ...], PlanStats]:
+        oversized = self._oversized()
+        todo = {s: [l for l in range(n) if (s, l) not in oversized] for s, n in enumerate(self.layers)}
+        todo = {s: ls for s, ls in todo.items() if ls}
+        # per phase: (stage, layer, per worker the end of its last curvature unit)
+        committed: list[list[tuple[int, int, dict[int, int]]]] = [[] for _ in range(self.k)]
+        for p in range(self.k):  # 1. curvature that fits the bubbles
             progress = True
             while progress:  # round robin: one layer per stage per round
                 progress = False
                 for stage in sorted(todo):
                     for layer in list(todo[stage]):
-                        ends = self._try_curvature(p, stage, layer)
-                        if ends is not None:
+                        placed = self._place_curvature(p, stage, layer)
+                        if placed is not None:
                             todo[stage].remove(layer)
-                            committed.append((max(ends.values()), stage, layer,
-                                              self._curvature_points(p, stage, layer)))
+                            committed[p].append((stage, layer, self._commit(placed, False)))
                             progress = True
                             break
+            todo = {s: ls for s, ls in todo.items() if ls}
+        # 2. spill and oversized layers: whole layers, exposed, largest first
+        rest = [(s, l) for s in sorted(todo) for l in todo[s]] + sorted(oversized)
+        for stage, layer in sorted(rest, key=lambda key: -self._curvature_ns(*key)):
+            p, ends = self._place_exposed(stage, layer, (stage, layer) in oversized)
+            committed[p].append((stage, layer, ends))
+        for p in range(self.k):  # 3. syncs and inverts
             last = p == self.k - 1
-            if last:  # spill: whole layers before STEP of the last phase
-                for stage in sorted(todo):
-                    for layer in todo[stage]:
-                        ends = self._try_curvature(p, stage, layer, force=True)
-                        committed.append((max(ends.values()), stage, layer, self._curvature_points(p, stage, layer)))
-                todo = {}
-            for time, stage, layer, points in sorted(committed):
+            entries = sorted((max(ends.values()), stage, layer, self._curvature_points(p, stage, layer))
+                             for stage, layer, ends in committed[p])
+            for time, stage, layer, points in entries:
                 self._place_sync(p, stage, layer, time, points)
                 self.inverts_left[(stage, layer)] = {w for w, _ in self.replicas[stage]}
             self._repair(p)
             for key in self.pending:
                 self._place_inverts(p, key, force=last)
-            new = sorted(((self.syncs[(s, l)].time, s, l) for _, s, l, _ in committed))
+            new = sorted((self.syncs[(s, l)].time, s, l) for _, s, l, _ in entries)
             for _, s, l in new:
                 self._place_inverts(p, (s, l), force=last)
             self.pending = [key for key in self.pending + [(s, l) for _, s, l in new] if self.inverts_left[key]]
-            todo = {s: ls for s, ls in todo.items() if ls}
-        assert not self.pending and not todo
+        assert not self.pending
         phases = tuple(self._build(p) for p in range(self.k))
         mid = sum(1 for s in self.syncs.values() if not all(x[0].tail for x in s.items.values()))
         return phases, PlanStats(self.k, self.spilled_ns, self.tail_ns, mid)
@@ -342,11 +446,12 @@ def plan_pipefisher(schedule: Schedule, cost: CostModel, kfac_layers: Sequence[i
         cost: costs including the K-FAC units (``estimate_costs`` / ``costs_from_profile``).
         kfac_layers: K-FAC layers per stage (``kfac_layer_counts``).
         max_interval: the largest k to try. If no k up to it holds all the work, the k with the
-            least spilled work (run before STEP of its last phase) per step is chosen.
+            least spilled work (run before STEP) per step is chosen.
 
     Returns:
-        A checked assignment with ``deferred=True``; ``metadata`` holds ``spilled_ns``,
-        ``tail_ns`` and ``mid_step_syncs``.
+        A checked assignment with ``deferred=True``, never predicted slower than the same
+        refresh on the critical path at its k; ``metadata`` holds ``spilled_ns``, ``tail_ns``
+        and ``mid_step_syncs`` (and ``fallback="critical_path"`` where that was faster).
     """
     if not isinstance(max_interval, int) or max_interval < 1:
         raise ValueError(f"max_interval={max_interval!r}: try at least interval 1")
@@ -361,4 +466,36 @@ def plan_pipefisher(schedule: Schedule, cost: CostModel, kfac_layers: Sequence[i
             best = (per_step, a)
         if stats.spilled_ns == 0:
             break
-    return best[1]
+    return _no_slower_than_critical_path(best[1], schedule, cost)
+
+
+def _step_ns(a: Assignment, cost: CostModel) -> float:
+    """Simulated mean step time of one refresh cycle (as ``predict.predict_assignment``)."""
+    return summarize_timeline(simulate_phases(a.phases, cost), a.phases[0].num_workers, a.interval).step_time_ns
+
+
+def _no_slower_than_critical_path(planned: Assignment, schedule: Schedule, cost: CostModel) -> Assignment:
+    """``planned``, or the same refresh on the critical path where the simulator says that is faster.
+
+    [Note: never slower than critical-path K-FAC]
+    The list scheduler is greedy and its exposure model (a phase's step is as long as its most
+    exposed tail) ignores how a late worker delays the next step's pipeline, so a plan can come
+    out slower than running the same refresh after the flush of phase 0
+    (``critical_path_assignment`` at the same k). The simulator decides: the faster of the two is
+    returned, so a PipeFisher plan is never predicted slower than critical-path K-FAC at its k.
+    The fallback keeps ``deferred=True`` (the runtime then uses the same staleness as a plan) and
+    says so in ``metadata["fallback"]``; all its work counts as spilled.
+    """
+    k = planned.interval
+    cp = critical_path_assignment(schedule, planned.kfac_layers, k, deferred=True)
+    if _step_ns(planned, cost) <= _step_ns(cp, cost):
+        return planned
+    work = sum(cost.kfac_ns(x.kind, x.stage, x.layer) for x in _kfac_units(cp)
+               if x.kind in (K.CURV_A, K.CURV_B, K.INVERT))
+    log.info("interval %d: the plan is predicted slower than its work on the critical path; using that", k)
+    return replace(cp, metadata={"planner": "pipefisher", "fallback": "critical_path", "spilled_ns": work,
+                                 "tail_ns": 0, "mid_step_syncs": 0})
+
+
+def _kfac_units(a: Assignment) -> list[Action]:
+    return [x for phase in a.phases for acts in phase.actions.values() for x in acts if x.kind.is_kfac]

@@ -19,6 +19,7 @@ step (a PRECOND waiting for its gradient all-reduce opens a window of its own be
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -64,6 +65,10 @@ class WindowItem:
     action: Action
 
 
+def _order(item: WindowItem) -> tuple[int, int, int]:
+    return item.start, item.end, item.seq
+
+
 @dataclass
 class Window:
     """A bubble being filled by the planner: items are kept in time order.
@@ -77,6 +82,7 @@ class Window:
     end: int
     tail: bool = False
     items: list[WindowItem] = field(default_factory=list)
+    busy_ns: int = 0  # summed length of the items
 
     def fit(self, ready: int, cost: int) -> int | None:
         """Earliest start >= ready (and >= start) of a free span of ``cost`` ns, or None.
@@ -85,10 +91,16 @@ class Window:
         all-reduce's arrival) strictly inside it.
         """
         t = max(ready, self.start)
+        if t + cost > self.end or cost > self.end - self.start - self.busy_ns:
+            return None
         moved = True
         while moved:
             moved = False
-            for item in self.items:
+            for item in self.items:  # by start: the first that starts past the span ends the pass
+                if t + cost > self.end:
+                    return None
+                if item.start >= t + cost:
+                    break
                 if item.end > item.start:
                     overlap = item.start < t + cost and item.end > t if cost else item.start < t < item.end
                 else:
@@ -103,12 +115,14 @@ class Window:
 
     def add(self, start: int, cost: int, seq: int, action: Action) -> WindowItem:
         item = WindowItem(start, start + cost, seq, action)
-        self.items.append(item)
-        self.items.sort(key=lambda x: (x.start, x.end, x.seq))
+        bisect.insort(self.items, item, key=_order)
+        self.busy_ns += cost
         return item
 
     def remove(self, item: WindowItem) -> None:
-        self.items.remove(item)
+        """Remove ``item`` itself (not an equal one)."""
+        del self.items[next(i for i, x in enumerate(self.items) if x is item)]
+        self.busy_ns -= item.end - item.start
 
     def busy_until(self, t: int) -> int:
         """The first instant >= t at which no item of this window is running."""

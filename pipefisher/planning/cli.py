@@ -201,7 +201,10 @@ def plan_run(cfg: ScheduleConfig, out_dir: str | Path, requested: Collection[str
         f"  {f'pipefisher, refresh every k={k} step(s)':<44}{_ms(c.pipefisher.step_time_s)}",
         f"refresh interval k={k} (smallest whose bubbles hold the K-FAC work; max_interval={cfg.max_interval}); "
         f"per refresh {a.metadata['spilled_ns'] / 1e6:.2f} ms spilled before STEP, "
-        f"{a.metadata['tail_ns'] / 1e6:.2f} ms after the last backward (no bubble there)",
+        f"{a.metadata['tail_ns'] / 1e6:.2f} ms no k would hide (after the last backward, or a layer's curvature "
+        f"larger than one step's bubbles)"
+        + ("; the plan was predicted slower than this work on the critical path, which it uses instead"
+           if a.metadata.get("fallback") else ""),
         f"wrote {', '.join(p.name for p in [path, *pictures])}, summary.txt in {out_dir}",
         f"use it: {_train_keys(run, path)}",
     ] + [f"note: {n}" for n in notes]
