@@ -354,3 +354,24 @@ def test_preempted_batch_job_with_local_workers_requeues_and_resumes(tmp_path: P
     log = (run_dir / "train.log").read_text() + (tmp_path / "job.out").read_text()
     assert "requeueing SLURM job" in log
     _check_resumed(log, run_dir / "metrics.jsonl", run_dir, uninterrupted_losses)
+
+
+@pytest.mark.slow
+def test_killed_worker_ends_the_slurm_job_and_the_launcher_promptly(tmp_path: Path) -> None:
+    # Worker 1 (SLURM task 1) SIGKILLs itself: it leaves no submitit result. Worker 0 sees the
+    # closed connection, fails, and files task 1's result naming it, so that `train.py -m` ends
+    # (this SLURM has no accounting for submitit to read the job's end from).
+    _require_slurm()
+    sweep = tmp_path / "sweep"
+    start = time.monotonic()
+    res = subprocess.run(
+        [sys.executable, str(REPO / "train.py"), "-m", "cluster=slurm", *PREEMPT_RUN, "fault.mode=kill", "fault.rank=1",
+         "fault.step=2", "hydra.launcher.timeout_min=5", f"hydra.sweep.dir={sweep}"],
+        cwd=tmp_path, env=SUB_ENV, capture_output=True, text=True, timeout=300)
+    assert res.returncode != 0
+    assert time.monotonic() - start < 240
+    job_id = next(d.name for d in (sweep / ".submitit").iterdir() if d.is_dir() and d.name.isdigit())
+    log0 = "".join(p.read_text() for p in (sweep / ".submitit" / job_id).glob(f"{job_id}_0_log.*"))
+    assert f"task 1 of SLURM job {job_id} ended without a result (killed by a signal" in log0
+    log1 = "".join(p.read_text() for p in (sweep / ".submitit" / job_id).glob(f"{job_id}_1_log.*"))
+    assert "injecting fault 'kill' on worker 1 at step 2" in log1

@@ -28,7 +28,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from pipefisher.config import TrainConfig
-from pipefisher.launch.slurm import slurm_task_env
+from pipefisher.launch.slurm import report_lost_tasks, slurm_task_env
 from pipefisher.runtime import preemption
 from pipefisher.runtime.checkpoint import check_compatible, checkpoint_root, resolve_resume, verify_checkpoint
 from pipefisher.runtime.preemption import PREEMPTED_EXIT_CODE, PREEMPTED_FILE
@@ -114,8 +114,12 @@ def launch_workers(cfg: TrainConfig, output_dir: str | os.PathLike, run_name: st
     env = _env_world()
     if env is not None:
         rank, world, local_rank, local_world = env
-        result = run_worker(cfg, rank, world, output_dir, run_name=run_name, group=group,
-                            local_rank=local_rank, local_world_size=local_world, requeue_here=True)
+        try:
+            result = run_worker(cfg, rank, world, output_dir, run_name=run_name, group=group,
+                                local_rank=local_rank, local_world_size=local_world, requeue_here=True)
+        except Exception as err:  # a peer may have died without a word: see report_lost_tasks
+            report_lost_tasks(err)
+            raise
         if result.get("preempted"):  # checkpointed, and worker 0 requeued the job
             sys.exit(PREEMPTED_EXIT_CODE)
         return result

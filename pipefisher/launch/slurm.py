@@ -23,6 +23,7 @@ import logging
 import math
 import os
 import subprocess
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,6 +37,7 @@ __all__ = [
     "tasks_on_node",
     "register_resolvers",
     "RegisterResolvers",
+    "report_lost_tasks",
 ]
 
 log = logging.getLogger(__name__)
@@ -140,6 +142,43 @@ def slurm_task_env(set_environ: bool = True) -> SlurmTask | None:
              task.rank, task.world_size, task.local_rank, task.local_world_size,
              env.get("SLURMD_NODENAME", "?"), task.master_addr, task.master_port)
     return task
+
+
+def report_lost_tasks(error: BaseException, grace_s: float = 10.0) -> list[int]:
+    """After this worker failed in a submitit job: file an error result for every task that left none.
+
+    submitit's launcher (and so ``python train.py -m cluster=slurm``) counts a multi-task job as
+    finished when every task wrote its result file, or when ``sacct`` reports the job's end. A
+    task killed by a signal (SIGKILL, out of memory, a lost node) writes none, and on a cluster
+    without accounting the launcher would wait forever although SLURM ended the job. A surviving
+    task that saw the failure (its peer's connection closed) waits ``grace_s`` for the others'
+    own results, then writes the missing ones, naming them.
+
+    Returns:
+        The task ranks it wrote a result for (empty outside a submitit job).
+    """
+    if os.environ.get("SUBMITIT_EXECUTOR") != "slurm" or "SUBMITIT_FOLDER" not in os.environ:
+        return []
+    import submitit
+    from submitit.core import utils as submitit_utils
+
+    env = submitit.JobEnvironment()
+    paths = {t: submitit_utils.JobPaths(os.environ["SUBMITIT_FOLDER"], job_id=env.job_id, task_id=t)
+             for t in range(env.num_tasks) if t != env.global_rank}
+    deadline = time.monotonic() + grace_s
+    while True:
+        missing = [t for t, p in paths.items() if not p.result_pickle.exists()]
+        if not missing or time.monotonic() >= deadline:
+            break
+        time.sleep(0.5)
+    for t in missing:
+        message = (f"task {t} of SLURM job {env.job_id} ended without a result (killed by a signal, out of memory, "
+                   f"or its node failed; see {paths[t].stderr}); task {env.global_rank} saw: "
+                   f"{type(error).__name__}: {error}")
+        log.error(message)
+        with submitit_utils.temporary_save_path(paths[t].result_pickle) as tmp:
+            submitit_utils.cloudpickle_dump(("error", message), tmp)
+    return missing
 
 
 def _mul(*factors: Any) -> int:
