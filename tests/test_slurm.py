@@ -375,3 +375,16 @@ def test_killed_worker_ends_the_slurm_job_and_the_launcher_promptly(tmp_path: Pa
     assert f"task 1 of SLURM job {job_id} ended without a result (killed by a signal" in log0
     log1 = "".join(p.read_text() for p in (sweep / ".submitit" / job_id).glob(f"{job_id}_1_log.*"))
     assert "injecting fault 'kill' on worker 1 at step 2" in log1
+
+
+@pytest.mark.slow
+def test_exception_in_a_slurm_worker_reaches_the_launcher_with_its_traceback(tmp_path: Path) -> None:
+    _require_slurm()
+    start = time.monotonic()
+    res = subprocess.run(
+        [sys.executable, str(REPO / "train.py"), "-m", "cluster=slurm", *PREEMPT_RUN, "fault.mode=raise", "fault.rank=1",
+         "fault.step=2", "hydra.launcher.timeout_min=5", f"hydra.sweep.dir={tmp_path / 'sweep'}"],
+        cwd=tmp_path, env=SUB_ENV, capture_output=True, text=True, timeout=300)
+    assert res.returncode != 0 and time.monotonic() - start < 240
+    assert "--- SLURM task 1 failed:" in res.stderr and "injected fault on worker 1 at step 2" in res.stderr, res.stderr[-3000:]
+    assert "Traceback" in res.stderr and "inject_fault" in res.stderr

@@ -20,6 +20,7 @@ import json
 import logging
 import os
 import sys
+import traceback
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -36,7 +37,7 @@ from pipefisher.runtime.worker import kfac_assignment, run_worker, schedule_for
 from pipefisher.tracking import WandbLogger, read_metrics, run_name_from_overrides
 from pipefisher.training import train_single_process
 
-__all__ = ["run_training", "launch_workers", "check_resume"]
+__all__ = ["run_training", "launch_workers", "check_resume", "WorkerFailed"]
 
 log = logging.getLogger(__name__)
 
@@ -83,6 +84,19 @@ def check_resume(cfg: TrainConfig, output_dir: str | os.PathLike) -> None:
     check_compatible(verify_checkpoint(folder), cfg, cfg.num_workers, interval, folder)
 
 
+class WorkerFailed(RuntimeError):
+    """A worker of a SLURM job step failed; the message holds its traceback and its failed peers'."""
+
+
+def _peer_failure(err: BaseException) -> bool:
+    """Whether ``err`` is how a worker learns that a peer failed: a closed connection or a timeout
+    of the process group, as opposed to a failure of its own."""
+    if isinstance(err, dist.DistError):
+        return True
+    text = str(err)
+    return any(s in text for s in ("Connection closed by peer", "Connection reset by peer", "Timed out", "timed out"))
+
+
 def _requeue_if_preempted(output_dir: Path) -> None:
     """After the workers stopped on SLURM's signal (they left :data:`PREEMPTED_FILE`): requeue, exit."""
     marker = output_dir / PREEMPTED_FILE
@@ -117,9 +131,14 @@ def launch_workers(cfg: TrainConfig, output_dir: str | os.PathLike, run_name: st
         try:
             result = run_worker(cfg, rank, world, output_dir, run_name=run_name, group=group,
                                 local_rank=local_rank, local_world_size=local_world, requeue_here=True)
-        except Exception as err:  # a peer may have died without a word: see report_lost_tasks
-            report_lost_tasks(err)
-            raise
+        except Exception as err:
+            # Hydra keeps a failed job's exception but not its traceback: put the traceback in the
+            # message, and (worker 0's error being the one the launcher shows) name failed peers.
+            trace = traceback.format_exc()
+            log.error("worker %d failed:\n%s", rank, trace)
+            peers = report_lost_tasks(err) if _peer_failure(err) else {}
+            raise WorkerFailed(f"worker {rank} failed:\n{trace}" + "".join(
+                f"\n--- SLURM task {t} failed:\n{text.strip()}" for t, text in sorted(peers.items()))) from err
         if result.get("preempted"):  # checkpointed, and worker 0 requeued the job
             sys.exit(PREEMPTED_EXIT_CODE)
         return result

@@ -22,6 +22,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import pickle
 import subprocess
 import time
 from dataclasses import dataclass
@@ -144,8 +145,9 @@ def slurm_task_env(set_environ: bool = True) -> SlurmTask | None:
     return task
 
 
-def report_lost_tasks(error: BaseException, grace_s: float = 10.0) -> list[int]:
-    """After this worker failed in a submitit job: file an error result for every task that left none.
+def report_lost_tasks(error: BaseException, grace_s: float = 10.0) -> dict[int, str]:
+    """After this worker failed in a submitit job: file an error result for every task that left
+    none, and collect the other tasks' errors.
 
     submitit's launcher (and so ``python train.py -m cluster=slurm``) counts a multi-task job as
     finished when every task wrote its result file, or when ``sacct`` reports the job's end. A
@@ -155,10 +157,11 @@ def report_lost_tasks(error: BaseException, grace_s: float = 10.0) -> list[int]:
     own results, then writes the missing ones, naming them.
 
     Returns:
-        The task ranks it wrote a result for (empty outside a submitit job).
+        ``{task: error text}`` of the other tasks that failed (their traceback, or the result
+        filed here for a task that left none); empty outside a submitit job.
     """
     if os.environ.get("SUBMITIT_EXECUTOR") != "slurm" or "SUBMITIT_FOLDER" not in os.environ:
-        return []
+        return {}
     import submitit
     from submitit.core import utils as submitit_utils
 
@@ -178,7 +181,18 @@ def report_lost_tasks(error: BaseException, grace_s: float = 10.0) -> list[int]:
         log.error(message)
         with submitit_utils.temporary_save_path(paths[t].result_pickle) as tmp:
             submitit_utils.cloudpickle_dump(("error", message), tmp)
-    return missing
+    errors = {}
+    for t, p in paths.items():
+        try:
+            with p.result_pickle.open("rb") as f:
+                outcome, value = pickle.load(f)
+        except Exception:  # unreadable or half-written: nothing to add
+            continue
+        if outcome == "error":
+            errors[t] = str(value)
+        elif getattr(getattr(value, "status", None), "name", None) == "FAILED":  # Hydra keeps the job's exception
+            errors[t] = str(getattr(value, "_return_value", value))
+    return errors
 
 
 def _mul(*factors: Any) -> int:
