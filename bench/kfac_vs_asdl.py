@@ -22,9 +22,11 @@ machine hits both alike:
   so the script flattens it to [T, I] first (a view);
 - ``capture + curvature``: ours is the sum of the two rows above; ASDL's is its other path,
   ``asdl.no_centered_cov``, which computes A in the forward hooks and B in the backward hooks;
-- ``inversion``: both damped inverses of every layer, damping ``--damping`` split by π. Ours inverts
-  factors up to ``FP64_MAX_DIM`` (1024) in float64 (``kfac_factors.damped_inverse``), ASDL in the
-  factor's float32; the ``fp32`` row sets ``FP64_MAX_DIM = 0`` to compare like with like;
+- ``inversion``: both damped inverses of every layer, damping ``--damping`` split by π, ours with
+  its default ``optimizer.inverse_dtype=float32`` (the factor's dtype, as ASDL); the two rows below
+  it time ours with ``inverse_dtype=auto`` (float64 up to ``FP64_MAX_DIM`` = 1024 wide: all of
+  bert-mini's factors but the 1025-wide A of ``output.dense``) and ``float64``, each beside ASDL's
+  same float32 call timed again (ASDL has no float64 path);
 - ``precondition``: B⁻¹ G A⁻¹ for every layer (the gradients are restored before each call).
 
 The math is not identical in one place: ours preconditions the bias jointly with the weight through
@@ -48,7 +50,6 @@ from torch import nn
 import _harness as h
 from pipefisher.data.synthetic import SyntheticSource
 from pipefisher.model import BertConfig, build_full_model
-from pipefisher.optim import kfac_factors
 from pipefisher.optim.kfac import KFACPreconditioner, select_linears
 
 
@@ -114,13 +115,11 @@ class _Bench:
 
         return _timed(capture), _timed(curvature)
 
-    def ours_invert(self, fp32: bool = False) -> float:
-        saved = kfac_factors.FP64_MAX_DIM
-        kfac_factors.FP64_MAX_DIM = 0 if fp32 else saved
-        try:
-            return _timed(self.ours.invert_all)
-        finally:
-            kfac_factors.FP64_MAX_DIM = saved
+    def ours_invert(self, inverse_dtype: str = "float32") -> float:
+        """invert_all with ``inverse_dtype`` (float32, our default; auto; float64)."""
+        for name in self.linears:
+            self.ours.layer(name).inverse_dtype = inverse_dtype
+        return _timed(self.ours.invert_all)
 
     def ours_precondition(self) -> float:
         self._restore_grads()
@@ -228,8 +227,11 @@ def main() -> None:
     asdl = _import_asdl()
     b = _Bench(args, asdl)
     b.save_grads()
-    names = ("fwd+bwd", "capture", "curvature", "capture + curvature (ASDL: fused hooks)", "inversion",
-             "inversion fp32 (ours: FP64_MAX_DIM=0)", "precondition")
+    inversions = {"inversion": "float32",
+                  "inversion, ours inverse_dtype=auto (fp64 up to 1024 wide)": "auto",
+                  "inversion, ours inverse_dtype=float64": "float64"}
+    names = ("fwd+bwd", "capture", "curvature", "capture + curvature (ASDL: fused hooks)", *inversions,
+             "precondition")
     times: dict[tuple[str, str], list[float]] = {(n, impl): [] for n in names for impl in ("ours", "asdl")}
     check = None
     for r in range(args.rounds + 2):
@@ -242,10 +244,9 @@ def main() -> None:
         got[(names[3], "ours")] = got[("capture", "ours")] + got[("curvature", "ours")]
         if check is None:
             check = b.check_same_factors()
-        for impl in order:
-            got[("inversion", impl)] = b.ours_invert() if impl == "ours" else b.asdl_invert()
-        for impl in order:  # ASDL has no fp64 path: the same ASDL call, timed again beside ours in fp32
-            got[(names[5], impl)] = b.ours_invert(fp32=True) if impl == "ours" else b.asdl_invert()
+        for row, inverse_dtype in inversions.items():  # ASDL has no fp64 path: its fp32 call beside each of ours
+            for impl in order:
+                got[(row, impl)] = b.ours_invert(inverse_dtype) if impl == "ours" else b.asdl_invert()
         for impl in order:
             got[("precondition", impl)] = b.ours_precondition() if impl == "ours" else b.asdl_precondition()
         if r >= 2:  # warm-up rounds are not counted
@@ -261,7 +262,8 @@ def main() -> None:
     rows.append(["one refresh: (capture − fwd+bwd) + curvature + inversion + precondition",
                  total["ours"], total["asdl"], total["ours"] / total["asdl"]])
     print(f"bert-{args.model}, batch {args.batch_size} x {args.seq_len} = {b.rows} tokens, {len(b.linears)} encoder "
-          f"Linear layers, damping {args.damping:g}, fp32 factors, {torch.get_num_threads()} threads; "
+          f"Linear layers, damping {args.damping:g}, fp32 factors (ours inverted in fp32 unless a row says so), "
+          f"{torch.get_num_threads()} threads; "
           f"median of {args.rounds} rounds; {h.load()}; factors agree to {check:.1e} (max relative difference)")
     print()
     print(h.table(["unit (all layers)", "ours ms", "ASDL ms", "ours/ASDL"], rows))

@@ -94,7 +94,7 @@ class OptimizerConfig:
     factor_decay: float = 0.95  # K-FAC running-average decay of the factors
     deferred_inverse: bool = False  # kfac: use inverses from the next refresh cycle on, as pipefisher does
     schedule: Optional[str] = None  # pipefisher: work-assignment JSON from schedule.py (kfac: run it on the critical path)
-    inverse_dtype: str = "auto"  # K-FAC inversion precision: auto (float64 up to 1024 wide, else float32), float32 or float64
+    inverse_dtype: str = "float32"  # K-FAC inversion precision: float32 (as ASDL), float64, or auto (float64 up to 1024 wide)
 
 
 @dataclass

@@ -84,6 +84,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 import torch
 from torch import Tensor, nn
 
+from pipefisher.optim.kfac_factors import INVERSE_PRECISIONS
 from pipefisher.optim.kfac_layer import STATE_ENTRIES, LinearKFAC
 
 __all__ = ["ENCODER_LINEAR_PATTERN", "KFACPreconditioner", "select_linears"]
@@ -146,11 +147,13 @@ class KFACPreconditioner:
         loss_scale: the factor each micro-batch loss is multiplied by before backward (1/(N·W)
             in the pipeline runtime, 1/N with plain accumulation); see [Note: gradient scale].
         factor_dtype: dtype of factors and inverses (float32; float64 for exact tests).
-        inverse_dtype: working precision of the inversions: auto (float64 up to
-            ``FP64_MAX_DIM`` wide, else float32), float32 or float64 (``optimizer.inverse_dtype``).
+        inverse_dtype: working precision of the inversions (``optimizer.inverse_dtype``): float32
+            (the factor's dtype, float32 at least; the default, as in ASDL), float64, or auto
+            (float64 up to ``FP64_MAX_DIM`` wide); see ``kfac_factors`` [Note: inversion precision].
 
     Raises:
-        ValueError: a hyper-parameter out of range, or a given module is not ``nn.Linear``.
+        ValueError: a hyper-parameter out of range or unknown ``inverse_dtype``, or a given module
+            is not ``nn.Linear``.
     """
 
     def __init__(
@@ -164,7 +167,7 @@ class KFACPreconditioner:
         include: str | Sequence[str] | None = ENCODER_LINEAR_PATTERN,
         loss_scale: float = 1.0,
         factor_dtype: torch.dtype = torch.float32,
-        inverse_dtype: str = "auto",
+        inverse_dtype: str = "float32",
     ) -> None:
         if not damping > 0.0:
             raise ValueError(f"KFACPreconditioner: damping={damping} must be > 0")
@@ -175,6 +178,10 @@ class KFACPreconditioner:
                 raise ValueError(f"KFACPreconditioner: {key}={value} must be an integer >= 1")
         if not loss_scale > 0.0:
             raise ValueError(f"KFACPreconditioner: loss_scale={loss_scale} must be > 0")
+        if inverse_dtype not in INVERSE_PRECISIONS:
+            raise ValueError(
+                f"KFACPreconditioner: inverse_dtype={inverse_dtype!r}; use one of {', '.join(INVERSE_PRECISIONS)}"
+            )
         if inverse_interval % curvature_interval != 0:
             logger.warning(
                 "K-FAC: inverse_interval=%d is not a multiple of curvature_interval=%d; some "

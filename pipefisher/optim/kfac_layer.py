@@ -20,13 +20,21 @@ from pipefisher.optim.kfac_factors import (
     factored_damping,
     grad_factor_sum,
     input_factor_sum,
-    kron_precondition,
+    kron_precondition_,
+    row_aligned,
 )
 
 __all__ = ["LinearKFAC", "STATE_ENTRIES"]
 
 #: Per-layer entries of a state dict (see :meth:`LinearKFAC.state_dict`).
 STATE_ENTRIES: tuple[str, ...] = ("A", "B", "A_inv", "B_inv", "damping", "num_updates")
+
+
+def _contiguous_div(t: Tensor, divisor: int) -> Tensor:
+    """t / divisor in place when ``t`` is contiguous, else into a new contiguous tensor (one pass)."""
+    if t.is_contiguous():
+        return t.div_(divisor)
+    return torch.div(t, divisor, out=torch.empty(t.shape, dtype=t.dtype, device=t.device))
 
 
 class LinearKFAC:
@@ -39,11 +47,12 @@ class LinearKFAC:
         module: the layer.
         loss_scale: factor each micro-batch loss was multiplied by before backward.
         factor_dtype: dtype of factors and inverses.
-        inverse_dtype: working precision of the inversion (see :func:`damped_inverse`).
+        inverse_dtype: working precision of the inversion: float32, float64 or auto (see
+            :func:`~pipefisher.optim.kfac_factors.damped_inverse`).
     """
 
     def __init__(self, name: str, module: nn.Linear, loss_scale: float, factor_dtype: torch.dtype,
-                 inverse_dtype: str = "auto") -> None:
+                 inverse_dtype: str = "float32") -> None:
         self.name = name
         self.module = module
         self.bias = module.bias is not None
@@ -112,8 +121,7 @@ class LinearKFAC:
                 f"K-FAC curvature_a({self.name!r}, {micro_batch}): no input captured for this micro-batch"
             )
         self._check_open("curvature_a")
-        s = input_factor_sum(x, self.bias, self.factor_dtype)  # [Ĩ, Ĩ]
-        self.acc_a = s if self.acc_a is None else self.acc_a.add_(s)
+        self.acc_a = input_factor_sum(x, self.bias, self.factor_dtype, out=self.acc_a)  # [Ĩ, Ĩ], in place
         self.rows_a += x.numel() // x.shape[-1]
 
     def curvature_b(self, micro_batch: int) -> None:
@@ -130,8 +138,7 @@ class LinearKFAC:
             )
         self._check_open("curvature_b")
         rows = g.numel() // g.shape[-1]
-        s = grad_factor_sum(g, rows / self.loss_scale, self.factor_dtype)  # [O, O]
-        self.acc_b = s if self.acc_b is None else self.acc_b.add_(s)
+        self.acc_b = grad_factor_sum(g, rows / self.loss_scale, self.factor_dtype, out=self.acc_b)  # [O, O]
         self.rows_b += rows
 
     def _check_open(self, unit: str) -> None:
@@ -150,8 +157,10 @@ class LinearKFAC:
             missing = "A" if self.acc_a is None else "B"
             raise ValueError(f"K-FAC layer {self.name!r}: no curvature for {missing} since the last update")
         if not self.normalized:
-            self.acc_a.div_(self.rows_a)
-            self.acc_b.div_(self.rows_b)
+            # Into new contiguous tensors (all-reduced in place later): the sums may be row-aligned
+            # views (kfac_factors, [Note: the homogeneous coordinate]); the division is a pass anyway.
+            self.acc_a = _contiguous_div(self.acc_a, self.rows_a)
+            self.acc_b = _contiguous_div(self.acc_b, self.rows_b)
             self.normalized = True
         return self.acc_a, self.acc_b
 
@@ -199,8 +208,10 @@ class LinearKFAC:
         if self.a is None or self.b is None:
             raise ValueError(f"K-FAC invert({self.name!r}): no factors yet; run curvature and update_factors first")
         lam_a, lam_b = factored_damping(self.a, self.b, damping)
-        inverses = (damped_inverse(self.a, lam_a, precision=self.inverse_dtype),
-                    damped_inverse(self.b, lam_b, precision=self.inverse_dtype), (lam_a, lam_b))
+        # Row-aligned copies when Ĩ or O is not a multiple of 16: the GEMMs of every step's
+        # precondition read them (kfac_factors, [Note: the homogeneous coordinate]).
+        inverses = (row_aligned(damped_inverse(self.a, lam_a, precision=self.inverse_dtype)),
+                    row_aligned(damped_inverse(self.b, lam_b, precision=self.inverse_dtype)), (lam_a, lam_b))
         if deferred:
             self.pending = inverses
         else:
@@ -224,15 +235,9 @@ class LinearKFAC:
         if self.a_inv is None or self.b_inv is None or w.grad is None:
             return False
         with torch.no_grad():
-            grad = w.grad  # [O, I]
-            if b is not None:
-                if b.grad is None:
-                    b.grad = torch.zeros_like(b)
-                grad = torch.cat([grad, b.grad.unsqueeze(1)], dim=1)  # [O, I+1]
-            p = kron_precondition(grad, self.a_inv, self.b_inv)  # [O, Ĩ]
-            w.grad.copy_(p[:, : w.shape[1]])
-            if b is not None:
-                b.grad.copy_(p[:, -1])
+            if b is not None and b.grad is None:
+                b.grad = torch.zeros_like(b)
+            kron_precondition_(w.grad, None if b is None else b.grad, self.a_inv, self.b_inv)  # [O, I], [O]
         return True
 
     # -- checkpoints -----------------------------------------------------------------------------
