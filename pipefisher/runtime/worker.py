@@ -27,7 +27,7 @@ import signal
 import socket
 import time
 from dataclasses import asdict
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -72,7 +72,7 @@ from pipefisher.runtime.kfac_work import KfacWork
 from pipefisher.schedules.kfac_baseline import on_critical_path
 from pipefisher.schedules.kfac import Assignment, assignment_from_json, critical_path_assignment, kfac_layer_counts
 from pipefisher.schedules import build_schedule
-from pipefisher.schedules.ir import ActionKind, Schedule
+from pipefisher.schedules.ir import Action, ActionKind, Schedule
 from pipefisher.simulate import CostModel, simulate
 from pipefisher.timeline import COMPUTE_KINDS, Event, bubble_utilization, busy_ns
 from pipefisher.tracking import METRICS_FILE, MetricsWriter, WandbLogger
@@ -172,18 +172,44 @@ def _step_utilization(events: list[Event], num_workers: int, kinds: frozenset[st
     return sum(busy.values()) / (num_workers * wall) if wall > 0 else 0.0
 
 
-def _measured_costs(events: list[Event], schedule: Schedule) -> CostModel:
-    """Mean F and B time per stage in this step's timeline → a cost model for the simulator."""
+def _measured_costs(events: list[Event], schedule: Schedule, kfac_layers: Sequence[int] = ()) -> CostModel:
+    """Mean F and B time per stage in this step's timeline → a cost model for the simulator.
+
+    With ``kfac_layers`` (K-FAC layers per stage) the K-FAC units the step ran are costed too, as
+    measured (a unit run for all of a stage's layers at once is split evenly over them; what the
+    step did not run costs 0, and the step's schedule does not hold it either).
+    """
     sums: dict[tuple[str, int], list[int]] = {}
+    kfac: dict[tuple[str, int, int | None], list[int]] = {}
     for e in events:
         if e.kind in ("F", "B"):
             stage = int(e.name.split(e.kind, 1)[0])
             sums.setdefault((e.kind, stage), []).append(e.duration_ns)
+        elif kfac_layers and e.kind in _KFAC_KINDS:
+            a = Action.from_str(e.name)
+            kfac.setdefault((e.kind, a.stage, a.layer), []).append(e.duration_ns)
     mean = {k: round(sum(v) / len(v)) for k, v in sums.items()}
     d = schedule.num_stages
+    if not kfac_layers:
+        return CostModel(forward_ns=[mean.get(("F", s), 0) for s in range(d)],
+                         backward_ns=[mean.get(("B", s), 0) for s in range(d)])
+
+    def table(kind: ActionKind) -> list[list[int]]:
+        rows = []
+        for s in range(d):
+            whole = kfac.get((kind.value, s, None))
+            rows.append([round(sum(v) / len(v)) if (v := kfac.get((kind.value, s, layer)))
+                         else (round(sum(whole) / len(whole) / kfac_layers[s]) if whole else 0)
+                         for layer in range(kfac_layers[s])])
+        return rows
+
+    precond = [kfac.get((ActionKind.PRECOND.value, s, None), []) for s in range(d)]
     return CostModel(
         forward_ns=[mean.get(("F", s), 0) for s in range(d)],
         backward_ns=[mean.get(("B", s), 0) for s in range(d)],
+        curv_a_ns=table(ActionKind.CURV_A), curv_b_ns=table(ActionKind.CURV_B),
+        sync_factor_ns=table(ActionKind.SYNC_FACTOR), invert_ns=table(ActionKind.INVERT),
+        precond_ns=[round(sum(v) / len(v)) if v else 0 for v in precond],
     )
 
 
@@ -653,7 +679,11 @@ def train_worker(cfg: TrainConfig, rank: int, world_size: int, device: torch.dev
                 events = [e for evs in gathered for e in evs]
                 if cfg.profile.enabled and step >= cfg.profile.warmup_steps:
                     profiled += events
-                simulated = simulate(schedule, _measured_costs(events, schedule))
+                if worker.assignment is None:
+                    simulated = simulate(schedule, _measured_costs(events, schedule))
+                else:  # this step's phase of the K-FAC plan, K-FAC units at their measured cost
+                    phase = worker.assignment.phases[step % worker.assignment.interval]
+                    simulated = simulate(phase, _measured_costs(events, schedule, worker.assignment.kfac_layers))
                 last.update(
                     lr=lr,
                     step_time_s=step_time,
