@@ -408,3 +408,11 @@ def test_unsigned_and_wider_integer_dtypes_are_accepted(tmp_path: Path) -> None:
     source = Hdf5Source(_write(tmp_path / "wide.hdf5", arrays), seed=0, vocab_size=200)
     batch = source.get_samples(range(6))  # wraps past N=4
     check_batch(batch, seq_len=8, max_predictions=2, vocab_size=200)
+
+
+def test_truncated_shard_is_rejected_naming_the_file(tmp_path: Path) -> None:
+    path = _write(tmp_path / "d" / "cut.hdf5", _good())
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2])  # a copy or a download cut short
+    with pytest.raises(DataError, match=r"cut.hdf5: not a readable HDF5 file \(.*truncated.*prepare the data again"):
+        Hdf5Source(path.parent, seed=0, vocab_size=100)

@@ -114,3 +114,25 @@ def test_skipped_step_leaves_model_optimizer_and_kfac_state_unchanged(tmp_path: 
 def test_too_many_skipped_steps_in_a_row_stop_the_run(tmp_path: Path) -> None:
     with pytest.raises(mp.ProcessRaisedException, match=r"step 1: .*non-finite steps in a row: 1 \(max_skipped_steps=0\)"):
         _run(tmp_path, "on_nonfinite=skip", "max_skipped_steps=0", "fault.mode=nan", "fault.rank=1", "fault.step=1")
+
+
+def test_schedule_json_of_another_run_is_refused_before_any_worker_starts(tmp_path: Path, monkeypatch) -> None:
+    from pipefisher.launch import local
+    from pipefisher.schedules import build_schedule
+    from pipefisher.schedules.kfac import assignment_to_json, critical_path_assignment
+
+    started = []
+    monkeypatch.setattr(local.mp, "start_processes", lambda *a, **k: started.append(a))
+    four_stages = assignment_to_json(critical_path_assignment(build_schedule("gpipe", 4, 4), [6, 6, 6, 6], 2),
+                                     tmp_path / "plan_d4.json")
+    cfg = compose_train(PIPE + ["optimizer=pipefisher", f"optimizer.schedule={four_stages}"])
+    with pytest.raises(ValueError, match=r"plan_d4.json: planned for .*\('gpipe', 4, 4, 1\), but this run is "
+                                         r"\('gpipe', 2, 2, 1\); re-plan"):
+        launch_workers(cfg, tmp_path)
+    other_layers = assignment_to_json(critical_path_assignment(build_schedule("gpipe", 2, 2), [12, 12], 2),
+                                      tmp_path / "plan_deeper.json")
+    cfg = compose_train(PIPE + ["optimizer=pipefisher", f"optimizer.schedule={other_layers}"])
+    with pytest.raises(ValueError, match=r"planned for K-FAC layers per stage \[12, 12\], but this run's stages "
+                                         r"hold \[6, 6\]; re-plan for this model and partition"):
+        launch_workers(cfg, tmp_path)
+    assert not started

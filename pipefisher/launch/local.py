@@ -121,7 +121,9 @@ def launch_workers(cfg: TrainConfig, output_dir: str | os.PathLike, run_name: st
     (``cluster.requeue``), a preemption or time-limit signal ends in a checkpoint and a requeue:
     this function then exits the process with status 255 instead of returning.
     """
-    schedule_for(cfg)  # build and check the schedule before any process starts
+    schedule = schedule_for(cfg)  # build and check the schedule before any process starts
+    if cfg.optimizer.schedule and cfg.optimizer.name != "nvlamb":
+        kfac_assignment(cfg, schedule)  # a plan made for another run fails here, not in the workers
     watch = cfg.cluster.requeue and preemption.in_slurm_job()
     if watch:
         preemption.install()  # SLURM's signal is recorded; the workers act on it at a step's end
