@@ -11,6 +11,12 @@ later phases. With ``deferred`` inverses (PipeFisher), inverses made during cycl
 at the first step of cycle c+1, so every step of a cycle is preconditioned with the same inverses,
 whatever phase the inversion ran in; without (the kfac baseline), an inversion is used from the
 PRECOND right after it. Before the first inverses exist, gradients pass through unpreconditioned.
+
+[Note: asynchronous factor syncs]
+A SYNC_FACTOR between data-parallel replicas starts its all-reduce and returns, as the simulator
+models it (``pipefisher.simulate``); the INVERT of one of its layers waits for it, and so does the
+end of the step (checkpoints are taken between steps, so no sync outlives its step; the simulator
+lets one run across the step boundary).
 """
 
 from __future__ import annotations
@@ -50,6 +56,8 @@ class KfacWork:
         self.groups = groups
         self.deferred = deferred
         self._capturing: set[StageKey] = set()
+        # Factor all-reduces in flight: (stage replica, layer names) -> (work, flat buffer, tensors, world).
+        self._syncs: dict[tuple[StageKey, tuple[str, ...]], tuple[dist.Work, torch.Tensor, list[torch.Tensor], int]] = {}
 
     def _names(self, a: Action) -> list[str]:
         names = self.pre[(a.pipe, a.stage)].layer_names
@@ -90,30 +98,45 @@ class KfacWork:
             for name in self._names(a):
                 pre.curvature_b(name, a.micro_batch)
         elif k == ActionKind.SYNC_FACTOR:
-            names = self._names(a)
+            key, names = (a.pipe, a.stage), self._names(a)
             group = self.groups.get(a.stage)
             if group is not None and self.ablate:
                 dist.all_reduce(torch.zeros(1, dtype=torch.uint8), group=group)  # communication ablation
-            elif group is not None:
+            elif group is not None:  # see [Note: asynchronous factor syncs]
                 tensors = [t for name in names for t in pre.factor_tensors(name)]
                 flat = torch._utils._flatten_dense_tensors(tensors)
-                dist.all_reduce(flat, group=group)
-                for t, synced in zip(tensors, torch._utils._unflatten_dense_tensors(flat, tensors)):
-                    t.copy_(synced)
-                world = dist.get_world_size(group)
-                for name in names:
-                    pre.finish_sync(name, world)
-            for name in names:
-                self._drop_nonfinite(pre, name)
-                pre.update_factors(name)
+                work = dist.all_reduce(flat, group=group, async_op=True)
+                self._syncs[(key, tuple(names))] = (work, flat, tensors, dist.get_world_size(group))
+                return
+            self._fold(key, names, world=1)
         elif k == ActionKind.INVERT:
-            for name in self._names(a):
+            key, names = (a.pipe, a.stage), self._names(a)
+            for pending in [p for p in self._syncs if p[0] == key and set(p[1]) & set(names)]:
+                self._finish_sync(*pending)
+            for name in names:
                 pre.invert(name, deferred=self.deferred)
         elif k == ActionKind.PRECOND:
             for name in self._names(a):
                 pre.precondition(name)
         else:  # pragma: no cover - only K-FAC kinds are dispatched here
             raise ValueError(f"not a K-FAC action: {a}")
+
+    def _finish_sync(self, key: StageKey, names: tuple[str, ...]) -> None:
+        """Wait for a factor all-reduce started by SYNC_FACTOR and fold its result into the factors."""
+        work, flat, tensors, world = self._syncs.pop((key, names))
+        work.wait()
+        for t, synced in zip(tensors, torch._utils._unflatten_dense_tensors(flat, tensors)):
+            t.copy_(synced)
+        self._fold(key, list(names), world)
+
+    def _fold(self, key: StageKey, names: list[str], world: int) -> None:
+        """Average synced estimates over ``world`` replicas and fold them into the running factors."""
+        pre = self.pre[key]
+        for name in names:
+            if world > 1:
+                pre.finish_sync(name, world)
+            self._drop_nonfinite(pre, name)
+            pre.update_factors(name)
 
     @staticmethod
     def _drop_nonfinite(pre: KFACPreconditioner, name: str) -> None:
@@ -134,7 +157,10 @@ class KfacWork:
             t.copy_(running) if running is not None else t.zero_()
 
     def end_step(self) -> None:
-        """Close the capture window (raises if a capture was never consumed by curvature work)."""
+        """Finish the factor syncs still in flight; close the capture window (raises if a capture
+        was never consumed by curvature work)."""
+        for pending in list(self._syncs):
+            self._finish_sync(*pending)
         for key in self._capturing:
             self.pre[key].step_curvature_done()
         self._capturing = set()
