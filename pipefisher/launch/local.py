@@ -85,7 +85,8 @@ def check_resume(cfg: TrainConfig, output_dir: str | os.PathLike) -> None:
 
 
 class WorkerFailed(RuntimeError):
-    """A worker of a SLURM job step failed; the message holds its traceback and its failed peers'."""
+    """A worker started by SLURM (a job step's task) or torchrun failed; the message holds its
+    traceback and, when it failed because of them, its failed peers' errors."""
 
 
 def _peer_failure(err: BaseException) -> bool:
