@@ -20,6 +20,13 @@ torch.set_num_threads(1)
 REPO = Path(__file__).resolve().parents[1]
 CONF_DIR = REPO / "pipefisher" / "conf"
 
+# (method, D, N, W) pipeline shapes the K-FAC schedule and planner tests run on: D 2/4, N = D/2,
+# D, 2D, W 1/2, where the method allows it.
+PIPELINE_GRID = [(m, d, n, w) for m in ("gpipe", "1f1b", "chimera", "interleaved") for d in (2, 4)
+                 for n in (d // 2, d, 2 * d) for w in (1, 2)
+                 if n >= 1 and not (m in ("chimera", "interleaved") and n % d)]
+PIPELINE_GRID_IDS = [f"{m}-D{d}-N{n}-W{w}" for m, d, n, w in PIPELINE_GRID]
+
 # Tiny runs: no dropout so that pipeline and single-process runs are comparable bit for bit.
 TINY = [
     "model=bert-tiny",

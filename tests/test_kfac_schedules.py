@@ -27,12 +27,9 @@ from pipefisher.schedules import (
 from pipefisher.schedules.checks import stuck_positions
 from pipefisher.schedules.kfac import assignment_from_dict, assignment_to_dict, with_preconditioning
 from pipefisher.simulate import CostModel, simulate, simulate_phases
+from tests.conftest import PIPELINE_GRID, PIPELINE_GRID_IDS
 
 K = ActionKind
-
-_GRID = [(m, d, n, w) for m in ("gpipe", "1f1b", "chimera", "interleaved") for d in (2, 4)
-         for n in (d // 2, d, 2 * d) for w in (1, 2)
-         if n >= 1 and not (m in ("chimera", "interleaved") and n % d)]
 
 
 def _acts(text: str) -> tuple[Action, ...]:
@@ -63,7 +60,7 @@ def test_kfac_layer_counts_are_six_linear_layers_per_encoder_layer():
         kfac_layer_counts(s, [3, 3])
 
 
-@pytest.mark.parametrize("method, d, n, w", _GRID, ids=[f"{m}-D{d}-N{n}-W{w}" for m, d, n, w in _GRID])
+@pytest.mark.parametrize("method, d, n, w", PIPELINE_GRID, ids=PIPELINE_GRID_IDS)
 def test_critical_path_assignment_passes_the_checks(method, d, n, w):
     s = build_schedule(method, d, n, w)
     a = critical_path_assignment(s, [3] * s.num_stages, 2)

@@ -41,13 +41,9 @@ from pipefisher.schedules import (
 from pipefisher.schedules.checks import stuck_positions
 from pipefisher.schedules.kfac import with_preconditioning
 from pipefisher.simulate import CostModel, simulate, simulate_phases
-from tests.conftest import CONF_DIR, REPO
+from tests.conftest import CONF_DIR, PIPELINE_GRID, PIPELINE_GRID_IDS, REPO
 
 K = ActionKind
-
-_GRID = [(m, d, n, w) for m in ("gpipe", "1f1b", "chimera", "interleaved") for d in (2, 4)
-         for n in (d // 2, d, 2 * d) for w in (1, 2)
-         if n >= 1 and not (m in ("chimera", "interleaved") and n % d)]
 
 
 def _cost(s, layers: int = 2, *, sync_ns: int = 30, unit: int = 5, precond_ns: int = 3) -> CostModel:
@@ -59,7 +55,7 @@ def _cost(s, layers: int = 2, *, sync_ns: int = 30, unit: int = 5, precond_ns: i
 # -- the list scheduler ------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("method, d, n, w", _GRID, ids=[f"{m}-D{d}-N{n}-W{w}" for m, d, n, w in _GRID])
+@pytest.mark.parametrize("method, d, n, w", PIPELINE_GRID, ids=PIPELINE_GRID_IDS)
 def test_pipefisher_plan_passes_the_checks_and_beats_the_critical_path(method, d, n, w):
     s = build_schedule(method, d, n, w)
     cost = _cost(s)

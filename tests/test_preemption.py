@@ -47,4 +47,4 @@ def test_requeue_outside_slurm_says_why(monkeypatch: pytest.MonkeyPatch) -> None
     monkeypatch.delenv("SLURM_JOB_ID", raising=False)
     assert not preemption.in_slurm_job()
     with pytest.raises(preemption.RequeueError, match="not inside a SLURM job"):
-        preemption.requeue("test")
+        preemption.requeue(3, "/ckpt/step_3")

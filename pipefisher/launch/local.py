@@ -34,6 +34,7 @@ from pipefisher.runtime import preemption
 from pipefisher.runtime.checkpoint import check_compatible, checkpoint_root, resolve_resume, verify_checkpoint
 from pipefisher.runtime.preemption import PREEMPTED_EXIT_CODE, PREEMPTED_FILE
 from pipefisher.runtime.worker import kfac_assignment, run_worker, schedule_for
+from pipefisher.schedules.ir import Schedule
 from pipefisher.tracking import WandbLogger, read_metrics, run_name_from_overrides
 from pipefisher.training import train_single_process
 
@@ -63,23 +64,22 @@ def _spawned_worker(index: int, cfg: TrainConfig, world: int, addr: str, port: i
                local_world_size=world, external_store=True)
 
 
-def check_resume(cfg: TrainConfig, output_dir: str | os.PathLike) -> None:
+def check_resume(cfg: TrainConfig, output_dir: str | os.PathLike, schedule: Schedule) -> None:
     """Check the checkpoint that ``cfg.resume`` asks for against the run, before workers start.
 
     The workers check it again (rank 0, :func:`~pipefisher.runtime.checkpoint.agree_on_resume`);
-    here a mismatch costs no process start.
+    here a mismatch costs no process start. ``schedule`` is the run's (:func:`schedule_for`).
 
     Raises:
         CheckpointError: an explicit ``resume`` path holds no valid checkpoint.
         ConfigError: the checkpoint does not fit this run (stage count, model, K-FAC interval, …).
     """
-    resume = preemption.resume_mode(cfg.resume, cfg.cluster.requeue and preemption.in_slurm_job())
+    resume = preemption.resume_mode(cfg.resume, preemption.watching(cfg.cluster.requeue))
     if resume == "none":
         return
     folder = resolve_resume(dataclasses.replace(cfg, resume=resume), checkpoint_root(cfg, output_dir))
     if folder is None:
         return
-    schedule = schedule_for(cfg)
     interval = kfac_assignment(cfg, schedule).interval if cfg.optimizer.name != "nvlamb" else None
     check_compatible(verify_checkpoint(folder), cfg, cfg.num_workers, interval, folder)
 
@@ -105,11 +105,7 @@ def _requeue_if_preempted(output_dir: Path) -> None:
         return
     info = json.loads(marker.read_text())
     marker.unlink()
-    try:
-        preemption.requeue(f"workers checkpointed after step {info['step']} in {info['checkpoint']}")
-    except preemption.RequeueError as err:
-        raise preemption.RequeueError(f"stopped after step {info['step']} on SLURM's signal with a checkpoint in "
-                                      f"{info['checkpoint']}, but {err}; resubmit the run with resume=auto") from err
+    preemption.requeue(info["step"], info["checkpoint"])
     sys.exit(PREEMPTED_EXIT_CODE)
 
 
@@ -125,9 +121,6 @@ def launch_workers(cfg: TrainConfig, output_dir: str | os.PathLike, run_name: st
     schedule = schedule_for(cfg)  # build and check the schedule before any process starts
     if cfg.optimizer.schedule and cfg.optimizer.name != "nvlamb":
         kfac_assignment(cfg, schedule)  # a plan made for another run fails here, not in the workers
-    watch = cfg.cluster.requeue and preemption.in_slurm_job()
-    if watch:
-        preemption.install()  # SLURM's signal is recorded; the workers act on it at a step's end
     env = _env_world()
     if env is not None:
         rank, world, local_rank, local_world = env
@@ -145,7 +138,10 @@ def launch_workers(cfg: TrainConfig, output_dir: str | os.PathLike, run_name: st
         if result.get("preempted"):  # checkpointed, and worker 0 requeued the job
             sys.exit(PREEMPTED_EXIT_CODE)
         return result
-    check_resume(cfg, output_dir)
+    check_resume(cfg, output_dir, schedule)
+    watch = preemption.watching(cfg.cluster.requeue)
+    if watch:  # SLURM's signal is recorded and passed on; the workers act on it at a step's end
+        preemption.install()
     world = cfg.num_workers
     addr = cfg.cluster.master_addr
     # This process hosts the rendezvous store on a port the OS picks while binding it, so no other
@@ -192,7 +188,7 @@ def run_training(cfg: TrainConfig, output_dir: str | os.PathLike, overrides: lis
     # In a SLURM job, the workers also handle preemption (checkpoint and requeue).
     if (cfg.num_workers > 1 or cfg.profile.enabled or cfg.optimizer.name != "nvlamb"
             or cfg.checkpoint.enabled or cfg.resume != "none"
-            or (cfg.cluster.requeue and preemption.in_slurm_job())):
+            or preemption.watching(cfg.cluster.requeue)):
         result = launch_workers(cfg, output_dir, run_name=run_name, group=group)
     else:
         logger = WandbLogger(asdict(cfg), project=cfg.wandb.project, group=group, name=run_name,

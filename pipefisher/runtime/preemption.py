@@ -40,6 +40,7 @@ __all__ = [
     "PREEMPTED_EXIT_CODE",
     "PREEMPTED_FILE",
     "in_slurm_job",
+    "watching",
     "requeued_attempt",
     "resume_mode",
     "install",
@@ -72,6 +73,11 @@ def in_slurm_job() -> bool:
     return "SLURM_JOB_ID" in os.environ
 
 
+def watching(requeue: bool) -> bool:
+    """Whether this process handles SLURM's warning signal: ``cluster.requeue`` inside a SLURM job."""
+    return requeue and in_slurm_job()
+
+
 def requeued_attempt() -> int:
     """How many times SLURM has requeued this job (``SLURM_RESTART_COUNT``; 0 outside SLURM)."""
     try:
@@ -95,6 +101,11 @@ def _record(signum: int, frame: types.FrameType | None) -> None:
         # The logging module is not reentrant; a signal may arrive inside a log call.
         os.write(2, f"[pipefisher] pid {os.getpid()}: got {signal.Signals(signum).name}; "
                     "checkpointing after this step, then requeueing\n".encode())
+    _pass_on(signum)
+
+
+def _pass_on(signum: int) -> None:
+    """Send ``signum`` to the processes of :func:`forward_to` that still run."""
     for pid in _forward:
         try:
             os.kill(pid, signum)
@@ -133,19 +144,16 @@ def forward_to(pids: Iterable[int]) -> None:
     """Pass recorded signals on to these processes too (the local workers of a launcher process)."""
     _forward[:] = list(pids)
     if _received:
-        for pid in _forward:
-            try:
-                os.kill(pid, _received[0])
-            except ProcessLookupError:
-                pass
+        _pass_on(_received[0])
 
 
 class RequeueError(RuntimeError):
     """SLURM or submitit did not requeue the job (e.g. too many time-outs)."""
 
 
-def requeue(reason: str) -> None:
-    """Requeue this SLURM job (call after the checkpoint); returns once it is requeued.
+def requeue(step: int, checkpoint: str | os.PathLike) -> None:
+    """Requeue this SLURM job after the workers checkpointed ``step`` in ``checkpoint``; returns
+    once it is requeued.
 
     In a submitit job whose handler was saved by :func:`install` in this process, submitit does
     it (it pickles the job for the next attempt, counts time-outs against
@@ -154,8 +162,17 @@ def requeue(reason: str) -> None:
     :data:`PREEMPTED_EXIT_CODE`.
 
     Raises:
-        RequeueError: the job was not requeued; the message says why.
+        RequeueError: the job was not requeued; the message says why, where the checkpoint is
+            and how to go on.
     """
+    try:
+        _requeue(f"workers checkpointed after step {step} in {checkpoint}")
+    except RequeueError as err:
+        raise RequeueError(f"stopped after step {step} on SLURM's signal with a checkpoint in {checkpoint}, "
+                           f"but {err}; resubmit the run with resume=auto") from err
+
+
+def _requeue(reason: str) -> None:
     signum = _received[0] if _received else PREEMPTION_SIGNAL
     previous = _previous.get(signum)
     owner = getattr(previous, "__self__", None)

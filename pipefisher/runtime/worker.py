@@ -172,6 +172,10 @@ def _step_utilization(events: list[Event], num_workers: int, kinds: frozenset[st
     return sum(busy.values()) / (num_workers * wall) if wall > 0 else 0.0
 
 
+def _mean_ns(durations: Sequence[int]) -> int:
+    return round(sum(durations) / len(durations))
+
+
 def _measured_costs(events: list[Event], schedule: Schedule, kfac_layers: Sequence[int] = ()) -> CostModel:
     """Mean F and B time per stage in this step's timeline → a cost model for the simulator.
 
@@ -188,7 +192,7 @@ def _measured_costs(events: list[Event], schedule: Schedule, kfac_layers: Sequen
         elif kfac_layers and e.kind in _KFAC_KINDS:
             a = Action.from_str(e.name)
             kfac.setdefault((e.kind, a.stage, a.layer), []).append(e.duration_ns)
-    mean = {k: round(sum(v) / len(v)) for k, v in sums.items()}
+    mean = {k: _mean_ns(v) for k, v in sums.items()}
     d = schedule.num_stages
     if not kfac_layers:
         return CostModel(forward_ns=[mean.get(("F", s), 0) for s in range(d)],
@@ -198,7 +202,7 @@ def _measured_costs(events: list[Event], schedule: Schedule, kfac_layers: Sequen
         rows = []
         for s in range(d):
             whole = kfac.get((kind.value, s, None))
-            rows.append([round(sum(v) / len(v)) if (v := kfac.get((kind.value, s, layer)))
+            rows.append([_mean_ns(v) if (v := kfac.get((kind.value, s, layer)))
                          else (round(sum(whole) / len(whole) / kfac_layers[s]) if whole else 0)
                          for layer in range(kfac_layers[s])])
         return rows
@@ -209,7 +213,7 @@ def _measured_costs(events: list[Event], schedule: Schedule, kfac_layers: Sequen
         backward_ns=[mean.get(("B", s), 0) for s in range(d)],
         curv_a_ns=table(ActionKind.CURV_A), curv_b_ns=table(ActionKind.CURV_B),
         sync_factor_ns=table(ActionKind.SYNC_FACTOR), invert_ns=table(ActionKind.INVERT),
-        precond_ns=[round(sum(v) / len(v)) if v else 0 for v in precond],
+        precond_ns=[_mean_ns(v) if v else 0 for v in precond],
     )
 
 
@@ -233,7 +237,7 @@ def run_worker(
         The last step's metrics on rank 0 (other ranks: their last loss).
     """
     check_world_size(cfg, world_size)
-    if cfg.cluster.requeue and preemption.in_slurm_job():
+    if preemption.watching(cfg.cluster.requeue):
         preemption.install()  # from now on SLURM's warning signal is recorded, not fatal
     device = resolve_device(cfg.device, local_rank)
     if device.type == "cpu":
@@ -393,7 +397,7 @@ class PipelineWorker:
         self.dp_rank = self.schedule.placement.dp_group_of(rank)
         seed_worker_rngs(cfg.seed, rank)
         # Preemption (SLURM) and non-finite steps; see [Note: stopping on a signal] and train_step.
-        self.watch_preemption = cfg.cluster.requeue and preemption.in_slurm_job()
+        self.watch_preemption = preemption.watching(cfg.cluster.requeue)
         self.stop_agreed = False  # a worker got the preemption signal: all stop after this step
         self.step_skipped = False  # this step's update was dropped (on_nonfinite=skip)
         self.skipped_in_row = 0
@@ -565,7 +569,7 @@ def inject_fault(cfg: TrainConfig, rank: int, step: int) -> None:
     """Fail as ``cfg.fault`` asks, at the start of ``step`` on worker ``rank`` (a testing aid;
     ``nan`` is done by :func:`poison_outputs` around the step)."""
     f = cfg.fault
-    if f.mode in ("none", "nan") or (f.rank, f.step) != (rank, step):
+    if f.mode in ("none", "nan") or not _fault_here(cfg, f.mode, rank, step):
         return
     log.error("injecting fault %r on worker %d at step %d", f.mode, rank, step)
     if f.mode == "raise":
@@ -604,13 +608,12 @@ def _requeue_from_rank0(rank: int, step: int, folder: Path) -> None:
     outcome: list[Any] = [None]
     if rank == 0:
         try:
-            preemption.requeue(f"workers checkpointed after step {step} in {folder}")
+            preemption.requeue(step, folder)
         except preemption.RequeueError as err:
             outcome[0] = str(err)
     dist.broadcast_object_list(outcome, src=0)
     if outcome[0] is not None:
-        raise preemption.RequeueError(f"stopped after step {step} on SLURM's signal with a checkpoint in {folder}, "
-                                      f"but {outcome[0]}; resubmit the run with resume=auto")
+        raise preemption.RequeueError(outcome[0])
 
 
 def train_worker(cfg: TrainConfig, rank: int, world_size: int, device: torch.device,
