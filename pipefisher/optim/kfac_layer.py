@@ -115,12 +115,7 @@ class LinearKFAC:
             ValueError: nothing captured for that micro-batch (scheduled before its F).
             RuntimeError: this refresh's estimates were already handed out by factor_tensors.
         """
-        x = self.xs.pop(micro_batch, None)
-        if x is None:
-            raise ValueError(
-                f"K-FAC curvature_a({self.name!r}, {micro_batch}): no input captured for this micro-batch"
-            )
-        self._check_open("curvature_a")
+        x = self._take(self.xs, micro_batch, "curvature_a", "input")
         self.acc_a = input_factor_sum(x, self.bias, self.factor_dtype, out=self.acc_a)  # [Ĩ, Ĩ], in place
         self.rows_a += x.numel() // x.shape[-1]
 
@@ -131,15 +126,18 @@ class LinearKFAC:
             ValueError: nothing captured for that micro-batch (scheduled before its B).
             RuntimeError: this refresh's estimates were already handed out by factor_tensors.
         """
-        g = self.gs.pop(micro_batch, None)
-        if g is None:
-            raise ValueError(
-                f"K-FAC curvature_b({self.name!r}, {micro_batch}): no gradient captured for this micro-batch"
-            )
-        self._check_open("curvature_b")
+        g = self._take(self.gs, micro_batch, "curvature_b", "gradient")
         rows = g.numel() // g.shape[-1]
         self.acc_b = grad_factor_sum(g, rows / self.loss_scale, self.factor_dtype, out=self.acc_b)  # [O, O]
         self.rows_b += rows
+
+    def _take(self, captured: dict[int, Tensor], micro_batch: int, unit: str, what: str) -> Tensor:
+        """Pop ``micro_batch``'s captured tensor for ``unit``, checking the refresh is still open."""
+        t = captured.pop(micro_batch, None)
+        if t is None:
+            raise ValueError(f"K-FAC {unit}({self.name!r}, {micro_batch}): no {what} captured for this micro-batch")
+        self._check_open(unit)
+        return t
 
     def _check_open(self, unit: str) -> None:
         if self.normalized:
