@@ -44,6 +44,7 @@ WANDB_MODES = ("offline", "online", "disabled")
 FAULT_MODES = ("none", "raise", "kill", "stall", "nan")
 NONFINITE_MODES = ("stop", "skip")
 INVERSE_DTYPES = ("auto", "float32", "float64")
+KFAC_UPDATES = ("lamb", "momentum")
 RESUME_MODES = ("none", "auto")  # or a path to a checkpoint (step_<n>) or a checkpoint directory
 
 
@@ -95,6 +96,13 @@ class OptimizerConfig:
     deferred_inverse: bool = False  # kfac: use inverses from the next refresh cycle on, as pipefisher does
     schedule: Optional[str] = None  # pipefisher: work-assignment JSON from schedule.py (kfac: run it on the critical path)
     inverse_dtype: str = "float32"  # K-FAC inversion precision: float32 (as ASDL), float64, or auto (float64 up to 1024 wide)
+    curvature_micro_batches: int = 0  # K-FAC curvature from the first n micro-batches of each pipe per refresh; 0 = all
+    max_interval: int = 8  # pipefisher: the largest refresh interval k the planner tries
+    max_staleness: Optional[int] = None  # pipefisher: bound on the curvature age in steps (2k-1 <= it); None = no bound
+    kfac_update: str = "lamb"  # update of K-FAC layers: lamb (NVLAMB on the preconditioned gradient) or momentum (reference: no second moment)
+    kfac_lr: Optional[float] = None  # kfac_update=momentum: peak lr of the K-FAC layers; None = lr
+    kfac_max_grad_norm: float = 100.0  # kfac_update=momentum: clip of the K-FAC layers' preconditioned gradient norm; <= 0 disables
+    clip_before_precondition: bool = True  # take the global-norm clip from the gradient before K-FAC preconditions it
 
 
 @dataclass
@@ -308,6 +316,23 @@ def validate(cfg: TrainConfig) -> None:
             _fail("optimizer.damping", o.damping, "K-FAC damping must be positive, e.g. optimizer.damping=1e-3")
         if not 0.0 <= o.factor_decay < 1.0:
             _fail("optimizer.factor_decay", o.factor_decay, "must lie in [0, 1); 0 uses only the latest refresh")
+        if o.curvature_micro_batches < 0 or o.curvature_micro_batches > cfg.num_micro_batches:
+            _fail("optimizer.curvature_micro_batches", o.curvature_micro_batches,
+                  f"must lie in [0, num_micro_batches={cfg.num_micro_batches}] (0 = every micro-batch)")
+        per_pipe = cfg.num_micro_batches // (2 if method == "chimera" and cfg.stages > 1 else 1)
+        if o.curvature_micro_batches > per_pipe:
+            _fail("optimizer.curvature_micro_batches", o.curvature_micro_batches,
+                  f"chimera gives each of its two pipes {per_pipe} micro-batches; use at most {per_pipe}")
+        if o.max_interval < 1:
+            _fail("optimizer.max_interval", o.max_interval, "the planner needs to try at least k=1")
+        if o.max_staleness is not None and o.max_staleness < 1:
+            _fail("optimizer.max_staleness", o.max_staleness,
+                  "PipeFisher's inverses are at least 1 step old (2k-1 with k=1); use >= 1 or leave it unset")
+        _check_choice("optimizer.kfac_update", o.kfac_update, KFAC_UPDATES)
+        if o.kfac_lr is not None and o.kfac_lr <= 0:
+            _fail("optimizer.kfac_lr", o.kfac_lr, "must be positive, or unset to use lr")
+        if o.kfac_update != "momentum" and o.kfac_lr is not None:
+            log.warning("optimizer.kfac_lr has no effect unless optimizer.kfac_update=momentum")
         if o.curvature_interval < 1 or o.inverse_interval != o.curvature_interval:
             _fail("optimizer.inverse_interval", o.inverse_interval,
                   f"the refresh interval is optimizer.curvature_interval={o.curvature_interval} (>= 1); "

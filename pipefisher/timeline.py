@@ -10,23 +10,33 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-__all__ = ["Event", "COMPUTE_KINDS", "union_length", "busy_ns", "bubble_utilization", "worker_utilization"]
+__all__ = ["Event", "COMPUTE_KINDS", "SYNC_KINDS", "is_wait", "union_length", "busy_ns", "bubble_utilization",
+           "worker_utilization"]
 
 # Action kinds whose time counts as useful work when measuring bubble utilization (DESIGN.md,
 # "Bubble utilization"); communication waits and idle time do not.
 COMPUTE_KINDS: frozenset[str] = frozenset(
     {"F", "B", "STEP", "CURV_A", "CURV_B", "INVERT", "PRECOND"}
 )
+# The all-reduces: a wait for one is recorded with its kind (see Event), never busy.
+SYNC_KINDS: frozenset[str] = frozenset({"SYNC_GRAD", "SYNC_FACTOR"})
 
 
 @dataclass(frozen=True)
 class Event:
     """One span of work on one worker.
 
+    A *wait* inside an action, for a collective it consumes (PRECOND for its stage's gradient
+    all-reduce, INVERT for its factor all-reduce, STEP for all of them), is an event of its own
+    just before the action's: it carries the action's name and the kind of the collective
+    (``name="1PRECOND@1", kind="SYNC_GRAD"``), so it is never busy and never costs the action;
+    see :func:`is_wait`.
+
     Attributes:
         worker: global worker index (rank).
         name: the action's string form, e.g. ``"1F3"``.
-        kind: the action kind, e.g. ``"F"``, ``"B"``, ``"SEND_F"``, ``"SYNC_GRAD"``.
+        kind: the action kind, e.g. ``"F"``, ``"B"``, ``"SEND_F"``, ``"SYNC_GRAD"`` (for a wait:
+            the collective's kind).
         start_ns: start time in ns.
         end_ns: end time in ns (``>= start_ns``).
         step: the training step this span belongs to.
@@ -42,6 +52,13 @@ class Event:
     @property
     def duration_ns(self) -> int:
         return self.end_ns - self.start_ns
+
+
+def is_wait(event: Event) -> bool:
+    """Whether ``event`` is an action's wait for a collective: its kind is a collective's
+    (:data:`SYNC_KINDS`) but its name is another action's (names start with the optional stage
+    digits, then the kind)."""
+    return event.kind in SYNC_KINDS and not event.name.lstrip("0123456789").startswith(event.kind)
 
 
 def union_length(intervals: Iterable[tuple[int, int]]) -> int:

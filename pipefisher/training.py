@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import re
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -26,7 +27,7 @@ import torch
 from pipefisher.config import TrainConfig
 from pipefisher.data import build_source, get_micro_batch
 from pipefisher.model import BertConfig, BertStage, build_full_model
-from pipefisher.optim import build_optimizer, make_lr_scheduler, param_groups
+from pipefisher.optim import ENCODER_LINEAR_PATTERN, build_optimizer, make_lr_scheduler, param_groups
 from pipefisher.tracking import MetricsWriter, WandbLogger
 
 __all__ = [
@@ -37,6 +38,7 @@ __all__ = [
     "resolve_device",
     "set_cpu_threads",
     "make_optimizer",
+    "is_kfac_parameter",
     "StepTimer",
     "autocast_context",
     "progress_range",
@@ -100,9 +102,22 @@ def set_cpu_threads(num_processes: int) -> int:
     return threads
 
 
+def is_kfac_parameter(name: str) -> bool:
+    """Whether the parameter called ``name`` belongs to a K-FAC layer (an encoder Linear layer,
+    :data:`~pipefisher.optim.ENCODER_LINEAR_PATTERN`); prefixes such as ``"0.1."`` are allowed."""
+    module, _, leaf = name.rpartition(".")
+    return leaf in ("weight", "bias") and re.search(ENCODER_LINEAR_PATTERN, module) is not None
+
+
 def make_optimizer(cfg: TrainConfig, named_params: list[tuple[str, torch.nn.Parameter]], device: torch.device):
-    """Optimizer and LR scheduler for the parameters one worker updates."""
+    """Optimizer and LR scheduler for the parameters one worker updates.
+
+    With K-FAC and ``optimizer.kfac_update=momentum`` the K-FAC layers' parameters are updated by
+    the momentum rule (``pipefisher.optim.nvlamb`` [Note: the momentum rule]) at ``optimizer.kfac_lr``
+    under the same warm-up and decay; the rest by NVLAMB.
+    """
     o = cfg.optimizer
+    momentum = o.name in ("kfac", "pipefisher") and o.kfac_update == "momentum"
     opt = build_optimizer(
         "nvlamb",
         named_params,
@@ -112,10 +127,12 @@ def make_optimizer(cfg: TrainConfig, named_params: list[tuple[str, torch.nn.Para
         device=device,
         betas=(o.beta1, o.beta2),
         eps=o.eps,
+        momentum=is_kfac_parameter if momentum else None,
+        momentum_options={"lr": o.kfac_lr if o.kfac_lr is not None else cfg.lr,
+                          "max_grad_norm": o.kfac_max_grad_norm} if momentum else None,
     )
     sched = make_lr_scheduler(
         opt,
-        base_lr=cfg.lr,
         warmup_steps=int(o.warmup_proportion * cfg.steps),
         total_steps=cfg.steps,
         power=o.poly_power,

@@ -552,11 +552,12 @@ def test_state_dict_round_trips_through_weights_only_load() -> None:
     torch.save(pre.state_dict(), buf)
     buf.seek(0)
     state = torch.load(buf, weights_only=True)
-    assert set(state) == {f"lin/{k}" for k in ("A", "B", "A_inv", "B_inv", "damping", "num_updates")}
+    assert set(state) == {f"lin/{k}" for k in ("A", "B", "A_inv", "B_inv", "damping", "num_updates",
+                                               "curvature_steps")}
 
     fresh = KFACPreconditioner({"lin": copy.deepcopy(lin)}, factor_dtype=F64)
     fresh.load_state_dict(state)
-    for key in ("a", "b", "a_inv", "b_inv", "damping", "num_updates"):
+    for key in ("a", "b", "a_inv", "b_inv", "damping", "num_updates", "factor_step", "inverse_step"):
         got, want = getattr(fresh.layer("lin"), key), getattr(pre.layer("lin"), key)
         assert torch.equal(got, want) if isinstance(want, Tensor) else got == want
     with pytest.raises(ValueError, match="unexpected key"):

@@ -4,6 +4,7 @@ plan's own units moved after the flush: ``optimizer=kfac optimizer.schedule=<pla
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from pathlib import Path
 
@@ -13,7 +14,7 @@ import torch
 from pipefisher.config import TrainConfig
 from pipefisher.data import get_micro_batch
 from pipefisher.model import build_full_model
-from pipefisher.optim import KFACPreconditioner
+from pipefisher.optim import KFACPreconditioner, global_grad_norm
 from pipefisher.planning.assign import plan_pipefisher
 from pipefisher.planning.costs import estimate_run_costs
 from pipefisher.runtime.worker import CPU_HARDWARE, encoder_layers_per_stage, run_shape, schedule_for
@@ -27,7 +28,8 @@ MODEL = ["model.num_layers=4", "model.hidden_size=32", "model.num_heads=2", "mod
          "optimizer.damping=0.01"]
 WORD = "bert.embeddings.word_embeddings.weight"
 DECODER = "cls.predictions.decoder.weight"
-CASES = [("chimera", 2, 4, 1), ("1f1b", 2, 2, 2), ("gpipe", 4, 4, 1)]
+CASES = [("chimera", 2, 4, 1), ("1f1b", 2, 2, 2), ("gpipe", 4, 4, 1),
+         ("1f1b", 2, 4, 2, "optimizer.curvature_micro_batches=1")]
 
 
 def _cfg(method: str, d: int, n: int, w: int, *extra: str) -> TrainConfig:
@@ -36,11 +38,14 @@ def _cfg(method: str, d: int, n: int, w: int, *extra: str) -> TrainConfig:
 
 
 def _single_process_kfac(cfg: TrainConfig, steps: int):
-    """Independent reference: one process, every micro-batch of every replica, K-FAC refresh and
-    preconditioning each step (interval 1, inverses used at once), then NVLAMB."""
+    """Independent reference: one process, every micro-batch of every replica (or the first
+    ``optimizer.curvature_micro_batches`` of each replica's, for the curvature), K-FAC refresh and
+    preconditioning each step (interval 1, inverses used at once), then NVLAMB clipped by the norm
+    of the gradient before preconditioning (``optimizer.clip_before_precondition``)."""
     model = build_full_model(bert_config(cfg), seed=cfg.seed)
     source, plan = data_source(cfg), data_plan(cfg)
     n_total = cfg.num_micro_batches * cfg.data_parallel
+    subset = cfg.optimizer.curvature_micro_batches
     pre = KFACPreconditioner(model, damping=cfg.optimizer.damping, factor_decay=cfg.optimizer.factor_decay,
                              loss_scale=1.0 / n_total)
     optimizer, scheduler = make_optimizer(cfg, list(model.named_parameters()), torch.device("cpu"))
@@ -49,14 +54,16 @@ def _single_process_kfac(cfg: TrainConfig, steps: int):
         pre.on_step_start(step)
         for dp in range(cfg.data_parallel):
             for j in range(cfg.num_micro_batches):
-                with pre.micro_batch(dp * cfg.num_micro_batches + j):
+                captured = subset == 0 or j < subset
+                with pre.micro_batch(dp * cfg.num_micro_batches + j) if captured else contextlib.nullcontext():
                     losses = model(None, get_micro_batch(source, step, j, dp, **plan))
                 (losses.sum() / n_total).backward()
+        raw_norm = global_grad_norm(model.parameters())
         pre.refresh_and_precondition(step)
         if step == 0:
             first["factors"] = {n: (pre.layer(n).a.clone(), pre.layer(n).b.clone()) for n in pre.layer_names}
             first["grads"] = {n: p.grad.clone() for n, p in model.named_parameters()}
-        optimizer.step()
+        optimizer.step(grad_norm=raw_norm)
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
     return first, {n: p.detach() for n, p in model.named_parameters()}
@@ -82,7 +89,8 @@ def kfac_results(tmp_path_factory: pytest.TempPathFactory):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("index", range(len(CASES)), ids=[f"{m}-D{d}-N{n}-W{w}" for m, d, n, w in CASES])
+@pytest.mark.parametrize("index", range(len(CASES)), ids=["-".join([f"{c[0]}-D{c[1]}-N{c[2]}-W{c[3]}", *c[4:]])
+                                                           for c in CASES])
 def test_factors_preconditioned_gradients_and_parameters_equal_single_process(index: int, kfac_results) -> None:
     results = kfac_results[0][index]
     cfg = _cfg(*CASES[index])

@@ -174,11 +174,14 @@ def test_pipefisher_is_never_predicted_slower_than_critical_path_kfac_at_its_int
 
 def test_exposed_work_of_one_f_one_b_with_n_4d_overlaps_in_one_phase():
     # bert-large, 1F1B, D=8, N=32 (the shape of the issue): the plan itself, not the critical-path
-    # fallback, beats critical-path K-FAC at its k (462.4 ms at k=8) by more than 3 %.
+    # fallback, beats critical-path K-FAC at its k by more than 3 %. No k <= 8 hides all the work:
+    # the planner takes the smallest k within 2 % of the fastest ([Note: choosing k]).
     s, cost, layers = _bert_plan("large", "1f1b", 8, 32)
     cmp = compare_optimizers(s, cost, layers)
     check_assignment(cmp.assignment)
-    assert "fallback" not in cmp.assignment.metadata and cmp.assignment.interval == 8
+    a = cmp.assignment
+    assert "fallback" not in a.metadata and a.metadata["choice"].startswith(f"k={a.interval}: no k <= 8 hides")
+    assert a.metadata["k_min"] <= a.interval <= 8
     assert cmp.pipefisher.step_time_s < 0.97 * cmp.kfac_same_interval.step_time_s
     assert cmp.nvlamb.step_time_s < cmp.pipefisher.step_time_s
 

@@ -4,7 +4,8 @@ Run as ``pipefisher-prepare --input wiki.txt --output-dir DIR ...`` or
 ``python -m pipefisher.data.prepare ...``.
 
 Input is ``wikipedia.segmented.nltk.txt``-style text: one sentence per line, a blank line
-between documents (each input file also starts a new document). The steps follow the published
+between documents (each input file also starts a new document), or raw WikiText (see
+[Note: raw WikiText], ``--input-format``; recognized by itself). The steps follow the published
 description of Google's ``create_pretraining_data.py`` (BERT paper, appendix A.1 and the
 repository README), re-implemented here:
 
@@ -26,6 +27,18 @@ repository README), re-implemented here:
 5. All instances are shuffled and split into ``num_shards`` files with NVIDIA's fields and dtypes
    (`pipefisher.data.hdf5.NVIDIA_DTYPES`).
 
+[Note: raw WikiText]
+WikiText (Merity et al. 2016) is word-tokenized Wikipedia: `` = Title = `` starts an article,
+`` = = Section = = `` (deeper: more ``=``) is a heading, each paragraph is one line, blank lines
+separate everything. `wikitext_sentences` turns it into the layout above: each article is a
+document, headings and titles are dropped (they are not sentences), paragraphs are split into
+sentences after a stand-alone ``.``, ``?`` or ``!`` token (abbreviations such as ``H.`` or
+``U.S.`` keep their dot attached in WikiText, so they do not split), number separators
+``@-@ @,@ @.@`` are joined back (``3 @.@ 1`` -> ``3.1``) and ``<unk>`` becomes ``[UNK]``, which the
+tokenizer maps to its unknown-token id (as ``< unk >`` it would be three easy tokens). A file is
+taken as WikiText (``--input-format auto``) when its first non-blank line is a title line. The
+conversion is written to a temporary file that both vocabulary training and tokenization read.
+
 Everything is seeded by ``--seed``. Every instance is held in memory until written (as in the
 reference); for a full Wikipedia dump, split the text into parts and run this once per part with
 its own ``--prefix`` and ``--seed`` into the same directory.
@@ -37,9 +50,11 @@ import argparse
 import json
 import logging
 import random
+import re
 import shutil
 import sys
-from collections.abc import Iterator, Sequence
+import tempfile
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -53,6 +68,7 @@ from pipefisher.data.hdf5 import NVIDIA_DTYPES, SHARD_SUFFIXES
 
 __all__ = [
     "BERT_SPECIAL_TOKENS",
+    "INPUT_FORMATS",
     "PrepareConfig",
     "PrepareResult",
     "create_instances",
@@ -60,6 +76,8 @@ __all__ = [
     "main",
     "prepare",
     "read_documents",
+    "resolve_input_format",
+    "wikitext_sentences",
     "write_shards",
 ]
 
@@ -72,6 +90,10 @@ BERT_SPECIAL_TOKENS: tuple[str, ...] = (
 )
 
 Document = list[list[int]]  # sentences of token ids
+
+#: ``--input-format`` choices: ``sentences`` (one per line, blank line between documents),
+#: ``wikitext`` (raw WikiText, see [Note: raw WikiText]) or ``auto`` (decided per file).
+INPUT_FORMATS: tuple[str, ...] = ("auto", "sentences", "wikitext")
 
 
 @dataclass(frozen=True)
@@ -89,6 +111,7 @@ class PrepareConfig:
     lowercase: bool = True
     prefix: str = ""  # shard name prefix; "" means f"pretrain_s{seq_len}_p{max_predictions}"
     compression: str | None = "gzip"
+    input_format: str = "auto"  # one of INPUT_FORMATS
 
     def __post_init__(self) -> None:
         checks = [
@@ -100,6 +123,7 @@ class PrepareConfig:
             ("masked_lm_prob", 0.0 < self.masked_lm_prob < 1.0, "in (0, 1)"),
             ("vocab_size", self.vocab_size > len(BERT_SPECIAL_TOKENS), "above 104"),
             ("compression", self.compression in (None, "gzip", "lzf"), "gzip, lzf or none"),
+            ("input_format", self.input_format in INPUT_FORMATS, " or ".join(INPUT_FORMATS)),
         ]
         for name, ok, want in checks:
             if not ok:
@@ -161,6 +185,81 @@ def load_tokenizer(
     for i, t in enumerate(BERT_SPECIAL_TOKENS):
         assert tok.token_to_id(t) == i, "trainer must keep the special tokens' order"
     return tok
+
+
+_WIKITEXT_JOINS = ((" @-@ ", "-"), (" @,@ ", ","), (" @.@ ", "."))
+_SENTENCE_END = re.compile(r"(?<= [.?!]) (?=\S)")  # after a stand-alone . ? ! token
+
+
+def _heading_level(line: str) -> int:
+    """WikiText heading depth of a stripped line: 1 for `` = Title = ``, 2 for sections, 0 for text."""
+    words = line.split(" ")
+    level = 0
+    while level < len(words) // 2 and words[level] == "=" and words[-1 - level] == "=":
+        level += 1
+    return level if len(words) > 2 * level else 0
+
+
+def wikitext_sentences(lines: Iterable[str]) -> Iterator[str | None]:
+    """Raw WikiText lines as sentences, ``None`` at each article's start (see [Note: raw WikiText]).
+
+    Args:
+        lines: the file's lines (with or without newlines).
+
+    Returns:
+        An iterator of sentences (stripped, non-empty) and ``None`` document boundaries.
+    """
+    for raw in lines:
+        line = raw.strip()
+        if not line:
+            continue
+        level = _heading_level(line)
+        if level == 1:
+            yield None
+            continue
+        if level > 1:
+            continue
+        line = " ".join("[UNK]" if w == "<unk>" else w for w in line.split())
+        for old, new in _WIKITEXT_JOINS:
+            line = line.replace(old, new)
+        for sentence in _SENTENCE_END.split(line.strip()):
+            if sentence.strip():
+                yield sentence.strip()
+
+
+def resolve_input_format(path: str | Path, input_format: str = "auto") -> str:
+    """``sentences`` or ``wikitext`` for one file; ``auto`` looks at its first non-blank line.
+
+    Raises:
+        ValueError: an unknown ``input_format``.
+    """
+    if input_format not in INPUT_FORMATS:
+        raise ValueError(f"input_format={input_format!r}: must be {' or '.join(INPUT_FORMATS)}")
+    if input_format != "auto":
+        return input_format
+    with Path(path).open(encoding="utf-8", errors="replace") as f:
+        for line in f:
+            if line.strip():
+                return "wikitext" if _heading_level(line.strip()) == 1 else "sentences"
+    return "sentences"
+
+
+def _as_sentence_files(paths: Sequence[Path], input_format: str, tmp: Path) -> tuple[list[Path], list[str]]:
+    """The inputs in the sentence-per-line layout (WikiText converted into ``tmp``) and each one's format."""
+    out, formats = [], []
+    for k, path in enumerate(paths):
+        fmt = resolve_input_format(path, input_format)
+        formats.append(fmt)
+        if fmt == "sentences":
+            out.append(path)
+            continue
+        converted = tmp / f"{k:03d}_{path.stem}.sentences.txt"
+        with path.open(encoding="utf-8", errors="replace") as src, converted.open("w", encoding="utf-8") as dst:
+            for sentence in wikitext_sentences(src):
+                dst.write("\n" if sentence is None else sentence + "\n")
+        log.info("%s: raw WikiText, converted to one sentence per line", path)
+        out.append(converted)
+    return out, formats
 
 
 def _lines(paths: Sequence[Path]) -> Iterator[str | None]:
@@ -406,7 +505,8 @@ def prepare(
     """Tokenize text, create masked instances and write NVIDIA-format shards plus vocab.txt.
 
     Args:
-        inputs: text files (one sentence per line, blank line between documents).
+        inputs: text files (one sentence per line, blank line between documents, or raw
+            WikiText: ``cfg.input_format``).
         output_dir: where shards, ``vocab.txt`` and ``prepare.json`` (the settings) go.
         cfg: settings.
         vocab: an existing ``vocab.txt``; ``None`` trains one of ``cfg.vocab_size`` on inputs.
@@ -433,16 +533,17 @@ def prepare(
     for name in existing:
         (out / name).unlink()
 
-    tokenizer = load_tokenizer(vocab, paths, vocab_size=cfg.vocab_size, lowercase=cfg.lowercase)
-    vocab_path = out / "vocab.txt"
-    if vocab is None:
-        tokenizer.save_model(str(out))
-    elif Path(vocab).resolve() != vocab_path.resolve():
-        shutil.copyfile(vocab, vocab_path)
-    vocab_size = tokenizer.get_vocab_size()
-    log.info("vocabulary: %d tokens (%s)", vocab_size, vocab_path)
-
-    documents = read_documents(paths, tokenizer, progress=progress)
+    with tempfile.TemporaryDirectory(prefix="pipefisher-prepare-") as tmp:
+        texts, formats = _as_sentence_files(paths, cfg.input_format, Path(tmp))
+        tokenizer = load_tokenizer(vocab, texts, vocab_size=cfg.vocab_size, lowercase=cfg.lowercase)
+        vocab_path = out / "vocab.txt"
+        if vocab is None:
+            tokenizer.save_model(str(out))
+        elif Path(vocab).resolve() != vocab_path.resolve():
+            shutil.copyfile(vocab, vocab_path)
+        vocab_size = tokenizer.get_vocab_size()
+        log.info("vocabulary: %d tokens (%s)", vocab_size, vocab_path)
+        documents = read_documents(texts, tokenizer, progress=progress)
     if not documents:
         raise DataError(f"{paths}: no sentences found; expected one sentence per line")
     special = {t: tokenizer.token_to_id(t) for t in ("[CLS]", "[SEP]", "[MASK]")}
@@ -455,7 +556,8 @@ def prepare(
                           compression=cfg.compression)
     sizes = np.diff(np.linspace(0, num, len(shards) + 1).astype(np.int64)).tolist()
     result = PrepareResult(shards, vocab_path, len(documents), num, vocab_size, sizes)
-    info = {"inputs": [str(p) for p in paths], "vocab": str(vocab) if vocab else None,
+    info = {"inputs": [str(p) for p in paths], "input_formats": formats,
+            "vocab": str(vocab) if vocab else None,
             **asdict(cfg), "num_documents": len(documents), "num_instances": num,
             "vocab_size_actual": vocab_size, "shards": [p.name for p in shards],
             "shard_sizes": sizes}
@@ -469,10 +571,16 @@ def _parser() -> argparse.ArgumentParser:
     d = PrepareConfig()
     p = argparse.ArgumentParser(
         prog="pipefisher-prepare",
-        description="Make NVIDIA-format BERT pretraining hdf5 shards from sentence-per-line text.",
+        description="Make NVIDIA-format BERT pretraining hdf5 shards from sentence-per-line text "
+                    "or raw WikiText.",
     )
     p.add_argument("--input", nargs="+", required=True,
-                   help="text file(s): one sentence per line, blank line between documents")
+                   help="text file(s): one sentence per line, blank line between documents, "
+                        "or raw WikiText (see --input-format)")
+    p.add_argument("--input-format", default=d.input_format, choices=INPUT_FORMATS,
+                   help="sentences, wikitext (' = Title = ' starts an article; converted to one "
+                        "sentence per line) or auto (wikitext when a file's first non-blank line "
+                        "is a title line)")
     p.add_argument("--output-dir", required=True, help="directory for shards and vocab.txt")
     p.add_argument("--vocab", default=None, help="existing vocab.txt (default: train one)")
     p.add_argument("--vocab-size", type=int, default=d.vocab_size,
@@ -512,6 +620,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             masked_lm_prob=args.masked_lm_prob, num_shards=args.num_shards, seed=args.seed,
             vocab_size=args.vocab_size, lowercase=not args.cased, prefix=args.prefix,
             compression=None if args.compression == "none" else args.compression,
+            input_format=args.input_format,
         )
         result = prepare(args.input, args.output_dir, cfg, vocab=args.vocab,
                          overwrite=args.overwrite, progress=not args.no_progress)

@@ -325,9 +325,12 @@ class KFACPreconditioner:
         """Divide layer ``name``'s all-reduced (summed) estimates by the replica count ``world``."""
         self.layer(name).finish_sync(world)
 
-    def update_factors(self, name: str) -> None:
-        """Fold this refresh's estimates into layer ``name``'s running averages A, B."""
-        self.layer(name).update_factors(self.factor_decay)
+    def update_factors(self, name: str, step: int | None = None) -> None:
+        """Fold this refresh's estimates into layer ``name``'s running averages A, B.
+
+        ``step``: the step whose capture they came from (see :meth:`curvature_age`).
+        """
+        self.layer(name).update_factors(self.factor_decay, step)
 
     def invert(self, name: str, deferred: bool = False) -> None:
         """Both damped inverses of layer ``name`` in one unit, λ_A and λ_B from both traces.
@@ -340,9 +343,13 @@ class KFACPreconditioner:
         """
         self.layer(name).invert(self.damping, deferred)
 
-    def promote_inverses(self) -> int:
-        """Put every layer's deferred inverses in use; returns how many layers had some."""
-        return sum(layer.promote() for layer in self._layers.values())
+    def promote_inverses(self, first_only: bool = False) -> int:
+        """Put every layer's deferred inverses in use; returns how many layers had some.
+
+        ``first_only``: only layers that have no inverses in use yet (their first refresh: there
+        is nothing older to keep, so K-FAC acts from the step after its first inversion).
+        """
+        return sum(layer.promote() for layer in self._layers.values() if not first_only or layer.a_inv is None)
 
     def precondition(self, name: str) -> bool:
         """Replace layer ``name``'s ``W.grad`` (and ``b.grad``) by (B + λ_B I)⁻¹ ∇ (A + λ_A I)⁻¹.
@@ -362,11 +369,11 @@ class KFACPreconditioner:
             for mb in sorted(layer.gs):
                 layer.curvature_b(mb)
 
-    def update_all(self) -> list[str]:
+    def update_all(self, step: int | None = None) -> list[str]:
         """update_factors for every layer with a refresh's curvature waiting; returns their names."""
         done = [n for n, layer in self._layers.items() if layer.has_curvature()]
         for name in done:
-            self.update_factors(name)
+            self.update_factors(name, step)
         return done
 
     def invert_all(self) -> int:
@@ -406,6 +413,7 @@ class KFACPreconditioner:
 
     def on_step_start(self, step: int) -> None:
         """Capture this step's micro-batches iff it is a curvature step."""
+        self.forget_raw_norms()
         self.set_capture(self.is_curvature_step(step))
 
     def refresh_and_precondition(self, step: int) -> None:
@@ -424,12 +432,50 @@ class KFACPreconditioner:
                 "micro-batch's forward inside `with preconditioner.micro_batch(i)`, with grad enabled"
             )
         self.curvature_all()
-        if self.update_all():
+        if self.update_all(step):
             self.last_refresh_step = step
         self.step_curvature_done()
         if self.is_inverse_step(step) and self.invert_all():
             self.last_inverse_step = step
         self.precondition_all()
+
+    # -- what the step used -----------------------------------------------------------------------
+
+    def curvature_age(self, step: int) -> int | None:
+        """Steps since the curvature behind the inverses in use was captured, the maximum over
+        layers (``step`` − capture step); None while no layer has inverses.
+
+        [Note: curvature age] With deferred inverses and a refresh every k steps, the inverses
+        used in cycle c+1 come from a capture in cycle c, so the age reaches 2k − 1 (a capture in
+        the cycle's first step, used until the last step of the next cycle); without deferral it
+        is at most k − 1.
+        """
+        ages = [step - layer.inverse_step for layer in self._layers.values() if layer.inverse_step is not None]
+        return max(ages) if ages else None
+
+    def raw_grad_sq(self) -> dict[int, Tensor]:
+        """``{id(param): ‖grad‖² before preconditioning}`` for the layers preconditioned since the
+        last :meth:`forget_raw_norms`: a layer's weight carries ‖∇W‖² + ‖∇b‖², its bias 0.
+
+        The runtime clips by the global norm of the gradient as it was before preconditioning
+        (``optimizer.clip_before_precondition``); see ``pipefisher.optim.nvlamb`` [Note: the global norm].
+        """
+        out: dict[int, Tensor] = {}
+        for layer in self._layers.values():
+            if layer.raw_grad_sq is not None:
+                out[id(layer.module.weight)] = layer.raw_grad_sq
+                if layer.module.bias is not None:
+                    out[id(layer.module.bias)] = torch.zeros_like(layer.raw_grad_sq)
+        return out
+
+    def forget_raw_norms(self) -> None:
+        """Drop the raw gradient norms of the last preconditioning (call at each step's start)."""
+        for layer in self._layers.values():
+            layer.forget_raw_norm()
+
+    def parameter_ids(self) -> set[int]:
+        """``id`` of every weight and bias of the preconditioned layers."""
+        return {id(p) for layer in self._layers.values() for p in layer.module.parameters()}
 
     # -- checkpoints -----------------------------------------------------------------------------
 

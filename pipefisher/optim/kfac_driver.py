@@ -39,8 +39,10 @@ class KFAC:
             :func:`~pipefisher.optim.nvlamb.build_optimizer`; ignored when ``optimizer`` is given.
         optimizer: a prebuilt base optimizer taking ``step(grad_norm=...)``.
         weight_decay: base optimizer weight decay (none on bias and LayerNorm).
-        max_grad_norm: global-norm clip of the base optimizer, applied to the preconditioned
-            gradient; ``<= 0`` disables it.
+        max_grad_norm: global-norm clip of the base optimizer; ``<= 0`` disables it.
+        clip_before_precondition: the clip's norm is that of the gradient before preconditioning
+            (True, the default, as ``optimizer.clip_before_precondition``), else that of the
+            preconditioned gradient.
         include: Linear selection (see :func:`select_linears`).
         **kfac_kwargs: ``damping``, ``factor_decay``, ``curvature_interval``, ``inverse_interval``,
             ``loss_scale``, ``factor_dtype`` of :class:`KFACPreconditioner`.
@@ -56,8 +58,10 @@ class KFAC:
         weight_decay: float = 0.01,
         max_grad_norm: float = 1.0,
         include: str | Sequence[str] | None = ENCODER_LINEAR_PATTERN,
+        clip_before_precondition: bool = True,
         **kfac_kwargs: Any,
     ) -> None:
+        self.clip_before_precondition = clip_before_precondition
         self.preconditioner = KFACPreconditioner(model, include=include, **kfac_kwargs)
         if optimizer is None:
             device = next(model.parameters()).device
@@ -81,10 +85,17 @@ class KFAC:
 
         Args:
             step: the step index (decides capture and inversion with the intervals).
-            grad_norm: global norm of the preconditioned gradient for the base optimizer's clip
-                (None: computed by the base optimizer over its parameters).
+            grad_norm: global gradient norm for the base optimizer's clip (None: computed here
+                over the base optimizer's parameters, before or after preconditioning as
+                ``clip_before_precondition`` says).
         """
         self.refresh_and_precondition(step)
+        if grad_norm is None and self.clip_before_precondition:
+            raw = self.preconditioner.raw_grad_sq()
+            params = {id(p): p for g in self.optimizer.param_groups if g.get("rule", "lamb") == "lamb"
+                      for p in g["params"] if p.grad is not None}
+            grad_norm = torch.stack([raw[i] if i in raw else p.grad.detach().float().pow(2).sum()
+                                     for i, p in params.items()]).sum().sqrt() if params else 0.0
         self.optimizer.step(grad_norm=grad_norm)  # type: ignore[call-arg]
 
     def zero_grad(self, set_to_none: bool = True) -> None:

@@ -27,7 +27,7 @@ from pipefisher.optim.kfac_factors import (
 __all__ = ["LinearKFAC", "STATE_ENTRIES"]
 
 #: Per-layer entries of a state dict (see :meth:`LinearKFAC.state_dict`).
-STATE_ENTRIES: tuple[str, ...] = ("A", "B", "A_inv", "B_inv", "damping", "num_updates")
+STATE_ENTRIES: tuple[str, ...] = ("A", "B", "A_inv", "B_inv", "damping", "num_updates", "curvature_steps")
 
 
 def _contiguous_div(t: Tensor, divisor: int) -> Tensor:
@@ -75,6 +75,14 @@ class LinearKFAC:
         # Inverses made with ``deferred=True``, waiting for :meth:`promote` (PipeFisher's staleness).
         self.pending: tuple[Tensor, Tensor, tuple[float, float]] | None = None
         self.num_updates = 0
+        # Curvature age (issue 13): the step whose capture was folded into the factors last, and
+        # the steps whose captures the pending inverses and the inverses in use were made from.
+        self.factor_step: int | None = None
+        self.pending_step: int | None = None
+        self.inverse_step: int | None = None
+        # ‖∇W‖² + ‖∇b‖² before the last precondition (clip before preconditioning); None after
+        # :meth:`forget_raw_norm` or when the last precondition did nothing.
+        self.raw_grad_sq: Tensor | None = None
 
     @property
     def dims(self) -> tuple[int, int]:
@@ -180,9 +188,14 @@ class LinearKFAC:
             acc_a.div_(world)
             acc_b.div_(world)
 
-    def update_factors(self, factor_decay: float) -> None:
-        """A ← decay·A + (1 − decay)·A_batch, B likewise; the first update takes the estimates as is."""
+    def update_factors(self, factor_decay: float, step: int | None = None) -> None:
+        """A ← decay·A + (1 − decay)·A_batch, B likewise; the first update takes the estimates as is.
+
+        ``step``: the step whose capture these estimates came from (recorded as ``factor_step``).
+        """
         acc_a, acc_b = self._normalize()
+        if step is not None:
+            self.factor_step = int(step)
         if self.a is None or self.b is None or factor_decay == 0.0:
             self.a, self.b = acc_a, acc_b
         else:
@@ -212,14 +225,17 @@ class LinearKFAC:
                     row_aligned(damped_inverse(self.b, lam_b, precision=self.inverse_dtype)), (lam_a, lam_b))
         if deferred:
             self.pending = inverses
+            self.pending_step = self.factor_step
         else:
             self.a_inv, self.b_inv, self.damping = inverses
+            self.inverse_step = self.factor_step
 
     def promote(self) -> bool:
         """Put the pending (deferred) inverses in use; returns whether there were any."""
         if self.pending is None:
             return False
         self.a_inv, self.b_inv, self.damping = self.pending
+        self.inverse_step = self.pending_step
         self.pending = None
         return True
 
@@ -230,22 +246,32 @@ class LinearKFAC:
             False (gradients untouched) when there are no inverses yet or ``W.grad`` is None.
         """
         w, b = self.module.weight, self.module.bias
+        self.raw_grad_sq = None
         if self.a_inv is None or self.b_inv is None or w.grad is None:
             return False
         with torch.no_grad():
             if b is not None and b.grad is None:
                 b.grad = torch.zeros_like(b)
+            raw = w.grad.float().pow(2).sum()
+            self.raw_grad_sq = raw if b is None else raw + b.grad.float().pow(2).sum()
             kron_precondition_(w.grad, None if b is None else b.grad, self.a_inv, self.b_inv)  # [O, I], [O]
         return True
 
     # -- checkpoints -----------------------------------------------------------------------------
 
+    def forget_raw_norm(self) -> None:
+        """Drop the raw gradient norm of the last precondition (a new step starts)."""
+        self.raw_grad_sq = None
+
     def state_dict(self) -> dict[str, Tensor]:
-        """``{entry: tensor}`` for the :data:`STATE_ENTRIES` that exist (damping: [2] float64)."""
+        """``{entry: tensor}`` for the :data:`STATE_ENTRIES` that exist (damping: [2] float64;
+        ``curvature_steps``: [3] int64 factor/pending/inverse step, -1 for none)."""
         matrices = (("A", self.a), ("B", self.b), ("A_inv", self.a_inv), ("B_inv", self.b_inv))
         out = {k: t.detach().clone() for k, t in matrices if t is not None}
         out["damping"] = torch.tensor(self.damping, dtype=torch.float64)
         out["num_updates"] = torch.tensor(self.num_updates, dtype=torch.int64)
+        out["curvature_steps"] = torch.tensor(
+            [-1 if s is None else s for s in (self.factor_step, self.pending_step, self.inverse_step)], dtype=torch.int64)
         return out
 
     def load_state_dict(self, state: dict[str, Tensor]) -> None:
@@ -270,6 +296,9 @@ class LinearKFAC:
         self.damping = (0.0, 0.0) if damping is None else (float(damping[0]), float(damping[1]))
         updates = state.get("num_updates")
         self.num_updates = 0 if updates is None else int(updates)
+        steps = state.get("curvature_steps")
+        self.factor_step, self.pending_step, self.inverse_step = (
+            (None, None, None) if steps is None else (None if int(s) < 0 else int(s) for s in steps.tolist()))
         self.clear_captures()
         self.acc_a = self.acc_b = None
         self.rows_a = self.rows_b = 0

@@ -24,6 +24,13 @@ applies the ratio to every tensor, so ``use_nvlamb`` defaults to True, and :func
 passes the same value to apex so that both back ends compute the same update. NVIDIA's BERT recipe
 itself runs apex's default (False); pass ``use_nvlamb=False`` to reproduce it exactly.
 
+[Note: the momentum rule] A parameter group with ``rule="momentum"`` (K-FAC layers under
+``optimizer.kfac_update=momentum``) is updated as the PipeFisher reference code updates its K-FAC
+layers (BertAdam with b2 = −1): each gradient tensor is clipped by its own norm to the group's
+``max_grad_norm`` (≤ 0: no clip), then ``m = β1·m + (1 − β1)·g``, ``w = w − lr·(m + wd·w)``: no
+second moment (it would undo the preconditioning), no bias correction, no trust ratio. Such a
+group takes no part in the global-norm clip; the runtime leaves it out of the global norm.
+
 The arithmetic runs in the parameter's dtype with ``torch._foreach_*`` kernels over buckets of
 tensors sharing a device and dtype; keep fp32 master weights for mixed precision.
 """
@@ -132,7 +139,10 @@ def is_no_decay(name: str) -> bool:
 
 
 def param_groups(
-    named_parameters: Iterable[tuple[str, nn.Parameter]], weight_decay: float
+    named_parameters: Iterable[tuple[str, nn.Parameter]],
+    weight_decay: float,
+    momentum: Callable[[str], bool] | None = None,
+    momentum_options: dict[str, Any] | None = None,
 ) -> list[dict[str, Any]]:
     """Split parameters into a decayed group and a group without weight decay.
 
@@ -143,22 +153,34 @@ def param_groups(
     Args:
         named_parameters: ``(name, parameter)`` pairs, e.g. ``model.named_parameters(remove_duplicate=False)``.
         weight_decay: decoupled weight decay of the decayed group.
+        momentum: names for which this is true go into two more groups with ``rule="momentum"``
+            (decayed and not), with ``momentum_options`` (e.g. ``lr``, ``max_grad_norm``); see
+            [Note: the momentum rule].
 
     Returns:
-        Up to two groups ``{"params": [...], "weight_decay": float}`` (decayed first); empty groups
-        are dropped, so the list is empty when there are no trainable parameters.
+        Up to two groups ``{"params": [...], "weight_decay": float}`` (decayed first), then the
+        momentum groups; empty groups are dropped, so the list is empty when there are no
+        trainable parameters.
     """
     decay: list[nn.Parameter] = []
     no_decay: list[nn.Parameter] = []
+    m_decay: list[nn.Parameter] = []
+    m_no_decay: list[nn.Parameter] = []
     seen: set[int] = set()
     for name, p in named_parameters:
         if not p.requires_grad or id(p) in seen:
             continue
         seen.add(id(p))
-        (no_decay if is_no_decay(name) else decay).append(p)
+        if momentum is not None and momentum(name):
+            (m_no_decay if is_no_decay(name) else m_decay).append(p)
+        else:
+            (no_decay if is_no_decay(name) else decay).append(p)
+    extra = {"rule": "momentum", **(momentum_options or {})}
     groups = [
         {"params": decay, "weight_decay": float(weight_decay)},
         {"params": no_decay, "weight_decay": 0.0},
+        {"params": m_decay, "weight_decay": float(weight_decay), **extra},
+        {"params": m_no_decay, "weight_decay": 0.0, **extra},
     ]
     return [g for g in groups if g["params"]]
 
@@ -219,8 +241,12 @@ class NVLAMB(torch.optim.Optimizer):
             bias_correction=bias_correction,
             max_grad_norm=max_grad_norm,
             use_nvlamb=use_nvlamb,
+            rule="lamb",
         )
         super().__init__(params, defaults)
+        for group in self.param_groups:
+            if group.get("rule", "lamb") not in ("lamb", "momentum"):
+                raise ValueError(f"NVLAMB: parameter group rule={group['rule']!r}; use lamb or momentum")
 
     def step(  # type: ignore[override]
         self,
@@ -248,7 +274,7 @@ class NVLAMB(torch.optim.Optimizer):
             max_grad_norm = float(self.defaults["max_grad_norm"])
             clip_enabled = 0.0 < max_grad_norm < math.inf
             if clip_enabled and grad_norm is None:
-                grad_norm = global_grad_norm(p for g in self.param_groups for p in g["params"])
+                grad_norm = global_grad_norm(p for g in self.param_groups if g.get("rule", "lamb") == "lamb" for p in g["params"])
             for group in self.param_groups:
                 self._step_group(group, grad_norm if clip_enabled else None, max_grad_norm)
         return loss
@@ -260,7 +286,32 @@ class NVLAMB(torch.optim.Optimizer):
         if not params:
             return
         for (device, _dtype), bucket in _buckets(params).items():
-            self._step_bucket(group, bucket, device, grad_norm, max_grad_norm)
+            if group.get("rule", "lamb") == "momentum":
+                self._momentum_bucket(group, bucket)
+            else:
+                self._step_bucket(group, bucket, device, grad_norm, max_grad_norm)
+
+    def _momentum_bucket(self, group: dict[str, Any], params: list[Tensor]) -> None:
+        """[Note: the momentum rule]: per-tensor clip, m = β1 m + (1−β1) g, w -= lr (m + wd w)."""
+        beta1 = group["betas"][0]
+        lr, wd, clip = group["lr"], group["weight_decay"], float(group["max_grad_norm"])
+        grads, exp_avgs = [], []
+        for p in params:
+            state = self.state[p]
+            if not state:
+                state["step"] = 0
+                state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            state["step"] += 1
+            grads.append(p.grad)
+            exp_avgs.append(state["exp_avg"])
+        if 0.0 < clip < math.inf:
+            norms = torch.stack(torch._foreach_norm(grads))
+            scale = torch.clamp(clip / torch.clamp(norms, min=1e-12), max=1.0)
+            grads = torch._foreach_mul(grads, list(scale.to(grads[0].dtype).unbind(0)))
+        torch._foreach_lerp_(exp_avgs, grads, 1.0 - beta1)
+        if wd != 0.0:
+            torch._foreach_add_(params, params, alpha=-lr * wd)
+        torch._foreach_add_(params, exp_avgs, alpha=-lr)
 
     def _step_bucket(
         self,
@@ -406,6 +457,8 @@ def build_optimizer(
     *,
     betas: tuple[float, float] = (0.9, 0.999),
     eps: float = 1e-6,
+    momentum: Callable[[str], bool] | None = None,
+    momentum_options: dict[str, Any] | None = None,
 ) -> torch.optim.Optimizer:
     """Build the optimizer called ``name`` over :func:`param_groups` of ``named_parameters``.
 
@@ -423,6 +476,8 @@ def build_optimizer(
         device: the device the parameters live on.
         betas: Adam coefficients of NVLAMB (unused by SGD).
         eps: NVLAMB's denominator term (unused by SGD).
+        momentum, momentum_options: parameters updated by the momentum rule instead (NVLAMB only;
+            see [Note: the momentum rule]); apex is then not used.
 
     Returns:
         The optimizer.
@@ -433,15 +488,18 @@ def build_optimizer(
     key = name.lower()
     if key not in OPTIMIZERS:
         raise ValueError(f"unknown optimizer {name!r}; choose one of: {', '.join(OPTIMIZERS)}")
-    groups = param_groups(named_parameters, weight_decay)
+    groups = param_groups(named_parameters, weight_decay, momentum, momentum_options)
     if not groups:
         raise ValueError("build_optimizer: no trainable parameters were given")
+    has_momentum = any(g.get("rule") == "momentum" for g in groups)
+    if key == "sgd" and has_momentum:
+        raise ValueError("build_optimizer: the momentum rule for K-FAC layers needs nvlamb, not sgd")
     if key == "sgd":
         logger.info("optimizer: torch SGD (global-norm clip %s)", max_grad_norm)
         return _GlobalNormSGD(groups, lr=lr, max_grad_norm=max_grad_norm)
 
     is_cuda = torch.device(device).type == "cuda"
-    fused = _apex_fused_lamb_class() if is_cuda else None
+    fused = _apex_fused_lamb_class() if is_cuda and not has_momentum else None
     if fused is not None:
         logger.info("optimizer: apex FusedLAMB (use_nvlamb=True) on %s", device)
         return fused(
@@ -453,7 +511,8 @@ def build_optimizer(
             max_grad_norm=max_grad_norm,
             use_nvlamb=True,
         )
-    reason = "apex is not importable" if is_cuda else f"device {device} is not CUDA"
+    reason = ("K-FAC layers use the momentum rule" if has_momentum else
+              "apex is not importable" if is_cuda else f"device {device} is not CUDA")
     logger.info("optimizer: pure-PyTorch NVLAMB (%s)", reason)
     return NVLAMB(
         groups, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, max_grad_norm=max_grad_norm

@@ -32,7 +32,7 @@ every phase of a k-step cycle.
    phase runs before STEP of the last phase (spilled).
 
 k is the smallest interval with no spill; when every interval up to ``max_interval`` spills, the
-one with the least spilled work per step. The work does not slow the pipeline: every inserted
+smallest one predicted within 2 % of the fastest ([Note: choosing k]). The work does not slow the pipeline: every inserted
 unit ends before the action after its window needs the worker, so the simulated times of the
 pipeline's own actions do not change (except for tail and spilled work). Finally the simulator
 compares the plan with the same refresh on the critical path and keeps the faster ([Note: never
@@ -55,12 +55,13 @@ from pipefisher.schedules.kfac import (
     Assignment,
     check_assignment,
     critical_path_assignment,
+    refresh_micro_batches,
     require_plain_schedule,
     with_preconditioning,
 )
-from pipefisher.simulate import CostModel, simulate_phases
+from pipefisher.simulate import CostModel, simulate, simulate_phases
 
-__all__ = ["PlanStats", "plan_pipefisher", "plan_interval"]
+__all__ = ["PlanStats", "plan_pipefisher", "plan_interval", "work_and_bubbles"]
 
 log = logging.getLogger(__name__)
 K = ActionKind
@@ -108,7 +109,8 @@ class _Sync:
 
 
 class _Planner:
-    def __init__(self, schedule: Schedule, cost: CostModel, kfac_layers: Sequence[int], interval: int) -> None:
+    def __init__(self, schedule: Schedule, cost: CostModel, kfac_layers: Sequence[int], interval: int,
+                 curvature_micro_batches: int = 0) -> None:
         self.base = with_preconditioning(schedule)
         self.cost = cost
         self.layers = list(kfac_layers)
@@ -133,7 +135,7 @@ class _Planner:
         self.replicas: dict[int, list[tuple[int, int]]] = defaultdict(list)  # stage -> (worker, pipe)
         for (_, pipe, stage), w in sorted(self.base.placement.workers.items(), key=lambda kv: kv[1]):
             self.replicas[stage].append((w, pipe))
-        self.mbs = {p: [j for j, q in enumerate(schedule.pipe_of_micro_batch) if q == p]
+        self.mbs = {p: refresh_micro_batches(schedule, p, curvature_micro_batches)
                     for p in set(schedule.pipe_of_micro_batch)}
         self.seq = itertools.count()
         self.spilled_ns = 0
@@ -412,8 +414,12 @@ class _Planner:
         return phases, PlanStats(self.k, self.spilled_ns, self.tail_ns, mid)
 
 
-def plan_interval(schedule: Schedule, cost: CostModel, kfac_layers: Sequence[int], interval: int) -> tuple[Assignment, PlanStats]:
+def plan_interval(schedule: Schedule, cost: CostModel, kfac_layers: Sequence[int], interval: int, *,
+                  curvature_micro_batches: int = 0) -> tuple[Assignment, PlanStats]:
     """The PipeFisher plan for a given refresh interval ([Note: the list scheduler]).
+
+    ``curvature_micro_batches``: curvature from the first n micro-batches of each pipe (0: all;
+    ``pipefisher.schedules.kfac`` [Note: curvature from part of the batch]).
 
     Returns:
         ``(assignment, stats)``; the assignment is checked.
@@ -424,49 +430,95 @@ def plan_interval(schedule: Schedule, cost: CostModel, kfac_layers: Sequence[int
     if cost.kfac_layers is not None and list(cost.kfac_layers) != list(kfac_layers):
         raise ValueError(f"kfac_layers={list(kfac_layers)} but the cost model has K-FAC costs for "
                          f"{list(cost.kfac_layers)} layers per stage; build both for the same model")
-    phases, stats = _Planner(schedule, cost, kfac_layers, interval).run()
+    phases, stats = _Planner(schedule, cost, kfac_layers, interval, curvature_micro_batches).run()
     a = Assignment(interval, phases, True, tuple(kfac_layers), metadata={
         "planner": "pipefisher", "spilled_ns": stats.spilled_ns, "tail_ns": stats.tail_ns,
-        "mid_step_syncs": stats.mid_step_syncs})
+        "mid_step_syncs": stats.mid_step_syncs}, curvature_micro_batches=curvature_micro_batches)
     check_assignment(a)
     return a, stats
 
 
 def plan_pipefisher(schedule: Schedule, cost: CostModel, kfac_layers: Sequence[int], *,
-                    max_interval: int = 8) -> Assignment:
+                    max_interval: int = 8, max_staleness: int | None = None,
+                    curvature_micro_batches: int = 0) -> Assignment:
     """Place K-FAC work into the bubbles; the smallest refresh interval whose bubbles hold it.
 
     See [Note: the list scheduler]. Curvature of micro-batch i runs after its F (A factor) or B
     (B factor) on the worker and pipe that ran it; factor all-reduces after all of a layer's
     curvature; inversion after the all-reduce; PRECOND before STEP in every phase. Inverses are
-    deferred (used from the next cycle on).
+    deferred (used from the next cycle on), so the curvature in use is up to 2k − 1 steps old.
+
+    [Note: choosing k]
+    k_min = ⌈K-FAC work of one refresh / bubble time of one step⌉ (both summed over workers) is a
+    lower bound: no plan hides a refresh in fewer steps. The planner tries k = 1, 2, … up to
+    ``max_interval`` (and up to (max_staleness + 1) / 2, so that 2k − 1 stays within the bound)
+    and takes the first k with no spilled work. When every k spills, spilled work lengthens one
+    step per cycle; the planner takes the smallest k whose predicted mean step time is within 2 %
+    of the best k's (a larger k buys at most that much speed, and costs freshness), and says so.
 
     Args:
         schedule: a complete schedule without K-FAC units (``build_schedule``).
         cost: costs including the K-FAC units (``estimate_costs`` / ``costs_from_profile``).
         kfac_layers: K-FAC layers per stage (``kfac_layer_counts``).
-        max_interval: the largest k to try. If no k up to it holds all the work, the k with the
-            least spilled work (run before STEP) per step is chosen.
+        max_interval: the largest k to try.
+        max_staleness: bound on the curvature age in steps (2k − 1 <= it); None: no bound.
+        curvature_micro_batches: curvature from the first n micro-batches of each pipe (0: all).
 
     Returns:
         A checked assignment with ``deferred=True``, never predicted slower than the same
-        refresh on the critical path at its k; ``metadata`` holds ``spilled_ns``, ``tail_ns``
-        and ``mid_step_syncs`` (and ``fallback="critical_path"`` where that was faster).
+        refresh on the critical path at its k; ``metadata`` holds ``spilled_ns``, ``tail_ns``,
+        ``mid_step_syncs``, ``k_min``, ``kfac_work_ns``, ``bubble_ns``, ``max_staleness``,
+        ``choice`` (why this k) and ``fallback`` (with its reason) where the critical path was faster.
+
+    Raises:
+        ValueError: ``max_interval`` < 1 or ``max_staleness`` < 1.
     """
     if not isinstance(max_interval, int) or max_interval < 1:
         raise ValueError(f"max_interval={max_interval!r}: try at least interval 1")
-    best: tuple[float, Assignment] | None = None
-    for k in range(1, max_interval + 1):
-        a, stats = plan_interval(schedule, cost, kfac_layers, k)
+    limit = max_interval
+    if max_staleness is not None:
+        if max_staleness < 1:
+            raise ValueError(f"max_staleness={max_staleness!r}: deferred inverses are at least 1 step old")
+        limit = min(limit, (max_staleness + 1) // 2)
+    tried: list[tuple[Assignment, PlanStats, float]] = []
+    for k in range(1, limit + 1):  # plan_interval checks the inputs
+        a, stats = plan_interval(schedule, cost, kfac_layers, k, curvature_micro_batches=curvature_micro_batches)
         log.debug("interval %d: spilled %d ns, tail %d ns", k, stats.spilled_ns, stats.tail_ns)
-        # Spilled work lengthens one step per refresh: compare it per step, so a pipeline without
-        # bubbles to fill (e.g. Chimera with 2 stages) refreshes rarely instead of every step.
-        per_step = stats.spilled_ns / k
-        if best is None or per_step < best[0]:
-            best = (per_step, a)
+        tried.append((a, stats, _step_ns(a, cost)))
         if stats.spilled_ns == 0:
             break
-    return _no_slower_than_critical_path(best[1], schedule, cost)
+    bounds = work_and_bubbles(schedule, cost, kfac_layers, curvature_micro_batches)
+    if stats.spilled_ns == 0:
+        choice = f"k={a.interval}: the smallest interval whose bubbles hold the refresh (k_min={bounds['k_min']})"
+    else:
+        best = min(t for _, _, t in tried)
+        a, stats, t = next(x for x in tried if x[2] <= 1.02 * best)
+        choice = (f"k={a.interval}: no k <= {limit} hides the refresh; the smallest k predicted within 2% of the "
+                  f"fastest ({t / 1e6:.1f} ms vs {best / 1e6:.1f} ms per step; k_min={bounds['k_min']})")
+    a = replace(a, metadata={**a.metadata, **bounds, "max_staleness": max_staleness, "choice": choice})
+    return _no_slower_than_critical_path(a, schedule, cost)
+
+
+def work_and_bubbles(schedule: Schedule, cost: CostModel, kfac_layers: Sequence[int],
+                     curvature_micro_batches: int = 0) -> dict[str, int]:
+    """K-FAC work of one refresh, bubble time of one step (both summed over workers, in ns), and
+    the lower bound k_min = ⌈work / bubbles⌉ on the refresh interval of any plan ([Note: choosing k]).
+
+    The work is curvature (of the refresh's micro-batches) and inversion of every layer of every
+    stage replica; the bubbles are the idle time of the simulated step with one PRECOND per replica.
+    """
+    base = with_preconditioning(schedule)
+    events = simulate(base, cost)
+    summary = summarize_timeline(events, base.num_workers, 1)
+    bubble = round(summary.step_time_ns * base.num_workers * (1.0 - summary.utilization))
+    work = 0
+    for (_, pipe, stage) in base.placement.workers:
+        n = len(refresh_micro_batches(schedule, pipe, curvature_micro_batches))
+        for layer in range(kfac_layers[stage]):
+            work += n * (cost.kfac_ns(K.CURV_A, stage, layer) + cost.kfac_ns(K.CURV_B, stage, layer))
+            work += cost.kfac_ns(K.INVERT, stage, layer)
+    k_min = max(1, -(-work // bubble)) if bubble > 0 else 0  # 0: no bubble, no k hides anything
+    return {"kfac_work_ns": int(work), "bubble_ns": int(bubble), "k_min": int(k_min)}
 
 
 def _step_ns(a: Assignment, cost: CostModel) -> float:
@@ -487,14 +539,20 @@ def _no_slower_than_critical_path(planned: Assignment, schedule: Schedule, cost:
     says so in ``metadata["fallback"]``; all its work counts as spilled.
     """
     k = planned.interval
-    cp = critical_path_assignment(schedule, planned.kfac_layers, k, deferred=True)
-    if _step_ns(planned, cost) <= _step_ns(cp, cost):
+    cp = critical_path_assignment(schedule, planned.kfac_layers, k, deferred=True,
+                                  curvature_micro_batches=planned.curvature_micro_batches)
+    t_plan, t_cp = _step_ns(planned, cost), _step_ns(cp, cost)
+    if t_plan <= t_cp:
         return planned
     work = sum(cost.kfac_ns(x.kind, x.stage, x.layer) for x in _kfac_units(cp)
                if x.kind in (K.CURV_A, K.CURV_B, K.INVERT))
-    log.info("interval %d: the plan is predicted slower than its work on the critical path; using that", k)
-    return replace(cp, metadata={"planner": "pipefisher", "fallback": "critical_path", "spilled_ns": work,
-                                 "tail_ns": 0, "mid_step_syncs": 0})
+    reason = (f"the plan at k={k} is predicted slower than its work on the critical path "
+              f"({t_plan / 1e6:.1f} ms vs {t_cp / 1e6:.1f} ms per step)")
+    log.info("PipeFisher falls back to critical-path K-FAC: %s", reason)
+    keep = {key: planned.metadata[key] for key in ("k_min", "kfac_work_ns", "bubble_ns", "max_staleness", "choice")
+            if key in planned.metadata}
+    return replace(cp, metadata={**keep, "planner": "pipefisher", "fallback": "critical_path",
+                                 "fallback_reason": reason, "spilled_ns": work, "tail_ns": 0, "mid_step_syncs": 0})
 
 
 def _kfac_units(a: Assignment) -> list[Action]:

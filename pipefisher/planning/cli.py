@@ -22,9 +22,9 @@ from omegaconf import DictConfig
 from pipefisher.model.config import BertConfig
 from pipefisher.planning.config import ScheduleConfig, register_schedule_configs, to_schedule_config
 from pipefisher.planning.costs import Hardware, RunShape, costs_from_profile, estimate_run_costs
-from pipefisher.planning.predict import Comparison, compare_optimizers
+from pipefisher.planning.predict import Comparison, StepSplit, compare_optimizers, predict_schedule, split_steps
 from pipefisher.planning.whatif import format_candidates, what_if
-from pipefisher.profiling import OVERSUBSCRIBED_NOTE, plot_timeline, read_profile
+from pipefisher.profiling import OVERSUBSCRIBED_NOTE, Profile, plot_timeline, read_profile
 from pipefisher.schedules.kfac import assignment_to_json
 
 __all__ = ["PlanResult", "plan_run", "run_whatif", "schedule_main"]
@@ -43,13 +43,20 @@ _GROUP_FIELDS = {
 
 @dataclass(frozen=True)
 class PlanResult:
-    """What :func:`plan_run` produced."""
+    """What :func:`plan_run` produced.
+
+    ``measured`` / ``predicted``: with a profile, its steps and the predicted "before" (nvlamb)
+    step, split under one definition (:func:`~pipefisher.planning.predict.split_steps`); None
+    without one.
+    """
 
     run: RunShape
     comparison: Comparison
     assignment_path: Path
     pictures: list[Path]
     summary: str
+    measured: StepSplit | None = None
+    predicted: StepSplit | None = None
 
 
 def _hardware(cfg: ScheduleConfig) -> Hardware:
@@ -133,6 +140,35 @@ def _ms(seconds: float) -> str:
     return f"{seconds * 1e3:10.2f} ms"
 
 
+# The parts of a step (StepSplit fields): how the summary names each, and why a measured step can
+# spend more in it than the predicted one.
+_PARTS = {
+    "busy": ("busy", "actions took longer than their mean cost, or the run did work the prediction has not"),
+    "allreduce": ("all-reduces", "the cost model charges an all-reduce what starting it took (sync_ns), "
+                                 "not the wait for it"),
+    "message": ("messages", "the cost model charges a message its median latency (p2p_ns)"),
+    "untracked": ("in no action", "the executor's own time between actions is in no cost"),
+}
+
+
+def _measured_lines(profile: Profile, measured: StepSplit, predicted: StepSplit) -> list[str]:
+    """Two lines: the profile's utilization beside the predicted "before", and where they differ."""
+    optimizer = profile.metadata.get("config", {}).get("optimizer", {}).get("name", "nvlamb")
+    kfac = f"; the profiled run (optimizer={optimizer}) did K-FAC work, counted busy" if optimizer != "nvlamb" else ""
+    pairs = {part: (getattr(measured, f"{part}_ns"), getattr(predicted, f"{part}_ns")) for part in _PARTS}
+    split = ", ".join(f"{_PARTS[part][0]} {m / 1e6:.1f} vs {p / 1e6:.1f}" for part, (m, p) in pairs.items())
+    worst = max(pairs, key=lambda part: pairs[part][0] - pairs[part][1])
+    why = ("" if abs(measured.utilization - predicted.utilization) < 0.005
+           else f"; the gap is mostly {_PARTS[worst][0]}: {_PARTS[worst][1]}")
+    return [
+        f"measured in the profile: {measured.utilization:.1%} over {measured.num_steps} step(s) vs "
+        f"{predicted.utilization:.1%} predicted before, under one definition (busy: F, B, K-FAC units, STEP; "
+        f"a step: its first start to its last STEP){kfac}",
+        f"  per worker and step, measured vs predicted ms: {split}; "
+        f"{measured.between_ns / 1e6:.1f} ms between steps (in neither figure){why}",
+    ]
+
+
 def plan_run(cfg: ScheduleConfig, out_dir: str | Path, requested: Collection[str] = ()) -> PlanResult:
     """Plan PipeFisher for the configured run; write assignment.json and timeline.pdf/png.
 
@@ -151,6 +187,7 @@ def plan_run(cfg: ScheduleConfig, out_dir: str | Path, requested: Collection[str
     out_dir = Path(out_dir)
     notes = []
     model_name = cfg.model.name
+    profile: Profile | None = None
     if cfg.from_:
         path = Path(cfg.from_)
         profile = read_profile(path)
@@ -187,13 +224,18 @@ def plan_run(cfg: ScheduleConfig, out_dir: str | Path, requested: Collection[str
                              num_workers=schedule.num_workers) if cfg.plot else []
     c = comparison
     k = c.pipefisher.interval
+    measured = predicted = None
+    if profile is not None and profile.events:
+        measured = split_steps(profile.events, run.num_workers)
+        predicted = split_steps(predict_schedule(schedule, cost)[1], schedule.num_workers)
     lines = [
         f"PipeFisher plan for {model_name} "
         f"(L={run.bert.num_layers}, H={run.bert.hidden_size}): {run.method} D={run.stages} "
         f"N={run.num_micro_batches} W={run.dp_width}, micro-batch {run.micro_batch_size} × {run.seq_len} tokens",
         f"costs: {source}",
         f"bubble utilization: {c.nvlamb.utilization:.1%} before (nvlamb) -> {c.pipefisher.utilization:.1%} "
-        f"after (pipefisher, k={k})",
+        f"after (pipefisher, k={k}), predicted",
+        *(_measured_lines(profile, measured, predicted) if measured is not None else []),
         "predicted step time:",
         f"  {'nvlamb':<44}{_ms(c.nvlamb.step_time_s)}",
         f"  {f'kfac (critical path), refresh every {c.kfac.interval} step(s)':<44}{_ms(c.kfac.step_time_s)}",
@@ -211,7 +253,7 @@ def plan_run(cfg: ScheduleConfig, out_dir: str | Path, requested: Collection[str
     summary = "\n".join(lines)
     (out_dir / "summary.txt").write_text(summary + "\n")
     log.debug("%s", summary)
-    return PlanResult(run, comparison, path, pictures, summary)
+    return PlanResult(run, comparison, path, pictures, summary, measured, predicted)
 
 
 def run_whatif(cfg: ScheduleConfig, out_dir: str | Path) -> str:

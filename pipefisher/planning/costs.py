@@ -39,6 +39,7 @@ from pipefisher.schedules import Action, ActionKind, Schedule, build_schedule
 from pipefisher.schedules.kfac import LINEARS_PER_ENCODER_LAYER
 from pipefisher.schedules.passes import matching_send
 from pipefisher.simulate import CostModel
+from pipefisher.timeline import is_wait
 
 __all__ = [
     "Hardware",
@@ -310,7 +311,9 @@ def costs_from_profile(profile: Profile, run: RunShape | None = None, *,
     the median, over receives that waited, of receive end − matching send start. K-FAC units come
     from the profile when it recorded them (per stage and layer; a unit recorded for all layers at
     once is split in proportion to the FLOP estimate); units it lacks are estimated from FLOPs at
-    the FLOP rate the stage's forwards achieved (``run`` gives the model).
+    the FLOP rate the stage's forwards achieved (``run`` gives the model). Waits for all-reduces
+    (``timeline.is_wait``) are left out: SYNC_GRAD and SYNC_FACTOR cost what starting the
+    asynchronous all-reduce took on the worker, and no action is charged for its wait.
 
     Args:
         profile: what ``read_profile`` returned.
@@ -343,6 +346,8 @@ def costs_from_profile(profile: Profile, run: RunShape | None = None, *,
         try:
             a = Action.from_str(e.name)
         except ValueError:
+            continue
+        if is_wait(e):  # an action's wait for an all-reduce: neither the action's cost nor the all-reduce's
             continue
         if a.kind == K.STEP:
             steps.append(e.duration_ns)

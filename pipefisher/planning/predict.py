@@ -4,10 +4,14 @@ Every figure here is a simulation (``pipefisher.simulate``) of the schedules und
 nvlamb runs the pipeline alone; kfac runs :func:`~pipefisher.schedules.kfac.critical_path_assignment`
 (refresh every ``kfac_interval`` steps, all of it after the flush); pipefisher runs the planned
 assignment. Step time is the mean over the k steps of a cycle.
+
+:func:`split_steps` puts a measured timeline (a profile) under the same definition, so a
+prediction and a measurement of the same run compare; and says where each worker's step went.
 """
 
 from __future__ import annotations
 
+from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, replace
 
@@ -16,9 +20,10 @@ from pipefisher.planning.bubbles import summarize_timeline
 from pipefisher.schedules import Schedule
 from pipefisher.schedules.kfac import Assignment, critical_path_assignment
 from pipefisher.simulate import CostModel, simulate, simulate_phases
-from pipefisher.timeline import Event
+from pipefisher.timeline import COMPUTE_KINDS, SYNC_KINDS, Event, union_length
 
-__all__ = ["Comparison", "Prediction", "compare_optimizers", "predict_assignment", "predict_schedule"]
+__all__ = ["Comparison", "Prediction", "StepSplit", "compare_optimizers", "predict_assignment", "predict_schedule",
+           "split_steps"]
 
 
 @dataclass(frozen=True)
@@ -100,3 +105,77 @@ def compare_optimizers(schedule: Schedule, cost: CostModel, kfac_layers: Sequenc
     meta = dict(planned.metadata)
     meta["predicted"] = out.as_dict()
     return replace(out, assignment=replace(planned, metadata=meta))
+
+
+@dataclass(frozen=True)
+class StepSplit:
+    """Where the workers' steps went, in ns per worker and step, under the definition of
+    :func:`~pipefisher.planning.bubbles.summarize_timeline`: a step spans its first start to its
+    last STEP end, and busy is the union of compute intervals (``timeline.COMPUTE_KINDS``).
+
+    Attributes:
+        num_steps: steps measured.
+        step_ns: mean span of a step.
+        busy_ns: computing.
+        allreduce_ns: in an all-reduce's event (SYNC_GRAD / SYNC_FACTOR: starting one, waiting
+            for one, or, simulated, one running), not computing.
+        message_ns: in a send or receive, and in neither of the above.
+        untracked_ns: in no event: idle, or (measured) the executor's own time between actions.
+        between_ns: mean time from a step's end to the next one's start (between steps, rank 0's
+            bookkeeping); in no step's span, so in neither figure.
+    """
+
+    num_steps: int
+    step_ns: float
+    busy_ns: float
+    allreduce_ns: float
+    message_ns: float
+    untracked_ns: float
+    between_ns: float = 0.0
+
+    @property
+    def utilization(self) -> float:
+        return self.busy_ns / self.step_ns if self.step_ns > 0 else 0.0
+
+
+def split_steps(events: Sequence[Event], num_workers: int) -> StepSplit:
+    """Split each step of a timeline (measured or simulated) by what its workers did.
+
+    Args:
+        events: the events of one or more steps (``Event.step`` tells them apart).
+        num_workers: workers of the run (a worker without events counts as idle).
+
+    Returns:
+        The mean split; ``split.utilization`` is Σ busy / (workers × Σ step spans), which for one
+        simulated step is ``summarize_timeline``'s utilization.
+    """
+    by_step: dict[int, list[Event]] = defaultdict(list)
+    for e in events:
+        by_step[e.step].append(e)
+    totals = [0, 0, 0, 0, 0]  # span, busy, all-reduce, message, untracked (summed over workers)
+    spans = []
+    for _, evs in sorted(by_step.items()):
+        start = min(e.start_ns for e in evs)
+        ends = [e.end_ns for e in evs if e.kind == "STEP"]
+        end = max(ends) if ends else max(e.end_ns for e in evs)
+        spans.append((start, end))
+        per_worker: dict[int, list[Event]] = defaultdict(list)
+        for e in evs:
+            if e.start_ns < end and e.end_ns > start:
+                per_worker[e.worker].append(e)
+        for w in range(num_workers):
+            mine = per_worker.get(w, [])
+
+            def covered(kinds: frozenset[str] | None, mine: list[Event] = mine) -> int:
+                return union_length((max(e.start_ns, start), min(e.end_ns, end)) for e in mine
+                                    if kinds is None or e.kind in kinds)
+
+            busy, synced, anything = (covered(COMPUTE_KINDS), covered(COMPUTE_KINDS | SYNC_KINDS), covered(None))
+            totals[0] += end - start
+            totals[1] += busy
+            totals[2] += synced - busy
+            totals[3] += anything - synced
+            totals[4] += end - start - anything
+    n = max(len(spans), 1) * max(num_workers, 1)
+    gaps = [max(0, b[0] - a[1]) for a, b in zip(spans, spans[1:])]
+    return StepSplit(len(spans), *(t / n for t in totals), between_ns=sum(gaps) / len(gaps) if gaps else 0.0)

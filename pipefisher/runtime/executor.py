@@ -22,6 +22,24 @@ holders of either stage, so every copy receives the sum of every copy's gradient
 A K-FAC ``PRECOND(stage, pipe)`` first waits for that replica's all-reduce (K-FAC layers are
 encoder Linear layers, never the tied weight); the global gradient norm is taken at ``STEP``,
 after preconditioning.
+
+[Note: waits are not compute]
+DESIGN.md, "Bubble utilization": waiting is never busy. An action that consumes collectives first
+waits for them, and that wait is an event of its own, just before the action's event, with the
+action's name and the collective's kind (never in ``timeline.COMPUTE_KINDS``)::
+
+    1PRECOND@1 SYNC_GRAD   this replica's gradient all-reduce (and copying its result back)
+    0INVERT#3  SYNC_FACTOR its layer's factor all-reduce (KfacWork.wait_for_syncs; the fold of
+                           the synced factors is K-FAC work and stays in INVERT)
+    STEP       SYNC_GRAD   sends, every gradient all-reduce, the tied weight's, the global norm
+
+so the PRECOND, INVERT and STEP events cover their compute only. The names parse back with
+``Action.from_str``; a reader tells a wait from the action by its kind (``timeline.is_wait``), and
+the cost readers (``planning.costs.costs_from_profile``, ``runtime.worker._measured_costs``) skip
+waits: SYNC_GRAD / SYNC_FACTOR costs stay the means of the events that start the all-reduces,
+and no unit is charged for its wait. A wait is recorded only when something was in flight. In an
+nsys capture a wait's range is named by the collective's kind alone (``SYNC_GRAD``), since nsys
+readers take the kind from the name; that name is stage-less, so no cost reads it either.
 """
 
 from __future__ import annotations
@@ -41,8 +59,9 @@ from pipefisher.timeline import Event
 
 __all__ = ["StageKey", "CommSpec", "StepResult", "WorkerExecutor", "message_tag"]
 
-# Name of the event covering STEP's wait for all gradient all-reduces and the global norm.
-_WAIT_ALL_SYNCS = str(Action(ActionKind.SYNC_GRAD))
+# The collective each consuming action may wait for ([Note: waits are not compute]).
+_WAITS_FOR = {ActionKind.PRECOND: ActionKind.SYNC_GRAD, ActionKind.INVERT: ActionKind.SYNC_FACTOR,
+              ActionKind.STEP: ActionKind.SYNC_GRAD}
 
 
 def message_tag(kind: ActionKind, pipe: int, sender_stage: int, micro_batch: int, num_stages: int, num_micro_batches: int) -> int:
@@ -169,7 +188,7 @@ class WorkerExecutor:
         phase = step % len(self.phases)
         actions = self.phases[phase].actions[self.rank]
         if self.kfac is not None:
-            self.kfac.begin_step(actions, phase)
+            self.kfac.begin_step(actions, phase, step)
         events: list[Event] = []
         recvs: dict[Action, tuple[torch.Tensor, dist.Work]] = {}
         if self.eager_recv:
@@ -187,11 +206,18 @@ class WorkerExecutor:
         num_losses = 0
 
         for a in actions:
-            if cuda:  # the same names in an nsys capture as in our timeline
-                torch.cuda.nvtx.range_push(str(a))
             start = now()
             key = (a.pipe, a.stage, a.micro_batch)
             k = a.kind
+            if k in _WAITS_FOR:  # the wait first, as an event of its own: [Note: waits are not compute]
+                collective = _WAITS_FOR[k].value
+                with self._nvtx(collective if cuda else None):
+                    waited, grad_norm = self._wait_for_collectives(a, syncs, sends)
+                if waited:
+                    events.append(Event(self.rank, str(a), collective, start, now(), step))
+                    start = now()
+            if cuda:  # the same names in an nsys capture as in our timeline
+                torch.cuda.nvtx.range_push(str(a))
             if k == ActionKind.RECV_F or k == ActionKind.RECV_B:
                 buf, work = recvs.pop(a) if a in recvs else self._post_recv(a)
                 work.wait()
@@ -236,21 +262,9 @@ class WorkerExecutor:
                     else:
                         flat = torch._utils._flatten_dense_tensors([_grad(p) for p in params])
                     syncs[(a.pipe, a.stage)] = (dist.all_reduce(flat, group=group, async_op=True), flat, params)
-            elif k == ActionKind.PRECOND:
-                self._finish_grad_sync(syncs, (a.pipe, a.stage))  # precondition synchronized gradients
-                self.kfac.run(a)
-            elif k.is_kfac:
+            elif k.is_kfac:  # PRECOND and INVERT find their all-reduces done (waited for above)
                 self.kfac.run(a)
             elif k == ActionKind.STEP:
-                # Waiting for sends, gradient all-reduces and the global norm is communication, not
-                # compute: it gets its own (non-busy) event, and STEP covers the update only.
-                for work, _ in sends:
-                    work.wait()
-                sends.clear()
-                self._finish_grad_sync(syncs)
-                grad_norm = self.grad_norm()
-                events.append(Event(self.rank, _WAIT_ALL_SYNCS, ActionKind.SYNC_GRAD.value, start, now(), step))
-                start = now()
                 self.optimizer_step(grad_norm)
             else:  # pragma: no cover - kinds added to the IR must be handled here
                 raise NotImplementedError(f"executor has no handler for {a}")
@@ -270,32 +284,65 @@ class WorkerExecutor:
     def _capture(self, a: Action):
         return self.kfac.forward((a.pipe, a.stage), a.micro_batch) if self.kfac is not None else contextlib.nullcontext()
 
+    @staticmethod
+    def _nvtx(name: str | None):
+        """An NVTX range called ``name`` around a block (no range when None)."""
+        if name is None:
+            return contextlib.nullcontext()
+        return torch.cuda.nvtx.range(name)
+
+    def _wait_for_collectives(self, a: Action, syncs: dict[StageKey, tuple[dist.Work, torch.Tensor, list[nn.Parameter]]],
+                              sends: list[tuple[dist.Work, torch.Tensor]]) -> tuple[bool, torch.Tensor | None]:
+        """Wait for what PRECOND, INVERT or STEP ``a`` consumes from collectives ([Note: waits are
+        not compute]).
+
+        Returns:
+            Whether anything was in flight, and for STEP the global gradient norm (a collective
+            too, over all workers), else None.
+        """
+        if a.kind == ActionKind.PRECOND:  # precondition synchronized gradients
+            return self._finish_grad_sync(syncs, (a.pipe, a.stage)), None
+        if a.kind == ActionKind.INVERT:
+            return self.kfac.wait_for_syncs(a), None
+        for work, _ in sends:
+            work.wait()
+        sends.clear()
+        self._finish_grad_sync(syncs)
+        return True, self.grad_norm()
+
     def _finish_grad_sync(self, syncs: dict[StageKey, tuple[dist.Work, torch.Tensor, list[nn.Parameter]]],
-                          key: StageKey | None = None) -> None:
+                          key: StageKey | None = None) -> bool:
         """Wait for the pending gradient all-reduces (of one stage replica, or all) and copy back;
-        after all of them, sum the tied weight's gradient over its holders."""
+        after all of them, sum the tied weight's gradient over its holders.
+
+        Returns:
+            Whether an all-reduce was in flight.
+        """
+        waited = False
         for k in [key] if key is not None else list(syncs):
             if k not in syncs:
                 continue
             work, flat, params = syncs.pop(k)
             work.wait()
+            waited = True
             if params:
                 for p, synced in zip(params, torch._utils._unflatten_dense_tensors(flat, [_grad(p) for p in params])):
                     p.grad.copy_(synced)
         if key is not None:
-            return
+            return waited
         if self.tied is not None:
+            waited = True
             params, group = self.tied
             if self.comm.ablate:
                 dist.all_reduce(self.comm.message(None), group=group)
-                return
-            if len(params) == 1:  # one local copy (all but Chimera): reduce in place, no extra passes
+            elif len(params) == 1:  # one local copy (all but Chimera): reduce in place, no extra passes
                 dist.all_reduce(_grad(params[0]), group=group)
-                return
-            total = torch.stack([_grad(p) for p in params]).sum(0)
-            dist.all_reduce(total, group=group)
-            for p in params:
-                p.grad.copy_(total)
+            else:
+                total = torch.stack([_grad(p) for p in params]).sum(0)
+                dist.all_reduce(total, group=group)
+                for p in params:
+                    p.grad.copy_(total)
+        return waited
 
 
 def _grad(p: nn.Parameter) -> torch.Tensor:

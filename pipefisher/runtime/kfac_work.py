@@ -10,7 +10,11 @@ one phase (captured activations do not outlive a step); factor syncs and inversi
 later phases. With ``deferred`` inverses (PipeFisher), inverses made during cycle c are put in use
 at the first step of cycle c+1, so every step of a cycle is preconditioned with the same inverses,
 whatever phase the inversion ran in; without (the kfac baseline), an inversion is used from the
-PRECOND right after it. Before the first inverses exist, gradients pass through unpreconditioned.
+PRECOND right after it. Before the first inverses exist, gradients pass through unpreconditioned;
+a layer's first deferred inverses are used from the next step on (nothing older exists), so K-FAC
+acts within its first cycle, whichever phase the first inversion ran in.
+So the curvature in use is at most 2k − 1 steps old with deferral, k − 1 without
+(``metrics.jsonl``'s ``curvature_age``).
 
 [Note: asynchronous factor syncs]
 A SYNC_FACTOR between data-parallel replicas starts its all-reduce and returns, as the simulator
@@ -56,6 +60,10 @@ class KfacWork:
         self.groups = groups
         self.deferred = deferred
         self._capturing: set[StageKey] = set()
+        self._capture_micro_batches: dict[StageKey, set[int]] = {}
+        self.step: int | None = None  # the step running (its captures are stamped with it)
+        self._used_age: int | None = None  # oldest curvature this step's PRECONDs used (steps)
+        self._capture_step: dict[tuple[StageKey, str], int | None] = {}  # (replica, layer) -> step captured
         # Factor all-reduces in flight: (stage replica, layer names) -> (work, flat buffer, tensors, world).
         self._syncs: dict[tuple[StageKey, tuple[str, ...]], tuple[dist.Work, torch.Tensor, list[torch.Tensor], int]] = {}
 
@@ -63,25 +71,36 @@ class KfacWork:
         names = self.pre[(a.pipe, a.stage)].layer_names
         return names if a.layer is None else [names[a.layer]]
 
-    def begin_step(self, actions: Sequence[Action], phase: int) -> None:
-        """Capture on the stage replicas whose curvature this step computes; promote deferred
-        inverses at the start of a cycle."""
-        if self.deferred and phase == 0:
+    def begin_step(self, actions: Sequence[Action], phase: int, step: int | None = None) -> None:
+        """Capture on the stage replicas whose curvature this step computes (only the layers and
+        micro-batches it has curvature units for); promote deferred inverses at the start of a cycle
+        (a layer's first inverses at the start of the next step).
+
+        ``step`` is recorded as the capture step of this step's curvature (``curvature_age``).
+        """
+        if self.deferred:  # a cycle's inverses from the next cycle on; a layer's first ones at once
             for pre in self.pre.values():
-                pre.promote_inverses()
+                pre.promote_inverses(first_only=phase != 0)
+        self.step = step
+        self._used_age = None
         curvature: dict[StageKey, set[str]] = {}
+        micro_batches: dict[StageKey, set[int]] = {}
         for a in actions:
             if a.kind in (ActionKind.CURV_A, ActionKind.CURV_B):
                 curvature.setdefault((a.pipe, a.stage), set()).update(self._names(a))
+                micro_batches.setdefault((a.pipe, a.stage), set()).add(a.micro_batch)
         self._capturing = set(curvature)
+        self._capture_micro_batches = micro_batches
         for key, pre in self.pre.items():  # capture only the layers whose curvature runs this step
+            pre.forget_raw_norms()
             pre.set_capture(key in curvature, curvature.get(key))
 
     @contextlib.contextmanager
     def forward(self, key: StageKey, micro_batch: int) -> Iterator[None]:
-        """Around a forward: file what the capture hooks record under ``micro_batch``."""
+        """Around a forward: file what the capture hooks record under ``micro_batch`` (when this
+        step computes curvature from that micro-batch)."""
         pre = self.pre.get(key)
-        if pre is None or key not in self._capturing:
+        if pre is None or key not in self._capturing or micro_batch not in self._capture_micro_batches[key]:
             yield
             return
         with pre.micro_batch(micro_batch):
@@ -94,6 +113,7 @@ class KfacWork:
         if k == ActionKind.CURV_A:
             for name in self._names(a):
                 pre.curvature_a(name, a.micro_batch)
+                self._capture_step[((a.pipe, a.stage), name)] = self.step
         elif k == ActionKind.CURV_B:
             for name in self._names(a):
                 pre.curvature_b(name, a.micro_batch)
@@ -109,20 +129,42 @@ class KfacWork:
                 self._syncs[(key, tuple(names))] = (work, flat, tensors, dist.get_world_size(group))
                 return
             self._fold(key, names, world=1)
-        elif k == ActionKind.INVERT:
-            key, names = (a.pipe, a.stage), self._names(a)
-            for pending in [p for p in self._syncs if p[0] == key and set(p[1]) & set(names)]:
+        elif k == ActionKind.INVERT:  # the executor has waited for its syncs (wait_for_syncs)
+            for pending in self._pending_syncs(a):
                 self._finish_sync(*pending)
-            for name in names:
+            for name in self._names(a):
                 pre.invert(name, deferred=self.deferred)
         elif k == ActionKind.PRECOND:
             for name in self._names(a):
-                pre.precondition(name)
+                if pre.precondition(name) and self.step is not None:
+                    used = pre.layer(name).inverse_step
+                    if used is not None:
+                        age = self.step - used
+                        self._used_age = age if self._used_age is None else max(self._used_age, age)
         else:  # pragma: no cover - only K-FAC kinds are dispatched here
             raise ValueError(f"not a K-FAC action: {a}")
 
+    def _pending_syncs(self, a: Action) -> list[tuple[StageKey, tuple[str, ...]]]:
+        """The factor all-reduces in flight that INVERT ``a`` needs (those of its layers)."""
+        key, names = (a.pipe, a.stage), set(self._names(a))
+        return [p for p in self._syncs if p[0] == key and names.intersection(p[1])]
+
+    def wait_for_syncs(self, a: Action) -> bool:
+        """Wait for the factor all-reduces INVERT ``a`` needs, and nothing else: the executor times
+        this wait as its own non-busy event, apart from the INVERT (``runtime.executor``
+        [Note: waits are not compute]); :meth:`run` then folds the results in and inverts.
+
+        Returns:
+            Whether one was in flight.
+        """
+        pending = self._pending_syncs(a)
+        for p in pending:
+            self._syncs[p][0].wait()
+        return bool(pending)
+
     def _finish_sync(self, key: StageKey, names: tuple[str, ...]) -> None:
-        """Wait for a factor all-reduce started by SYNC_FACTOR and fold its result into the factors."""
+        """Wait for a factor all-reduce started by SYNC_FACTOR (if :meth:`wait_for_syncs` has not)
+        and fold its result into the factors."""
         work, flat, tensors, world = self._syncs.pop((key, names))
         work.wait()
         for t, synced in zip(tensors, torch._utils._unflatten_dense_tensors(flat, tensors)):
@@ -135,11 +177,11 @@ class KfacWork:
         for name in names:
             if world > 1:
                 pre.finish_sync(name, world)
-            self._drop_nonfinite(pre, name)
-            pre.update_factors(name)
+            dropped = self._drop_nonfinite(pre, name)
+            pre.update_factors(name, None if dropped else self._capture_step.pop((key, name), None))
 
     @staticmethod
-    def _drop_nonfinite(pre: KFACPreconditioner, name: str) -> None:
+    def _drop_nonfinite(pre: KFACPreconditioner, name: str) -> bool:
         """Keep NaN/inf curvature out of layer ``name``'s running factors.
 
         A step whose gradients are not finite is stopped or skipped at STEP (``on_nonfinite``);
@@ -151,10 +193,25 @@ class KfacWork:
         layer = pre.layer(name)
         estimates = pre.factor_tensors(name)
         if all(bool(torch.isfinite(t).all()) for t in estimates):
-            return
+            return False
         log.warning("K-FAC layer %s: non-finite curvature this refresh; the factors keep their previous values", name)
         for t, running in zip(estimates, (layer.a, layer.b)):
             t.copy_(running) if running is not None else t.zero_()
+        return True
+
+    def curvature_age(self) -> int | None:
+        """Steps between this step and the capture of the oldest curvature its PRECONDs used
+        (maximum over this worker's layers; None when no gradient was preconditioned)."""
+        return self._used_age
+
+    def raw_grad_sq(self) -> dict[int, torch.Tensor]:
+        """``{id(param): ‖grad‖²}`` as it was before this step's preconditioning (see
+        ``KFACPreconditioner.raw_grad_sq``), over this worker's stage replicas."""
+        return {k: v for pre in self.pre.values() for k, v in pre.raw_grad_sq().items()}
+
+    def parameter_ids(self) -> set[int]:
+        """``id`` of the parameters of every K-FAC layer this worker holds."""
+        return {i for pre in self.pre.values() for i in pre.parameter_ids()}
 
     def end_step(self) -> None:
         """Finish the factor syncs still in flight; close the capture window (raises if a capture

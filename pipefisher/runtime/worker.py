@@ -74,7 +74,7 @@ from pipefisher.schedules.kfac import Assignment, assignment_from_json, critical
 from pipefisher.schedules import build_schedule
 from pipefisher.schedules.ir import Action, ActionKind, Schedule
 from pipefisher.simulate import CostModel, simulate
-from pipefisher.timeline import COMPUTE_KINDS, Event, bubble_utilization, busy_ns
+from pipefisher.timeline import COMPUTE_KINDS, Event, bubble_utilization, busy_ns, is_wait
 from pipefisher.tracking import METRICS_FILE, MetricsWriter, WandbLogger
 from pipefisher.training import (
     StepTimer,
@@ -87,7 +87,7 @@ from pipefisher.training import (
     set_cpu_threads,
 )
 
-__all__ = ["run_shape", "kfac_assignment", "run_worker", "train_worker", "PipelineWorker", "schedule_for",
+__all__ = ["run_shape", "kfac_assignment", "kfac_plan_label", "describe_kfac", "run_worker", "train_worker", "PipelineWorker", "schedule_for",
            "build_stage_modules", "write_run_profile", "check_world_size", "seed_worker_rngs"]
 
 log = logging.getLogger(__name__)
@@ -189,7 +189,7 @@ def _measured_costs(events: list[Event], schedule: Schedule, kfac_layers: Sequen
         if e.kind in ("F", "B"):
             stage = int(e.name.split(e.kind, 1)[0])
             sums.setdefault((e.kind, stage), []).append(e.duration_ns)
-        elif kfac_layers and e.kind in _KFAC_KINDS:
+        elif kfac_layers and e.kind in _KFAC_KINDS and not is_wait(e):  # a wait costs no unit
             a = Action.from_str(e.name)
             kfac.setdefault((e.kind, a.stage, a.layer), []).append(e.duration_ns)
     mean = {k: _mean_ns(v) for k, v in sums.items()}
@@ -278,7 +278,8 @@ def kfac_assignment(cfg: TrainConfig, schedule: Schedule) -> Assignment:
     o = cfg.optimizer
     kfac_layers = kfac_layer_counts(schedule, encoder_layers_per_stage(cfg, schedule.num_stages))
     if o.name == "kfac" and not o.schedule:
-        return critical_path_assignment(schedule, kfac_layers, o.curvature_interval, deferred=o.deferred_inverse)
+        return critical_path_assignment(schedule, kfac_layers, o.curvature_interval, deferred=o.deferred_inverse,
+                                        curvature_micro_batches=o.curvature_micro_batches)
     if o.schedule:
         assignment = assignment_from_json(o.schedule)
         base = assignment.phases[0]
@@ -294,12 +295,57 @@ def kfac_assignment(cfg: TrainConfig, schedule: Schedule) -> Assignment:
                 f"optimizer.schedule={o.schedule}: planned for K-FAC layers per stage {list(assignment.kfac_layers)}, "
                 f"but this run's stages hold {kfac_layers}; re-plan for this model and partition"
             )
+        if assignment.curvature_micro_batches != o.curvature_micro_batches:
+            raise ValueError(
+                f"optimizer.schedule={o.schedule}: planned with curvature from {assignment.curvature_micro_batches or 'all'} "
+                f"micro-batch(es) per pipe, but optimizer.curvature_micro_batches={o.curvature_micro_batches}; set "
+                f"optimizer.curvature_micro_batches={assignment.curvature_micro_batches} or re-plan")
+        if o.max_staleness is not None and 2 * assignment.interval - 1 > o.max_staleness:
+            raise ValueError(
+                f"optimizer.schedule={o.schedule}: refresh interval k={assignment.interval} lets the curvature "
+                f"age reach {2 * assignment.interval - 1} steps > optimizer.max_staleness={o.max_staleness}; "
+                f"re-plan with a bound, or raise optimizer.max_staleness")
         # kfac with a plan: the plan's work on the critical path (same interval and staleness).
         return on_critical_path(assignment) if o.name == "kfac" else assignment
     # No plan given: plan now from the built-in estimate of this kind of device (schedule.py from a
     # profile of this run gives a plan from measured costs).
     hw = Hardware() if resolve_device(cfg.device).type == "cuda" else CPU_HARDWARE
-    return plan_pipefisher(schedule, estimate_run_costs(run_shape(cfg), hw), kfac_layers)
+    return plan_pipefisher(schedule, estimate_run_costs(run_shape(cfg), hw), kfac_layers,
+                           max_interval=o.max_interval, max_staleness=o.max_staleness,
+                           curvature_micro_batches=o.curvature_micro_batches)
+
+
+def kfac_plan_label(assignment: Assignment) -> str:
+    """What runs K-FAC's work, for ``metrics.jsonl``'s ``kfac_plan``: ``pipefisher``,
+    ``critical-path fallback: <reason>``, or ``critical path`` (``optimizer=kfac``)."""
+    meta = assignment.metadata
+    if meta.get("fallback"):
+        return f"critical-path fallback: {meta.get('fallback_reason', 'predicted faster than the plan')}"
+    return "pipefisher" if meta.get("planner") == "pipefisher" else "critical path"
+
+
+def describe_kfac(cfg: TrainConfig, assignment: Assignment) -> str:
+    """One paragraph for the start-up log: who runs K-FAC's work, k, the staleness bound, the plan's
+    lower bound k_min, and any fallback with its reason."""
+    k = assignment.interval
+    age = 2 * k - 1 if assignment.deferred else k - 1
+    subset = assignment.curvature_micro_batches
+    meta = assignment.metadata
+    parts = [f"K-FAC ({cfg.optimizer.name}): {kfac_plan_label(assignment)}; refresh every k={k} step(s), "
+             f"curvature from {f'{subset} micro-batch(es)' if subset else 'every micro-batch'} per pipe; "
+             f"inverses {'from the previous cycle' if assignment.deferred else 'used at once'}, "
+             f"curvature age <= {age} step(s)"
+             + (f" (optimizer.max_staleness={cfg.optimizer.max_staleness})" if cfg.optimizer.max_staleness else "")]
+    if "k_min" in meta:
+        parts.append(f"lower bound k_min={meta['k_min']} (work {meta['kfac_work_ns'] / 1e6:.1f} ms per refresh, "
+                     f"bubbles {meta['bubble_ns'] / 1e6:.1f} ms per step, summed over workers)")
+    if meta.get("choice"):
+        parts.append(str(meta["choice"]))
+    if meta.get("spilled_ns"):
+        parts.append(f"{meta['spilled_ns'] / 1e6:.1f} ms of K-FAC work per refresh runs on the critical path")
+    parts.append(f"update: {cfg.optimizer.kfac_update}, clip "
+                 f"{'before' if cfg.optimizer.clip_before_precondition else 'after'} preconditioning")
+    return "; ".join(parts)
 
 
 def run_shape(cfg: TrainConfig) -> RunShape:
@@ -402,6 +448,9 @@ class PipelineWorker:
         self.step_skipped = False  # this step's update was dropped (on_nonfinite=skip)
         self.skipped_in_row = 0
         self._step = -1
+        self.curvature_age: int | None = None  # K-FAC: steps since the curvature in use was captured
+        if self.assignment is not None and rank == 0:
+            log.info("%s", describe_kfac(cfg, self.assignment))
 
     @property
     def kfac_interval(self) -> int | None:
@@ -465,10 +514,22 @@ class PipelineWorker:
         return step
 
     def global_grad_norm(self) -> torch.Tensor:
-        """L2 norm of the gradient over all stages, each stage and the tied weight counted once."""
+        """L2 norm of the gradient over all stages, each stage and the tied weight counted once.
+
+        With K-FAC: K-FAC layers count with their gradient before preconditioning when
+        ``optimizer.clip_before_precondition`` (the clip then means what it means for NVLAMB),
+        and not at all under ``optimizer.kfac_update=momentum`` (they clip on their own).
+        """
+        o = self.cfg.optimizer
+        raw = self.kfac.raw_grad_sq() if self.kfac is not None and o.clip_before_precondition else {}
+        skip = self.kfac.parameter_ids() if self.kfac is not None and o.kfac_update == "momentum" else set()
         sq = torch.zeros((), device=self.device)
         for p in self._norm_params:
-            if p.grad is not None:
+            if id(p) in skip:
+                continue
+            if id(p) in raw:
+                sq += raw[id(p)]
+            elif p.grad is not None:
                 sq += p.grad.detach().float().pow(2).sum()
         dist.all_reduce(sq)
         return sq.sqrt()
@@ -529,6 +590,11 @@ class PipelineWorker:
         dist.all_reduce(totals)
         self.stop_agreed = bool(totals[2].item() > 0)
         losses = (totals[:2] / (self.cfg.num_micro_batches * self.cfg.data_parallel)).tolist()
+        if self.kfac is not None:  # the oldest curvature any worker used this step (-1: none yet)
+            age = self.kfac.curvature_age()
+            oldest = torch.tensor([-1 if age is None else age], device=result.loss_sum.device)
+            dist.all_reduce(oldest, op=dist.ReduceOp.MAX)
+            self.curvature_age = None if oldest.item() < 0 else int(oldest.item())
         if not all(math.isfinite(v) for v in losses) and not self.step_skipped:
             raise FloatingPointError(f"step {step}: loss is {losses} but the gradients were finite and the update "
                                      "was applied; lower lr or check the data")
@@ -670,7 +736,7 @@ def train_worker(cfg: TrainConfig, rank: int, world_size: int, device: torch.dev
             lr = worker.optimizer.param_groups[0]["lr"]
             timer.start()
             losses, result = worker.train_step(step)
-            step_time = timer.stop()
+            train_time = timer.stop()
             gathered: list[list[Event]] | None = [[] for _ in range(world_size)] if rank == 0 else None
             dist.gather_object(result.events, gathered, dst=0)
             last = {"step": step, "loss": losses[0] + losses[1], "mlm_loss": losses[0], "nsp_loss": losses[1]}
@@ -682,21 +748,25 @@ def train_worker(cfg: TrainConfig, rank: int, world_size: int, device: torch.dev
                 events = [e for evs in gathered for e in evs]
                 if cfg.profile.enabled and step >= cfg.profile.warmup_steps:
                     profiled += events
-                if worker.assignment is None:
-                    simulated = simulate(schedule, _measured_costs(events, schedule))
-                else:  # this step's phase of the K-FAC plan, K-FAC units at their measured cost
-                    phase = worker.assignment.phases[step % worker.assignment.interval]
-                    simulated = simulate(phase, _measured_costs(events, schedule, worker.assignment.kfac_layers))
-                last.update(
-                    lr=lr,
-                    step_time_s=step_time,
-                    samples_per_s=cfg.global_batch_size / step_time,
-                    bubble_utilization=_step_utilization(events, world_size),
-                    simulated_bubble_utilization=bubble_utilization(simulated, world_size),
-                )
+                # Step time: from this step's start until rank 0 has the step's row ready, so it holds
+                # rank 0's bookkeeping (gathering the timeline, simulating, metrics: bookkeeping_s), which
+                # every worker waits for at the next step; writing the row and wandb come after (µs to
+                # ms), checkpoints are not in it. The simulation (17–130 ms at D=8) runs on logged steps.
+                logged = step % cfg.log_every == 0 or step == cfg.steps - 1
+                last.update(lr=lr, step_time_s=None, samples_per_s=None, bookkeeping_s=None,
+                            bubble_utilization=_step_utilization(events, world_size))
+                if logged:
+                    if worker.assignment is None:
+                        simulated = simulate(schedule, _measured_costs(events, schedule))
+                    else:  # this step's phase of the K-FAC plan, K-FAC units at their measured cost
+                        phase = worker.assignment.phases[step % worker.assignment.interval]
+                        simulated = simulate(phase, _measured_costs(events, schedule, worker.assignment.kfac_layers))
+                    last.update(simulated_bubble_utilization=bubble_utilization(simulated, world_size))
                 if worker.assignment is not None:
-                    kfac_events = [e for e in events if e.kind in _KFAC_KINDS]
+                    kfac_events = [e for e in events if e.kind in _KFAC_KINDS and not is_wait(e)]
                     last.update(
+                        kfac_plan=kfac_plan_label(worker.assignment),
+                        curvature_age=worker.curvature_age,
                         refresh_interval=worker.assignment.interval,
                         kfac_phase=step % worker.assignment.interval,
                         kfac_work={kind: sum(e.kind == kind for e in kfac_events) for kind in sorted(_KFAC_KINDS)},
@@ -704,8 +774,11 @@ def train_worker(cfg: TrainConfig, rank: int, world_size: int, device: torch.dev
                         bubble_utilization_without_kfac=_step_utilization(events, world_size,
                                                                           COMPUTE_KINDS - _KFAC_KINDS),
                     )
+                step_time = timer.stop()
+                last.update(step_time_s=step_time, samples_per_s=cfg.global_batch_size / step_time,
+                            bookkeeping_s=step_time - train_time)
                 writer.write(last)
-                if step % cfg.log_every == 0 or step == cfg.steps - 1:
+                if logged:
                     logger.log(last, step=step)
                     if hasattr(bar, "set_postfix"):
                         bar.set_postfix(loss=f"{last['loss']:.3f}", util=f"{last['bubble_utilization']:.2f}")

@@ -27,7 +27,8 @@ and in every phase one PRECOND per stage replica after its SYNC_GRAD and before 
 precede its replica's PRECOND in its phase (staleness 0 at refresh steps); ``deferred=True``
 (PipeFisher) uses the inverses computed during cycle c from cycle c+1 on, so INVERT may follow
 PRECOND and steps use inverses up to 2k-1 steps old. In the first cycle of a deferred run there
-are no inverses yet: the runtime steps with the plain gradient until the first refresh completes.
+are no inverses yet: the runtime steps with the plain gradient until a layer's first inversion,
+whose inverses it uses from the next step on (there is nothing older to keep).
 
 [Note: K-FAC layers of a stage]
 A stage's K-FAC layers are its encoder Linear layers in order: for each encoder layer it holds,
@@ -61,6 +62,7 @@ __all__ = [
     "assignment_to_json",
     "check_assignment",
     "critical_path_assignment",
+    "refresh_micro_batches",
     "kfac_layer_counts",
     "require_plain_schedule",
     "strip_kfac",
@@ -87,6 +89,8 @@ class Assignment:
         kfac_layers: K-FAC layers per stage (``len == num_stages``); empty: inferred from the
             phases (highest layer index + 1 per stage).
         metadata: free-form JSON-able facts (predicted utilization, costs, ...), kept in the JSON.
+        curvature_micro_batches: a refresh's curvature comes from the first n micro-batches of
+            each pipe (0: all of them); see [Note: curvature from part of the batch].
     """
 
     interval: int
@@ -94,6 +98,7 @@ class Assignment:
     deferred: bool
     kfac_layers: tuple[int, ...] = ()
     metadata: Mapping[str, Any] = field(default_factory=dict, compare=False, hash=False)
+    curvature_micro_batches: int = 0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "phases", tuple(self.phases))
@@ -169,6 +174,23 @@ def _micro_batches(schedule: Schedule, pipe: int) -> list[int]:
     return [j for j, p in enumerate(schedule.pipe_of_micro_batch) if p == pipe]
 
 
+def refresh_micro_batches(schedule: Schedule, pipe: int, count: int = 0) -> list[int]:
+    """The micro-batches of ``pipe`` a refresh takes its curvature from: the first ``count`` of
+    them (all when ``count`` is 0 or more than the pipe has).
+
+    [Note: curvature from part of the batch]
+    Capturing and multiplying out A and B for every token of every micro-batch costs about 2/3 of
+    the K-FAC layers' forward + backward (DESIGN.md), more than a step's bubbles hold. K-FAC
+    libraries estimate the factors from part of the batch (KAISA, kfac-pytorch); here a refresh
+    uses the first n micro-batches of each pipe (``optimizer.curvature_micro_batches``), so the
+    curvature work and the captured activations shrink by n/N. The factors are then means over
+    those rows (and over the replicas, which all use the same n); the running average over
+    refreshes still sees many batches.
+    """
+    mbs = _micro_batches(schedule, pipe)
+    return mbs[:count] if count > 0 else mbs
+
+
 def require_plain_schedule(schedule: Schedule, kfac_layers: Sequence[int]) -> None:
     """Raise ValueError unless ``schedule`` is complete, has no K-FAC units, and ``kfac_layers``
     gives a count per stage: what the assignment builders start from."""
@@ -198,7 +220,7 @@ def with_preconditioning(schedule: Schedule) -> Schedule:
 
 
 def critical_path_assignment(schedule: Schedule, kfac_layers: Sequence[int], interval: int, *,
-                             deferred: bool = False) -> Assignment:
+                             deferred: bool = False, curvature_micro_batches: int = 0) -> Assignment:
     """K-FAC with all of a refresh on the critical path (``optimizer=kfac``).
 
     Phase 0: the pipeline, then after each worker's flush (its last B and SYNC_GRADs), right
@@ -212,6 +234,8 @@ def critical_path_assignment(schedule: Schedule, kfac_layers: Sequence[int], int
         kfac_layers: K-FAC layers per stage (:func:`kfac_layer_counts`).
         interval: k >= 1, steps per refresh.
         deferred: whether the inverses are first used in the next cycle (see the module notes).
+        curvature_micro_batches: curvature from the first n micro-batches of each pipe (0: all);
+            see [Note: curvature from part of the batch].
 
     Returns:
         A checked assignment.
@@ -225,7 +249,7 @@ def critical_path_assignment(schedule: Schedule, kfac_layers: Sequence[int], int
         replicas = _replicas(schedule, w)
         curv, syncs, inverts = [], [], []
         for s, p in replicas:
-            mbs = _micro_batches(schedule, p)
+            mbs = refresh_micro_batches(schedule, p, curvature_micro_batches)
             for layer in range(kfac_layers[s]):
                 curv += [Action(K.CURV_A, s, j, p, layer=layer) for j in mbs]
                 curv += [Action(K.CURV_B, s, j, p, layer=layer) for j in mbs]
@@ -237,7 +261,7 @@ def critical_path_assignment(schedule: Schedule, kfac_layers: Sequence[int], int
         refresh[w] = acts[:first_precond] + tuple(curv + syncs + inverts) + acts[first_precond:]
     phases = (replace(plain, actions=refresh),) + (plain,) * (interval - 1)
     out = Assignment(interval, phases, deferred, tuple(kfac_layers),
-                     metadata={"planner": "critical_path"})
+                     metadata={"planner": "critical_path"}, curvature_micro_batches=curvature_micro_batches)
     check_assignment(out)
     return out
 
@@ -309,7 +333,7 @@ def _check_cycle(a: Assignment) -> None:
                 for layer in _expand(x.layer, count):
                     units[(w, x.stage, x.pipe, layer)][x.kind].append((p, i, x.micro_batch))
     for (dp, pipe, stage), w in sorted(first.placement.workers.items()):
-        mbs = _micro_batches(first, pipe)
+        mbs = refresh_micro_batches(first, pipe, a.curvature_micro_batches)
         for layer in range(a.kfac_layers[stage]):
             got = units.get((w, stage, pipe, layer), {})
             name = f"stage {stage} (pipe {pipe}) layer {layer} on worker {w}"
@@ -325,7 +349,12 @@ def _check_cycle(a: Assignment) -> None:
                 missing = [j for j in mbs if j not in seen]
                 if missing:
                     _fail(a, 0, f"{name} never gets {kind} of micro-batch(es) {missing}; a refresh "
-                                f"uses every micro-batch of the replica's pipe")
+                                f"uses micro-batches {mbs} of the replica's pipe")
+                extra = sorted(j for j in seen if j not in mbs)
+                if extra:
+                    p, i = seen[extra[0]]
+                    _fail(a, p, f"{name} gets {kind} of micro-batch(es) {extra}, outside the refresh's "
+                                f"micro-batches {mbs} (curvature_micro_batches={a.curvature_micro_batches})", (w, i))
             if len(curv_phases) > 1:
                 p = max(curv_phases)
                 i = min(i for kind in (K.CURV_A, K.CURV_B) for q, i, _ in got[kind] if q == p)
@@ -369,6 +398,7 @@ def assignment_to_dict(a: Assignment) -> dict[str, Any]:
         "interval": a.interval,
         "deferred": a.deferred,
         "kfac_layers": list(a.kfac_layers),
+        "curvature_micro_batches": a.curvature_micro_batches,
         "phases": [{str(w): [str(x) for x in acts] for w, acts in sorted(phase.actions.items())}
                    for phase in a.phases],
         "metadata": dict(a.metadata),
@@ -447,6 +477,9 @@ def assignment_from_dict(data: Mapping[str, Any], source: str = "assignment") ->
     layers = _field(data, "kfac_layers", list, source)
     phases_data = _field(data, "phases", list, source)
     metadata = data.get("metadata", {})
+    subset = data.get("curvature_micro_batches", 0)
+    if not isinstance(subset, int) or isinstance(subset, bool) or subset < 0:
+        raise ValueError(f"{source}: field 'curvature_micro_batches' = {subset!r} must be an integer >= 0; {_REGENERATE}")
     options = {"num_virtual": num_virtual} if method == "interleaved" else {}
     if method != "interleaved" and num_virtual != 1:
         raise ValueError(f"{source}: field 'num_virtual' = {num_virtual} but method {method!r} has one "
@@ -484,7 +517,7 @@ def assignment_from_dict(data: Mapping[str, Any], source: str = "assignment") ->
                 raise ValueError(f"{source}: field 'phases[{p}][\"{w}\"]': {exc}; {_REGENERATE}") from None
         phases.append(replace(base, actions=actions))
     a = Assignment(interval, tuple(phases), deferred, tuple(layers),
-                   metadata=dict(metadata) if isinstance(metadata, Mapping) else {})
+                   metadata=dict(metadata) if isinstance(metadata, Mapping) else {}, curvature_micro_batches=subset)
     try:
         check_assignment(a)
     except ScheduleError as exc:

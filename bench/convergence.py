@@ -1,0 +1,689 @@
+"""Time to target loss on real text: NVLAMB, K-FAC on the critical path and PipeFisher (issue 13).
+
+    python bench/convergence.py                 # bert-mini on WikiText-2 valid, 1f1b and chimera at D=2
+    python bench/convergence.py --quick         # bert-tiny, 1f1b, 40 steps, no sweep: ~4 min
+    python bench/convergence.py --dry-run       # print the commands only
+    python bench/convergence.py --lr-sweep 5e-3,1e-2,2e-2 --staleness 1,2,4,8
+
+Every run is ``python train.py ... hydra.run.dir=<dir>`` in a subprocess (the project's own training
+path, metrics.jsonl included) on NVIDIA-format shards that ``python -m pipefisher.data.prepare`` makes
+from the text (raw WikiText or one sentence per line), cached under ``--cache-dir`` by a hash of the
+text, the preparation options and prepare.py itself. The MLM loss is smoothed by a trailing mean over
+``--smooth`` steps; a run reaches a target at the first step whose smoothed loss is at or below it.
+
+Targets: ``nvlamb`` = NVLAMB's final smoothed MLM loss in the same pipeline (the others reach it in
+fewer steps or seconds, or not); ``unigram`` = the unigram entropy of the masked-token labels of the
+prepared shards (the loss of a model that ignores context, the first plateau of pretraining) minus
+``--unigram-margin``, or ``--target``.
+
+[Note: interleaved rounds]
+The machine is shared, so a slow spell must not fall on one arm. With ``--chunk-steps C`` every run
+goes ``C`` steps at a time in rounds (arms rotated every round): a run writes a checkpoint every C
+steps (``checkpoint.every_steps=C resume=auto``); once the checkpoint after the chunk's last step is
+complete its process group is stopped, and the next round resumes it, which continues exactly the
+trajectory of an uninterrupted run (README "Checkpoints and resume"). ``step_time_s`` excludes process
+start and checkpoint writes; the first step after each resume carries some warm-up. Time to target is
+given as measured (sum of ``step_time_s`` up to the step) and as steps x the run's median step time;
+the ratios use the latter, which a burst of load on some steps does not move.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import hashlib
+import json
+import math
+import os
+import shlex
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import h5py
+import numpy as np
+
+import _harness as h
+from pipefisher.tracking.metrics import read_metrics
+
+DEFAULT_TEXT = h.REPO.parent / "shared" / "data" / "wikitext-2" / "valid.txt"
+PREPARE_SOURCE = h.REPO / "pipefisher" / "data" / "prepare.py"
+SEQ_LEN, MAX_PREDICTIONS = 128, 20
+
+#: The optimizer arms and their Hydra overrides (edit here). ``kfac`` becomes one arm per
+#: ``--kfac-intervals`` value, ``kfac-k<K>`` (critical-path K-FAC refreshing every K steps);
+#: ``--staleness`` adds ``stale-k<K>`` arms (below). Extra overrides: ``--extra ARM:key=value``.
+ARMS: dict[str, list[str]] = {
+    "nvlamb": ["optimizer=nvlamb"],
+    "kfac": ["optimizer=kfac"],
+    "pipefisher": ["optimizer=pipefisher"],
+}
+
+
+def kfac_overrides(k: int, *, deferred: bool = False) -> list[str]:
+    """Critical-path K-FAC refreshing every ``k`` steps; ``deferred``: with PipeFisher's staleness
+    (inverses of a refresh used from the next cycle on), the numerics of PipeFisher at interval k."""
+    extra = ["optimizer.deferred_inverse=true"] if deferred else []
+    return ARMS["kfac"] + [f"optimizer.curvature_interval={k}", f"optimizer.inverse_interval={k}", *extra]
+
+
+def family(arm: str) -> str:
+    """``kfac`` for ``kfac-k8``, ``stale`` for ``stale-k4``; the name itself otherwise."""
+    return arm.split("-")[0]
+
+
+# --- pure functions (tested in tests/test_convergence_bench.py) ---------------------------------
+
+def smooth(values: Sequence[float], window: int) -> list[float]:
+    """Trailing mean over the last ``window`` values (fewer at the start); NaN stays NaN."""
+    if window < 1:
+        raise ValueError(f"window={window}: must be at least 1")
+    return [statistics.fmean(values[max(0, i - window + 1): i + 1]) for i in range(len(values))]
+
+
+def steps_to_target(smoothed: Sequence[float], target: float) -> int | None:
+    """Optimizer steps taken when the smoothed loss first is at or below ``target`` (None: never)."""
+    for i, v in enumerate(smoothed):
+        if v <= target:
+            return i + 1
+    return None
+
+
+def seconds_to(step_times: Sequence[float], steps: int | None) -> float | None:
+    """Sum of the first ``steps`` step times (None when the target was not reached)."""
+    return None if steps is None else math.fsum(step_times[:steps])
+
+
+def unigram_entropy(labels: np.ndarray, valid: np.ndarray | None = None) -> float:
+    """Entropy in nats of the empirical distribution of ``labels`` (where ``valid``; default: non-0).
+
+    The MLM loss of a model that predicts every masked token from its frequency alone.
+    """
+    labels = np.asarray(labels)
+    ids = labels[np.asarray(valid, dtype=bool)] if valid is not None else labels[labels != 0]
+    counts = np.bincount(ids.ravel().astype(np.int64))
+    p = counts[counts > 0] / counts.sum()
+    return float(-(p * np.log(p)).sum())
+
+
+def shards_unigram_entropy(shards: Sequence[Path]) -> float:
+    """`unigram_entropy` of ``masked_lm_ids`` over NVIDIA-format shards (padding: position 0)."""
+    labels, valid = [], []
+    for path in shards:
+        with h5py.File(path, "r") as f:
+            labels.append(np.asarray(f["masked_lm_ids"]))
+            valid.append(np.asarray(f["masked_lm_positions"]) > 0)  # position 0 is [CLS], never masked
+    return unigram_entropy(np.concatenate(labels), np.concatenate(valid))
+
+
+def mlm_losses(records: Sequence[dict[str, Any]]) -> list[float]:
+    """The MLM loss of each record; NaN where metrics.jsonl holds null (a non-finite loss)."""
+    return [math.nan if r.get("mlm_loss") is None else float(r["mlm_loss"]) for r in records]
+
+
+def summarize(records: Sequence[dict[str, Any]], targets: dict[str, float | None], window: int) -> dict[str, Any]:
+    """Final smoothed MLM loss, step times and, per target, steps and seconds to reach it."""
+    mlm = mlm_losses(records)
+    times = [float(r.get("step_time_s") or 0.0) for r in records]
+    sm = smooth(mlm, window) if mlm else []
+    median = statistics.median(times) if times else math.nan
+    out: dict[str, Any] = {
+        "steps": len(records), "final_mlm": sm[-1] if sm else math.nan,
+        "median_step_s": median, "mean_step_s": statistics.fmean(times) if times else math.nan,
+        "sum_step_s": math.fsum(times), "targets": {},
+    }
+    for name, target in targets.items():
+        n = None if target is None else steps_to_target(sm, target)
+        out["targets"][name] = {"target": target, "steps": n, "seconds": seconds_to(times, n),
+                                "seconds_est": None if n is None else n * median}
+    for key in ("refresh_interval", "kfac_plan"):
+        values = [r[key] for r in records if r.get(key) is not None]
+        if values:
+            out[key] = values[-1]
+    ages = [r["curvature_age"] for r in records if isinstance(r.get("curvature_age"), (int, float))]
+    if ages:
+        out["curvature_age_mean"], out["curvature_age_max"] = statistics.fmean(ages), max(ages)
+    return out
+
+
+def best_kfac(summaries: dict[str, dict[str, Any]], target: str) -> str | None:
+    """The critical-path K-FAC arm (``kfac-k*``) reaching ``target`` in the least steps x median time."""
+    reached = [(s["targets"][target]["seconds_est"], arm) for arm, s in summaries.items()
+               if family(arm) == "kfac" and s["targets"].get(target, {}).get("seconds_est") is not None]
+    return min(reached)[1] if reached else None
+
+
+def ratios(summaries: dict[str, dict[str, Any]], target: str, baseline: str = "nvlamb") -> dict[str, dict[str, Any]]:
+    """Per arm: time (steps x median step) and steps to ``target`` over NVLAMB's and the best kfac's."""
+    def div(a: float | None, b: float | None) -> float | None:
+        return None if a is None or b is None or b == 0 else a / b
+
+    def get(arm: str | None, key: str) -> float | None:
+        return None if arm is None or arm not in summaries else summaries[arm]["targets"].get(target, {}).get(key)
+
+    kfac = best_kfac(summaries, target)
+    return {arm: {"time_x_nvlamb": div(get(arm, "seconds_est"), get(baseline, "seconds_est")),
+                  "time_x_best_kfac": div(get(arm, "seconds_est"), get(kfac, "seconds_est")),
+                  "steps_x_nvlamb": div(get(arm, "steps"), get(baseline, "steps")),
+                  "best_kfac": kfac}
+            for arm in summaries}
+
+
+def pick_lr(finals: dict[float, float]) -> float | None:
+    """The learning rate with the lowest final smoothed loss (NaN and missing runs never win)."""
+    ok = {lr: v for lr, v in finals.items() if v is not None and math.isfinite(v)}
+    return min(ok, key=lambda lr: (ok[lr], lr)) if ok else None
+
+
+def parse_extra(items: Sequence[str]) -> dict[str, list[str]]:
+    """``--extra ARM:key=value`` (repeatable; ARM a name or a family such as ``kfac``) -> overrides."""
+    out: dict[str, list[str]] = {}
+    for item in items:
+        arm, sep, override = item.partition(":")
+        if not sep or not arm or "=" not in override:
+            raise ValueError(f"--extra {item!r}: expected ARM:key=value, e.g. pipefisher:optimizer.curvature_micro_batches=1")
+        out.setdefault(arm, []).append(override)
+    return out
+
+
+def parse_lrs(items: Sequence[str]) -> dict[str, float]:
+    """``--lr ARM=value`` (repeatable; ARM a name or a family) or ``--lr value`` for every arm (``*``)."""
+    out: dict[str, float] = {}
+    for item in items:
+        arm, sep, value = item.rpartition("=")
+        try:
+            out[arm if sep else "*"] = float(value)
+        except ValueError:
+            raise ValueError(f"--lr {item!r}: expected ARM=value or value, e.g. --lr pipefisher=1e-2") from None
+    return out
+
+
+def for_arm(table: dict[str, Any], arm: str) -> list[Any]:
+    """Entries of ``table`` that apply to ``arm``: ``*``, then its family, then its own name."""
+    keys = ["*", family(arm)] + ([arm] if arm != family(arm) else [])
+    return [table[k] for k in keys if k in table]
+
+
+def parse_list(text: str | None, kind: type = str) -> list[Any]:
+    return [kind(x) for x in text.split(",") if x.strip()] if text else []
+
+
+# --- data ----------------------------------------------------------------------------------------
+
+@dataclasses.dataclass
+class Prepared:
+    path: Path
+    vocab_size: int
+    unigram_entropy: float
+    num_instances: int
+    num_documents: int
+
+
+def prepare_command(text: Path, out: Path, dupe_factor: int, seed: int) -> list[str]:
+    return [sys.executable, "-m", "pipefisher.data.prepare", "--input", str(text), "--output-dir", str(out),
+            "--seq-len", str(SEQ_LEN), "--max-predictions", str(MAX_PREDICTIONS), "--dupe-factor", str(dupe_factor),
+            "--seed", str(seed), "--input-format", "auto", "--no-progress"]
+
+
+def cache_key(text: Path, dupe_factor: int, seed: int) -> str:
+    """Hash of the text, the preparation options and prepare.py (a changed preparation re-prepares)."""
+    digest = hashlib.sha256()
+    digest.update(text.read_bytes())
+    digest.update(json.dumps({"seq_len": SEQ_LEN, "max_predictions": MAX_PREDICTIONS, "dupe_factor": dupe_factor,
+                              "seed": seed, "format": "auto"}, sort_keys=True).encode())
+    digest.update(PREPARE_SOURCE.read_bytes())
+    return digest.hexdigest()[:16]
+
+
+def prepare_data(text: Path, cache_dir: Path, dupe_factor: int, seed: int) -> Prepared:
+    """Shards and vocab of ``text``, from the cache or made by ``python -m pipefisher.data.prepare``."""
+    final = cache_dir / f"{text.stem}-{cache_key(text, dupe_factor, seed)}"
+    if not (final / "unigram.json").is_file():
+        tmp = final.with_name(final.name + f".tmp{os.getpid()}")
+        shutil.rmtree(tmp, ignore_errors=True)
+        cmd = prepare_command(text, tmp, dupe_factor, seed)
+        print(f"preparing {text} -> {final}\n$ {shlex.join(cmd)}", flush=True)
+        done = subprocess.run(cmd, cwd=h.REPO, capture_output=True, text=True)
+        if done.returncode:
+            raise RuntimeError(f"data preparation failed ({done.returncode}):\n{done.stdout}\n{done.stderr}")
+        entropy = shards_unigram_entropy(sorted(tmp.glob("*.hdf5")))
+        (tmp / "unigram.json").write_text(json.dumps({"unigram_entropy": entropy}) + "\n")
+        shutil.rmtree(final, ignore_errors=True)
+        tmp.rename(final)
+    info = json.loads((final / "prepare.json").read_text())
+    return Prepared(final, int(info["vocab_size_actual"]), json.loads((final / "unigram.json").read_text())["unigram_entropy"],
+                    int(info["num_instances"]), int(info["num_documents"]))
+
+
+# --- runs ----------------------------------------------------------------------------------------
+
+@dataclasses.dataclass
+class Job:
+    """One ``train.py`` run (possibly in several chunks)."""
+
+    phase: str  # main or sweep
+    pipeline: str
+    arm: str
+    overrides: list[str]
+    lr: float | None
+    steps: int
+    run_dir: Path
+    status: str = "pending"  # pending, done, failed
+    done_steps: int = 0
+    wall_s: float = 0.0
+    chunks: int = 0
+    error: str = ""
+
+    @property
+    def label(self) -> str:
+        lr = "" if self.lr is None else f" lr={self.lr:g}"
+        return f"{self.phase} {self.pipeline} {self.arm}{lr}"
+
+    def command(self, common: Sequence[str], chunk: int, resume: bool = False) -> list[str]:
+        """The ``train.py`` command; ``chunk``: checkpoint every so many steps; ``resume``: continue from the last."""
+        cmd = [sys.executable, "train.py", *common, f"pipeline={self.pipeline}", f"steps={self.steps}", *self.overrides]
+        if self.lr is not None:
+            cmd.append(f"lr={self.lr:g}")
+        if chunk:
+            cmd += [f"checkpoint.every_steps={chunk}", "checkpoint.keep_last=1"]
+        if resume:
+            cmd.append("resume=auto")
+        return cmd + [f"hydra.run.dir={self.run_dir}"]
+
+    def records(self) -> list[dict[str, Any]]:
+        path = self.run_dir / "metrics.jsonl"
+        if not path.is_file():
+            return []
+        by_step = {int(r["step"]): r for r in read_metrics(path) if "step" in r}
+        return [by_step[s] for s in sorted(by_step)]
+
+
+def _tail(path: Path, lines: int = 30) -> str:
+    return "\n".join(path.read_text(errors="replace").splitlines()[-lines:]) if path.is_file() else ""
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    """Kill the run's process group (its own session: the launcher and its workers)."""
+    if proc.poll() is None:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    proc.wait()
+
+
+def _chunk_saved(root: Path, step: int) -> bool:
+    """The checkpoint after ``step`` is complete and the older one pruned (rank 0 is done with it)."""
+    if not (root / f"step_{step}" / "manifest.json").is_file():
+        return False
+    return all(p.name == f"step_{step}" for p in root.glob("step_*"))
+
+
+def run_chunk(job: Job, cmd: list[str], until: int, timeout_s: float) -> None:
+    """Run ``job`` up to ``until`` steps (its process is stopped after that checkpoint unless it is the last)."""
+    job.run_dir.mkdir(parents=True, exist_ok=True)
+    log_path = job.run_dir / "train.log"
+    final = until >= job.steps
+    with log_path.open("a") as log:
+        log.write(f"$ {shlex.join(cmd)}\n")
+        log.flush()
+        start = time.monotonic()
+        proc = subprocess.Popen(cmd, cwd=h.REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        manifest_seen: float | None = None
+        try:
+            while proc.poll() is None:
+                if time.monotonic() - start > timeout_s:
+                    _stop(proc)
+                    job.status, job.error = "failed", f"timed out after {timeout_s:.0f} s\n" + _tail(log_path)
+                    break
+                if not final:
+                    root = job.run_dir / "checkpoints"
+                    if (root / f"step_{until - 1}" / "manifest.json").is_file() and manifest_seen is None:
+                        manifest_seen = time.monotonic()
+                    if _chunk_saved(root, until - 1) or (manifest_seen and time.monotonic() - manifest_seen > 5):
+                        _stop(proc)
+                        break
+                time.sleep(0.2)
+        except BaseException:
+            _stop(proc)
+            raise
+        job.wall_s += time.monotonic() - start
+    job.chunks += 1
+    if job.status == "failed":
+        return
+    done = len(job.records())
+    if proc.returncode not in (0, -signal.SIGKILL) or done < until:
+        job.status = "failed"
+        job.error = f"exit status {proc.returncode} after {done} of {until} steps\n" + _tail(log_path)
+        return
+    job.done_steps = min(done, until)  # a stopped process may have logged a step past its checkpoint
+    if final:
+        job.status = "done"
+
+
+def run_jobs(jobs: list[Job], common: Sequence[str], chunk: int, timeout_s: float, keep_checkpoints: bool,
+             window: int) -> None:
+    """Every job to its last step, in rotated rounds of ``chunk`` steps (0: each job whole, in order)."""
+    if not jobs:
+        return
+    rounds = math.ceil(max(j.steps for j in jobs) / chunk) if chunk else 1
+    start = time.monotonic()
+    for r in range(rounds):
+        order = jobs[r % len(jobs):] + jobs[:r % len(jobs)]
+        for job in order:
+            if job.status != "pending":
+                continue
+            until = min(job.steps, (r + 1) * chunk) if chunk else job.steps
+            if until <= job.done_steps:
+                continue
+            run_chunk(job, job.command(common, chunk, resume=job.chunks > 0), until, timeout_s)
+            records = job.records()
+            loss = smooth(mlm_losses(records), window)[-1] if records else math.nan
+            state = "FAILED" if job.status == "failed" else f"step {job.done_steps}/{job.steps}"
+            print(f"[{time.monotonic() - start:7.1f} s, {h.load()}] {job.label}: {state}, "
+                  f"smoothed MLM {loss:.3f}, process wall {job.wall_s:.1f} s", flush=True)
+            if job.status == "failed":
+                print(f"  run failed; log tail ({job.run_dir / 'train.log'}):\n{job.error}", file=sys.stderr, flush=True)
+            if job.status in ("done", "failed") and not keep_checkpoints:
+                shutil.rmtree(job.run_dir / "checkpoints", ignore_errors=True)
+
+
+# --- the benchmark -------------------------------------------------------------------------------
+
+QUICK = {"model": "bert-tiny", "pipelines": "1f1b", "steps": 40, "kfac_intervals": "1", "chunk_steps": 20}
+FULL = {"model": "bert-mini", "pipelines": "1f1b,chimera", "steps": 600, "kfac_intervals": "1,8", "chunk_steps": 100}
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--text", type=Path, default=DEFAULT_TEXT, help="raw WikiText or one sentence per line (default: %(default)s)")
+    p.add_argument("--model", help="bert-tiny|bert-mini|bert-small|... (default bert-mini; --quick: bert-tiny)")
+    p.add_argument("--pipelines", help="comma-separated (default 1f1b,chimera; --quick: 1f1b)")
+    p.add_argument("--stages", type=int, default=2, help="D (default 2 = the cores here)")
+    p.add_argument("--micro-batch-size", type=int, default=8)
+    p.add_argument("--num-micro-batches", type=int, default=4)
+    p.add_argument("--steps", type=int, help="steps per run (default 600; --quick: 40)")
+    p.add_argument("--arms", default="nvlamb,kfac,pipefisher", help=f"comma-separated names of ARMS: {', '.join(ARMS)}")
+    p.add_argument("--kfac-intervals", help="one kfac-k<K> arm per K (default 1,8; --quick: 1)")
+    p.add_argument("--extra", action="append", default=[], metavar="ARM:KEY=VALUE",
+                   help="extra override for an arm or family (kfac, stale), repeatable")
+    p.add_argument("--lr", action="append", default=[], metavar="ARM=VALUE",
+                   help="fixed peak lr for an arm or family, or VALUE for all (default: the config's)")
+    p.add_argument("--lr-sweep", help="comma-separated lrs: first run each arm without --lr at each (first pipeline, "
+                                      "--sweep-steps), pick the lowest final smoothed loss")
+    p.add_argument("--sweep-steps", type=int, help="steps of a sweep run (default steps/3)")
+    p.add_argument("--sweep-only", action="store_true", help="stop after the lr sweep")
+    p.add_argument("--staleness", help="comma-separated k: add stale-k<K> arms (kfac, curvature_interval=K, "
+                                       "deferred_inverse=true) on the first pipeline")
+    p.add_argument("--target", type=float, help="fixed MLM target instead of unigram entropy - margin")
+    p.add_argument("--unigram-margin", type=float, default=0.3, help="nats below the unigram entropy (default 0.3)")
+    p.add_argument("--smooth", type=int, default=10, help="trailing-mean window in steps (default 10)")
+    p.add_argument("--chunk-steps", type=int, help="steps per turn of interleaved rounds, 0 = whole runs in turn "
+                                                   "(default 100; --quick: 20)")
+    p.add_argument("--seed", type=int, default=0, help="seed of weights and data order (all arms alike)")
+    p.add_argument("--dupe-factor", type=int, default=5, help="data preparation: passes with new masks")
+    p.add_argument("--cache-dir", type=Path, default=h.REPO / "bench" / ".cache" / "convergence")
+    p.add_argument("--out", type=Path, help="output dir (default bench/results/convergence/<timestamp>)")
+    p.add_argument("--run-timeout-s", type=float, default=3600.0, help="limit of one process (a chunk)")
+    p.add_argument("--keep-checkpoints", action="store_true")
+    p.add_argument("--quick", action="store_true", help="bert-tiny, 1f1b, 40 steps in 2 rounds, kfac k=1, no sweep: ~4 min")
+    p.add_argument("--dry-run", action="store_true", help="print the commands only")
+    return p
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    args = _parser().parse_args(argv)
+    for key, value in (QUICK if args.quick else FULL).items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    args.pipelines = parse_list(args.pipelines)
+    args.arms = parse_list(args.arms)
+    args.kfac_intervals = parse_list(args.kfac_intervals, int)
+    args.staleness = parse_list(args.staleness, int)
+    args.lr_sweep = parse_list(args.lr_sweep, float)
+    args.extra = parse_extra(args.extra)
+    args.lr = parse_lrs(args.lr)
+    args.sweep_steps = args.sweep_steps or max(2 * args.smooth, args.steps // 3)
+    unknown = [a for a in args.arms if a not in ARMS]
+    if unknown:
+        raise ValueError(f"--arms {unknown}: unknown; choose from {', '.join(ARMS)} (or edit ARMS)")
+    return args
+
+
+def arm_table(args: argparse.Namespace) -> dict[str, list[str]]:
+    """Arm name -> overrides (ARMS with kfac expanded per interval), extras appended."""
+    arms: dict[str, list[str]] = {}
+    for name in args.arms:
+        if name == "kfac":
+            arms.update({f"kfac-k{k}": kfac_overrides(k) for k in args.kfac_intervals})
+        else:
+            arms[name] = list(ARMS[name])
+    return {arm: o + [x for extra in for_arm(args.extra, arm) for x in extra] for arm, o in arms.items()}
+
+
+def stale_table(args: argparse.Namespace) -> dict[str, list[str]]:
+    arms = {f"stale-k{k}": kfac_overrides(k, deferred=True) for k in args.staleness}
+    return {arm: o + [x for extra in for_arm(args.extra, arm) for x in extra] for arm, o in arms.items()}
+
+
+def fixed_lr(args: argparse.Namespace, arm: str) -> float | None:
+    found = for_arm(args.lr, arm)
+    return found[-1] if found else None
+
+
+def main() -> None:
+    args = parse_args()
+    out = args.out or h.REPO / "bench" / "results" / "convergence" / datetime.datetime.now().strftime("%Y-%m-%d_%H-%M-%S")
+    out = out.resolve()
+    text = args.text.resolve()
+    if not text.is_file():
+        raise FileNotFoundError(f"{text}: no such text file (--text)")
+    started, load_before = time.monotonic(), h.load()
+    if args.dry_run:
+        cached = [p for p in args.cache_dir.glob(f"{text.stem}-{cache_key(text, args.dupe_factor, args.seed)}")
+                  if (p / "unigram.json").is_file()]
+        data = None
+        if cached:
+            info = json.loads((cached[0] / "prepare.json").read_text())
+            data_path, vocab = cached[0], str(info["vocab_size_actual"])
+        else:
+            data_path, vocab = args.cache_dir / f"{text.stem}-<hash>", "<size of the prepared vocab.txt>"
+            print("$ " + shlex.join(prepare_command(text, data_path, args.dupe_factor, args.seed)))
+    else:
+        data = prepare_data(text, args.cache_dir.resolve(), args.dupe_factor, args.seed)
+        data_path, vocab = data.path, str(data.vocab_size)
+        print(f"data: {data.path} ({data.num_documents} documents, {data.num_instances} instances, "
+              f"vocab {data.vocab_size}, unigram entropy of the masked labels {data.unigram_entropy:.3f} nats)")
+    common = [f"model={args.model}", f"model.vocab_size={vocab}", f"stages={args.stages}",
+              f"micro_batch_size={args.micro_batch_size}", f"num_micro_batches={args.num_micro_batches}",
+              "data=hdf5", f"data.path={data_path}", f"data.seq_len={SEQ_LEN}", f"data.max_predictions={MAX_PREDICTIONS}",
+              f"seed={args.seed}", "device=cpu", "progress=false", "wandb.mode=disabled"]
+    arms, stale = arm_table(args), stale_table(args)
+    first = args.pipelines[0]
+
+    # 1. lr sweep on the first pipeline, for the arms without a fixed lr.
+    sweep_jobs = [Job("sweep", first, arm, o, lr, args.sweep_steps, out / "sweep" / first / arm / f"lr{lr:g}")
+                  for arm, o in arms.items() if fixed_lr(args, arm) is None for lr in args.lr_sweep]
+    picked: dict[str, float | None] = {}
+    if args.dry_run:
+        _print_commands(sweep_jobs, common, args.chunk_steps)
+    else:
+        run_jobs(sweep_jobs, common, args.chunk_steps, args.run_timeout_s, args.keep_checkpoints, args.smooth)
+        for arm in {j.arm for j in sweep_jobs}:
+            finals = {j.lr: summarize(j.records(), {}, args.smooth)["final_mlm"] if j.status == "done" else None
+                      for j in sweep_jobs if j.arm == arm}
+            picked[arm] = pick_lr(finals)
+    if args.sweep_only:
+        if not args.dry_run:
+            _report(args, out, data, {}, sweep_jobs, [], picked, load_before, started)
+        return
+
+    def lr_of(arm: str) -> float | None:
+        if fixed_lr(args, arm) is not None:
+            return fixed_lr(args, arm)
+        if family(arm) == "stale":  # staleness arms take the first kfac arm's lr
+            kfac = next((a for a in arms if family(a) == "kfac"), None)
+            return lr_of(kfac) if kfac else None
+        return picked.get(arm)
+
+    # 2. The comparison (and the staleness arms on the first pipeline), interleaved in rounds.
+    jobs = [Job("main", p, arm, o, lr_of(arm), args.steps, out / p / arm)
+            for p in args.pipelines for arm, o in {**arms, **(stale if p == first else {})}.items()]
+    if args.dry_run:
+        if args.lr_sweep:
+            print("# main runs: lr= of each swept arm is the one the sweep picks")
+        _print_commands(jobs, common, args.chunk_steps)
+        return
+    run_jobs(jobs, common, args.chunk_steps, args.run_timeout_s, args.keep_checkpoints, args.smooth)
+    _report(args, out, data, {p: [j for j in jobs if j.pipeline == p] for p in args.pipelines}, sweep_jobs,
+            [j for j in jobs if family(j.arm) == "stale"], picked, load_before, started)
+
+
+def _print_commands(jobs: Sequence[Job], common: Sequence[str], chunk: int) -> None:
+    if jobs and chunk:
+        print(f"# each run goes {chunk} steps per turn, rotated among the runs; a turn's process is stopped once its "
+              f"checkpoint is complete, and the next round runs the same command with resume=auto")
+    for job in jobs:
+        print("$ " + shlex.join(job.command(common, chunk)))
+
+
+def _cell(value: float | None, fmt: str = "{:.3f}", missing: str = "not reached") -> str:
+    return missing if value is None else fmt.format(value)
+
+
+def _report(args: argparse.Namespace, out: Path, data: Prepared | None, by_pipeline: dict[str, list[Job]],
+            sweep_jobs: list[Job], stale_jobs: list[Job], picked: dict[str, float | None], load_before: str,
+            started: float) -> None:
+    """Tables (stdout and table.md), results.json, loss_vs_step.png and loss_vs_time.png."""
+    unigram = None if data is None else data.unigram_entropy
+    fixed_target = args.target if args.target is not None else (None if unigram is None else unigram - args.unigram_margin)
+    target_names = {"nvlamb": "NVLAMB's final smoothed MLM", "unigram": (
+        f"fixed --target {args.target}" if args.target is not None
+        else f"unigram entropy {unigram:.3f} - {args.unigram_margin} nats")}
+    lines = [f"{args.model}, {args.stages} stages, micro-batch {args.micro_batch_size} x {args.num_micro_batches}, "
+             f"seq {SEQ_LEN}, {args.steps} steps; text {args.text.name}"
+             + ("" if data is None else f" ({data.num_instances} instances, vocab {data.vocab_size})")
+             + f"; MLM loss smoothed over {args.smooth} steps  "]
+    results: dict[str, Any] = {"args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+                               "data": None if data is None else {**dataclasses.asdict(data), "path": str(data.path)},
+                               "pipelines": {}, "sweep": [], "picked_lr": picked}
+    if sweep_jobs:
+        rows = []
+        for j in sweep_jobs:
+            final = summarize(j.records(), {}, args.smooth)["final_mlm"] if j.status == "done" else None
+            rows.append([j.arm, f"{j.lr:g}", _cell(final) if j.status == "done" else "FAILED",
+                         "picked" if picked.get(j.arm) == j.lr else ""])
+            results["sweep"].append({"arm": j.arm, "lr": j.lr, "final_mlm": final, "status": j.status})
+        lines += ["", f"### lr sweep ({sweep_jobs[0].pipeline}, {args.sweep_steps} steps)", "",
+                  h.table(["arm", "lr", "final MLM (smoothed)", ""], rows)]
+    summaries: dict[str, dict[str, dict[str, Any]]] = {}
+    for pipeline, jobs in by_pipeline.items():
+        done = {j.arm: summarize(j.records(), {}, args.smooth) for j in jobs if j.status == "done"}
+        targets = {"nvlamb": done["nvlamb"]["final_mlm"] if "nvlamb" in done else None, "unigram": fixed_target}
+        summ = {j.arm: summarize(j.records(), targets, args.smooth) for j in jobs if j.status == "done"}
+        summaries[pipeline] = summ
+        main_arms = {a: s for a, s in summ.items() if family(a) != "stale"}
+        run_rows = [[j.arm, "config" if j.lr is None else f"{j.lr:g}",
+                     summ[j.arm].get("refresh_interval", "-") if j.arm in summ else "-",
+                     j.status if j.status != "done" else summ[j.arm]["steps"],
+                     summ[j.arm]["final_mlm"] if j.arm in summ else math.nan,
+                     summ[j.arm]["median_step_s"] if j.arm in summ else math.nan,
+                     summ[j.arm]["mean_step_s"] if j.arm in summ else math.nan,
+                     summ[j.arm]["sum_step_s"] if j.arm in summ else math.nan, j.wall_s, j.chunks]
+                    for j in jobs if family(j.arm) != "stale"]
+        lines += ["", f"### {pipeline}: runs", "", h.table(
+            ["arm", "lr", "k", "steps", "final MLM (sm.)", "median step s", "mean step s", "Σ step s",
+             "process wall s", "processes"], run_rows)]
+        target_rows = []
+        for name, target in targets.items():
+            r = ratios(main_arms, name)
+            for arm, s in main_arms.items():
+                t, label = s["targets"][name], f"{name} ({_cell(target)})"
+                if t["steps"] is None:
+                    target_rows.append([label, arm, f"not reached (final {s['final_mlm']:.3f})", *["-"] * 6])
+                    continue
+                target_rows.append([label, arm, t["steps"], _cell(t["seconds"], "{:.1f}"), _cell(t["seconds_est"], "{:.1f}"),
+                                    _cell(r[arm]["time_x_nvlamb"], "{:.3f}", "-"),
+                                    _cell(r[arm]["time_x_best_kfac"], "{:.3f}", "-"),
+                                    r[arm]["best_kfac"] or "-", _cell(r[arm]["steps_x_nvlamb"], "{:.3f}", "-")])
+        lines += ["", f"### {pipeline}: time to target", "", h.table(
+            ["target", "arm", "steps", "s (Σ measured)", "s (steps × median)", "time × nvlamb", "time × best kfac",
+             "best kfac", "steps × nvlamb"], target_rows),
+            "", "Ratios use steps × the run's median step time (robust to bursts of load); "
+                "Σ measured is the sum of step_time_s up to that step. Targets: "
+                + "; ".join(f"{k} = {v}" for k, v in target_names.items()) + ".  "]
+        results["pipelines"][pipeline] = {"targets": targets, "runs": [_job_result(j, summ.get(j.arm)) for j in jobs]}
+    if stale_jobs:
+        summ = summaries.get(stale_jobs[0].pipeline, {})
+        rows = []
+        for j in stale_jobs:
+            s = summ.get(j.arm)
+            rows.append([j.arm.removeprefix("stale-k"), j.status if s is None else s["final_mlm"],
+                         *([_cell(s["targets"][n]["steps"], "{}") for n in ("nvlamb", "unigram")] if s else ["-", "-"]),
+                         math.nan if s is None else s["median_step_s"]])
+        lines += ["", f"### staleness ({stale_jobs[0].pipeline}: kfac, curvature_interval=k, deferred_inverse=true "
+                      "= PipeFisher's numerics at interval k)", "",
+                  h.table(["k", "final MLM (sm.)", "steps to nvlamb", "steps to unigram", "median step s"], rows)]
+    failed = [j for js in [sweep_jobs, *by_pipeline.values()] for j in js if j.status == "failed"]
+    for j in failed:
+        lines += ["", f"FAILED: {j.label} ({j.run_dir / 'train.log'}):", "```", j.error, "```"]
+    lines += ["", h.caveat(args.stages) + "  ", f"Machine: {load_before} before, {h.load()} after; "
+              f"{(time.monotonic() - started) / 60:.1f} min in all."]
+    report = "\n".join(lines)
+    print("\n" + report)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "table.md").write_text(report + "\n")
+    results["elapsed_s"] = time.monotonic() - started
+    (out / "results.json").write_text(json.dumps(results, indent=1, default=str) + "\n")
+    if by_pipeline:
+        _plots(out, by_pipeline, {p: results["pipelines"][p]["targets"] for p in by_pipeline}, args.smooth)
+    print(f"\nwritten: {out}/table.md, results.json, loss_vs_step.png, loss_vs_time.png")
+
+
+def _job_result(job: Job, summary: dict[str, Any] | None) -> dict[str, Any]:
+    records = job.records()
+    return {"arm": job.arm, "phase": job.phase, "lr": job.lr, "overrides": job.overrides, "status": job.status,
+            "error": job.error, "run_dir": str(job.run_dir), "process_wall_s": job.wall_s, "processes": job.chunks,
+            "summary": summary,
+            "metrics": {k: [r.get(k) for r in records] for k in ("step", "loss", "mlm_loss", "step_time_s")}}
+
+
+def _plots(out: Path, by_pipeline: dict[str, list[Job]], targets: dict[str, dict[str, float | None]], window: int) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    for name, xlabel in (("loss_vs_step", "step"), ("loss_vs_time", "seconds (Σ step_time_s)")):
+        fig, axes = plt.subplots(1, len(by_pipeline), figsize=(6 * len(by_pipeline), 4.2), squeeze=False)
+        for ax, (pipeline, jobs) in zip(axes[0], by_pipeline.items()):
+            for job in jobs:
+                records = job.records()
+                if not records:
+                    continue
+                y = smooth(mlm_losses(records), window)
+                x = (np.arange(1, len(y) + 1) if name == "loss_vs_step"
+                     else np.cumsum([r.get("step_time_s") or 0.0 for r in records]))
+                stale = family(job.arm) == "stale"
+                ax.plot(x, y, lw=0.8 if stale else 1.5, ls=":" if stale else "-", label=job.arm)
+            for (tname, value), color in zip(targets[pipeline].items(), ("gray", "black")):
+                if value is not None:
+                    ax.axhline(value, color=color, ls="--", lw=0.8, label=f"target {tname} {value:.2f}")
+            ax.set_title(pipeline)
+            ax.set_xlabel(xlabel)
+            ax.set_ylabel(f"MLM loss (mean of {window} steps)")
+            ax.legend(fontsize=7)
+        fig.tight_layout()
+        fig.savefig(out / f"{name}.png", dpi=120)
+        plt.close(fig)
+
+
+if __name__ == "__main__":
+    h.main_guard(main)
