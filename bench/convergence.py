@@ -433,6 +433,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--out", type=Path, help="output dir (default bench/results/convergence/<timestamp>)")
     p.add_argument("--run-timeout-s", type=float, default=3600.0, help="limit of one process (a chunk)")
     p.add_argument("--keep-checkpoints", action="store_true")
+    p.add_argument("--plan-from-profile", action="store_true",
+                   help="per pipeline, profile the run (profile.py, optimizer=kfac, 6 steps) and plan PipeFisher from the "
+                        "measured costs (schedule.py from=profile.sqlite); the pipefisher arm trains with that plan")
     p.add_argument("--quick", action="store_true", help="bert-tiny, 1f1b, 40 steps in 2 rounds, kfac k=1, no sweep: ~4 min")
     p.add_argument("--dry-run", action="store_true", help="print the commands only")
     return p
@@ -536,6 +539,11 @@ def main() -> None:
     # 2. The comparison (and the staleness arms on the first pipeline), interleaved in rounds.
     jobs = [Job("main", p, arm, o, lr_of(arm), args.steps, out / p / arm)
             for p in args.pipelines for arm, o in {**arms, **(stale if p == first else {})}.items()]
+    if args.plan_from_profile and not args.dry_run:
+        for job in jobs:
+            if job.arm == "pipefisher":
+                plan = plan_from_profile(common, job.pipeline, job.overrides, out / job.pipeline / "plan")
+                job.overrides = job.overrides + [f"optimizer.schedule={plan}"]
     if args.dry_run:
         if args.lr_sweep:
             print("# main runs: lr= of each swept arm is the one the sweep picks")
@@ -544,6 +552,33 @@ def main() -> None:
     run_jobs(jobs, common, args.chunk_steps, args.run_timeout_s, args.keep_checkpoints, args.smooth)
     _report(args, out, data, {p: [j for j in jobs if j.pipeline == p] for p in args.pipelines}, sweep_jobs,
             [j for j in jobs if family(j.arm) == "stale"], picked, load_before, started)
+
+
+#: schedule.py keys that mirror pipefisher's optimizer keys (the plan must be made with the same).
+PLAN_KEYS = ("curvature_micro_batches", "max_staleness", "max_interval")
+
+
+def plan_from_profile(common: Sequence[str], pipeline: str, overrides: Sequence[str], out: Path) -> Path:
+    """Profile ``pipeline`` with K-FAC on the critical path (its units measured), then plan PipeFisher
+    from that profile with ``schedule.py`` (the project's own workflow: README, "Profile a pipeline");
+    returns the plan's ``assignment.json``.
+
+    Raises:
+        RuntimeError: profile.py or schedule.py failed (the message holds its output's tail).
+    """
+    keys = [o for o in overrides if o.split("=")[0].removeprefix("optimizer.") in PLAN_KEYS]
+    profile_cmd = [sys.executable, "profile.py", *common, f"pipeline={pipeline}", "optimizer=kfac", "steps=6",
+                   *[k for k in keys if not k.startswith(("optimizer.max_staleness", "optimizer.max_interval"))],
+                   f"hydra.run.dir={out / 'profile'}"]
+    plan_cmd = [sys.executable, "schedule.py", f"from={out / 'profile' / 'profile.sqlite'}", "plot=false",
+                *[k.removeprefix("optimizer.") for k in keys], f"hydra.run.dir={out}"]
+    for cmd in (profile_cmd, plan_cmd):
+        print("$ " + shlex.join(cmd[1:]), flush=True)
+        done = subprocess.run(cmd, cwd=h.REPO, capture_output=True, text=True)
+        if done.returncode != 0:
+            raise RuntimeError(f"{shlex.join(cmd[1:])} failed:\n{(done.stdout + done.stderr)[-3000:]}")
+    print((out / "summary.txt").read_text(), flush=True)
+    return out / "assignment.json"
 
 
 def _print_commands(jobs: Sequence[Job], common: Sequence[str], chunk: int) -> None:

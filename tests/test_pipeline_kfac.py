@@ -29,7 +29,7 @@ MODEL = ["model.num_layers=4", "model.hidden_size=32", "model.num_heads=2", "mod
 WORD = "bert.embeddings.word_embeddings.weight"
 DECODER = "cls.predictions.decoder.weight"
 CASES = [("chimera", 2, 4, 1), ("1f1b", 2, 2, 2), ("gpipe", 4, 4, 1),
-         ("1f1b", 2, 4, 2, "optimizer.curvature_micro_batches=1")]
+         ("1f1b", 2, 4, 2, "optimizer.curvature_micro_batches=1", "optimizer.clip_before_precondition=false")]
 
 
 def _cfg(method: str, d: int, n: int, w: int, *extra: str) -> TrainConfig:
@@ -41,7 +41,8 @@ def _single_process_kfac(cfg: TrainConfig, steps: int):
     """Independent reference: one process, every micro-batch of every replica (or the first
     ``optimizer.curvature_micro_batches`` of each replica's, for the curvature), K-FAC refresh and
     preconditioning each step (interval 1, inverses used at once), then NVLAMB clipped by the norm
-    of the gradient before preconditioning (``optimizer.clip_before_precondition``)."""
+    of the preconditioned gradient, or of the gradient before preconditioning
+    (``optimizer.clip_before_precondition``)."""
     model = build_full_model(bert_config(cfg), seed=cfg.seed)
     source, plan = data_source(cfg), data_plan(cfg)
     n_total = cfg.num_micro_batches * cfg.data_parallel
@@ -63,7 +64,7 @@ def _single_process_kfac(cfg: TrainConfig, steps: int):
         if step == 0:
             first["factors"] = {n: (pre.layer(n).a.clone(), pre.layer(n).b.clone()) for n in pre.layer_names}
             first["grads"] = {n: p.grad.clone() for n, p in model.named_parameters()}
-        optimizer.step(grad_norm=raw_norm)
+        optimizer.step(grad_norm=raw_norm if cfg.optimizer.clip_before_precondition else None)
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
     return first, {n: p.detach() for n, p in model.named_parameters()}

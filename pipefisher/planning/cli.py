@@ -133,7 +133,12 @@ def _train_keys(run: RunShape, path: Path) -> str:
     v = f" pipeline.num_virtual={run.num_virtual}" if run.method == "interleaved" else ""
     return (f"python train.py optimizer=pipefisher optimizer.schedule={path} pipeline={run.method}{v} "
             f"stages={run.stages} num_micro_batches={run.num_micro_batches} "
-            f"micro_batch_size={run.micro_batch_size} data_parallel={run.dp_width}")
+            f"micro_batch_size={run.micro_batch_size} data_parallel={run.dp_width}"
+            + (f" optimizer.curvature_micro_batches={n}" if (n := _subset(path)) else ""))
+
+
+def _subset(path: Path) -> int:
+    return int(json.loads(Path(path).read_text()).get("curvature_micro_batches", 0))
 
 
 def _ms(seconds: float) -> str:
@@ -211,7 +216,8 @@ def plan_run(cfg: ScheduleConfig, out_dir: str | Path, requested: Collection[str
                   f"allreduce_bytes_per_s={cfg.allreduce_bytes_per_s or cfg.p2p_bytes_per_s:g})")
     schedule = run.build_schedule()
     comparison = compare_optimizers(schedule, cost, run.kfac_layers, max_interval=cfg.max_interval,
-                                    kfac_interval=cfg.kfac_interval)
+                                    kfac_interval=cfg.kfac_interval, max_staleness=cfg.max_staleness,
+                                    curvature_micro_batches=cfg.curvature_micro_batches)
     a = comparison.assignment
     meta = dict(a.metadata)
     meta.update(source=source, model_name=model_name, model=asdict(run.bert), micro_batch_size=run.micro_batch_size,
@@ -241,11 +247,12 @@ def plan_run(cfg: ScheduleConfig, out_dir: str | Path, requested: Collection[str
         f"  {f'kfac (critical path), refresh every {c.kfac.interval} step(s)':<44}{_ms(c.kfac.step_time_s)}",
         f"  {f'kfac (critical path), refresh every {k} step(s)':<44}{_ms(c.kfac_same_interval.step_time_s)}",
         f"  {f'pipefisher, refresh every k={k} step(s)':<44}{_ms(c.pipefisher.step_time_s)}",
-        f"refresh interval k={k} (smallest whose bubbles hold the K-FAC work; max_interval={cfg.max_interval}); "
-        f"per refresh {a.metadata['spilled_ns'] / 1e6:.2f} ms spilled before STEP, "
+        f"refresh interval {a.metadata['choice']}; lower bound k_min = K-FAC work / bubble time = "
+        f"{a.metadata['kfac_work_ns'] / 1e6:.2f} ms / {a.metadata['bubble_ns'] / 1e6:.2f} ms -> {a.metadata['k_min']} "
+        f"(max_interval={cfg.max_interval}, curvature age <= {2 * k - 1} steps); per refresh {a.metadata['spilled_ns'] / 1e6:.2f} ms spilled before STEP, "
         f"{a.metadata['tail_ns'] / 1e6:.2f} ms no k would hide (after the last backward, or a layer's curvature "
         f"larger than one step's bubbles)"
-        + ("; the plan was predicted slower than this work on the critical path, which it uses instead"
+        + (f"; fallback to critical-path K-FAC: {a.metadata.get('fallback_reason')}"
            if a.metadata.get("fallback") else ""),
         f"wrote {', '.join(p.name for p in [path, *pictures])}, summary.txt in {out_dir}",
         f"use it: {_train_keys(run, path)}",

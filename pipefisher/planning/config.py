@@ -54,6 +54,8 @@ class ScheduleConfig:
     allreduce_bytes_per_s: Optional[float] = None  # all-reduce bandwidth; None = p2p_bytes_per_s
     memory_bytes_per_s: float = 1.5e12  # device memory bandwidth (optimizer step)
     max_interval: int = 8  # largest K-FAC refresh interval k PipeFisher may choose
+    max_staleness: Optional[int] = None  # bound on the curvature age (2k-1 <= it); None = no bound
+    curvature_micro_batches: int = 0  # K-FAC curvature from the first n micro-batches of each pipe; 0 = all
     kfac_interval: int = 1  # refresh interval of the kfac (critical path) baseline in the summary
     plot: bool = True  # write the predicted timeline (timeline.pdf/png)
     whatif: bool = False  # rank configurations instead of planning one
@@ -74,6 +76,10 @@ class ScheduleConfig:
                 raise ConfigError(f"{name}={value!r}: must be positive")
         if self.allreduce_bytes_per_s is not None and not self.allreduce_bytes_per_s > 0:
             raise ConfigError(f"allreduce_bytes_per_s={self.allreduce_bytes_per_s!r}: must be positive, or null")
+        if self.max_staleness is not None and self.max_staleness < 1:
+            raise ConfigError(f"max_staleness={self.max_staleness!r}: must be >= 1 (2k-1 with k=1), or null")
+        if self.curvature_micro_batches < 0:
+            raise ConfigError(f"curvature_micro_batches={self.curvature_micro_batches!r}: must be >= 0 (0 = all)")
         if self.precision not in ("fp32", "bf16"):
             raise ConfigError(f"precision={self.precision!r}: choose fp32 or bf16")
 

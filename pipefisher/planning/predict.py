@@ -83,7 +83,8 @@ class Comparison:
 
 
 def compare_optimizers(schedule: Schedule, cost: CostModel, kfac_layers: Sequence[int], *,
-                       max_interval: int = 8, kfac_interval: int = 1) -> Comparison:
+                       max_interval: int = 8, kfac_interval: int = 1, max_staleness: int | None = None,
+                       curvature_micro_batches: int = 0) -> Comparison:
     """Plan PipeFisher and predict nvlamb, kfac and pipefisher on ``schedule``.
 
     Args:
@@ -92,15 +93,21 @@ def compare_optimizers(schedule: Schedule, cost: CostModel, kfac_layers: Sequenc
         kfac_layers: K-FAC layers per stage.
         max_interval: largest refresh interval PipeFisher may choose.
         kfac_interval: refresh interval of the kfac baseline (1: every step).
+        max_staleness, curvature_micro_batches: as :func:`~pipefisher.planning.assign.plan_pipefisher`
+            (the kfac baselines use the same curvature micro-batches).
 
     Returns:
         The comparison; ``comparison.assignment.metadata["predicted"]`` holds the figures.
     """
     nvlamb, _ = predict_schedule(schedule, cost)
-    planned = plan_pipefisher(schedule, cost, kfac_layers, max_interval=max_interval)
+    planned = plan_pipefisher(schedule, cost, kfac_layers, max_interval=max_interval, max_staleness=max_staleness,
+                              curvature_micro_batches=curvature_micro_batches)
     pipefisher, events = predict_assignment(planned, cost)
-    kfac, _ = predict_assignment(critical_path_assignment(schedule, kfac_layers, kfac_interval), cost, "kfac")
-    same, _ = predict_assignment(critical_path_assignment(schedule, kfac_layers, planned.interval), cost, "kfac")
+    n = curvature_micro_batches
+    kfac, _ = predict_assignment(critical_path_assignment(schedule, kfac_layers, kfac_interval,
+                                                          curvature_micro_batches=n), cost, "kfac")
+    same, _ = predict_assignment(critical_path_assignment(schedule, kfac_layers, planned.interval,
+                                                          curvature_micro_batches=n), cost, "kfac")
     out = Comparison(nvlamb, kfac, same, pipefisher, planned, events)
     meta = dict(planned.metadata)
     meta["predicted"] = out.as_dict()
