@@ -193,6 +193,23 @@ def parse_extra(items: Sequence[str]) -> dict[str, list[str]]:
     return out
 
 
+def parse_variants(items: Sequence[str]) -> dict[str, tuple[str, list[str]]]:
+    """``--variant NAME=ARM:key=value[,key=value...]`` -> {NAME: (ARM, overrides)}: an arm NAME that runs
+    as ARM (a name of the arm table, e.g. ``pipefisher`` or ``kfac-k1``) with the overrides added."""
+    out: dict[str, tuple[str, list[str]]] = {}
+    for item in items:
+        name, sep, rest = item.partition("=")
+        base, colon, overrides = rest.partition(":")
+        pairs = [o for o in overrides.split(",") if o]
+        if not (sep and colon and name and base) or not pairs or any("=" not in o for o in pairs):
+            raise ValueError(f"--variant {item!r}: expected NAME=ARM:key=value[,key=value], "
+                             "e.g. pipefisher-clipafter=pipefisher:optimizer.clip_before_precondition=false")
+        if name in out:
+            raise ValueError(f"--variant {item!r}: {name} is given twice")
+        out[name] = (base, pairs)
+    return out
+
+
 def parse_lrs(items: Sequence[str]) -> dict[str, float]:
     """``--lr ARM=value`` (repeatable; ARM a name or a family) or ``--lr value`` for every arm (``*``)."""
     out: dict[str, float] = {}
@@ -414,6 +431,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--kfac-intervals", help="one kfac-k<K> arm per K (default 1,8; --quick: 1)")
     p.add_argument("--extra", action="append", default=[], metavar="ARM:KEY=VALUE",
                    help="extra override for an arm or family (kfac, stale), repeatable")
+    p.add_argument("--variant", action="append", default=[], metavar="NAME=ARM:KEY=VALUE[,KEY=VALUE]",
+                   help="one more arm NAME: ARM with these overrides, e.g. "
+                        "pipefisher-clipafter=pipefisher:optimizer.clip_before_precondition=false (repeatable; "
+                        "NAME's family, the part before the first '-', takes --lr and --extra of that family)")
     p.add_argument("--lr", action="append", default=[], metavar="ARM=VALUE",
                    help="fixed peak lr for an arm or family, or VALUE for all (default: the config's)")
     p.add_argument("--lr-sweep", help="comma-separated lrs: first run each arm without --lr at each (first pipeline, "
@@ -452,6 +473,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     args.staleness = parse_list(args.staleness, int)
     args.lr_sweep = parse_list(args.lr_sweep, float)
     args.extra = parse_extra(args.extra)
+    args.variant = parse_variants(args.variant)
     args.lr = parse_lrs(args.lr)
     args.sweep_steps = args.sweep_steps or max(2 * args.smooth, args.steps // 3)
     unknown = [a for a in args.arms if a not in ARMS]
@@ -468,7 +490,14 @@ def arm_table(args: argparse.Namespace) -> dict[str, list[str]]:
             arms.update({f"kfac-k{k}": kfac_overrides(k) for k in args.kfac_intervals})
         else:
             arms[name] = list(ARMS[name])
-    return {arm: o + [x for extra in for_arm(args.extra, arm) for x in extra] for arm, o in arms.items()}
+    arms = {arm: o + [x for extra in for_arm(args.extra, arm) for x in extra] for arm, o in arms.items()}
+    for name, (base, overrides) in args.variant.items():
+        if base not in arms:
+            raise ValueError(f"--variant {name}={base}:...: no arm {base} in this run ({', '.join(arms)})")
+        if name in arms:
+            raise ValueError(f"--variant {name}=...: {name} is an arm already; choose another name")
+        arms[name] = arms[base] + args.extra.get(name, []) + overrides  # base's extras are in arms[base]
+    return arms
 
 
 def stale_table(args: argparse.Namespace) -> dict[str, list[str]]:
@@ -541,8 +570,9 @@ def main() -> None:
             for p in args.pipelines for arm, o in {**arms, **(stale if p == first else {})}.items()]
     if args.plan_from_profile and not args.dry_run:
         for job in jobs:
-            if job.arm == "pipefisher":
-                plan = plan_from_profile(common, job.pipeline, job.overrides, out / job.pipeline / "plan")
+            if family(job.arm) == "pipefisher":
+                plan_dir = out / job.pipeline / ("plan" if job.arm == "pipefisher" else f"plan-{job.arm}")
+                plan = plan_from_profile(common, job.pipeline, job.overrides, plan_dir)
                 job.overrides = job.overrides + [f"optimizer.schedule={plan}"]
     if args.dry_run:
         if args.lr_sweep:

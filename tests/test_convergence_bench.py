@@ -212,3 +212,23 @@ def test_prepare_reads_raw_wikitext_as_articles_of_sentences(tmp_path: Path) -> 
     vocab = (tmp_path / "out" / "vocab.txt").read_text().split()
     assert "@" not in vocab and "description" not in vocab and "unk" not in vocab
     assert '"wikitext"' in (tmp_path / "out" / "prepare.json").read_text()
+
+
+def test_variants_copy_an_arm_with_overrides_and_keep_their_family(cv) -> None:
+    args = cv.parse_args(["--kfac-intervals", "1", "--extra", "pipefisher:optimizer.max_staleness=7",
+                          "--variant", "pipefisher-clipafter=pipefisher:optimizer.clip_before_precondition=false",
+                          "--variant", "kfac-mom=kfac-k1:optimizer.kfac_update=momentum,optimizer.kfac_lr=1e-3",
+                          "--lr", "pipefisher=3e-2"])
+    arms = cv.arm_table(args)
+    assert list(arms) == ["nvlamb", "kfac-k1", "pipefisher", "pipefisher-clipafter", "kfac-mom"]
+    assert arms["pipefisher-clipafter"] == ["optimizer=pipefisher", "optimizer.max_staleness=7",
+                                            "optimizer.clip_before_precondition=false"]
+    assert arms["kfac-mom"][-2:] == ["optimizer.kfac_update=momentum", "optimizer.kfac_lr=1e-3"]
+    assert cv.fixed_lr(args, "pipefisher-clipafter") == 3e-2  # the family's lr
+    for bad in ("x=pipefisher", "x=pipefisher:lr", "=pipefisher:a=1", "x:a=1"):
+        with pytest.raises(ValueError, match="NAME=ARM:key=value"):
+            cv.parse_args(["--variant", bad])
+    with pytest.raises(ValueError, match="no arm adam"):
+        cv.arm_table(cv.parse_args(["--variant", "x=adam:a=1"]))
+    with pytest.raises(ValueError, match="an arm already"):
+        cv.arm_table(cv.parse_args(["--variant", "nvlamb=pipefisher:a=1"]))
