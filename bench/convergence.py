@@ -541,8 +541,23 @@ def main() -> None:
     first = args.pipelines[0]
 
     # 1. lr sweep on the first pipeline, for the arms without a fixed lr.
+    # Variants without a fixed lr take their base arm's: they are not swept.
     sweep_jobs = [Job("sweep", first, arm, o, lr, args.sweep_steps, out / "sweep" / first / arm / f"lr{lr:g}")
-                  for arm, o in arms.items() if fixed_lr(args, arm) is None for lr in args.lr_sweep]
+                  for arm, o in arms.items() if fixed_lr(args, arm) is None and arm not in args.variant
+                  for lr in args.lr_sweep]
+    plans: dict[tuple[str, str], Path] = {}
+
+    def add_plan(job: Job) -> None:
+        """--plan-from-profile: a pipefisher-family job trains with the plan made from its own profile."""
+        if not args.plan_from_profile or args.dry_run or family(job.arm) != "pipefisher":
+            return
+        if (job.pipeline, job.arm) not in plans:
+            plan_dir = out / job.pipeline / ("plan" if job.arm == "pipefisher" else f"plan-{job.arm}")
+            plans[job.pipeline, job.arm] = plan_from_profile(common, job.pipeline, job.overrides, plan_dir)
+        job.overrides = job.overrides + [f"optimizer.schedule={plans[job.pipeline, job.arm]}"]
+
+    for job in sweep_jobs:
+        add_plan(job)
     picked: dict[str, float | None] = {}
     if args.dry_run:
         _print_commands(sweep_jobs, common, args.chunk_steps)
@@ -560,6 +575,8 @@ def main() -> None:
     def lr_of(arm: str) -> float | None:
         if fixed_lr(args, arm) is not None:
             return fixed_lr(args, arm)
+        if arm in args.variant:
+            return lr_of(args.variant[arm][0])
         if family(arm) == "stale":  # staleness arms take the first kfac arm's lr
             kfac = next((a for a in arms if family(a) == "kfac"), None)
             return lr_of(kfac) if kfac else None
@@ -568,12 +585,8 @@ def main() -> None:
     # 2. The comparison (and the staleness arms on the first pipeline), interleaved in rounds.
     jobs = [Job("main", p, arm, o, lr_of(arm), args.steps, out / p / arm)
             for p in args.pipelines for arm, o in {**arms, **(stale if p == first else {})}.items()]
-    if args.plan_from_profile and not args.dry_run:
-        for job in jobs:
-            if family(job.arm) == "pipefisher":
-                plan_dir = out / job.pipeline / ("plan" if job.arm == "pipefisher" else f"plan-{job.arm}")
-                plan = plan_from_profile(common, job.pipeline, job.overrides, plan_dir)
-                job.overrides = job.overrides + [f"optimizer.schedule={plan}"]
+    for job in jobs:
+        add_plan(job)
     if args.dry_run:
         if args.lr_sweep:
             print("# main runs: lr= of each swept arm is the one the sweep picks")
