@@ -8,6 +8,10 @@ the pipeline tests compare with); the helpers here are shared with the pipeline 
 The loss of a step is the mean over its micro-batches (and data-parallel replicas) of each
 micro-batch's MLM + NSP loss; gradients are those of that mean. Every method (one process,
 GPipe, 1F1B, Chimera, data parallel) uses this scale, so their losses and gradients are equal.
+
+[Note: dropout masks]
+Micro-batch j of step t runs under ``dropout_key(t, j)``, the key the pipeline executor gives the
+same samples (``pipefisher.model.rng``): with dropout on, this loop is still the reference.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ import torch
 from pipefisher.config import TrainConfig
 from pipefisher.data import build_source, get_micro_batch
 from pipefisher.model import BertConfig, BertStage, build_full_model
+from pipefisher.model.rng import dropout_key
 from pipefisher.optim import ENCODER_LINEAR_PATTERN, build_optimizer, make_lr_scheduler, param_groups
 from pipefisher.tracking import MetricsWriter, WandbLogger
 
@@ -212,7 +217,7 @@ def train_single_process(
             totals = torch.zeros(2, device=device)
             for j in range(cfg.num_micro_batches):
                 batch = {k: v.to(device, non_blocking=True) for k, v in get_micro_batch(source, step, j, 0, **plan).items()}
-                with autocast_context(cfg, device):
+                with autocast_context(cfg, device), dropout_key(step, j):
                     losses = model(None, batch).float()  # [mlm, nsp]
                 (losses.sum() / cfg.num_micro_batches).backward()
                 totals += losses.detach()

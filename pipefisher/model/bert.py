@@ -35,6 +35,13 @@ positions first and runs the MLM head on [B, P, H] only. NVIDIA's data pads
 ``masked_lm_positions`` and ``masked_lm_ids`` with 0; a slot counts as padding when its
 ``masked_lm_ids`` is 0 (id 0 is [PAD], never a prediction target). The MLM loss is the
 cross-entropy averaged over the real (non-padding) slots of the micro-batch.
+
+[Note: dropout]
+Dropout masks are keyed by (seed, pipeline layer, dropout site, step, micro-batch), not drawn from
+the process's RNG, so a stage split across workers draws the full model's masks
+(``pipefisher.model.rng``, [Note: randomness independent of placement]). Each pipeline layer's
+dropout sites are named when the layer is built (``name_dropout_sites``); the trainer sets
+(step, micro-batch) with ``dropout_key`` around a forward.
 """
 
 from __future__ import annotations
@@ -49,6 +56,7 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 from pipefisher.model.config import BertConfig
+from pipefisher.model.rng import KeyedDropout, current_dropout_key, name_dropout_sites, replay_dropout_key
 
 __all__ = [
     "Batch",
@@ -106,7 +114,7 @@ class BertEmbeddings(nn.Module):
         self.position_embeddings = nn.Embedding(config.max_position_embeddings, config.hidden_size)
         self.token_type_embeddings = nn.Embedding(config.type_vocab_size, config.hidden_size)
         self.LayerNorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
-        self.dropout = nn.Dropout(config.hidden_dropout)
+        self.dropout = KeyedDropout(config.hidden_dropout)
 
     def forward(self, input_ids: Tensor, segment_ids: Tensor) -> Tensor:
         """Embed token ids [B,S] and segment ids [B,S] into hidden states [B,S,H]."""
@@ -130,7 +138,7 @@ class BertSelfAttention(nn.Module):
         self.query = nn.Linear(config.hidden_size, config.hidden_size)
         self.key = nn.Linear(config.hidden_size, config.hidden_size)
         self.value = nn.Linear(config.hidden_size, config.hidden_size)
-        self.dropout = nn.Dropout(config.attention_dropout)
+        self.dropout = KeyedDropout(config.attention_dropout)
 
     def forward(self, hidden: Tensor, additive_mask: Tensor) -> Tensor:
         """Attend ``hidden`` [B,S,H] over itself; ``additive_mask`` [B,1,1,S]; returns [B,S,H]."""
@@ -153,7 +161,7 @@ class BertSelfOutput(nn.Module):
         super().__init__()
         self.dense = nn.Linear(config.hidden_size, config.hidden_size)
         self.LayerNorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
-        self.dropout = nn.Dropout(config.hidden_dropout)
+        self.dropout = KeyedDropout(config.hidden_dropout)
 
     def forward(self, context: Tensor, residual: Tensor) -> Tensor:
         """[B,S,H], [B,S,H] -> [B,S,H]."""
@@ -194,7 +202,7 @@ class BertOutput(nn.Module):
         assert config.intermediate_size is not None
         self.dense = nn.Linear(config.intermediate_size, config.hidden_size)
         self.LayerNorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
-        self.dropout = nn.Dropout(config.hidden_dropout)
+        self.dropout = KeyedDropout(config.hidden_dropout)
 
     def forward(self, inner: Tensor, residual: Tensor) -> Tensor:
         """[B,S,4H], [B,S,H] -> [B,S,H]."""
@@ -351,8 +359,9 @@ class BertStage(nn.Module):
         seed: initialization seed; every stage built with the same seed holds exactly the
             weights of ``build_full_model(config, seed)`` restricted to its layers.
         recompute: in training (grad enabled, ``self.training``), run each encoder layer under
-            ``torch.utils.checkpoint`` (non-reentrant) to keep only its input alive; the RNG
-            state is replayed, so dropout and the numerics are unchanged.
+            ``torch.utils.checkpoint`` (non-reentrant) to keep only its input alive; the
+            dropout key (or, outside one, the RNG state) is replayed, so dropout and the
+            numerics are unchanged.
 
     Raises:
         ValueError: the slice is empty or outside 0..L+1.
@@ -386,9 +395,11 @@ class BertStage(nn.Module):
         if self.has_embeddings:
             self.bert.embeddings = BertEmbeddings(config)
             _init_modules([self.bert.embeddings], _layer_generator(seed, 0), std)
+            name_dropout_sites(self.bert.embeddings, seed, 0)
         for index in self.encoder_layer_indices:
             layer = BertLayer(config)
             _init_modules([layer], _layer_generator(seed, index + 1), std)
+            name_dropout_sites(layer, seed, index + 1)
             self.bert.encoder.layer[str(index)] = layer
         if self.has_heads:
             self.bert.pooler = BertPooler(config)
@@ -470,9 +481,10 @@ class BertStage(nn.Module):
             hidden.dtype
         ).min  # [B,1,1,S]
         use_checkpoint = self.recompute and self.training and torch.is_grad_enabled()
+        key = current_dropout_key()  # the replay in backward re-enters it: [Note: dropout]
         for layer in self.bert.encoder.layer.values():
             if use_checkpoint:
-                hidden = checkpoint(layer, hidden, additive_mask, use_reentrant=False)
+                hidden = checkpoint(_run_layer, layer, key, hidden, additive_mask, use_reentrant=False)
             else:
                 hidden = layer(hidden, additive_mask)
         assert hidden is not None
@@ -521,6 +533,13 @@ class BertStage(nn.Module):
 
     def extra_repr(self) -> str:
         return f"pipeline layers {self.first_layer}..{self.last_layer} (inclusive)"
+
+
+def _run_layer(layer: BertLayer, key: tuple[int, int] | None, hidden: Tensor, additive_mask: Tensor) -> Tensor:
+    """``layer(hidden, additive_mask)`` under the dropout key of its forward, so that recompute's
+    replay in the backward pass draws the forward's masks ([Note: dropout])."""
+    with replay_dropout_key(key):
+        return layer(hidden, additive_mask)
 
 
 def build_full_model(config: BertConfig, seed: int = 0, recompute: bool = False) -> BertStage:

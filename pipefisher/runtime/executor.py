@@ -23,6 +23,13 @@ A K-FAC ``PRECOND(stage, pipe)`` first waits for that replica's all-reduce (K-FA
 encoder Linear layers, never the tied weight); the global gradient norm is taken at ``STEP``,
 after preconditioning.
 
+[Note: dropout]
+Each FORWARD runs under ``dropout_key(step, r * N + j)`` for micro-batch j of data-parallel replica
+r (N micro-batches per replica): the index the sample has in the step's global batch, and the one
+single-process training (``pipefisher.training``) gives it. Dropout masks are a function of that
+key and the dropout site, not of this worker's RNG, so every method draws the single-process masks
+(``pipefisher.model.rng``, [Note: randomness independent of placement]); recompute replays them.
+
 [Note: waits are not compute]
 DESIGN.md, "Bubble utilization": waiting is never busy. An action that consumes collectives first
 waits for them, and that wait is an event of its own, just before the action's event, with the
@@ -53,6 +60,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from pipefisher.model.rng import dropout_key
 from pipefisher.runtime.kfac_work import KfacWork, StageKey
 from pipefisher.schedules.ir import Action, ActionKind, Schedule
 from pipefisher.timeline import Event
@@ -153,6 +161,8 @@ class WorkerExecutor:
         self.loss_scale = loss_scale
         self.autocast = autocast
         self.eager_recv = dist.get_backend() != "nccl"
+        # This replica's micro-batch j is number offset + j of the global batch: [Note: dropout].
+        self.micro_batch_offset = self.schedule.placement.dp_group_of(rank) * self.schedule.num_micro_batches
         tied_ids = {id(p) for p in tied[0]} if tied else set()
         # Parameters all-reduced at SYNC_GRAD, per local stage replica (tied weight excluded).
         self._sync_params = {
@@ -229,7 +239,7 @@ class WorkerExecutor:
                     x.requires_grad_(True)
                 if a.micro_batch not in batches:
                     batches[a.micro_batch] = get_batch(a.micro_batch)
-                with self.autocast(), self._capture(a):
+                with self.autocast(), self._capture(a), dropout_key(step, self.micro_batch_offset + a.micro_batch):
                     y = module(x, batches[a.micro_batch])
                 inputs[key] = x
                 outputs[key] = y
