@@ -1,27 +1,147 @@
-"""Hydra entry points behind ``train.py`` (and the ``pipefisher-train`` console script).
+"""Hydra entry points behind ``train.py`` and ``profile.py`` (and the ``pipefisher-train`` /
+``pipefisher-profile`` console scripts).
 
 The scripts at the repository root only call these functions, so the config directory is the
 package's ``pipefisher/conf`` (``conf/`` at the root is a link to it) wherever the package lives.
+
+[Note: errors a user can fix print one message]
+A :class:`~pipefisher.config.ConfigError`, a ``DataError`` (bad ``data.path``, unreadable shard),
+a ``CheckpointError`` or a ``ScheduleError`` is a message for the user, not a bug: it is printed
+as ``<script>: <message>`` on stderr, without a traceback, and the exit status is 1
+(``HYDRA_FULL_ERROR=1`` raises it with its traceback instead). The same holds when a worker
+process raised one (the launcher's exception then carries the worker's traceback as text). A
+failed run's output directory is removed when it holds only what Hydra wrote before the run
+(``.hydra/`` and the job's log), so a mistyped command leaves nothing behind; otherwise the
+message is appended to the job's log. The config (and ``data.path``'s shards) are checked here,
+before wandb or any worker starts. A command-line key the config lacks is refused before Hydra
+composes anything, naming the closest key (:func:`~pipefisher.config.check_override_keys`).
 """
 
 from __future__ import annotations
 
+import functools
 import logging
+import os
+import re
+import shutil
+import sys
+from collections.abc import Callable
+from dataclasses import fields, is_dataclass
+from pathlib import Path
+from typing import Any, get_type_hints
 
 import hydra
+from hydra.core.config_store import ConfigStore
 from hydra.core.hydra_config import HydraConfig
-from omegaconf import DictConfig
+from hydra.errors import CompactHydraException
+from omegaconf import DictConfig, OmegaConf
 
-from pipefisher.config import register_configs, to_train_config
+from pipefisher.config import TrainConfig, check_override_keys, register_configs, to_train_config
 
-__all__ = ["train_main", "profile_main"]
+__all__ = ["train_main", "profile_main", "UserError", "user_message"]
 
 log = logging.getLogger(__name__)
 register_configs()
 
+_CONF = Path(__file__).parent / "conf"
+#: (module, class) of the errors that carry a message for the user (see the Note above).
+_USER_ERRORS = (
+    ("pipefisher.config", "ConfigError"),
+    ("pipefisher.data.batches", "DataError"),
+    ("pipefisher.runtime.checkpoint", "CheckpointError"),
+    ("pipefisher.schedules.checks", "ScheduleError"),
+)
+# The last "<module>.<Class>: message" line of a traceback that a worker's failure carries as text.
+_RAISED = re.compile(r"^(pipefisher(?:\.\w+)+)\.(\w+): ", re.MULTILINE)
+
+
+class UserError(CompactHydraException):
+    """A user-fixable error: Hydra prints its message alone and exits with status 1."""
+
+
+def _user_error_types() -> tuple[type[BaseException], ...]:
+    # Only a module already imported can have raised its error: looking the classes up in
+    # sys.modules keeps torch (imported by the data and checkpoint modules) off this path.
+    return tuple(getattr(sys.modules[m], name) for m, name in _USER_ERRORS if m in sys.modules)
+
+
+def user_message(err: BaseException) -> str | None:
+    """The message to show for ``err`` when it is a user-fixable error (see the Note), else None.
+
+    A worker's failure (``ProcessRaisedException`` of local workers, ``WorkerFailed`` of
+    torchrun/SLURM workers) counts when the traceback it carries ends in such an error.
+    """
+    if isinstance(err, _user_error_types()):
+        return str(err)
+    if type(err).__name__ in ("ProcessRaisedException", "WorkerFailed"):
+        text = str(err)
+        found = list(_RAISED.finditer(text))
+        if found and (found[-1].group(1), found[-1].group(2)) in _USER_ERRORS:
+            where = f"worker {err.error_index}: " if hasattr(err, "error_index") else ""
+            return where + text[found[-1].end():].strip()
+    return None
+
+
+def _hydra_only(run_dir: Path, job_name: str) -> bool:
+    """Whether ``run_dir`` holds nothing but what Hydra wrote before the task ran."""
+    return run_dir.is_dir() and {p.name for p in run_dir.iterdir()} <= {".hydra", f"{job_name}.log"}
+
+
+def _clean_up_failed_run(message: str) -> None:
+    """Remove the failed run's directory if the run wrote nothing into it, else log ``message`` there."""
+    hc = HydraConfig.get()
+    run_dir = Path(hc.runtime.output_dir)
+    if _hydra_only(run_dir, hc.job.name):
+        for handler in logging.getLogger().handlers:  # the job's log file lives in the folder
+            if isinstance(handler, logging.FileHandler) and Path(handler.baseFilename).parent == run_dir:
+                handler.close()
+        shutil.rmtree(run_dir, ignore_errors=True)
+        # And the date folder of `outputs/<date>/<time>` when it is now empty: only below the
+        # working directory, where Hydra made it (a folder the user named stays).
+        parent, cwd = run_dir.parent.resolve(), Path.cwd().resolve()
+        if cwd in parent.parents and parent.parent != cwd and not any(parent.iterdir()):
+            parent.rmdir()
+        return
+    record = log.makeRecord(log.name, logging.ERROR, __file__, 0, "run failed: %s", (message,), None)
+    for handler in logging.getLogger().handlers:  # the file only: stderr gets it from Hydra
+        if isinstance(handler, logging.FileHandler):
+            handler.handle(record)
+
+
+def _reported(task: Callable[[DictConfig], Any]) -> Callable[[DictConfig], Any]:
+    """Wrap a Hydra task so that user-fixable errors end in one message (see the Note)."""
+
+    @functools.wraps(task)
+    def wrapper(dcfg: DictConfig) -> Any:
+        try:
+            return task(dcfg)
+        except Exception as err:
+            message = user_message(err)
+            if message is None:
+                raise
+            _clean_up_failed_run(message)
+            if os.environ.get("HYDRA_FULL_ERROR") == "1":
+                raise
+            raise UserError(f"{_program()}: {message}") from err
+
+    return wrapper
+
+
+def _program() -> str:
+    return os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else "train.py"
+
+
+def _check_data(cfg: TrainConfig) -> None:
+    """Open the hdf5 shards ``data.path`` names (fields, dtypes, shapes) before wandb and the workers start."""
+    if cfg.data.kind == "hdf5":
+        from pipefisher.training import data_source  # imports torch: only after the config is valid
+
+        data_source(cfg)
+
 
 def _run(dcfg: DictConfig) -> float:
     cfg = to_train_config(dcfg)
+    _check_data(cfg)
     from pipefisher.launch import run_training  # imports torch: only after the config is valid
 
     hc = HydraConfig.get()
@@ -34,13 +154,87 @@ def _run(dcfg: DictConfig) -> float:
     return float(result.get("loss", float("nan")))
 
 
+# -- --help ----------------------------------------------------------------------------------------
+
+_HELP = "pipefisher_train"
+
+
+def _config_groups() -> str:
+    """``group: option, …`` lines of the groups a TrainConfig field selects, from ``conf/``.
+
+    Hydra's own list holds every folder under ``conf/`` (finetune's ``task`` too) and the schemas
+    registered in each group (``model_schema``, …), which are no choice a user makes.
+    """
+    hints = get_type_hints(TrainConfig)
+    lines = []
+    for f in fields(TrainConfig):
+        folder = _CONF / f.name
+        if is_dataclass(hints[f.name]) and folder.is_dir():
+            options = sorted(p.stem for p in folder.glob("*.yaml"))
+            if options:
+                lines.append(f"{f.name}: {', '.join(options)}")
+    return "\n".join(lines)
+
+
+def _register_help() -> None:
+    """Register the help page ``hydra/help=pipefisher_train``: Hydra's, with our group list."""
+    template = "\n".join([
+        "${hydra.help.header}",
+        "== Configuration groups ==",
+        "Compose your configuration from those groups (group=option)",
+        "",
+        _config_groups().replace("$", "$$"),
+        "",
+        "== Config ==",
+        "Override anything in the config (foo.bar=value)",
+        "",
+        "$CONFIG",
+        "",
+        "${hydra.help.footer}",
+    ])
+    node = OmegaConf.create({"app_name": "${hydra.job.name}",
+                             "header": "${hydra.help.app_name} is powered by Hydra.\n",
+                             "footer": "Powered by Hydra (https://hydra.cc)\nUse --hydra-help to view Hydra specific help\n",
+                             "template": template})
+    ConfigStore.instance().store(group="hydra/help", name=_HELP, node=node)
+
+
+_register_help()
+
+
+def _start(main: Callable[[], Any]) -> Any:
+    """Check the command line's keys, choose our help page, then hand over to Hydra."""
+    args = sys.argv[1:]
+    try:
+        check_override_keys(args, TrainConfig)
+    except ValueError as err:
+        if os.environ.get("HYDRA_FULL_ERROR") == "1":
+            raise
+        sys.exit(f"{_program()}: {err}")
+    if "--help" in args or "-h" in args:
+        # The page lives in the ConfigStore; choosing it from conf/config.yaml's defaults
+        # (`override hydra/help: pipefisher_train`) would do the same.
+        sys.argv = [*sys.argv, f"hydra/help={_HELP}"]
+    return main()
+
+
 @hydra.main(config_path="conf", config_name="config", version_base="1.3")
-def train_main(dcfg: DictConfig) -> float:
-    """Compose, validate, train; returns the last step's loss (Hydra sweepers may use it)."""
+@_reported
+def _train(dcfg: DictConfig) -> float:
     return _run(dcfg)
 
 
 @hydra.main(config_path="conf", config_name="profile", version_base="1.3")
-def profile_main(dcfg: DictConfig) -> float:
-    """Train a few steps recording the timeline; writes profile.sqlite and timeline.pdf/png."""
+@_reported
+def _profile(dcfg: DictConfig) -> float:
     return _run(dcfg)
+
+
+def train_main() -> float:
+    """Compose, validate, train; returns the last step's loss (Hydra sweepers may use it)."""
+    return _start(_train)
+
+
+def profile_main() -> float:
+    """Train a few steps recording the timeline; writes profile.sqlite and timeline.pdf/png."""
+    return _start(_profile)

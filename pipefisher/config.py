@@ -9,10 +9,12 @@ value and the fix.
 
 from __future__ import annotations
 
+import difflib
 import logging
 import os
-from dataclasses import dataclass, field
-from typing import Any, Optional
+from collections.abc import Iterable
+from dataclasses import dataclass, field, fields, is_dataclass
+from typing import Any, Optional, get_type_hints
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
@@ -29,6 +31,7 @@ __all__ = [
     "FaultConfig",
     "CheckpointConfig",
     "TrainConfig",
+    "check_override_keys",
     "register_configs",
     "to_train_config",
     "validate",
@@ -286,6 +289,12 @@ def validate(cfg: TrainConfig) -> None:
               f"exceeds model.num_layers={m.num_layers} (every stage needs an encoder layer); "
               f"use {what} <= {m.num_layers} or a deeper model")
     method = cfg.pipeline.method
+    if method == "interleaved" and cfg.stages == 1 and cfg.pipeline.num_virtual > 1:
+        # A worker's virtual stages hand activations and gradients to each other only through the
+        # pipeline's p2p, and with one stage per pipe there is no next worker (issue 16, item 6).
+        _fail("pipeline.num_virtual", cfg.pipeline.num_virtual,
+              "pipeline=interleaved with stages=1 has no worker to pass its virtual stages' activations to; "
+              "use stages>=2, or pipeline.num_virtual=1 (data_parallel still applies)")
     if cfg.stages > 1 or cfg.data_parallel > 1:
         if method == "chimera":
             if cfg.stages % 2:
@@ -376,6 +385,64 @@ def _validate_checkpoint(cfg: TrainConfig) -> None:
     if c.dir is not None and not c.enabled and cfg.resume != "auto":
         log.warning("checkpoint.dir is set but has no effect: set checkpoint.every_steps or "
                     "checkpoint.every_minutes to write checkpoints, or resume=auto to read them")
+
+
+def _schema_keys(schema: type, prefix: str = "") -> list[str]:
+    """Every dotted key of a dataclass schema, nested dataclasses included (``model``, ``model.name``, …)."""
+    keys = []
+    hints = get_type_hints(schema)
+    for f in fields(schema):
+        key = prefix + f.name
+        keys.append(key)
+        if is_dataclass(hints.get(f.name)):
+            keys += _schema_keys(hints[f.name], key + ".")
+    return keys
+
+
+def check_override_keys(args: Iterable[str], schema: type | None = None) -> None:
+    """Refuse a command-line override whose key the schema lacks, naming the closest key.
+
+    Hydra's own message for ``stagez=2`` suggests ``+stagez=2``, which adds a key nothing reads
+    (and then fails on the structured config); the fix is almost always a typo (issue 16).
+    Arguments that are not plain ``key=value`` changes (flags, ``+key``/``++key``/``~key``,
+    ``group@package=…``, ``hydra.*`` and ``hydra/*``) are left to Hydra, and so is any key below
+    a field that is not itself a schema (a list or a free-form value).
+
+    Args:
+        args: command-line arguments, as in ``sys.argv[1:]``.
+        schema: the dataclass of the composed config (default :class:`TrainConfig`).
+
+    Raises:
+        ConfigError: ``<key>=<value>: unknown key '<key>'; did you mean <closest>=<value>?``
+    """
+    schema = schema or TrainConfig
+    keys = _schema_keys(schema)
+    known = set(keys)
+    leaves: dict[str, list[str]] = {}
+    for key in keys:
+        leaves.setdefault(key.rsplit(".", 1)[-1], []).append(key)
+    for arg in args:
+        if arg.startswith(("-", "+", "~")) or "=" not in arg:
+            continue
+        key, value = arg.split("=", 1)
+        if "@" in key or "/" in key or key == "hydra" or key.startswith("hydra."):
+            continue
+        parts = key.split(".")
+        if not all(p.isidentifier() for p in parts):
+            continue  # not a key Hydra would take either: leave its message to Hydra
+        # The longest prefix that is a schema key decides: below a non-schema field anything goes.
+        depth = next((i for i in range(len(parts), 0, -1) if ".".join(parts[:i]) in known), 0)
+        if depth == len(parts):
+            continue
+        parent = ".".join(parts[:depth])
+        if depth and not any(k.startswith(parent + ".") for k in keys):
+            continue  # below a leaf (a list or a free-form field)
+        siblings = [k for k in keys if k.count(".") == depth and k.startswith(parent + "." if depth else "")]
+        close = difflib.get_close_matches(key, siblings, n=1, cutoff=0.6) or \
+            difflib.get_close_matches(key, keys, n=1, cutoff=0.75) or leaves.get(parts[-1], [])[:1]
+        hint = f"; did you mean {close[0]}={value}?" if close else ""
+        where = f"'{parent}' has" if depth else "the config has"
+        raise ConfigError(f"{arg}: unknown key '{key}'{hint} ({where} no key '{parts[depth]}'; --help lists the keys)")
 
 
 def to_train_config(cfg: DictConfig | TrainConfig) -> TrainConfig:

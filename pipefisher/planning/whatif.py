@@ -15,6 +15,7 @@ all-reduce costs and the global batch.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
@@ -79,6 +80,8 @@ class Candidate:
 def _shape_problem(bert: BertConfig, method: str, d: int, v: int, n: int) -> str | None:
     if method == "chimera" and d % 2:
         return f"chimera needs an even number of stages (stages={d})"
+    if method == "interleaved" and d == 1 and v > 1:
+        return "interleaved needs stages>=2 (one stage leaves its virtual stages nobody to pass activations to)"
     if d * v > bert.num_layers:
         return f"{d * v} model stages exceed the model's {bert.num_layers} encoder layers"
     if method in ("chimera", "interleaved") and n % d:
@@ -118,10 +121,13 @@ def what_if(bert: BertConfig, *, devices: int, memory_gb: float, global_batch: i
     ranked: list[Candidate] = []
     excluded: list[Candidate] = []
     budget = memory_gb * 1e9
+    divisors = [x for x in range(1, devices + 1) if devices % x == 0]
+    progress = _Progress(len(methods) * len(divisors))
     for method in methods:
         v = num_virtual if method == "interleaved" else 1
-        for d in (x for x in range(1, devices + 1) if devices % x == 0):
+        for d in divisors:
             w = devices // d
+            progress.start(f"{method} D={d} W={w}")
             for mbs in micro_batch_sizes:
                 for rc in recompute:
                     base = Candidate(method, d, v, mbs, w, 0, rc, "")
@@ -140,8 +146,29 @@ def what_if(bert: BertConfig, *, devices: int, memory_gb: float, global_batch: i
                     ranked_here, excluded_here = _evaluate(run, base, optimizers, hardware, budget, max_interval)
                     ranked += ranked_here
                     excluded += excluded_here
+    progress.done(len(ranked), len(excluded))
     ranked.sort(key=lambda c: -c.samples_per_s)
     return ranked + excluded
+
+
+class _Progress:
+    """One log line per (method, stages) group of the search, with the elapsed time and a rough
+    ETA (the mean time of the groups so far), so a search of a minute or more is not silent (issue 16)."""
+
+    def __init__(self, total: int) -> None:
+        self.total = total
+        self.count = 0
+        self.t0 = time.monotonic()
+
+    def start(self, what: str) -> None:
+        elapsed = time.monotonic() - self.t0
+        eta = f", about {elapsed / self.count * (self.total - self.count):.0f} s left" if self.count else ""
+        self.count += 1
+        log.info("whatif: [%d/%d] %s (%.0f s elapsed%s)", self.count, self.total, what, elapsed, eta)
+
+    def done(self, ranked: int, excluded: int) -> None:
+        log.info("whatif: searched %d groups in %.0f s: %d configurations ranked, %d excluded",
+                 self.total, time.monotonic() - self.t0, ranked, excluded)
 
 
 def _evaluate(run: RunShape, base: Candidate, optimizers: Sequence[str], hardware: Hardware, budget: float,
