@@ -160,7 +160,7 @@ class FaultConfig:
 class CheckpointConfig:
     """Periodic checkpoints for exact resume (``pipefisher.runtime.checkpoint``); ``resume`` is top-level."""
 
-    every_steps: int = 0  # save after step n when (n + 1) % every_steps == 0 (and after the last step); 0 = off
+    every_steps: int = 0  # save every n steps (and after the last); folders count from step_0: 2 gives step_1, step_3, ...; 0 = off
     every_minutes: float = 0.0  # also save when this many minutes passed since the last save; 0 = off
     keep_last: int = 2  # complete checkpoints kept in `dir`, older ones deleted; 0 = keep all
     dir: Optional[str] = None  # where step_<n>/ folders go; None = <run output dir>/checkpoints

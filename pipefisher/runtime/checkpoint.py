@@ -9,7 +9,8 @@ What a shard holds and why resume is exact: :mod:`pipefisher.runtime.state`.
 ::
 
     <checkpoint.dir>/                     default <run output dir>/checkpoints
-      step_<n>/                           the state after step n (the "step" of metrics.jsonl)
+      step_<n>/                           the state after step n (the "step" of metrics.jsonl,
+                                          counted from 0: after n + 1 steps, see below)
         worker_<r>.pt                     worker r's shard: torch.save of tensors and primitives
         manifest.json                     written last, by rank 0: marks the checkpoint complete
 
@@ -26,6 +27,11 @@ when it dies while re-writing a folder it saved before, shards that no longer ma
 skipped, with a warning naming them, by :func:`find_latest`, which returns the newest valid one.
 A shard is read whole, checked against its hash and only then unpickled, with
 ``torch.load(weights_only=True)``, so nothing is ever half-loaded or unsafely unpickled.
+
+Folder names count steps from 0, as metrics.jsonl and the worker loop do, so
+``checkpoint.every_steps=2`` writes ``step_1``, ``step_3``, … (after 2, 4, … steps); the log line
+of each save says both (issue 16). Renaming them to the count of steps done would move every
+reader of the name (resume messages, tests, bench/convergence.py) off the manifest's ``step``.
 
 [Note: metrics.jsonl on resume]
 ``resume=auto`` continues in the same run directory (set ``hydra.run.dir`` to the interrupted
@@ -332,7 +338,8 @@ def save_checkpoint(root: str | os.PathLike, step: int, rank: int, world_size: i
     if rank == 0:
         assert gathered is not None and all(s is not None for s in gathered)
         write_manifest(folder, step, cfg, world_size, list(gathered), kfac_interval)  # type: ignore[arg-type]
-        log.info("checkpoint %s written (%d shards, %.1f MB)", folder, world_size,
+        log.info("checkpoint %s written: the state after %d steps (%s counts from step_0, as metrics.jsonl "
+                 "does; %d shards, %.1f MB)", folder, step + 1, folder.name, world_size,
                  sum(s.size for s in gathered) / 1e6)  # type: ignore[union-attr]
         prune_checkpoints(root, cfg.checkpoint.keep_last, step)
     return folder
