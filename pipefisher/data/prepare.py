@@ -47,6 +47,7 @@ its own ``--prefix`` and ``--seed`` into the same directory.
 from __future__ import annotations
 
 import argparse
+import codecs
 import json
 import logging
 import random
@@ -69,6 +70,7 @@ from pipefisher.data.hdf5 import NVIDIA_DTYPES, SHARD_SUFFIXES
 __all__ = [
     "BERT_SPECIAL_TOKENS",
     "INPUT_FORMATS",
+    "check_text_file",
     "PrepareConfig",
     "PrepareResult",
     "create_instances",
@@ -142,6 +144,28 @@ class PrepareResult:
     shard_sizes: list[int] = field(default_factory=list)
 
 
+_TEXT_PROBE_BYTES = 1 << 20
+
+
+def check_text_file(path: str | Path) -> None:
+    """Refuse a file that is not UTF-8 text, naming it (the first MiB is looked at).
+
+    Raises:
+        DataError: the file holds NUL bytes or is not valid UTF-8 (a binary file, say an hdf5
+            shard or an archive, given as ``--input``).
+    """
+    path = Path(path)
+    with path.open("rb") as f:
+        head = f.read(_TEXT_PROBE_BYTES)
+    fix = "give text files: one sentence per line, or raw WikiText (unpack an archive first)"
+    if b"\0" in head:
+        raise DataError(f"{path}: a binary file (it holds NUL bytes), not text (--input); {fix}")
+    try:
+        codecs.getincrementaldecoder("utf-8")().decode(head, final=len(head) < _TEXT_PROBE_BYTES)
+    except UnicodeDecodeError as e:
+        raise DataError(f"{path}: not UTF-8 text (byte {e.start}: {e.reason}) (--input); {fix}") from None
+
+
 def load_tokenizer(
     vocab: str | Path | None,
     train_files: Sequence[str | Path] = (),
@@ -175,13 +199,19 @@ def load_tokenizer(
             raise DataError(f"{path}: vocab lacks special tokens {missing}; use a BERT vocab.txt")
         return tok
     tok = BertWordPieceTokenizer(lowercase=lowercase)
-    tok.train(
-        [str(f) for f in train_files],
-        vocab_size=vocab_size,
-        min_frequency=2,
-        special_tokens=list(BERT_SPECIAL_TOKENS),
-        show_progress=False,
-    )
+    try:
+        tok.train(
+            [str(f) for f in train_files],
+            vocab_size=vocab_size,
+            min_frequency=2,
+            special_tokens=list(BERT_SPECIAL_TOKENS),
+            show_progress=False,
+        )
+    except Exception as e:  # the Rust trainer raises a bare Exception, e.g. past the probed first MiB
+        if "UTF-8" not in str(e):
+            raise
+        raise DataError(f"{', '.join(map(str, train_files))}: not UTF-8 text ({e}); give text files "
+                        "(--input)") from None
     for i, t in enumerate(BERT_SPECIAL_TOKENS):
         assert tok.token_to_id(t) == i, "trainer must keep the special tokens' order"
     return tok
@@ -523,34 +553,38 @@ def prepare(
     for p in paths:
         if not p.is_file():
             raise DataError(f"{p}: input text file not found (--input)")
+        check_text_file(p)
     out = Path(output_dir)
     existing = sorted(q.name for q in out.glob("*") if q.suffix in SHARD_SUFFIXES) \
         if out.is_dir() else []
     if existing and not overwrite:
         raise DataError(f"{out}: already holds shards {existing[:3]}...; choose another "
                         "--output-dir or pass --overwrite")
-    out.mkdir(parents=True, exist_ok=True)
-    for name in existing:
-        (out / name).unlink()
 
+    # Nothing is written to `out` until there are instances to write: a failed run (empty input,
+    # say) leaves no vocab.txt that a later data=hdf5 run would take for the shards' (issue 16).
     with tempfile.TemporaryDirectory(prefix="pipefisher-prepare-") as tmp:
         texts, formats = _as_sentence_files(paths, cfg.input_format, Path(tmp))
         tokenizer = load_tokenizer(vocab, texts, vocab_size=cfg.vocab_size, lowercase=cfg.lowercase)
-        vocab_path = out / "vocab.txt"
-        if vocab is None:
-            tokenizer.save_model(str(out))
-        elif Path(vocab).resolve() != vocab_path.resolve():
-            shutil.copyfile(vocab, vocab_path)
         vocab_size = tokenizer.get_vocab_size()
-        log.info("vocabulary: %d tokens (%s)", vocab_size, vocab_path)
         documents = read_documents(texts, tokenizer, progress=progress)
     if not documents:
-        raise DataError(f"{paths}: no sentences found; expected one sentence per line")
+        raise DataError(f"{', '.join(map(str, paths))}: no sentences found; expected one sentence per line "
+                        "(blank line between documents) or raw WikiText; nothing written")
     special = {t: tokenizer.token_to_id(t) for t in ("[CLS]", "[SEP]", "[MASK]")}
     arrays = create_instances(documents, cfg, vocab_size, special, progress=progress)
     num = len(arrays["input_ids"])
     if num == 0:
-        raise DataError(f"{paths}: no instances created")
+        raise DataError(f"{', '.join(map(str, paths))}: no instances created; nothing written")
+    out.mkdir(parents=True, exist_ok=True)
+    for name in existing:
+        (out / name).unlink()
+    vocab_path = out / "vocab.txt"
+    if vocab is None:
+        tokenizer.save_model(str(out))
+    elif Path(vocab).resolve() != vocab_path.resolve():
+        shutil.copyfile(vocab, vocab_path)
+    log.info("vocabulary: %d tokens (%s)", vocab_size, vocab_path)
     prefix = cfg.prefix or f"pretrain_s{cfg.seq_len}_p{cfg.max_predictions}"
     shards = write_shards(arrays, out, cfg.num_shards, prefix=prefix,
                           compression=cfg.compression)
@@ -567,12 +601,23 @@ def prepare(
     return result
 
 
+class _DefaultsHelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """``--help`` shows each option's default, except where there is none to show (required
+    options, flags, and defaults of None or "" that the help text explains)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        if action.required or action.default in (None, "", False):
+            return action.help or ""
+        return super()._get_help_string(action) or ""
+
+
 def _parser() -> argparse.ArgumentParser:
     d = PrepareConfig()
     p = argparse.ArgumentParser(
         prog="pipefisher-prepare",
         description="Make NVIDIA-format BERT pretraining hdf5 shards from sentence-per-line text "
                     "or raw WikiText.",
+        formatter_class=_DefaultsHelpFormatter,
     )
     p.add_argument("--input", nargs="+", required=True,
                    help="text file(s): one sentence per line, blank line between documents, "
@@ -582,7 +627,7 @@ def _parser() -> argparse.ArgumentParser:
                         "sentence per line) or auto (wikitext when a file's first non-blank line "
                         "is a title line)")
     p.add_argument("--output-dir", required=True, help="directory for shards and vocab.txt")
-    p.add_argument("--vocab", default=None, help="existing vocab.txt (default: train one)")
+    p.add_argument("--vocab", default=None, help="existing vocab.txt; None: train one on the input")
     p.add_argument("--vocab-size", type=int, default=d.vocab_size,
                    help="size of a trained vocabulary (ignored with --vocab)")
     p.add_argument("--cased", action="store_true", help="keep case and accents")
@@ -598,7 +643,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--num-shards", type=int, default=d.num_shards, help="hdf5 files to write")
     p.add_argument("--seed", type=int, default=d.seed, help="seeds every random choice")
     p.add_argument("--prefix", default="",
-                   help="shard file name prefix (default pretrain_s{seq-len}_p{max-predictions})")
+                   help="shard file name prefix; empty: pretrain_s{seq-len}_p{max-predictions}")
     p.add_argument("--compression", default="gzip", choices=["gzip", "lzf", "none"],
                    help="hdf5 compression filter (NVIDIA's shards use gzip)")
     p.add_argument("--overwrite", action="store_true", help="replace shards in --output-dir")
