@@ -10,6 +10,14 @@ Local workers are started with ``torch.multiprocessing.start_processes``: when o
 exception or is killed, ``join`` terminates the others at once and raises with the failed worker's
 rank and traceback. A worker that stalls without exiting is caught by the process-group timeout
 (``cluster.worker_timeout_s``): its peers' blocking receives and collectives raise, and they exit.
+
+[Note: Ctrl-C and SIGTERM to the launcher]
+SIGINT or SIGTERM to the launcher process (or Ctrl-C to the whole foreground group) stops the
+local workers after the step they are in, with a checkpoint when the run has checkpointing on
+(``pipefisher.runtime.preemption``, [Note: Ctrl-C and SIGTERM]). The launcher waits at most
+:data:`STOP_GRACE_S` for that, or kills the workers at once on a second signal; no worker outlives
+it. It then logs ``interrupted at step n; last checkpoint: <folder or none>`` and exits with
+130 (SIGINT) or 143 (SIGTERM) (issue 16, item 3).
 """
 
 from __future__ import annotations
@@ -19,7 +27,10 @@ import datetime
 import json
 import logging
 import os
+import signal
 import sys
+import threading
+import time
 import traceback
 from dataclasses import asdict
 from pathlib import Path
@@ -31,16 +42,23 @@ import torch.multiprocessing as mp
 from pipefisher.config import TrainConfig
 from pipefisher.launch.slurm import report_lost_tasks, slurm_task_env
 from pipefisher.runtime import preemption
-from pipefisher.runtime.checkpoint import check_compatible, checkpoint_root, resolve_resume, verify_checkpoint
-from pipefisher.runtime.preemption import PREEMPTED_EXIT_CODE, PREEMPTED_FILE
+from pipefisher.runtime.checkpoint import (check_compatible, checkpoint_root, find_latest, resolve_resume,
+                                           verify_checkpoint)
+from pipefisher.runtime.preemption import INTERRUPT_SIGNALS, PREEMPTED_EXIT_CODE, PREEMPTED_FILE
 from pipefisher.runtime.worker import kfac_assignment, run_worker, schedule_for
 from pipefisher.schedules.ir import Schedule
 from pipefisher.tracking import WandbLogger, read_metrics, run_name_from_overrides
 from pipefisher.training import train_single_process
 
-__all__ = ["run_training", "launch_workers", "check_resume", "WorkerFailed"]
+__all__ = ["run_training", "launch_workers", "check_resume", "WorkerFailed", "STOP_GRACE_S"]
 
 log = logging.getLogger(__name__)
+
+#: How long the launcher waits, after SIGINT or SIGTERM, for the workers to finish their step (and
+#: checkpoint) before it kills them: under the 30 s a supervisor usually allows after its SIGTERM
+#: (SLURM's KillWait, Kubernetes' grace period). See [Note: Ctrl-C and SIGTERM to the launcher].
+STOP_GRACE_S = 20.0
+_POLL_S = 0.25  # how often the launcher looks at its workers and at recorded signals
 
 
 def _env_world() -> tuple[int, int, int, int] | None:
@@ -60,8 +78,9 @@ def _spawned_worker(index: int, cfg: TrainConfig, world: int, addr: str, port: i
     os.environ.update(MASTER_ADDR=addr, MASTER_PORT=str(port), RANK=str(index), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(index), LOCAL_WORLD_SIZE=str(world))
     logging.basicConfig(level=logging.INFO, format=f"[worker {index}] %(levelname)s %(name)s: %(message)s")
-    run_worker(cfg, index, world, output_dir, run_name=run_name, group=group, local_rank=index,
-               local_world_size=world, external_store=True)
+    with preemption.stop_on_interrupt():  # SIGINT was ignored until here (interrupts_ignored_by_children)
+        run_worker(cfg, index, world, output_dir, run_name=run_name, group=group, local_rank=index,
+                   local_world_size=world, external_store=True)
 
 
 def check_resume(cfg: TrainConfig, output_dir: str | os.PathLike, schedule: Schedule) -> None:
@@ -138,10 +157,35 @@ def launch_workers(cfg: TrainConfig, output_dir: str | os.PathLike, run_name: st
         if result.get("preempted"):  # checkpointed, and worker 0 requeued the job
             sys.exit(PREEMPTED_EXIT_CODE)
         return result
-    check_resume(cfg, output_dir, schedule)
     watch = preemption.watching(cfg.cluster.requeue)
-    if watch:  # SLURM's signal is recorded and passed on; the workers act on it at a step's end
-        preemption.install()
+    # Signals are recorded and passed on; the workers act on them at a step's end. SLURM's warning
+    # signal (watch) ends in a requeue, SIGINT/SIGTERM in an exit: see [Note: Ctrl-C and SIGTERM to the launcher].
+    handled = INTERRUPT_SIGNALS + ((preemption.PREEMPTION_SIGNAL,) if watch else ())
+    if threading.current_thread() is threading.main_thread():  # signal handlers can only be set there
+        preemption.install(handled)
+    try:
+        check_resume(cfg, output_dir, schedule)
+        if not preemption.interrupted():
+            _run_local_workers(cfg, output_dir, run_name, group)
+        signum = preemption.received()
+        if signum in INTERRUPT_SIGNALS:
+            _exit_interrupted(cfg, Path(output_dir), signum)
+        if watch:
+            _requeue_if_preempted(Path(output_dir))
+    finally:
+        preemption.uninstall()
+    metrics = read_metrics(Path(output_dir) / "metrics.jsonl")
+    return metrics[-1] if metrics else {}
+
+
+def _run_local_workers(cfg: TrainConfig, output_dir: str | os.PathLike, run_name: str | None,
+                       group: str | None) -> None:
+    """Start the workers as processes of this one and wait until all exited; none outlives this call.
+
+    Raises:
+        ProcessRaisedException, ProcessExitedException: a worker failed (unless a stop was
+            asked for: see [Note: Ctrl-C and SIGTERM to the launcher]).
+    """
     world = cfg.num_workers
     addr = cfg.cluster.master_addr
     # This process hosts the rendezvous store on a port the OS picks while binding it, so no other
@@ -151,22 +195,81 @@ def launch_workers(cfg: TrainConfig, output_dir: str | os.PathLike, run_name: st
                           wait_for_workers=False)
     port = store.port
     log.info("starting %d workers on this machine (%s:%d)", world, addr, port)
-    context = mp.start_processes(
-        _spawned_worker,
-        args=(cfg, world, addr, port, str(output_dir), run_name, group),
-        nprocs=world,
-        join=False,
-        start_method="spawn",
-    )
-    if watch:
-        preemption.forward_to(context.pids())  # a signal sent to this process alone reaches the workers
-    while not context.join():
-        pass
-    del store
-    if watch:
-        _requeue_if_preempted(Path(output_dir))
-    metrics = read_metrics(Path(output_dir) / "metrics.jsonl")
-    return metrics[-1] if metrics else {}
+    with preemption.interrupts_ignored_by_children():
+        context = mp.start_processes(
+            _spawned_worker,
+            args=(cfg, world, addr, port, str(output_dir), run_name, group),
+            nprocs=world,
+            join=False,
+            start_method="spawn",
+        )
+    preemption.forward_to(context.pids())  # a signal sent to this process alone reaches the workers
+    try:
+        _wait_for_workers(context, getattr(cfg.cluster, "stop_grace_s", STOP_GRACE_S))
+    finally:
+        _kill_workers(context)
+        del store
+
+
+def _wait_for_workers(context: mp.ProcessContext, grace_s: float) -> None:
+    """Join the workers; after SIGINT/SIGTERM give them ``grace_s`` to stop, then kill them."""
+    deadline: float | None = None
+    while True:
+        try:
+            if context.join(timeout=_POLL_S):
+                return
+        except (mp.ProcessRaisedException, mp.ProcessExitedException) as err:
+            if not preemption.interrupted():
+                raise
+            # E.g. a peer killed after the grace period, or a worker still starting up.
+            log.warning("worker %d ended with an error while stopping: %s", err.error_index,
+                        str(err).strip().splitlines()[-1] if str(err).strip() else type(err).__name__)
+            return
+        if not preemption.interrupted():
+            continue
+        signum = preemption.received()
+        name = signal.Signals(signum).name if signum is not None else "a signal"
+        if deadline is None:
+            deadline = time.monotonic() + grace_s
+            log.warning("got %s: the workers stop after the step they are in (at most %.0f s; send it again to "
+                        "stop them at once)", name, grace_s)
+        if preemption.repeated() or time.monotonic() > deadline:
+            log.warning("stopping the workers now (%s)", "second signal" if preemption.repeated()
+                        else f"still running {grace_s:.0f} s after {name}")
+            return  # the caller kills them
+        preemption.pass_on()  # again: a worker still starting up ignores SIGINT
+
+
+def _kill_workers(context: mp.ProcessContext) -> None:
+    """Kill the workers that still run and reap them all."""
+    for process in context.processes:
+        if process.is_alive():
+            process.kill()
+    for process in context.processes:
+        process.join()
+
+
+def _exit_interrupted(cfg: TrainConfig, output_dir: Path, signum: int) -> None:
+    """Name the last finished step and the last checkpoint, then exit with 128 + ``signum``."""
+    step: int | None = None
+    folder: str | os.PathLike | None = None
+    marker = output_dir / PREEMPTED_FILE  # rank 0's {"step", "checkpoint"} when the workers agreed to stop
+    if marker.is_file():
+        info = json.loads(marker.read_text())
+        marker.unlink()
+        step, folder = info.get("step"), info.get("checkpoint")
+    if step is None:
+        metrics_file = output_dir / "metrics.jsonl"
+        rows = read_metrics(metrics_file) if metrics_file.is_file() else []
+        step = rows[-1].get("step") if rows else None
+    if not folder or folder == "None":  # none saved on stopping: an earlier one, if any
+        folder = find_latest(checkpoint_root(cfg, output_dir))
+    where = "no step finished" if step is None else None
+    log.warning("interrupted at step %d%s; last checkpoint: %s", 0 if step is None else step,
+                f" ({where})" if where else "", folder or "none")
+    if folder:
+        log.warning("to continue, run the same command with resume=%s", folder)
+    sys.exit(preemption.exit_code(signum))
 
 
 def run_training(cfg: TrainConfig, output_dir: str | os.PathLike, overrides: list[str] | None = None,

@@ -1,4 +1,4 @@
-"""Preemption and time limits on SLURM: checkpoint at the end of a step, requeue, resume.
+"""Stopping on a signal: SLURM's preemption warning (checkpoint, requeue, resume) and Ctrl-C/SIGTERM.
 
 SLURM warns a job before it takes the nodes away: ``--signal=USR2@<s>`` (submitit asks for it,
 ``hydra.launcher.signal_delay_s``) before the time limit, and ``scancel --signal=USR2`` or a
@@ -21,24 +21,45 @@ somewhere inside a step; a worker cannot stop there without leaving its peers bl
    directory; :func:`resume_mode` turns ``resume=none`` into ``auto`` there, so it continues from
    that checkpoint with the loss trajectory of an uninterrupted run.
 
-Only the SLURM path is covered (``cluster.requeue``, on by default): outside a SLURM job the
-handlers are left alone.
+The requeue path needs SLURM (``cluster.requeue``, on by default); outside a SLURM job the
+workers leave SIGUSR2 alone.
+
+[Note: Ctrl-C and SIGTERM]
+The same agreement stops a run of local worker processes on :data:`INTERRUPT_SIGNALS` (issue 16,
+item 3), without the requeue:
+1. The launcher process records SIGINT and SIGTERM (:func:`install`) and passes them on to its
+   workers as SIGINT (:func:`forward_to`), again every poll until they are gone: a worker that
+   is still starting up ignores SIGINT (it inherits SIG_IGN, :func:`interrupts_ignored_by_children`,
+   so that a Ctrl-C during its imports is no traceback) and would miss a single one. A Ctrl-C
+   reaches the workers directly too (one foreground process group); recording twice is harmless.
+2. A worker records SIGINT only (:func:`stop_on_interrupt`); it keeps SIGTERM's default action,
+   with which ``torch.multiprocessing`` ends the peers of a failed worker (and which a worker
+   signalled on its own should still die of).
+3. The workers agree at the step's end as in 2. above, save a checkpoint when the run has
+   checkpointing on, and exit normally; rank 0 leaves :data:`PREEMPTED_FILE` with the step and
+   the checkpoint (``null`` when none was saved).
+4. The launcher waits a bounded time for that (a long step must not hold the user hostage),
+   kills the workers that are left, or at once on a second signal (:func:`repeated`), names
+   the step and the last checkpoint, and exits with :func:`exit_code` (130 on SIGINT, 143 on
+   SIGTERM, the shell's convention).
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
 import subprocess
 import types
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any, Union
 
 __all__ = [
     "PREEMPTION_SIGNAL",
     "PREEMPTED_EXIT_CODE",
     "PREEMPTED_FILE",
+    "INTERRUPT_SIGNALS",
     "in_slurm_job",
     "watching",
     "requeued_attempt",
@@ -46,7 +67,14 @@ __all__ = [
     "install",
     "uninstall",
     "requested",
+    "received",
+    "interrupted",
+    "repeated",
+    "exit_code",
     "forward_to",
+    "pass_on",
+    "interrupts_ignored_by_children",
+    "stop_on_interrupt",
     "requeue",
     "RequeueError",
 ]
@@ -60,12 +88,15 @@ PREEMPTED_EXIT_CODE = 255
 #: Rank 0 leaves ``{"step", "checkpoint"}`` in this file of the run's output directory when the
 #: workers stopped on the signal; the process that owns the requeue reads it.
 PREEMPTED_FILE = "preempted.json"
+#: Signals that stop a run of local workers after a step, without a requeue (see [Note: Ctrl-C and SIGTERM]).
+INTERRUPT_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 Handler = Union[Callable[[int, Union[types.FrameType, None]], Any], int, None]
 
 _received: list[int] = []  # signals recorded since install()
 _previous: dict[int, Handler] = {}  # handler each installed signal had before
 _forward: list[int] = []  # child pids the signal is passed on to (local worker processes)
+_interrupts = 0  # how many interrupt signals were recorded since install()
 
 
 def in_slurm_job() -> bool:
@@ -96,16 +127,23 @@ def resume_mode(resume: str, requeue_enabled: bool) -> str:
 
 
 def _record(signum: int, frame: types.FrameType | None) -> None:
+    global _interrupts
+    if signum in INTERRUPT_SIGNALS:
+        _interrupts += 1  # the launcher reports it from its own loop (see [Note: Ctrl-C and SIGTERM])
     if signum not in _received:
         _received.append(signum)
-        # The logging module is not reentrant; a signal may arrive inside a log call.
-        os.write(2, f"[pipefisher] pid {os.getpid()}: got {signal.Signals(signum).name}; "
-                    "checkpointing after this step, then requeueing\n".encode())
+        if signum not in INTERRUPT_SIGNALS:
+            # The logging module is not reentrant; a signal may arrive inside a log call.
+            os.write(2, f"[pipefisher] pid {os.getpid()}: got {signal.Signals(signum).name}; "
+                        "checkpointing after this step, then requeueing\n".encode())
     _pass_on(signum)
 
 
 def _pass_on(signum: int) -> None:
-    """Send ``signum`` to the processes of :func:`forward_to` that still run."""
+    """Send ``signum`` to the processes of :func:`forward_to` that still run; an interrupt signal
+    goes on as SIGINT (workers keep SIGTERM's default action: see [Note: Ctrl-C and SIGTERM])."""
+    if signum in INTERRUPT_SIGNALS:
+        signum = signal.SIGINT
     for pid in _forward:
         try:
             os.kill(pid, signum)
@@ -128,11 +166,13 @@ def install(signals: Iterable[int] = (PREEMPTION_SIGNAL,)) -> None:
 
 def uninstall() -> None:
     """Put the saved handlers back and forget what was recorded."""
+    global _interrupts
     for s, h in _previous.items():
         signal.signal(s, h if h is not None else signal.SIG_DFL)
     _previous.clear()
     _received.clear()
     _forward.clear()
+    _interrupts = 0
 
 
 def requested() -> bool:
@@ -140,11 +180,68 @@ def requested() -> bool:
     return bool(_received)
 
 
+def received() -> int | None:
+    """The first signal recorded since :func:`install`, or None."""
+    return _received[0] if _received else None
+
+
+def interrupted() -> bool:
+    """Whether an interrupt signal (:data:`INTERRUPT_SIGNALS`) was recorded since :func:`install`."""
+    return _interrupts > 0
+
+
+def repeated() -> bool:
+    """Whether interrupt signals came more than once (a second Ctrl-C: stop at once)."""
+    return _interrupts > 1
+
+
+def exit_code(signum: int) -> int:
+    """Exit status of a process that stopped on ``signum``: 128 + its number (130 for SIGINT)."""
+    return 128 + int(signum)
+
+
 def forward_to(pids: Iterable[int]) -> None:
     """Pass recorded signals on to these processes too (the local workers of a launcher process)."""
     _forward[:] = list(pids)
+    pass_on()
+
+
+def pass_on() -> None:
+    """Send the first recorded signal (if any) to the processes of :func:`forward_to` again."""
     if _received:
         _pass_on(_received[0])
+
+
+@contextlib.contextmanager
+def interrupts_ignored_by_children() -> Iterator[None]:
+    """Start processes inside this block with SIGINT ignored (a disposition that survives exec).
+
+    A worker started with ``spawn`` imports torch for seconds before it can install its own
+    handler (:func:`stop_on_interrupt`); with Python's default handler a Ctrl-C there would end
+    it with a ``KeyboardInterrupt`` traceback. This process ignores SIGINT for the moment of the
+    start (milliseconds), then gets its handler back.
+    """
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous if previous is not None else signal.SIG_DFL)
+
+
+@contextlib.contextmanager
+def stop_on_interrupt() -> Iterator[None]:
+    """In a local worker process: record SIGINT inside this block, so that the worker stops after
+    the step all workers agree on (see [Note: Ctrl-C and SIGTERM]); :func:`requested` then says so.
+
+    After the block SIGINT is ignored: the launcher keeps passing it on until the process is gone,
+    and Python's shutdown puts SIGINT's default action back where a Python handler was set (a
+    worker that had finished would die of the signal and look failed).
+    """
+    install((signal.SIGINT,))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 class RequeueError(RuntimeError):

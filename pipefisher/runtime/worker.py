@@ -585,7 +585,8 @@ class PipelineWorker:
         with poison_outputs(self.modules.values(), _fault_here(self.cfg, "nan", self.rank, step)):
             result = self.executor.run_step(step, lambda mb: self.get_batch(step, mb))
         # The preemption flag rides on the loss all-reduce (see [Note: stopping on a signal]).
-        stop = float(self.watch_preemption and preemption.requested())
+        # Recorded only where a handler is installed: SLURM's signal, or SIGINT in a local worker.
+        stop = float(preemption.requested())
         totals = torch.cat([result.loss_sum.float(), torch.tensor([stop], device=result.loss_sum.device)])
         dist.all_reduce(totals)
         self.stop_agreed = bool(totals[2].item() > 0)
@@ -787,10 +788,12 @@ def train_worker(cfg: TrainConfig, rank: int, world_size: int, device: torch.dev
                 worker.save_checkpoint(root, step)
                 policy.saved()
             if worker.stop_agreed and step < cfg.steps - 1:  # preempted: see [Note: stopping on a signal]
-                folder = step_dir(root, step) if saved else worker.save_checkpoint(root, step)
+                # SLURM's signal always saves (the requeued job resumes); Ctrl-C only with checkpointing on.
+                folder = (step_dir(root, step) if saved else worker.save_checkpoint(root, step)
+                          if worker.watch_preemption or cfg.checkpoint.enabled else None)
                 if rank == 0:
-                    log.warning("preemption signal: stopped after step %d of %d, checkpoint in %s",
-                                step, cfg.steps, folder)
+                    log.warning("stop signal: stopped after step %d of %d, checkpoint: %s",
+                                step, cfg.steps, folder or "none")
                 preempted = (step, folder)
                 last["preempted"] = True
                 break
@@ -811,7 +814,8 @@ def train_worker(cfg: TrainConfig, rank: int, world_size: int, device: torch.dev
     if preempted is not None and requeue_here:
         _requeue_from_rank0(rank, *preempted)
     elif preempted is not None and rank == 0:  # the launcher process requeues once the workers exited
-        (output_dir / PREEMPTED_FILE).write_text(json.dumps({"step": preempted[0], "checkpoint": str(preempted[1])}))
+        (output_dir / PREEMPTED_FILE).write_text(json.dumps({"step": preempted[0],
+                                                               "checkpoint": str(preempted[1]) if preempted[1] else None}))
     return last
 
 
