@@ -369,8 +369,9 @@ def run_shape(cfg: TrainConfig) -> RunShape:
 def seed_worker_rngs(seed: int, rank: int) -> None:
     """Seed this process's torch (CPU and CUDA), Python and numpy generators from (seed, rank).
 
-    Dropout draws from them; each worker gets its own stream, so data-parallel replicas and the
-    stages of one micro-batch do not share dropout masks, and a run is reproducible.
+    Each worker gets its own stream, and a run is reproducible. The model's dropout does not draw
+    from them: its masks are keyed by (seed, step, micro-batch, site), whichever worker runs it
+    (``pipefisher.model.rng``); only code outside a ``dropout_key`` does.
     """
     digest = hashlib.sha256(f"pipefisher/worker-rng/{seed}/{rank}".encode()).digest()
     value = int.from_bytes(digest[:8], "little") >> 1
