@@ -1,0 +1,212 @@
+"""Ctrl-C and SIGTERM stop a pipeline run promptly and cleanly (issue 16, item 3): every worker
+stops, the launcher names the step and the last checkpoint and exits with 130 or 143, nothing
+is left running, and a checkpoint saved on the way out is one ``resume=auto`` continues from.
+
+The end-to-end tests run ``train.py`` as a user does, in a subprocess, and signal it while it
+trains (see [Note: Ctrl-C and SIGTERM to the launcher] in ``pipefisher.launch.local``).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from pipefisher.runtime import preemption
+from pipefisher.tracking import read_metrics
+from tests.conftest import REPO, TINY
+
+# Long enough never to finish while the test runs; 1F1B over two workers, two micro-batches.
+RUN = ["pipeline=1f1b", "stages=2", "num_micro_batches=2", "cluster.worker_timeout_s=120", *TINY]
+STOP_TIMEOUT_S = 30  # "promptly": generous, the machine may be busy (tiny steps take milliseconds)
+START_TIMEOUT_S = 240  # until the first step's metrics row (interpreter and torch start-up, niced)
+
+
+def _start(run_dir: Path, *overrides: str, new_session: bool = False) -> tuple[subprocess.Popen, Path]:
+    log = run_dir.with_suffix(".log")
+    env = {**os.environ, "WANDB_MODE": "disabled", "OMP_NUM_THREADS": "1"}
+    with open(log, "wb") as out:
+        proc = subprocess.Popen([sys.executable, "train.py", *RUN, "steps=100000", *overrides, f"hydra.run.dir={run_dir}"],
+                                cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT,
+                                start_new_session=new_session)
+    return proc, log
+
+
+def _wait_for_step(proc: subprocess.Popen, run_dir: Path, log: Path, step: int = 0) -> None:
+    """Wait until rank 0 wrote the metrics row of ``step``."""
+    deadline = time.monotonic() + START_TIMEOUT_S
+    metrics = run_dir / "metrics.jsonl"
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, f"train.py ended early ({proc.returncode}):\n{log.read_text()[-3000:]}"
+        if metrics.is_file() and any(r.get("step", -1) >= step for r in read_metrics(metrics)):
+            return
+        time.sleep(0.2)
+    proc.kill()
+    pytest.fail(f"no metrics row for step {step} after {START_TIMEOUT_S} s:\n{log.read_text()[-3000:]}")
+
+
+def _descendants(pid: int) -> set[int]:
+    """Every process below ``pid`` now (workers, the resource tracker, their helpers)."""
+    found: set[int] = set()
+    todo = [pid]
+    while todo:
+        for task in Path(f"/proc/{todo.pop()}/task").glob("*"):
+            try:
+                children = {int(c) for c in (task / "children").read_text().split()}
+            except OSError:
+                continue
+            todo += sorted(children - found)
+            found |= children
+    return found
+
+
+def _running(pid: int) -> bool:
+    """Whether ``pid`` still runs (a zombie waiting for its reaper does not)."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return False
+    return not re.search(r"^State:\s+Z", status, re.M)
+
+
+def _stop(proc: subprocess.Popen, log: Path, send: callable) -> tuple[int, str, set[int]]:
+    """Send a signal with ``send()``; return the exit status, the output and the processes that
+    were below the launcher before the signal."""
+    below = _descendants(proc.pid)
+    assert len(below) >= 2, f"expected the two workers below the launcher, found {below}"
+    send()
+    try:
+        code = proc.wait(timeout=STOP_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        for pid in below | {proc.pid}:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        pytest.fail(f"train.py still ran {STOP_TIMEOUT_S} s after the signal:\n{log.read_text()[-3000:]}")
+    return code, log.read_text(), below
+
+
+def _assert_nothing_left(below: set[int]) -> None:
+    deadline = time.monotonic() + 10  # the resource tracker leaves when it sees the launcher gone
+    while time.monotonic() < deadline and any(_running(p) for p in below):
+        time.sleep(0.2)
+    left = {p: Path(f"/proc/{p}/cmdline").read_text().replace("\0", " ") for p in below if _running(p)}
+    for pid in left:
+        os.kill(pid, signal.SIGKILL)
+    assert not left, f"processes outlived the launcher: {left}"
+
+
+# --- the recording of signals, without processes --------------------------------------------------
+
+
+@pytest.fixture()
+def _restore_handlers():
+    before = {s: signal.getsignal(s) for s in preemption.INTERRUPT_SIGNALS}
+    yield
+    preemption.uninstall()
+    for s, h in before.items():
+        signal.signal(s, h)
+
+
+@pytest.mark.usefixtures("_restore_handlers")
+def test_interrupt_signals_are_recorded_and_a_second_one_says_stop_now() -> None:
+    preemption.install(preemption.INTERRUPT_SIGNALS)
+    assert not preemption.interrupted() and preemption.received() is None
+    os.kill(os.getpid(), signal.SIGTERM)
+    assert preemption.requested() and preemption.interrupted() and not preemption.repeated()
+    assert preemption.received() == signal.SIGTERM
+    assert preemption.exit_code(preemption.received()) == 143
+    os.kill(os.getpid(), signal.SIGINT)  # a second Ctrl-C: the launcher kills the workers at once
+    assert preemption.repeated() and preemption.received() == signal.SIGTERM
+    assert preemption.exit_code(signal.SIGINT) == 130
+    preemption.uninstall()
+    assert not preemption.interrupted() and signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def test_a_worker_started_meanwhile_ignores_sigint_until_it_records_it() -> None:
+    probe = "import signal; print(signal.getsignal(signal.SIGINT) == signal.SIG_IGN)"
+    before = signal.getsignal(signal.SIGINT)
+    with preemption.interrupts_ignored_by_children():
+        child = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
+    assert child.stdout.strip() == "True"
+    assert signal.getsignal(signal.SIGINT) is before
+
+
+# --- train.py, signalled while it trains ----------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_sigint_to_the_launcher_stops_every_worker_and_exits_130(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    proc, log = _start(run_dir)
+    _wait_for_step(proc, run_dir, log)
+    code, out, below = _stop(proc, log, lambda: os.kill(proc.pid, signal.SIGINT))
+    assert code == 130, out[-3000:]
+    assert re.search(r"interrupted at step \d+; last checkpoint: none", out), out[-3000:]
+    assert "stop signal: stopped after step" in out  # the workers agreed, not killed after the grace period
+    assert "Traceback" not in out and "KeyboardInterrupt" not in out, out[-3000:]
+    _assert_nothing_left(below)
+
+
+@pytest.mark.slow
+def test_ctrl_c_to_the_process_group_stops_every_worker_and_exits_130(tmp_path: Path) -> None:
+    # Ctrl-C in a terminal signals the whole foreground process group: launcher and workers at once.
+    run_dir = tmp_path / "run"
+    proc, log = _start(run_dir, new_session=True)
+    _wait_for_step(proc, run_dir, log)
+    code, out, below = _stop(proc, log, lambda: os.killpg(proc.pid, signal.SIGINT))
+    assert code == 130, out[-3000:]
+    assert re.search(r"interrupted at step \d+; last checkpoint: none", out), out[-3000:]
+    assert "Traceback" not in out and "KeyboardInterrupt" not in out, out[-3000:]
+    _assert_nothing_left(below)
+
+
+@pytest.mark.slow
+def test_sigterm_checkpoints_exits_143_and_resume_auto_continues(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    proc, log = _start(run_dir, "checkpoint.every_steps=100000")
+    _wait_for_step(proc, run_dir, log)
+    code, out, below = _stop(proc, log, lambda: os.kill(proc.pid, signal.SIGTERM))
+    assert code == 143, out[-3000:]
+    found = re.search(r"interrupted at step (\d+); last checkpoint: (\S+)", out)
+    assert found, out[-3000:]
+    step, folder = int(found.group(1)), Path(found.group(2))
+    assert folder == run_dir / "checkpoints" / f"step_{step}" and (folder / "manifest.json").is_file()
+    assert read_metrics(run_dir / "metrics.jsonl")[-1]["step"] == step
+    _assert_nothing_left(below)
+
+    # Same run directory, resume=auto: it continues after the checkpointed step and finishes.
+    env = {**os.environ, "WANDB_MODE": "disabled", "OMP_NUM_THREADS": "1"}
+    again = subprocess.run([sys.executable, "train.py", *RUN, f"steps={step + 3}", "resume=auto",
+                            f"hydra.run.dir={run_dir}"], cwd=REPO, env=env, capture_output=True, text=True,
+                           timeout=START_TIMEOUT_S)
+    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+    assert f"continuing at step {step + 1}" in again.stdout + again.stderr
+    assert [r["step"] for r in read_metrics(run_dir / "metrics.jsonl")][-3:] == [step, step + 1, step + 2]
+
+
+@pytest.mark.slow
+def test_a_second_sigint_kills_workers_that_do_not_reach_the_step_end(tmp_path: Path) -> None:
+    # Worker 1 hangs in step 2, so the workers never agree to stop; the second signal ends them.
+    run_dir = tmp_path / "run"
+    proc, log = _start(run_dir, "fault.mode=stall", "fault.rank=1", "fault.step=2")
+    _wait_for_step(proc, run_dir, log, step=1)
+    time.sleep(1)  # worker 1 is in its stall now
+
+    def twice() -> None:
+        os.kill(proc.pid, signal.SIGINT)
+        time.sleep(1)
+        os.kill(proc.pid, signal.SIGINT)
+
+    code, out, below = _stop(proc, log, twice)
+    assert code == 130, out[-3000:]
+    assert "stopping the workers now (second signal)" in out, out[-3000:]
+    assert "interrupted at step 1; last checkpoint: none" in out, out[-3000:]
+    _assert_nothing_left(below)
