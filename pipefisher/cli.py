@@ -211,7 +211,7 @@ def _start(main: Callable[[], Any]) -> Any:
         if os.environ.get("HYDRA_FULL_ERROR") == "1":
             raise
         sys.exit(f"{_program()}: {err}")
-    if "--help" in args or "-h" in args:
+    if ("--help" in args or "-h" in args) and not any(a.startswith("hydra/help=") for a in args):
         # The page lives in the ConfigStore; choosing it from conf/config.yaml's defaults
         # (`override hydra/help: pipefisher_train`) would do the same.
         sys.argv = [*sys.argv, f"hydra/help={_HELP}"]

@@ -12,7 +12,7 @@ from __future__ import annotations
 import difflib
 import logging
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, fields, is_dataclass
 from typing import Any, Optional, get_type_hints
 
@@ -387,19 +387,20 @@ def _validate_checkpoint(cfg: TrainConfig) -> None:
                     "checkpoint.every_minutes to write checkpoints, or resume=auto to read them")
 
 
-def _schema_keys(schema: type, prefix: str = "") -> list[str]:
+def _schema_keys(schema: type, prefix: str = "", rename: Mapping[str, str] | None = None) -> list[str]:
     """Every dotted key of a dataclass schema, nested dataclasses included (``model``, ``model.name``, …)."""
     keys = []
     hints = get_type_hints(schema)
     for f in fields(schema):
-        key = prefix + f.name
+        key = prefix + (rename or {}).get(f.name, f.name)
         keys.append(key)
         if is_dataclass(hints.get(f.name)):
-            keys += _schema_keys(hints[f.name], key + ".")
+            keys += _schema_keys(hints[f.name], key + ".", rename)
     return keys
 
 
-def check_override_keys(args: Iterable[str], schema: type | None = None) -> None:
+def check_override_keys(args: Iterable[str], schema: type | None = None,
+                        rename: Mapping[str, str] | None = None) -> None:
     """Refuse a command-line override whose key the schema lacks, naming the closest key.
 
     Hydra's own message for ``stagez=2`` suggests ``+stagez=2``, which adds a key nothing reads
@@ -411,12 +412,13 @@ def check_override_keys(args: Iterable[str], schema: type | None = None) -> None
     Args:
         args: command-line arguments, as in ``sys.argv[1:]``.
         schema: the dataclass of the composed config (default :class:`TrainConfig`).
+        rename: field name -> config key, where they differ (schedule.py's ``from_`` is ``from``).
 
     Raises:
         ConfigError: ``<key>=<value>: unknown key '<key>'; did you mean <closest>=<value>?``
     """
     schema = schema or TrainConfig
-    keys = _schema_keys(schema)
+    keys = _schema_keys(schema, rename=rename)
     known = set(keys)
     leaves: dict[str, list[str]] = {}
     for key in keys:

@@ -20,6 +20,7 @@ from pipefisher.cli import user_message
 from pipefisher.config import ConfigError, check_override_keys
 from pipefisher.data.prepare import main as prepare_main
 from pipefisher.model.config import BertConfig
+from pipefisher.planning.config import ScheduleConfig
 from pipefisher.planning.whatif import what_if
 from pipefisher.runtime.checkpoint import CheckpointPolicy, save_checkpoint
 from tests.conftest import REPO, TINY, compose_train
@@ -110,6 +111,10 @@ def test_override_key_check_handles_nested_keys_groups_and_hydra_keys() -> None:
         check_override_keys(["damping=1e-2"])  # a nested key typed at the top level
     with pytest.raises(ConfigError, match="unknown key 'zzzz'"):
         check_override_keys(["zzzz=1"])
+    # schedule.py's schema, whose field from_ is the key `from` (for its entry point to use).
+    check_override_keys(["from=profile.sqlite", "whatif=true", "search.top=5"], ScheduleConfig, rename={"from_": "from"})
+    with pytest.raises(ConfigError, match="did you mean from=p.sqlite"):
+        check_override_keys(["frm=p.sqlite"], ScheduleConfig, rename={"from_": "from"})
 
 
 def test_a_worker_s_user_error_is_reported_without_its_traceback() -> None:
