@@ -128,21 +128,39 @@ def mlm_losses(records: Sequence[dict[str, Any]]) -> list[float]:
     return [math.nan if r.get("mlm_loss") is None else float(r["mlm_loss"]) for r in records]
 
 
-def summarize(records: Sequence[dict[str, Any]], targets: dict[str, float | None], window: int) -> dict[str, Any]:
-    """Final smoothed MLM loss, step times and, per target, steps and seconds to reach it."""
+def typical_step_s(records: Sequence[dict[str, Any]]) -> float:
+    """A step's typical time: the mean over the refresh cycle's phases (``kfac_phase``; one phase
+    without K-FAC) of each phase's median ``step_time_s``. The medians ignore bursts of load; the
+    mean over phases still counts a refresh every k steps once per k steps, which a plain median
+    of critical-path K-FAC's steps would drop."""
+    by_phase: dict[int, list[float]] = {}
+    for r in records:
+        if r.get("step_time_s") is not None:
+            by_phase.setdefault(int(r.get("kfac_phase") or 0), []).append(float(r["step_time_s"]))
+    return statistics.fmean(statistics.median(v) for v in by_phase.values()) if by_phase else math.nan
+
+
+def summarize(records: Sequence[dict[str, Any]], targets: dict[str, float | None], window: int,
+              step_s: float | None = None) -> dict[str, Any]:
+    """Final smoothed MLM loss, step times and, per target, steps and seconds to reach it.
+
+    ``seconds_est`` is steps x ``step_s``, by default the run's own :func:`typical_step_s`
+    (``--retime`` passes one measured on a quiet machine).
+    """
     mlm = mlm_losses(records)
     times = [float(r.get("step_time_s") or 0.0) for r in records]
     sm = smooth(mlm, window) if mlm else []
-    median = statistics.median(times) if times else math.nan
+    typical = typical_step_s(records) if step_s is None else step_s
     out: dict[str, Any] = {
         "steps": len(records), "final_mlm": sm[-1] if sm else math.nan,
-        "median_step_s": median, "mean_step_s": statistics.fmean(times) if times else math.nan,
-        "sum_step_s": math.fsum(times), "targets": {},
+        "median_step_s": statistics.median(times) if times else math.nan,
+        "mean_step_s": statistics.fmean(times) if times else math.nan,
+        "typical_step_s": typical, "sum_step_s": math.fsum(times), "targets": {},
     }
     for name, target in targets.items():
         n = None if target is None else steps_to_target(sm, target)
         out["targets"][name] = {"target": target, "steps": n, "seconds": seconds_to(times, n),
-                                "seconds_est": None if n is None else n * median}
+                                "seconds_est": None if n is None else n * typical}
     for key in ("refresh_interval", "kfac_plan"):
         values = [r[key] for r in records if r.get(key) is not None]
         if values:
@@ -459,6 +477,12 @@ def _parser() -> argparse.ArgumentParser:
                         "measured costs (schedule.py from=profile.sqlite); the pipefisher arm trains with that plan")
     p.add_argument("--quick", action="store_true", help="bert-tiny, 1f1b, 40 steps in 2 rounds, kfac k=1, no sweep: ~4 min")
     p.add_argument("--dry-run", action="store_true", help="print the commands only")
+    p.add_argument("--retime", type=Path, metavar="DIR",
+                   help="re-measure step times for a finished run in DIR on a quiet machine: each main run's command "
+                        "(not the staleness arms) for --timing-steps steps, --timing-rounds rotated rounds; DIR's "
+                        "report is rewritten with time to target = steps of the runs x the timed typical step")
+    p.add_argument("--timing-steps", type=int, default=40, help="--retime: steps per timing run (default 40)")
+    p.add_argument("--timing-rounds", type=int, default=2, help="--retime: rotated rounds (default 2)")
     return p
 
 
@@ -510,8 +534,18 @@ def fixed_lr(args: argparse.Namespace, arm: str) -> float | None:
     return found[-1] if found else None
 
 
+def common_overrides(args: argparse.Namespace, data_path: Path | str, vocab: int | str) -> list[str]:
+    """The ``train.py`` overrides every run of the benchmark shares."""
+    return [f"model={args.model}", f"model.vocab_size={vocab}", f"stages={args.stages}",
+            f"micro_batch_size={args.micro_batch_size}", f"num_micro_batches={args.num_micro_batches}",
+            "data=hdf5", f"data.path={data_path}", f"data.seq_len={SEQ_LEN}", f"data.max_predictions={MAX_PREDICTIONS}",
+            f"seed={args.seed}", "device=cpu", "progress=false", "wandb.mode=disabled"]
+
+
 def main() -> None:
     args = parse_args()
+    if args.retime:
+        return retime(args.retime, args.timing_steps, args.timing_rounds, args.run_timeout_s)
     out = args.out or h.REPO / "bench" / "results" / "convergence" / datetime.datetime.now().strftime("%Y-%m-%d_%H-%M-%S")
     out = out.resolve()
     text = args.text.resolve()
@@ -533,10 +567,7 @@ def main() -> None:
         data_path, vocab = data.path, str(data.vocab_size)
         print(f"data: {data.path} ({data.num_documents} documents, {data.num_instances} instances, "
               f"vocab {data.vocab_size}, unigram entropy of the masked labels {data.unigram_entropy:.3f} nats)")
-    common = [f"model={args.model}", f"model.vocab_size={vocab}", f"stages={args.stages}",
-              f"micro_batch_size={args.micro_batch_size}", f"num_micro_batches={args.num_micro_batches}",
-              "data=hdf5", f"data.path={data_path}", f"data.seq_len={SEQ_LEN}", f"data.max_predictions={MAX_PREDICTIONS}",
-              f"seed={args.seed}", "device=cpu", "progress=false", "wandb.mode=disabled"]
+    common = common_overrides(args, data_path, vocab)
     arms, stale = arm_table(args), stale_table(args)
     first = args.pipelines[0]
 
@@ -638,8 +669,13 @@ def _cell(value: float | None, fmt: str = "{:.3f}", missing: str = "not reached"
 
 def _report(args: argparse.Namespace, out: Path, data: Prepared | None, by_pipeline: dict[str, list[Job]],
             sweep_jobs: list[Job], stale_jobs: list[Job], picked: dict[str, float | None], load_before: str,
-            started: float) -> None:
-    """Tables (stdout and table.md), results.json, loss_vs_step.png and loss_vs_time.png."""
+            started: float, timing: dict[str, dict[str, dict[str, Any]]] | None = None) -> None:
+    """Tables (stdout and table.md), results.json, loss_vs_step.png and loss_vs_time.png.
+
+    ``timing``: per pipeline and arm, the ``--retime`` figures (``typical_step_s`` of quiet timing
+    runs), which then give the seconds to target instead of each run's own step times.
+    """
+    timing = timing or {}
     unigram = None if data is None else data.unigram_entropy
     fixed_target = args.target if args.target is not None else (None if unigram is None else unigram - args.unigram_margin)
     target_names = {"nvlamb": "NVLAMB's final smoothed MLM", "unigram": (
@@ -665,7 +701,9 @@ def _report(args: argparse.Namespace, out: Path, data: Prepared | None, by_pipel
     for pipeline, jobs in by_pipeline.items():
         done = {j.arm: summarize(j.records(), {}, args.smooth) for j in jobs if j.status == "done"}
         targets = {"nvlamb": done["nvlamb"]["final_mlm"] if "nvlamb" in done else None, "unigram": fixed_target}
-        summ = {j.arm: summarize(j.records(), targets, args.smooth) for j in jobs if j.status == "done"}
+        timed = timing.get(pipeline, {})
+        summ = {j.arm: summarize(j.records(), targets, args.smooth, timed.get(j.arm, {}).get("typical_step_s"))
+                for j in jobs if j.status == "done"}
         summaries[pipeline] = summ
         main_arms = {a: s for a, s in summ.items() if family(a) != "stale"}
         run_rows = [[j.arm, "config" if j.lr is None else f"{j.lr:g}",
@@ -674,11 +712,16 @@ def _report(args: argparse.Namespace, out: Path, data: Prepared | None, by_pipel
                      summ[j.arm]["final_mlm"] if j.arm in summ else math.nan,
                      summ[j.arm]["median_step_s"] if j.arm in summ else math.nan,
                      summ[j.arm]["mean_step_s"] if j.arm in summ else math.nan,
+                     summ[j.arm]["typical_step_s"] if j.arm in summ else math.nan,
                      summ[j.arm]["sum_step_s"] if j.arm in summ else math.nan, j.wall_s, j.chunks]
                     for j in jobs if family(j.arm) != "stale"]
         lines += ["", f"### {pipeline}: runs", "", h.table(
-            ["arm", "lr", "k", "steps", "final MLM (sm.)", "median step s", "mean step s", "Σ step s",
-             "process wall s", "processes"], run_rows)]
+            ["arm", "lr", "k", "steps", "final MLM (sm.)", "median step s", "mean step s",
+             "timed step s" if timed else "typical step s", "Σ step s", "process wall s", "processes"], run_rows)]
+        if timed:
+            lines += ["", f"Timed step s: typical step time of quiet timing runs (--retime: "
+                          f"{next(iter(timed.values()))['rounds']} rotated rounds of "
+                          f"{next(iter(timed.values()))['steps']} steps per arm, the first step of each dropped).  "]
         target_rows = []
         for name, target in targets.items():
             r = ratios(main_arms, name)
@@ -692,10 +735,12 @@ def _report(args: argparse.Namespace, out: Path, data: Prepared | None, by_pipel
                                     _cell(r[arm]["time_x_best_kfac"], "{:.3f}", "-"),
                                     r[arm]["best_kfac"] or "-", _cell(r[arm]["steps_x_nvlamb"], "{:.3f}", "-")])
         lines += ["", f"### {pipeline}: time to target", "", h.table(
-            ["target", "arm", "steps", "s (Σ measured)", "s (steps × median)", "time × nvlamb", "time × best kfac",
+            ["target", "arm", "steps", "s (Σ measured)", "s (steps × typical)", "time × nvlamb", "time × best kfac",
              "best kfac", "steps × nvlamb"], target_rows),
-            "", "Ratios use steps × the run's median step time (robust to bursts of load); "
-                "Σ measured is the sum of step_time_s up to that step. Targets: "
+            "", "Ratios use steps × the typical step time "
+                + ("of the quiet timing runs" if timed else "of the run (per refresh phase the median step time, "
+                   "averaged over the phases: robust to bursts of load, and a refresh every k steps counts once per k)")
+                + "; Σ measured is the sum of the run's step_time_s up to that step. Targets: "
                 + "; ".join(f"{k} = {v}" for k, v in target_names.items()) + ".  "]
         results["pipelines"][pipeline] = {"targets": targets, "runs": [_job_result(j, summ.get(j.arm)) for j in jobs]}
     if stale_jobs:
@@ -719,10 +764,60 @@ def _report(args: argparse.Namespace, out: Path, data: Prepared | None, by_pipel
     out.mkdir(parents=True, exist_ok=True)
     (out / "table.md").write_text(report + "\n")
     results["elapsed_s"] = time.monotonic() - started
+    if timing:
+        results["timing"] = timing
     (out / "results.json").write_text(json.dumps(results, indent=1, default=str) + "\n")
     if by_pipeline:
-        _plots(out, by_pipeline, {p: results["pipelines"][p]["targets"] for p in by_pipeline}, args.smooth)
+        _plots(out, by_pipeline, {p: results["pipelines"][p]["targets"] for p in by_pipeline}, args.smooth, timing)
     print(f"\nwritten: {out}/table.md, results.json, loss_vs_step.png, loss_vs_time.png")
+
+
+def retime(out: Path, steps: int, rounds: int, timeout_s: float) -> None:
+    """``--retime``: time every main run of the finished benchmark in ``out`` again (the same command,
+    ``steps`` steps, each run once per round, rounds rotated), then rewrite its report with those
+    step times. Steps to target come from the trajectories, which do not depend on the machine's load
+    (same seed, same batches); only the seconds need a quiet machine."""
+    started, load_before = time.monotonic(), h.load()
+    out = out.resolve()
+    results = json.loads((out / "results.json").read_text())
+    ns = parse_args([])
+    for key, value in results["args"].items():
+        setattr(ns, key, value)
+    ns.text, ns.cache_dir = Path(ns.text), Path(ns.cache_dir)
+    data = None
+    if results.get("data"):
+        data = Prepared(**{**results["data"], "path": Path(results["data"]["path"])})
+    common = common_overrides(ns, data.path if data else "", data.vocab_size if data else "")
+    by_pipeline: dict[str, list[Job]] = {}
+    for pipeline, found in results["pipelines"].items():
+        by_pipeline[pipeline] = [Job(r["phase"], pipeline, r["arm"], list(r["overrides"]), r["lr"], ns.steps,
+                                     Path(r["run_dir"]), r["status"], wall_s=r["process_wall_s"], chunks=r["processes"])
+                                 for r in found["runs"]]
+    timed_jobs = [j for js in by_pipeline.values() for j in js if j.status == "done" and family(j.arm) != "stale"]
+    if not timed_jobs:
+        raise RuntimeError(f"{out}/results.json: no finished main runs to time")
+    records: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    for r in range(rounds):
+        order = timed_jobs[r % len(timed_jobs):] + timed_jobs[:r % len(timed_jobs)]
+        for base in order:
+            job = dataclasses.replace(base, phase="timing", steps=steps, status="pending", done_steps=0, wall_s=0.0,
+                                      chunks=0, run_dir=out / "timing" / f"round{r}" / base.pipeline / base.arm)
+            shutil.rmtree(job.run_dir, ignore_errors=True)
+            run_chunk(job, job.command(common, 0), steps, timeout_s)
+            if job.status != "done":
+                raise RuntimeError(f"timing run {job.label} failed:\n{job.error}")
+            records.setdefault((job.pipeline, job.arm), []).extend(job.records()[1:])  # the first step warms up
+            print(f"[{time.monotonic() - started:7.1f} s, {h.load()}] timing round {r + 1}/{rounds} {job.pipeline} "
+                  f"{job.arm}: typical step {typical_step_s(job.records()[1:]):.3f} s", flush=True)
+    timing: dict[str, dict[str, dict[str, Any]]] = {}
+    for (pipeline, arm), recs in records.items():
+        timing.setdefault(pipeline, {})[arm] = {"typical_step_s": typical_step_s(recs), "steps": steps,
+                                                "rounds": rounds, "load": h.load()}
+    first = next(iter(results["pipelines"]))
+    sweep = [Job("sweep", first, x["arm"], [], x["lr"], ns.sweep_steps, out / "sweep" / first / x["arm"] / f"lr{x['lr']:g}",
+                 x["status"]) for x in results.get("sweep", [])]
+    stale = [j for js in by_pipeline.values() for j in js if family(j.arm) == "stale"]
+    _report(ns, out, data, by_pipeline, sweep, stale, results.get("picked_lr", {}), load_before, started, timing)
 
 
 def _job_result(job: Job, summary: dict[str, Any] | None) -> dict[str, Any]:
@@ -733,13 +828,15 @@ def _job_result(job: Job, summary: dict[str, Any] | None) -> dict[str, Any]:
             "metrics": {k: [r.get(k) for r in records] for k in ("step", "loss", "mlm_loss", "step_time_s")}}
 
 
-def _plots(out: Path, by_pipeline: dict[str, list[Job]], targets: dict[str, dict[str, float | None]], window: int) -> None:
+def _plots(out: Path, by_pipeline: dict[str, list[Job]], targets: dict[str, dict[str, float | None]], window: int,
+           timing: dict[str, dict[str, dict[str, Any]]]) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    for name, xlabel in (("loss_vs_step", "step"), ("loss_vs_time", "seconds (Σ step_time_s)")):
+    time_label = "seconds (steps × " + ("timed typical step, --retime)" if timing else "typical step time)")
+    for name, xlabel in (("loss_vs_step", "step"), ("loss_vs_time", time_label)):
         fig, axes = plt.subplots(1, len(by_pipeline), figsize=(6 * len(by_pipeline), 4.2), squeeze=False)
         for ax, (pipeline, jobs) in zip(axes[0], by_pipeline.items()):
             for job in jobs:
@@ -747,8 +844,8 @@ def _plots(out: Path, by_pipeline: dict[str, list[Job]], targets: dict[str, dict
                 if not records:
                     continue
                 y = smooth(mlm_losses(records), window)
-                x = (np.arange(1, len(y) + 1) if name == "loss_vs_step"
-                     else np.cumsum([r.get("step_time_s") or 0.0 for r in records]))
+                step_s = timing.get(pipeline, {}).get(job.arm, {}).get("typical_step_s") or typical_step_s(records)
+                x = np.arange(1, len(y) + 1) * (1.0 if name == "loss_vs_step" else step_s)
                 stale = family(job.arm) == "stale"
                 ax.plot(x, y, lw=0.8 if stale else 1.5, ls=":" if stale else "-", label=job.arm)
             for (tname, value), color in zip(targets[pipeline].items(), ("gray", "black")):

@@ -69,7 +69,7 @@ def test_nvlamb_target_is_its_final_smoothed_loss_and_nvlamb_reaches_it(cv) -> N
     assert cv.summarize(nvlamb, {"nvlamb": target}, 2)["targets"]["nvlamb"]["steps"] == 5
 
 
-def test_ratios_use_steps_times_median_against_nvlamb_and_the_best_kfac(cv) -> None:
+def test_ratios_use_steps_times_typical_step_against_nvlamb_and_the_best_kfac(cv) -> None:
     targets = {"t": 5.0}
     summaries = {
         "nvlamb": cv.summarize(_records([9, 7, 6, 5, 5], [1.0] * 5), targets, 1),  # 4 steps x 1 s
@@ -232,3 +232,14 @@ def test_variants_copy_an_arm_with_overrides_and_keep_their_family(cv) -> None:
         cv.arm_table(cv.parse_args(["--variant", "x=adam:a=1"]))
     with pytest.raises(ValueError, match="an arm already"):
         cv.arm_table(cv.parse_args(["--variant", "nvlamb=pipefisher:a=1"]))
+
+
+def test_typical_step_time_takes_medians_per_refresh_phase_and_averages_them(cv) -> None:
+    # critical-path K-FAC refreshing every 2 steps: phase 0 costs 3 s, phase 1 costs 1 s, one burst of load
+    records = [{"step": i, "kfac_phase": i % 2, "step_time_s": t}
+               for i, t in enumerate([3.0, 1.0, 3.0, 1.0, 30.0, 1.0, 3.0, 1.0])]
+    assert cv.typical_step_s(records) == pytest.approx(2.0)  # a plain median (1.0) would drop the refresh
+    assert cv.typical_step_s(_records([1.0] * 3, [1.0, 5.0, 1.0])) == 1.0  # no phases: the median
+    assert math.isnan(cv.typical_step_s([]))
+    s = cv.summarize(_records([8.0, 6.0, 4.0], [1.0, 1.0, 1.0]), {"a": 5.0}, 1, step_s=0.5)  # --retime's figure
+    assert s["typical_step_s"] == 0.5 and s["targets"]["a"]["seconds_est"] == 1.5 and s["targets"]["a"]["seconds"] == 3.0
