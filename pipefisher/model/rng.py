@@ -128,8 +128,9 @@ class KeyedDropout(nn.Dropout):
             return F.dropout(x, self.p, training=True)
         seed = _hash63(struct.pack("<3q", self.site, *key))
         keep = _keep_mask(x.shape, self.p, x.device, seed)
-        # masked_fill keeps only the boolean mask for backward; the scalar scale keeps nothing.
-        return x.masked_fill(~keep, 0.0) * (1.0 / (1.0 - self.p))
+        # x * keep / (1 - p) in one fused pass (aten's dropout kernel, differentiable: its backward
+        # is the same op on the gradient), keeping only the boolean mask for backward.
+        return torch.ops.aten.native_dropout_backward(x, keep, 1.0 / (1.0 - self.p))
 
 
 def name_dropout_sites(module: nn.Module, seed: int, pipeline_layer: int) -> None:
