@@ -82,16 +82,25 @@ def user_message(err: BaseException) -> str | None:
     return None
 
 
-def _hydra_only(run_dir: Path, job_name: str) -> bool:
-    """Whether ``run_dir`` holds nothing but what Hydra wrote before the task ran."""
-    return run_dir.is_dir() and {p.name for p in run_dir.iterdir()} <= {".hydra", f"{job_name}.log"}
+def _hydra_only(run_dir: Path, job_name: str, overrides: list[str]) -> bool:
+    """Whether ``run_dir`` holds nothing but what Hydra wrote before this task ran.
+
+    Its ``.hydra/overrides.yaml`` must be this run's: until run folders have unique names, a run
+    started in the same second writes into the same folder, and its files must stay.
+    """
+    if not run_dir.is_dir() or not {p.name for p in run_dir.iterdir()} <= {".hydra", f"{job_name}.log"}:
+        return False
+    try:
+        return list(OmegaConf.load(run_dir / ".hydra" / "overrides.yaml")) == overrides
+    except Exception:  # noqa: BLE001  (missing or half-written: not provably ours)
+        return False
 
 
 def _clean_up_failed_run(message: str) -> None:
     """Remove the failed run's directory if the run wrote nothing into it, else log ``message`` there."""
     hc = HydraConfig.get()
     run_dir = Path(hc.runtime.output_dir)
-    if _hydra_only(run_dir, hc.job.name):
+    if _hydra_only(run_dir, hc.job.name, list(hc.overrides.task)):
         for handler in logging.getLogger().handlers:  # the job's log file lives in the folder
             if isinstance(handler, logging.FileHandler) and Path(handler.baseFilename).parent == run_dir:
                 handler.close()

@@ -16,7 +16,7 @@ import pytest
 import torch.distributed as dist
 from torch.multiprocessing.spawn import ProcessRaisedException
 
-from pipefisher.cli import user_message
+from pipefisher.cli import _hydra_only, user_message
 from pipefisher.config import ConfigError, check_override_keys
 from pipefisher.data.prepare import main as prepare_main
 from pipefisher.model.config import BertConfig
@@ -66,6 +66,17 @@ def test_failed_run_that_left_files_gets_the_error_in_its_log(tmp_path: Path) ->
     _assert_one_message(proc, "stages=50")
     assert (tmp_path / "notes.txt").exists()
     assert "run failed: stages=50: exceeds model.num_layers=2" in (tmp_path / "train.log").read_text()
+
+
+def test_only_a_run_folder_that_is_provably_this_run_s_and_empty_is_removed(tmp_path: Path) -> None:
+    (tmp_path / ".hydra").mkdir()
+    (tmp_path / ".hydra" / "overrides.yaml").write_text("- stages=50\n")
+    (tmp_path / "train.log").write_text("")
+    assert _hydra_only(tmp_path, "train", ["stages=50"])
+    # Another run started in the same second wrote its overrides into the shared folder: keep it.
+    assert not _hydra_only(tmp_path, "train", ["stages=60"])
+    (tmp_path / "metrics.jsonl").write_text("{}\n")
+    assert not _hydra_only(tmp_path, "train", ["stages=50"])
 
 
 def test_unreadable_shard_is_named_before_wandb_and_workers_start(tmp_path: Path) -> None:
