@@ -293,8 +293,9 @@ def validate(cfg: TrainConfig) -> None:
         # A worker's virtual stages hand activations and gradients to each other only through the
         # pipeline's p2p, and with one stage per pipe there is no next worker (issue 16, item 6).
         _fail("pipeline.num_virtual", cfg.pipeline.num_virtual,
-              "pipeline=interleaved with stages=1 has no worker to pass its virtual stages' activations to; "
-              "use stages>=2, or pipeline.num_virtual=1 (data_parallel still applies)")
+              "pipeline=interleaved with stages=1 has no worker to pass its virtual stages' activations to "
+              "(pipeline=interleaved sets num_virtual=2); use stages>=2 with num_micro_batches a multiple of it, "
+              "or pipeline.num_virtual=1 (or pipeline=1f1b) for data parallelism alone")
     if cfg.stages > 1 or cfg.data_parallel > 1:
         if method == "chimera":
             if cfg.stages % 2:

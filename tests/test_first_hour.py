@@ -162,7 +162,7 @@ def test_help_lists_the_training_groups_without_task_or_schemas() -> None:
 @pytest.mark.parametrize("extra", [["data_parallel=2"], []])
 def test_interleaved_with_one_stage_and_virtual_stages_is_refused_before_spawning(extra: list[str]) -> None:
     with pytest.raises(ConfigError, match=r"pipeline\.num_virtual=2: pipeline=interleaved with stages=1 .*"
-                                          r"use stages>=2, or pipeline\.num_virtual=1"):
+                                          r"use stages>=2 .* or pipeline\.num_virtual=1 \(or pipeline=1f1b\)"):
         compose_train(["pipeline=interleaved", "stages=1", "pipeline.num_virtual=2", *extra])
     compose_train(["pipeline=interleaved", "stages=2", "pipeline.num_virtual=1", "num_micro_batches=2", *extra])
 
