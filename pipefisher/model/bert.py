@@ -484,7 +484,9 @@ class BertStage(nn.Module):
         key = current_dropout_key()  # the replay in backward re-enters it: [Note: dropout]
         for layer in self.bert.encoder.layer.values():
             if use_checkpoint:
-                hidden = checkpoint(_run_layer, layer, key, hidden, additive_mask, use_reentrant=False)
+                # Under a key the replay needs no stash of the global RNG states.
+                hidden = checkpoint(_run_layer, layer, key, hidden, additive_mask, use_reentrant=False,
+                                    preserve_rng_state=key is None)
             else:
                 hidden = layer(hidden, additive_mask)
         assert hidden is not None
