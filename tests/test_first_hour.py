@@ -105,7 +105,7 @@ def test_checkpoint_error_prints_one_message(tmp_path: Path) -> None:
     assert not (tmp_path / "run").exists()
 
 
-@pytest.mark.parametrize("script", ["train.py", "profile.py"])
+@pytest.mark.parametrize("script", ["train.py", "profile.py", "schedule.py"])
 def test_typo_in_a_key_names_the_closest_key_not_a_plus_override(script: str, tmp_path: Path) -> None:
     proc = _script([script, "stagez=2", f"hydra.run.dir={tmp_path / 'run'}"])
     _assert_one_message(proc, "unknown key 'stagez'; did you mean stages=2?")
@@ -246,3 +246,12 @@ def test_checkpoint_folders_count_steps_from_zero_and_the_log_says_how_many_step
         dist.destroy_process_group()
     assert folder.name == "step_1"
     assert any("the state after 2 steps (step_1 counts from step_0" in r.getMessage() for r in caplog.records)
+
+
+def test_run_folders_of_the_same_second_differ() -> None:
+    """Hydra's run and sweep folders carry microseconds: two runs started in the same second (a
+    failed config and the next run, two scripted runs) never share a folder."""
+    for name in ("config", "schedule", "finetune"):
+        text = (REPO / "pipefisher" / "conf" / f"{name}.yaml").read_text()
+        dirs = [line for line in text.splitlines() if line.strip().startswith("dir:")]
+        assert len(dirs) == 2 and all("%H-%M-%S-%f" in line for line in dirs), (name, dirs)

@@ -9,6 +9,8 @@ the summary text, so tests call them without a subprocess.
 from __future__ import annotations
 
 import json
+import os
+import sys
 import logging
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import asdict, dataclass, replace
@@ -283,9 +285,22 @@ def run_whatif(cfg: ScheduleConfig, out_dir: str | Path) -> str:
     return text
 
 
+def schedule_main() -> None:
+    """``schedule.py``: refuse unknown keys naming the closest one (Hydra would suggest ``+key``),
+    then compose, validate, plan (or rank) and print the summary; bad input exits with the message."""
+    from pipefisher.config import check_override_keys
+
+    try:
+        check_override_keys(sys.argv[1:], ScheduleConfig, rename={"from_": "from"})
+    except ValueError as exc:
+        if os.environ.get("HYDRA_FULL_ERROR") == "1":
+            raise
+        raise SystemExit(f"schedule.py: {exc}") from None
+    _schedule()
+
+
 @hydra.main(config_path="../conf", config_name="schedule", version_base="1.3")
-def schedule_main(dcfg: DictConfig) -> None:
-    """Compose, validate, plan (or rank) and print the summary; bad input exits with the message."""
+def _schedule(dcfg: DictConfig) -> None:
     hc = HydraConfig.get()
     try:
         cfg = to_schedule_config(dcfg)

@@ -783,7 +783,7 @@ def train_worker(cfg: TrainConfig, rank: int, world_size: int, device: torch.dev
                 if logged:
                     logger.log(last, step=step)
                     if hasattr(bar, "set_postfix"):
-                        bar.set_postfix(loss=f"{last['loss']:.3f}", util=f"{last['bubble_utilization']:.2f}")
+                        bar.set_postfix(loss=f"{last['loss']:.3f}", bubble_util=f"{last['bubble_utilization']:.2f}")
             saved = _checkpoint_due(policy, step, device)
             if saved:
                 worker.save_checkpoint(root, step)
