@@ -27,7 +27,7 @@ PIPELINE_GRID = [(m, d, n, w) for m in ("gpipe", "1f1b", "chimera", "interleaved
                  if n >= 1 and not (m in ("chimera", "interleaved") and n % d)]
 PIPELINE_GRID_IDS = [f"{m}-D{d}-N{n}-W{w}" for m, d, n, w in PIPELINE_GRID]
 
-# Tiny runs: no dropout so that pipeline and single-process runs are comparable bit for bit.
+# Tiny runs: no dropout, the simplest comparison (tests/test_dropout_rng.py compares with dropout on).
 TINY = [
     "model=bert-tiny",
     "model.vocab_size=512",

@@ -50,7 +50,7 @@ from tests.conftest import compose_train
 
 MODEL = ["model.num_layers=2", "model.hidden_size=32", "model.num_heads=2", "model.vocab_size=128",
          "data.seq_len=16", "data.max_predictions=3", "micro_batch_size=2", "lr=0.01", "steps=6",
-         # dropout on (TINY turns it off): resume must restore every worker's generator
+         # dropout on (TINY turns it off): resumed runs must draw the same (keyed) masks
          "model.hidden_dropout=0.1", "model.attention_dropout=0.1", "cluster.worker_timeout_s=60"]
 CASES = {
     "gpipe-D2": ["pipeline=gpipe", "stages=2", "num_micro_batches=2"],

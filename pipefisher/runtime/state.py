@@ -6,8 +6,9 @@ What :mod:`pipefisher.runtime.checkpoint` writes into a worker's shard, and read
 [Note: what makes resume exact]
 A step's result depends on the parameters, the optimizer's moments and step counts, the learning
 rate (a function of the scheduler's step count and the config), the K-FAC state, the micro-batches
-and the random numbers dropout draws. The micro-batches are a pure function of (seed, step)
-(``pipefisher.data``), so the data position is the step index itself. Everything else is saved:
+and the dropout masks. The micro-batches are a pure function of (seed, step) (``pipefisher.data``),
+so the data position is the step index itself; so are the masks, keyed by (seed, step, micro-batch,
+dropout site) in ``pipefisher.model.rng``. Everything else is saved:
 
 - every stage replica's ``state_dict`` (parameters and buffers, Hugging Face names);
 - the optimizer's ``state_dict`` and the scheduler's step count (the rates are recomputed from
@@ -18,9 +19,8 @@ and the random numbers dropout draws. The micro-batches are a pure function of (
   (``acc_a``/``acc_b`` with their row counts) captured in one phase and synchronized or folded in
   during a later phase;
 - the worker's random-number generators (torch CPU, the worker's CUDA device, Python's
-  ``random`` and numpy's legacy global generator), each as tensors. Dropout draws from this
-  worker's torch generator in the order of its action list, which is fixed, so restoring the
-  generator gives the same masks as the uninterrupted run.
+  ``random`` and numpy's legacy global generator), each as tensors, for any other random draw
+  (the model's dropout no longer draws from them).
 Captured activations never outlive a step, so a checkpoint taken between steps holds no capture.
 """
 
@@ -101,7 +101,7 @@ def restore_rng_state(state: Mapping[str, Any], device: torch.device) -> None:
     """Put back what :func:`capture_rng_state` saved.
 
     A checkpoint moved between CPU and CUDA loads, with a warning: the generator it lacks keeps
-    its seed, so dropout masks differ from the interrupted run's.
+    its seed (the model's dropout masks are keyed, not drawn from it, and do not change).
     """
     torch.set_rng_state(state["torch_cpu"])
     gauss = state["python_gauss"]
@@ -113,11 +113,11 @@ def restore_rng_state(state: Mapping[str, Any], device: torch.device) -> None:
         if "torch_cuda" in state:
             torch.cuda.set_rng_state(state["torch_cuda"], device)
         else:
-            log.warning("checkpoint has no CUDA generator state (written on the CPU); dropout on %s will "
-                        "not repeat the interrupted run's masks", device)
+            log.warning("checkpoint has no CUDA generator state (written on the CPU); random draws on %s "
+                        "other than the model's keyed dropout will not repeat the interrupted run's", device)
     elif "torch_cuda" in state:
         log.warning("checkpoint was written on CUDA; its CUDA generator state is not used on the CPU, "
-                    "so dropout masks differ from the interrupted run")
+                    "so random draws other than the model's keyed dropout differ from the interrupted run")
 
 
 # -- K-FAC ---------------------------------------------------------------------------------------
