@@ -14,6 +14,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -28,11 +29,12 @@ STOP_TIMEOUT_S = 30  # "promptly": generous, the machine may be busy (tiny steps
 START_TIMEOUT_S = 240  # until the first step's metrics row (interpreter and torch start-up, niced)
 
 
-def _start(run_dir: Path, *overrides: str, new_session: bool = False) -> tuple[subprocess.Popen, Path]:
+def _start(run_dir: Path, *overrides: str, new_session: bool = False,
+           run: list[str] = RUN) -> tuple[subprocess.Popen, Path]:
     log = run_dir.with_suffix(".log")
     env = {**os.environ, "WANDB_MODE": "disabled", "OMP_NUM_THREADS": "1"}
     with open(log, "wb") as out:
-        proc = subprocess.Popen([sys.executable, "train.py", *RUN, "steps=100000", *overrides, f"hydra.run.dir={run_dir}"],
+        proc = subprocess.Popen([sys.executable, "train.py", *run, "steps=100000", *overrides, f"hydra.run.dir={run_dir}"],
                                 cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT,
                                 start_new_session=new_session)
     return proc, log
@@ -75,11 +77,11 @@ def _running(pid: int) -> bool:
     return not re.search(r"^State:\s+Z", status, re.M)
 
 
-def _stop(proc: subprocess.Popen, log: Path, send: callable) -> tuple[int, str, set[int]]:
+def _stop(proc: subprocess.Popen, log: Path, send: Callable[[], None], workers: int = 2) -> tuple[int, str, set[int]]:
     """Send a signal with ``send()``; return the exit status, the output and the processes that
     were below the launcher before the signal."""
     below = _descendants(proc.pid)
-    assert len(below) >= 2, f"expected the two workers below the launcher, found {below}"
+    assert len(below) >= workers, f"expected {workers} workers below the launcher, found {below}"
     send()
     try:
         code = proc.wait(timeout=STOP_TIMEOUT_S)
@@ -209,4 +211,16 @@ def test_a_second_sigint_kills_workers_that_do_not_reach_the_step_end(tmp_path: 
     assert code == 130, out[-3000:]
     assert "stopping the workers now (second signal)" in out, out[-3000:]
     assert "interrupted at step 1; last checkpoint: none" in out, out[-3000:]
+    _assert_nothing_left(below)
+
+
+@pytest.mark.slow
+def test_sigterm_to_single_process_training_exits_143_naming_the_step(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    proc, log = _start(run_dir, run=list(TINY))  # stages=1: trains in the launcher process itself
+    _wait_for_step(proc, run_dir, log)
+    code, out, below = _stop(proc, log, lambda: os.kill(proc.pid, signal.SIGTERM), workers=0)
+    assert code == 143, out[-3000:]
+    assert re.search(r"interrupted at step \d+; last checkpoint: none", out), out[-3000:]
+    assert "Traceback" not in out, out[-3000:]
     _assert_nothing_left(below)

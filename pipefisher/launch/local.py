@@ -34,7 +34,7 @@ import time
 import traceback
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -249,7 +249,7 @@ def _kill_workers(context: mp.ProcessContext) -> None:
         process.join()
 
 
-def _exit_interrupted(cfg: TrainConfig, output_dir: Path, signum: int) -> None:
+def _exit_interrupted(cfg: TrainConfig, output_dir: Path, signum: int) -> NoReturn:
     """Name the last finished step and the last checkpoint, then exit with 128 + ``signum``."""
     step: int | None = None
     folder: str | os.PathLike | None = None
@@ -294,11 +294,31 @@ def run_training(cfg: TrainConfig, output_dir: str | os.PathLike, overrides: lis
             or preemption.watching(cfg.cluster.requeue)):
         result = launch_workers(cfg, output_dir, run_name=run_name, group=group)
     else:
-        logger = WandbLogger(asdict(cfg), project=cfg.wandb.project, group=group, name=run_name,
-                             mode=cfg.wandb.mode, dir=str(output_dir), enabled=True)
-        try:
-            result = train_single_process(cfg, output_dir, logger)
-        finally:
-            logger.finish()
+        result = _train_in_this_process(cfg, output_dir, run_name, group)
     log.info("finished: %s", {k: result[k] for k in ("step", "loss") if k in result})
     return result
+
+
+def _train_in_this_process(cfg: TrainConfig, output_dir: Path, run_name: str | None,
+                           group: str | None) -> dict[str, Any]:
+    """Single-process training; SIGINT or SIGTERM end it as they end a run of workers (logged step,
+    exit status 130 or 143), only at once: there is no peer to agree with and no checkpoint."""
+    seen: list[int] = []
+
+    def interrupt(signum: int, frame: Any) -> None:
+        seen.append(signum)
+        raise KeyboardInterrupt
+
+    previous = ({s: signal.signal(s, interrupt) for s in INTERRUPT_SIGNALS}
+                if threading.current_thread() is threading.main_thread() else {})
+    logger = WandbLogger(asdict(cfg), project=cfg.wandb.project, group=group, name=run_name,
+                         mode=cfg.wandb.mode, dir=str(output_dir), enabled=True)
+    try:
+        return train_single_process(cfg, output_dir, logger)
+    except KeyboardInterrupt:
+        seen.append(signal.SIGINT)  # the KeyboardInterrupt may have come from Python's own handler
+    finally:
+        logger.finish()
+        for s, h in previous.items():
+            signal.signal(s, h if h is not None else signal.SIG_DFL)
+    _exit_interrupted(cfg, output_dir, seen[0])
