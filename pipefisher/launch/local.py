@@ -205,6 +205,7 @@ def _run_local_workers(cfg: TrainConfig, output_dir: str | os.PathLike, run_name
         )
     preemption.forward_to(context.pids())  # a signal sent to this process alone reaches the workers
     try:
+        # A cluster.stop_grace_s field, where the config has one, sets the grace period.
         _wait_for_workers(context, getattr(cfg.cluster, "stop_grace_s", STOP_GRACE_S))
     finally:
         _kill_workers(context)
@@ -262,11 +263,10 @@ def _exit_interrupted(cfg: TrainConfig, output_dir: Path, signum: int) -> NoRetu
         metrics_file = output_dir / "metrics.jsonl"
         rows = read_metrics(metrics_file) if metrics_file.is_file() else []
         step = rows[-1].get("step") if rows else None
-    if not folder or folder == "None":  # none saved on stopping: an earlier one, if any
+    if not folder:  # none saved on stopping: an earlier one, if any
         folder = find_latest(checkpoint_root(cfg, output_dir))
-    where = "no step finished" if step is None else None
-    log.warning("interrupted at step %d%s; last checkpoint: %s", 0 if step is None else step,
-                f" ({where})" if where else "", folder or "none")
+    log.warning("interrupted at step %s; last checkpoint: %s", "0 (no step finished)" if step is None else step,
+                folder or "none")
     if folder:
         log.warning("to continue, run the same command with resume=%s", folder)
     sys.exit(preemption.exit_code(signum))

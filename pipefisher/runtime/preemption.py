@@ -35,9 +35,11 @@ item 3), without the requeue:
 2. A worker records SIGINT only (:func:`stop_on_interrupt`); it keeps SIGTERM's default action,
    with which ``torch.multiprocessing`` ends the peers of a failed worker (and which a worker
    signalled on its own should still die of).
-3. The workers agree at the step's end as in 2. above, save a checkpoint when the run has
-   checkpointing on, and exit normally; rank 0 leaves :data:`PREEMPTED_FILE` with the step and
-   the checkpoint (``null`` when none was saved).
+3. The workers agree at the step's end as in [Note: stopping on a signal], save a checkpoint
+   when the run has checkpointing on, and exit normally; rank 0 leaves :data:`PREEMPTED_FILE`
+   with the step and the checkpoint (``null`` when none was saved). After that a worker ignores
+   SIGINT: Python's shutdown would put back its default action, and a worker that finished would
+   die of the launcher's next pass-on.
 4. The launcher waits a bounded time for that (a long step must not hold the user hostage),
    kills the workers that are left, or at once on a second signal (:func:`repeated`), names
    the step and the last checkpoint, and exits with :func:`exit_code` (130 on SIGINT, 143 on
