@@ -224,3 +224,27 @@ def test_sigterm_to_single_process_training_exits_143_naming_the_step(tmp_path: 
     assert re.search(r"interrupted at step \d+; last checkpoint: none", out), out[-3000:]
     assert "Traceback" not in out, out[-3000:]
     _assert_nothing_left(below)
+
+
+@pytest.mark.slow
+def test_workers_that_do_not_reach_the_step_end_are_killed_after_the_grace_period(tmp_path: Path) -> None:
+    # One SIGINT, and worker 1 hangs in step 2: the launcher waits STOP_GRACE_S, then kills both.
+    from pipefisher.launch.local import STOP_GRACE_S
+
+    run_dir = tmp_path / "run"
+    proc, log = _start(run_dir, "fault.mode=stall", "fault.rank=1", "fault.step=2")
+    _wait_for_step(proc, run_dir, log, step=1)
+    time.sleep(1)
+    below = _descendants(proc.pid)
+    os.kill(proc.pid, signal.SIGINT)
+    try:
+        code = proc.wait(timeout=STOP_GRACE_S + STOP_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        for pid in below | {proc.pid}:
+            os.kill(pid, signal.SIGKILL)
+        pytest.fail(f"train.py still ran {STOP_GRACE_S + STOP_TIMEOUT_S} s after SIGINT:\n{log.read_text()[-3000:]}")
+    out = log.read_text()
+    assert code == 130, out[-3000:]
+    assert f"stopping the workers now (still running {STOP_GRACE_S:.0f} s after SIGINT)" in out, out[-3000:]
+    assert "interrupted at step 1; last checkpoint: none" in out, out[-3000:]
+    _assert_nothing_left(below)

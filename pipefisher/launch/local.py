@@ -74,11 +74,16 @@ def _env_world() -> tuple[int, int, int, int] | None:
 
 
 def _spawned_worker(index: int, cfg: TrainConfig, world: int, addr: str, port: int, output_dir: str,
-                    run_name: str | None, group: str | None) -> None:
+                    run_name: str | None, group: str | None, launcher: int) -> None:
     os.environ.update(MASTER_ADDR=addr, MASTER_PORT=str(port), RANK=str(index), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(index), LOCAL_WORLD_SIZE=str(world))
     logging.basicConfig(level=logging.INFO, format=f"[worker {index}] %(levelname)s %(name)s: %(message)s")
     with preemption.stop_on_interrupt():  # SIGINT was ignored until here (interrupts_ignored_by_children)
+        if os.getppid() != launcher:
+            # The launcher died while this process started up: torch's death signal for it (SIGINT)
+            # was ignored then, and the rendezvous store went with the launcher.
+            log.warning("worker %d: the launcher process %d is gone; not starting", index, launcher)
+            return
         run_worker(cfg, index, world, output_dir, run_name=run_name, group=group, local_rank=index,
                    local_world_size=world, external_store=True)
 
@@ -198,7 +203,7 @@ def _run_local_workers(cfg: TrainConfig, output_dir: str | os.PathLike, run_name
     with preemption.interrupts_ignored_by_children():
         context = mp.start_processes(
             _spawned_worker,
-            args=(cfg, world, addr, port, str(output_dir), run_name, group),
+            args=(cfg, world, addr, port, str(output_dir), run_name, group, os.getpid()),
             nprocs=world,
             join=False,
             start_method="spawn",
