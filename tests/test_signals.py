@@ -34,8 +34,8 @@ def _start(run_dir: Path, *overrides: str, new_session: bool = False,
     log = run_dir.with_suffix(".log")
     env = {**os.environ, "WANDB_MODE": "disabled", "OMP_NUM_THREADS": "1"}
     with open(log, "wb") as out:
-        proc = subprocess.Popen([sys.executable, "train.py", *run, "steps=100000", *overrides, f"hydra.run.dir={run_dir}"],
-                                cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT,
+        proc = subprocess.Popen([sys.executable, "train.py", *run, "steps=100000", *overrides,
+                                 f"hydra.run.dir={run_dir}"], cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT,
                                 start_new_session=new_session)
     return proc, log
 

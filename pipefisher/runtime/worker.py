@@ -815,8 +815,8 @@ def train_worker(cfg: TrainConfig, rank: int, world_size: int, device: torch.dev
     if preempted is not None and requeue_here:
         _requeue_from_rank0(rank, *preempted)
     elif preempted is not None and rank == 0:  # the launcher process requeues once the workers exited
-        (output_dir / PREEMPTED_FILE).write_text(json.dumps({"step": preempted[0],
-                                                               "checkpoint": str(preempted[1]) if preempted[1] else None}))
+        saved_in = str(preempted[1]) if preempted[1] else None
+        (output_dir / PREEMPTED_FILE).write_text(json.dumps({"step": preempted[0], "checkpoint": saved_in}))
     return last
 
 
