@@ -34,7 +34,8 @@ item 3), without the requeue:
    reaches the workers directly too (one foreground process group); recording twice is harmless.
 2. A worker records SIGINT only (:func:`stop_on_interrupt`); it keeps SIGTERM's default action,
    with which ``torch.multiprocessing`` ends the peers of a failed worker (and which a worker
-   signalled on its own should still die of).
+   signalled on its own should still die of). ``torch.multiprocessing`` also makes SIGINT a
+   worker's parent-death signal: a worker whose launcher was killed stops after the step too.
 3. The workers agree at the step's end as in [Note: stopping on a signal], save a checkpoint
    when the run has checkpointing on, and exit normally; rank 0 leaves :data:`PREEMPTED_FILE`
    with the step and the checkpoint (``null`` when none was saved). After that a worker ignores
@@ -221,7 +222,8 @@ def interrupts_ignored_by_children() -> Iterator[None]:
     A worker started with ``spawn`` imports torch for seconds before it can install its own
     handler (:func:`stop_on_interrupt`); with Python's default handler a Ctrl-C there would end
     it with a ``KeyboardInterrupt`` traceback. This process ignores SIGINT for the moment of the
-    start (milliseconds), then gets its handler back.
+    start (milliseconds: a Ctrl-C then is lost, and the user presses it again), then gets its
+    handler back.
     """
     previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
