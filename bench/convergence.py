@@ -403,6 +403,20 @@ def run_chunk(job: Job, cmd: list[str], until: int, timeout_s: float) -> None:
         job.status = "done"
 
 
+def pick_up(job: Job) -> None:
+    """``--continue``: a run already in ``job.run_dir`` continues from its newest chunk checkpoint
+    (``step_<n>`` with a manifest and n + 1 logged steps), or from the start if it has none."""
+    saved = sorted((int(p.name.removeprefix("step_")) for p in (job.run_dir / "checkpoints").glob("step_*")
+                    if (p / "manifest.json").is_file()), reverse=True)
+    logged = len(job.records())
+    done = next((n + 1 for n in saved if logged >= n + 1), 0)
+    if done:
+        job.done_steps, job.chunks = done, 1
+        print(f"continuing {job.label} after step {done} ({job.run_dir})", flush=True)
+    elif job.run_dir.exists():
+        shutil.rmtree(job.run_dir)
+
+
 def run_jobs(jobs: list[Job], common: Sequence[str], chunk: int, timeout_s: float, keep_checkpoints: bool,
              window: int) -> None:
     """Every job to its last step, in rotated rounds of ``chunk`` steps (0: each job whole, in order)."""
@@ -472,6 +486,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--out", type=Path, help="output dir (default bench/results/convergence/<timestamp>)")
     p.add_argument("--run-timeout-s", type=float, default=3600.0, help="limit of one process (a chunk)")
     p.add_argument("--keep-checkpoints", action="store_true")
+    p.add_argument("--continue", dest="continue_runs", action="store_true",
+                   help="main runs already in --out continue from their last chunk checkpoint (same arguments)")
     p.add_argument("--plan-from-profile", action="store_true",
                    help="per pipeline, profile the run (profile.py, optimizer=kfac, 6 steps) and plan PipeFisher from the "
                         "measured costs (schedule.py from=profile.sqlite); the pipefisher arm trains with that plan")
@@ -623,6 +639,9 @@ def main() -> None:
             print("# main runs: lr= of each swept arm is the one the sweep picks")
         _print_commands(jobs, common, args.chunk_steps)
         return
+    if args.continue_runs:
+        for job in [*jobs]:
+            pick_up(job)
     run_jobs(jobs, common, args.chunk_steps, args.run_timeout_s, args.keep_checkpoints, args.smooth)
     _report(args, out, data, {p: [j for j in jobs if j.pipeline == p] for p in args.pipelines}, sweep_jobs,
             [j for j in jobs if family(j.arm) == "stale"], picked, load_before, started)

@@ -243,3 +243,23 @@ def test_typical_step_time_takes_medians_per_refresh_phase_and_averages_them(cv)
     assert math.isnan(cv.typical_step_s([]))
     s = cv.summarize(_records([8.0, 6.0, 4.0], [1.0, 1.0, 1.0]), {"a": 5.0}, 1, step_s=0.5)  # --retime's figure
     assert s["typical_step_s"] == 0.5 and s["targets"]["a"]["seconds_est"] == 1.5 and s["targets"]["a"]["seconds"] == 3.0
+
+
+def test_continue_picks_up_a_run_after_its_last_complete_chunk_checkpoint(cv, tmp_path: Path) -> None:
+    def job(name: str, logged: int, saved: list[int], manifest: bool = True):
+        j = cv.Job("main", "1f1b", name, ["optimizer=nvlamb"], None, 40, tmp_path / name)
+        (j.run_dir / "checkpoints").mkdir(parents=True)
+        (j.run_dir / "metrics.jsonl").write_text("".join(f'{{"step": {i}, "mlm_loss": 1.0}}\n' for i in range(logged)))
+        for n in saved:
+            (j.run_dir / "checkpoints" / f"step_{n}").mkdir()
+            if manifest:
+                (j.run_dir / "checkpoints" / f"step_{n}" / "manifest.json").write_text("{}")
+        return j
+
+    ok = job("a", 23, [9, 19])
+    cv.pick_up(ok)
+    assert (ok.done_steps, ok.chunks) == (20, 1)  # resumes with resume=auto from step_19
+    assert "resume=auto" in ok.command([], 10, resume=ok.chunks > 0)
+    partial = job("b", 12, [9], manifest=False)  # no complete checkpoint: starts over, old files gone
+    cv.pick_up(partial)
+    assert (partial.done_steps, partial.chunks) == (0, 0) and not partial.run_dir.exists()
