@@ -23,6 +23,7 @@ import functools
 import logging
 import os
 import re
+import shlex
 import shutil
 import sys
 from collections.abc import Callable
@@ -150,17 +151,55 @@ def _check_data(cfg: TrainConfig) -> None:
 
 def _run(dcfg: DictConfig) -> float:
     cfg = to_train_config(dcfg)
+    hc = HydraConfig.get()
+    # Said before torch is imported and any worker starts (seconds on a busy machine).
+    log.info("%s (L=%d, H=%d), %s, stages=%d, num_micro_batches=%d, data_parallel=%d, %s, %d steps; run folder %s",
+             cfg.model.name, cfg.model.num_layers, cfg.model.hidden_size, f"pipeline={cfg.pipeline.method}"
+             if cfg.num_workers > 1 else "one process", cfg.stages, cfg.num_micro_batches, cfg.data_parallel,
+             f"optimizer={cfg.optimizer.name}", cfg.steps, _shown(hc.runtime.output_dir))
     _check_data(cfg)
     from pipefisher.launch import run_training  # imports torch: only after the config is valid
 
-    hc = HydraConfig.get()
+    multirun = hc.mode.name == "MULTIRUN"
     result = run_training(
         cfg,
         output_dir=hc.runtime.output_dir,
         overrides=list(hc.overrides.task),
-        sweep_dir=hc.sweep.dir if hc.mode.name == "MULTIRUN" else None,
+        sweep_dir=hc.sweep.dir if multirun else None,
+        resume_command=_resume_command(sys.argv, hc.sweep.dir if multirun else None, hc.runtime.output_dir),
     )
     return float(result.get("loss", float("nan")))
+
+
+# Hydra's flags that take a value (the next argument).
+_FLAGS_WITH_VALUE = ("-cn", "--config-name", "-cp", "--config-path", "-cd", "--config-dir", "--package", "-p",
+                     "--info", "-i", "--cfg", "-c", "--experimental-rerun")
+
+
+def _shown(path: str | os.PathLike) -> str:
+    """``path`` relative to the working directory when it lies below it, else absolute."""
+    full, cwd = Path(path).resolve(), Path.cwd().resolve()
+    return str(full.relative_to(cwd)) if cwd in full.parents else str(full)
+
+
+def _resume_command(argv: list[str], sweep_dir: str | None, output_dir: str) -> str:
+    """The command line that continues this run from its latest checkpoint: the user's own, in
+    the same run folder (``hydra.run.dir``, or ``hydra.sweep.dir`` for a ``-m`` run), with
+    ``resume=auto``. Hydra's flags go last: it takes no override after ``-m``."""
+    args, flags = [], []
+    rest = iter(argv[1:])
+    for arg in rest:
+        if arg.startswith("-"):
+            flags.append(arg)
+            if arg in _FLAGS_WITH_VALUE:
+                flags.append(next(rest, ""))
+        elif not arg.lstrip("+").startswith(("resume=", "hydra.run.dir=", "hydra.sweep.dir=")):
+            args.append(arg)
+    where = f"hydra.sweep.dir={_shown(sweep_dir)}" if sweep_dir else f"hydra.run.dir={_shown(output_dir)}"
+    program = argv[0] if argv and argv[0] else "train.py"
+    words = (["python", _shown(program) if Path(program).is_file() else program] if program.endswith(".py")
+             else [os.path.basename(program)])
+    return " ".join(shlex.quote(w) for w in [*words, *args, where, "resume=auto", *flags])
 
 
 # -- --help ----------------------------------------------------------------------------------------
@@ -233,9 +272,31 @@ def _train(dcfg: DictConfig) -> float:
     return _run(dcfg)
 
 
+def _deep_enough(dcfg: DictConfig, overrides: list[str]) -> None:
+    """Give profile.py's default model an encoder layer per stage when it has fewer (issue 16, item 1).
+
+    ``python profile.py pipeline=chimera stages=8`` names no model, and the default (bert-tiny, 2
+    layers) cannot be cut into 8 stages. Of the ways out, more layers of the same small model keep
+    a CPU profile short (bert-medium, the smallest size with 8 layers, has 4x the width and about
+    ten times the work per step). A depth the user chose (``model=…``, ``model.num_layers``,
+    ``pipeline.layers_per_stage``) stays, and the config check names the problem; other
+    ``model.*`` keys (a smaller width, say) do not choose a depth.
+    """
+    keys = {o.lstrip("+~").split("=", 1)[0] for o in overrides}
+    if keys & {"model", "model.num_layers", "pipeline.layers_per_stage"} or any(k.startswith("model@") for k in keys):
+        return
+    need = int(dcfg.stages) * int(dcfg.pipeline.num_virtual)
+    have = int(dcfg.model.num_layers)
+    if need > have:
+        dcfg.model.num_layers = need
+        log.info("profiling %s with model.num_layers=%d instead of %d: one encoder layer per stage "
+                 "(choose the model with model=..., e.g. model=bert-medium)", dcfg.model.name, need, have)
+
+
 @hydra.main(config_path="conf", config_name="profile", version_base="1.3")
 @_reported
 def _profile(dcfg: DictConfig) -> float:
+    _deep_enough(dcfg, list(HydraConfig.get().overrides.task))
     return _run(dcfg)
 
 

@@ -32,6 +32,7 @@ __all__ = [
     "CheckpointConfig",
     "TrainConfig",
     "check_override_keys",
+    "num_micro_batches_for",
     "register_configs",
     "to_train_config",
     "validate",
@@ -164,6 +165,7 @@ class CheckpointConfig:
     every_minutes: float = 0.0  # also save when this many minutes passed since the last save; 0 = off
     keep_last: int = 2  # complete checkpoints kept in `dir`, older ones deleted; 0 = keep all
     dir: Optional[str] = None  # where step_<n>/ folders go; None = <run output dir>/checkpoints
+    on_stop_after_s: float = 10.0  # Ctrl-C/SIGTERM save the last step once the run trained this long (s); < 0 = only with every_* on
 
     @property
     def enabled(self) -> bool:
@@ -188,7 +190,7 @@ class TrainConfig:
     stages: int = 1  # pipeline stages D (1 = single process)
     data_parallel: int = 1  # data-parallel width W (W pipelines, or W Chimera pairs)
     micro_batch_size: int = 16  # sequences per micro-batch
-    num_micro_batches: int = 1  # micro-batches per step (gradient accumulation / pipeline depth N)
+    num_micro_batches: Any = "auto"  # micro-batches per step N (an int), or auto: from the method and stages (num_micro_batches_for)
     steps: int = 100  # optimizer steps
     seed: int = 0  # seed of weights and data order
     lr: float = 1e-3  # peak learning rate
@@ -234,12 +236,41 @@ def _check_positive(cfg: TrainConfig, names: list[str]) -> None:
             _fail(name, obj, "must be at least 1")
 
 
+def num_micro_batches_for(method: str, stages: int) -> int:
+    """What ``num_micro_batches=auto`` means: the smallest N that every method accepts and that
+    fills the pipeline, N = stages (one process and data parallelism alone: 1).
+
+    GPipe and 1F1B run any N, but below D micro-batches a stage idles for more than half a step
+    (bubble (D-1)/(N+D-1)); Chimera and interleaved 1F1B need a multiple of D, and D is the
+    smallest (Chimera's bubble (D-2)/(2N+D-2)).
+    """
+    _check_choice("pipeline.method", method, PIPELINE_METHODS)
+    return max(1, stages)
+
+
+def _resolve_auto(cfg: TrainConfig) -> None:
+    """Replace ``num_micro_batches=auto`` by its value; refuse anything else that is not an int."""
+    n = cfg.num_micro_batches
+    if isinstance(n, str) and n.strip().lower() == "auto":
+        cfg.num_micro_batches = num_micro_batches_for(cfg.pipeline.method, cfg.stages)
+        if cfg.stages > 1:
+            log.info("num_micro_batches=auto: %d for pipeline=%s with stages=%d", cfg.num_micro_batches,
+                     cfg.pipeline.method, cfg.stages)
+    elif isinstance(n, bool) or not isinstance(n, int):
+        if isinstance(n, str) and n.strip().lstrip("+").isdigit():
+            cfg.num_micro_batches = int(n)
+        else:
+            _fail("num_micro_batches", n, "give a whole number of micro-batches per step, or num_micro_batches=auto")
+
+
 def validate(cfg: TrainConfig) -> None:
-    """Cross-field checks of a run's configuration.
+    """Cross-field checks of a run's configuration (``num_micro_batches=auto`` is resolved first).
 
     Raises:
         ConfigError: naming the field, its value and the fix, for the first problem found.
     """
+    _check_choice("pipeline.method", cfg.pipeline.method, PIPELINE_METHODS)
+    _resolve_auto(cfg)
     m = cfg.model
     _check_positive(
         cfg,
@@ -255,7 +286,6 @@ def validate(cfg: TrainConfig) -> None:
               f"exceeds model.max_position_embeddings={m.max_position_embeddings}; use data.seq_len<={m.max_position_embeddings}")
     if cfg.data.max_predictions > cfg.data.seq_len:
         _fail("data.max_predictions", cfg.data.max_predictions, f"must not exceed data.seq_len={cfg.data.seq_len}")
-    _check_choice("pipeline.method", cfg.pipeline.method, PIPELINE_METHODS)
     _check_choice("optimizer.name", cfg.optimizer.name, OPTIMIZERS)
     _check_choice("data.kind", cfg.data.kind, DATA_KINDS)
     _check_choice("precision", cfg.precision, PRECISIONS)
@@ -305,13 +335,14 @@ def validate(cfg: TrainConfig) -> None:
             if cfg.num_micro_batches % cfg.stages:
                 _fail("num_micro_batches", cfg.num_micro_batches,
                       f"chimera needs a multiple of stages={cfg.stages}; use num_micro_batches="
-                      f"{max(cfg.stages, cfg.num_micro_batches // cfg.stages * cfg.stages)}")
+                      f"{max(cfg.stages, cfg.num_micro_batches // cfg.stages * cfg.stages)} (or auto)")
         if method == "interleaved":
             if cfg.pipeline.num_virtual < 2:
                 log.warning("pipeline=interleaved with pipeline.num_virtual=1 is plain 1F1B")
             if cfg.num_micro_batches % cfg.stages:
                 _fail("num_micro_batches", cfg.num_micro_batches,
-                      f"interleaved needs a multiple of stages={cfg.stages}")
+                      f"interleaved needs a multiple of stages={cfg.stages}; use num_micro_batches="
+                      f"{max(cfg.stages, cfg.num_micro_batches // cfg.stages * cfg.stages)} (or auto)")
     if method != "interleaved" and cfg.pipeline.num_virtual != 1:
         _fail("pipeline.num_virtual", cfg.pipeline.num_virtual, "only pipeline=interleaved uses virtual stages; set it to 1")
     lps = cfg.pipeline.layers_per_stage
@@ -383,9 +414,10 @@ def _validate_checkpoint(cfg: TrainConfig) -> None:
         _fail("resume", cfg.resume,
               "no such checkpoint; give a step_<n> directory holding manifest.json or a checkpoint directory, "
               "or use resume=auto (latest complete checkpoint in checkpoint.dir) or resume=none")
-    if c.dir is not None and not c.enabled and cfg.resume != "auto":
-        log.warning("checkpoint.dir is set but has no effect: set checkpoint.every_steps or "
-                    "checkpoint.every_minutes to write checkpoints, or resume=auto to read them")
+    if c.dir is not None and not c.enabled and cfg.resume != "auto" and c.on_stop_after_s < 0:
+        log.warning("checkpoint.dir is set but has no effect: set checkpoint.every_steps, "
+                    "checkpoint.every_minutes or checkpoint.on_stop_after_s>=0 to write checkpoints, "
+                    "or resume=auto to read them")
 
 
 def _schema_keys(schema: type, prefix: str = "", rename: Mapping[str, str] | None = None) -> list[str]:

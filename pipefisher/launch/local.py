@@ -13,11 +13,14 @@ rank and traceback. A worker that stalls without exiting is caught by the proces
 
 [Note: Ctrl-C and SIGTERM to the launcher]
 SIGINT or SIGTERM to the launcher process (or Ctrl-C to the whole foreground group) stops the
-local workers after the step they are in, with a checkpoint when the run has checkpointing on
-(``pipefisher.runtime.preemption``, [Note: Ctrl-C and SIGTERM]). The launcher waits at most
-:data:`STOP_GRACE_S` for that, or kills the workers at once on a second signal; no worker outlives
-it. It then logs ``interrupted at step n; last checkpoint: <folder or none>`` and exits with
-130 (SIGINT) or 143 (SIGTERM) (issue 16, item 3).
+local workers after the step they are in, with a checkpoint when the run has checkpointing on or
+trained for ``checkpoint.on_stop_after_s`` (``pipefisher.runtime.preemption``, [Note: Ctrl-C and
+SIGTERM]). The launcher waits for that at most :data:`STOP_GRACE_S`, or three times the longest
+step so far when that is longer (a bert-base K-FAC step on a CPU takes minutes), or kills the
+workers at once on a second signal; no worker outlives it. It then logs ``interrupted at step n;
+last checkpoint: <folder or none>``, with a checkpoint the command that continues from it (the
+same command in the same run folder with ``resume=auto``), and exits with 130 (SIGINT) or 143
+(SIGTERM) (issue 16, items 1 and 3).
 """
 
 from __future__ import annotations
@@ -134,13 +137,15 @@ def _requeue_if_preempted(output_dir: Path) -> None:
 
 
 def launch_workers(cfg: TrainConfig, output_dir: str | os.PathLike, run_name: str | None = None,
-                   group: str | None = None) -> dict[str, Any]:
+                   group: str | None = None, resume_command: str | None = None) -> dict[str, Any]:
     """Run the ``stages × data_parallel`` workers of ``cfg`` and return rank 0's last metrics.
 
     Inside torchrun (``RANK``/``WORLD_SIZE`` set) or a multi-task SLURM step this process is one
     worker; otherwise it starts all workers as local processes and waits for them. In a SLURM job
     (``cluster.requeue``), a preemption or time-limit signal ends in a checkpoint and a requeue:
-    this function then exits the process with status 255 instead of returning.
+    this function then exits the process with status 255 instead of returning. After SIGINT or
+    SIGTERM it exits with 130 or 143, naming the checkpoint and ``resume_command`` (the command
+    line that continues this run from its latest checkpoint), when given.
     """
     schedule = schedule_for(cfg)  # build and check the schedule before any process starts
     if cfg.optimizer.schedule and cfg.optimizer.name != "nvlamb":
@@ -174,7 +179,7 @@ def launch_workers(cfg: TrainConfig, output_dir: str | os.PathLike, run_name: st
             _run_local_workers(cfg, output_dir, run_name, group)
         signum = preemption.received()
         if signum in INTERRUPT_SIGNALS:
-            _exit_interrupted(cfg, Path(output_dir), signum)
+            _exit_interrupted(cfg, Path(output_dir), signum, resume_command)
         if watch:
             _requeue_if_preempted(Path(output_dir))
     finally:
@@ -200,6 +205,7 @@ def _run_local_workers(cfg: TrainConfig, output_dir: str | os.PathLike, run_name
                           wait_for_workers=False)
     port = store.port
     log.info("starting %d workers on this machine (%s:%d)", world, addr, port)
+    _warn_if_oversubscribed(cfg)
     with preemption.interrupts_ignored_by_children():
         context = mp.start_processes(
             _spawned_worker,
@@ -211,14 +217,37 @@ def _run_local_workers(cfg: TrainConfig, output_dir: str | os.PathLike, run_name
     preemption.forward_to(context.pids())  # a signal sent to this process alone reaches the workers
     try:
         # A cluster.stop_grace_s field, where the config has one, sets the grace period.
-        _wait_for_workers(context, getattr(cfg.cluster, "stop_grace_s", STOP_GRACE_S))
+        _wait_for_workers(context, getattr(cfg.cluster, "stop_grace_s", STOP_GRACE_S), Path(output_dir))
     finally:
         _kill_workers(context)
         del store
 
 
-def _wait_for_workers(context: mp.ProcessContext, grace_s: float) -> None:
-    """Join the workers; after SIGINT/SIGTERM give them ``grace_s`` to stop, then kill them."""
+def _warn_if_oversubscribed(cfg: TrainConfig) -> None:
+    """One warning line when the local workers outnumber the CPU cores they train on."""
+    import torch  # imported already by the workers' modules
+
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    on_cpu = cfg.device == "cpu" or (cfg.device == "auto" and not torch.cuda.is_available())
+    if on_cpu and cfg.num_workers > cores:
+        log.warning("%d workers on %d CPU cores: they take turns on the cores, so steps take longer and one "
+                    "worker's bubble is another's compute (timings and utilization do not carry over to one "
+                    "device per worker)", cfg.num_workers, cores)
+
+
+def _grace_s(grace_s: float, output_dir: Path) -> tuple[float, float | None]:
+    """(how long the workers get to stop, the longest step so far or None): at least ``grace_s``,
+    and three longest steps (finish the step, save, leave) when that is longer."""
+    metrics_file = output_dir / "metrics.jsonl"
+    times = [r["step_time_s"] for r in (read_metrics(metrics_file) if metrics_file.is_file() else [])
+             if isinstance(r.get("step_time_s"), (int, float))]
+    longest = max(times) if times else None
+    return max(grace_s, 3 * longest if longest else 0.0), longest
+
+
+def _wait_for_workers(context: mp.ProcessContext, grace_s: float, output_dir: Path | None = None) -> None:
+    """Join the workers; after SIGINT/SIGTERM give them ``grace_s`` (or three of the longest steps
+    in ``output_dir``'s metrics, when longer) to stop, then kill them."""
     deadline: float | None = None
     while True:
         try:
@@ -236,9 +265,11 @@ def _wait_for_workers(context: mp.ProcessContext, grace_s: float) -> None:
         signum = preemption.received()
         name = signal.Signals(signum).name if signum is not None else "a signal"
         if deadline is None:
+            grace_s, longest = _grace_s(grace_s, output_dir) if output_dir is not None else (grace_s, None)
             deadline = time.monotonic() + grace_s
-            log.warning("got %s: the workers stop after the step they are in (at most %.0f s; send it again to "
-                        "stop them at once)", name, grace_s)
+            log.warning("got %s: the workers stop after the step they are in (at most %.0f s%s; send it again to "
+                        "stop them at once)", name, grace_s,
+                        f": steps take up to {longest:.0f} s" if longest and 3 * longest >= grace_s else "")
         if preemption.repeated() or time.monotonic() > deadline:
             log.warning("stopping the workers now (%s)", "second signal" if preemption.repeated()
                         else f"still running {grace_s:.0f} s after {name}")
@@ -255,8 +286,11 @@ def _kill_workers(context: mp.ProcessContext) -> None:
         process.join()
 
 
-def _exit_interrupted(cfg: TrainConfig, output_dir: Path, signum: int) -> NoReturn:
-    """Name the last finished step and the last checkpoint, then exit with 128 + ``signum``."""
+def _exit_interrupted(cfg: TrainConfig, output_dir: Path, signum: int,
+                      resume_command: str | None = None) -> NoReturn:
+    """Name the last finished step, the last checkpoint and the command that continues from it
+    (``resume_command``, else the same command with ``resume=<checkpoint>``), then exit with
+    128 + ``signum``."""
     step: int | None = None
     folder: str | os.PathLike | None = None
     marker = output_dir / PREEMPTED_FILE  # rank 0's {"step", "checkpoint"} when the workers agreed to stop
@@ -272,17 +306,21 @@ def _exit_interrupted(cfg: TrainConfig, output_dir: Path, signum: int) -> NoRetu
         folder = find_latest(checkpoint_root(cfg, output_dir))
     log.warning("interrupted at step %s; last checkpoint: %s", "0 (no step finished)" if step is None else step,
                 folder or "none")
-    if folder:
+    if folder and resume_command:
+        log.warning("to continue from it: %s", resume_command)
+    elif folder:
         log.warning("to continue, run the same command with resume=%s", folder)
     sys.exit(preemption.exit_code(signum))
 
 
 def run_training(cfg: TrainConfig, output_dir: str | os.PathLike, overrides: list[str] | None = None,
-                 sweep_dir: str | None = None) -> dict[str, Any]:
+                 sweep_dir: str | None = None, resume_command: str | None = None) -> dict[str, Any]:
     """Train one run described by ``cfg``; metrics go to ``output_dir/metrics.jsonl`` and wandb.
 
     ``stages=1, data_parallel=1`` with NVLAMB trains in this process (unless profiling,
     checkpointing or resuming); anything else runs pipeline workers (one process for a single stage).
+    ``resume_command``: the command line that continues this run from its latest checkpoint,
+    printed when a signal stopped it after a checkpoint.
 
     Returns:
         The last step's metrics (rank 0's view).
@@ -297,7 +335,7 @@ def run_training(cfg: TrainConfig, output_dir: str | os.PathLike, overrides: lis
     if (cfg.num_workers > 1 or cfg.profile.enabled or cfg.optimizer.name != "nvlamb"
             or cfg.checkpoint.enabled or cfg.resume != "none"
             or preemption.watching(cfg.cluster.requeue)):
-        result = launch_workers(cfg, output_dir, run_name=run_name, group=group)
+        result = launch_workers(cfg, output_dir, run_name=run_name, group=group, resume_command=resume_command)
     else:
         result = _train_in_this_process(cfg, output_dir, run_name, group)
     log.info("finished: %s", {k: result[k] for k in ("step", "loss") if k in result})

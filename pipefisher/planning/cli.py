@@ -19,8 +19,9 @@ from typing import Any
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
+from pipefisher.config import ModelConfig
 from pipefisher.model.config import BertConfig
 from pipefisher.planning.config import ScheduleConfig, register_schedule_configs, to_schedule_config
 from pipefisher.planning.costs import Hardware, RunShape, costs_from_profile, estimate_run_costs
@@ -29,10 +30,11 @@ from pipefisher.planning.whatif import format_candidates, what_if
 from pipefisher.profiling import OVERSUBSCRIBED_NOTE, Profile, plot_timeline, read_profile
 from pipefisher.schedules.kfac import assignment_to_json
 
-__all__ = ["PlanResult", "plan_run", "run_whatif", "schedule_main"]
+__all__ = ["PlanResult", "plan_run", "run_whatif", "schedule_main", "latest_profile"]
 
 log = logging.getLogger(__name__)
 register_schedule_configs()
+_CONF = Path(__file__).resolve().parent.parent / "conf"
 
 # Keys shared with train.py's config that describe the run (compared against a profile's run).
 _RUN_KEYS = ("stages", "data_parallel", "micro_batch_size", "num_micro_batches", "recompute", "precision")
@@ -131,9 +133,24 @@ def _override_keys(overrides: Sequence[str]) -> set[str]:
     return {o.lstrip("+~").split("=", 1)[0] for o in overrides}
 
 
-def _train_keys(run: RunShape, path: Path) -> str:
+def _model_keys(run: RunShape, model_name: str) -> str:
+    """`` model=<name>`` and the ``model.*`` keys where the planned model differs from that config
+    (profile.py gives its default model a layer per stage: ``model.num_layers=8``)."""
+    yaml = _CONF / "model" / f"{model_name}.yaml"
+    if not yaml.is_file():
+        return ""
+    named = OmegaConf.to_container(OmegaConf.load(yaml), resolve=False)
+    named.pop("defaults", None)
+    base = {**asdict(ModelConfig()), **named}
+    keys = "".join(f" model.{k}={getattr(run.bert, k)}" for k in ("num_layers", "hidden_size", "num_heads", "vocab_size")
+                   if getattr(run.bert, k) != base[k])
+    return f" model={model_name}{keys}"
+
+
+def _train_keys(run: RunShape, path: Path, model_name: str = "") -> str:
     v = f" pipeline.num_virtual={run.num_virtual}" if run.method == "interleaved" else ""
-    return (f"python train.py optimizer=pipefisher optimizer.schedule={path} pipeline={run.method}{v} "
+    return (f"python train.py optimizer=pipefisher optimizer.schedule={path}{_model_keys(run, model_name)} "
+            f"pipeline={run.method}{v} "
             f"stages={run.stages} num_micro_batches={run.num_micro_batches} "
             f"micro_batch_size={run.micro_batch_size} data_parallel={run.dp_width}"
             + (f" optimizer.curvature_micro_batches={n}" if (n := _subset(path)) else ""))
@@ -257,7 +274,7 @@ def plan_run(cfg: ScheduleConfig, out_dir: str | Path, requested: Collection[str
         + (f"; fallback to critical-path K-FAC: {a.metadata.get('fallback_reason')}"
            if a.metadata.get("fallback") else ""),
         f"wrote {', '.join(p.name for p in [path, *pictures])}, summary.txt in {out_dir}",
-        f"use it: {_train_keys(run, path)}",
+        f"use it: {_train_keys(run, path, model_name)}",
     ] + [f"note: {n}" for n in notes]
     summary = "\n".join(lines)
     (out_dir / "summary.txt").write_text(summary + "\n")
@@ -285,9 +302,61 @@ def run_whatif(cfg: ScheduleConfig, out_dir: str | Path) -> str:
     return text
 
 
+def _run_roots() -> list[str]:
+    """The folders profile.py's runs go below: the first part of its ``hydra.run.dir`` and
+    ``hydra.sweep.dir`` (``conf/profile.yaml``, else train.py's ``conf/config.yaml``)."""
+    roots = []
+    for key in ("run", "sweep"):
+        for name in ("profile.yaml", "config.yaml"):
+            raw = OmegaConf.to_container(OmegaConf.load(_CONF / name), resolve=False)
+            node = raw.get("hydra", {}).get(key, {}).get("dir")
+            if node is not None:
+                first = Path(str(node)).parts[0]
+                if "$" not in first and first not in roots:
+                    roots.append(first)
+                break
+    return roots
+
+
+def latest_profile(name: str, where: str | Path = ".") -> Path | None:
+    """The newest file called ``name`` (by modification time) below the run folders of ``where``
+    (``outputs/**/`` and ``multirun/**/`` with the shipped config), or None."""
+    found = [p for root in _run_roots() for p in (Path(where) / root).glob(f"**/{name}") if p.is_file()]
+    return max(found, key=lambda p: p.stat().st_mtime) if found else None
+
+
+def _resolve_from(args: list[str]) -> list[str]:
+    """``from=<bare name>`` that is no file here means the latest profile run's file of that name
+    (issue 16, item 1: ``python profile.py …`` then ``python schedule.py from=profile.sqlite``).
+
+    Resolved before Hydra starts, so that the run's ``.hydra/overrides.yaml`` holds the file taken
+    and a missing one leaves no output folder behind.
+
+    Raises:
+        SystemExit: there is no such file below the run folders either; the message names where
+            it looked and how to make one.
+    """
+    out = list(args)
+    for i, arg in enumerate(args):
+        key, _, value = arg.partition("=")
+        if key != "from" or not value or os.path.dirname(value) or Path(value).exists() or "," in value:
+            continue
+        path = latest_profile(value)
+        if path is None:
+            looked = " and ".join(f"{root}/**/{value}" for root in _run_roots())
+            raise SystemExit(f"schedule.py: from={value}: no such file in {Path.cwd()}, nor below it in {looked} "
+                             f"(where profile.py writes); profile a run first, e.g. `python profile.py "
+                             f"pipeline=chimera stages=8`, or give the profile's path")
+        print(f"schedule.py: from={value}: using the latest profile run's file, {path} "
+              f"(no {value} in the working directory)", flush=True)
+        out[i] = f"from={path}"
+    return out
+
+
 def schedule_main() -> None:
     """``schedule.py``: refuse unknown keys naming the closest one (Hydra would suggest ``+key``),
-    then compose, validate, plan (or rank) and print the summary; bad input exits with the message."""
+    take ``from=profile.sqlite`` from the latest profile run, then compose, validate, plan (or
+    rank) and print the summary; bad input exits with the message."""
     from pipefisher.config import check_override_keys
 
     try:
@@ -296,6 +365,7 @@ def schedule_main() -> None:
         if os.environ.get("HYDRA_FULL_ERROR") == "1":
             raise
         raise SystemExit(f"schedule.py: {exc}") from None
+    sys.argv[1:] = _resolve_from(sys.argv[1:])
     _schedule()
 
 

@@ -667,6 +667,25 @@ def _checkpoint_due(policy: CheckpointPolicy, step: int, device: torch.device) -
     return due
 
 
+def _trained_long_enough(cfg: TrainConfig, trained_s: float, device: torch.device) -> bool:
+    """Whether a run stopped by Ctrl-C or SIGTERM saves: rank 0 trained for
+    ``checkpoint.on_stop_after_s`` (a collective: every worker calls it)."""
+    limit = cfg.checkpoint.on_stop_after_s
+    flag = torch.tensor([float(0 <= limit <= trained_s)], device=device)
+    dist.broadcast(flag, src=0)
+    return bool(flag.item())
+
+
+def _first_step_note(worker: PipelineWorker) -> str:
+    """Why the first step may be long, for the log line before it: K-FAC's inversions."""
+    if worker.kfac is None or worker.kfac_interval is None:
+        return ""
+    dims = [d for pre in worker.kfac.pre.values() for name in pre.layer_names for d in pre.layer(name).dims]
+    return (f"; K-FAC inverts {len(dims)} factors of up to {max(dims)} x {max(dims)} on this worker every "
+            f"{worker.kfac_interval} step(s), and the progress bar shows an ETA from the first step's end on"
+            if dims else "")
+
+
 def _requeue_from_rank0(rank: int, step: int, folder: Path) -> None:
     """Worker 0 requeues the SLURM job; every worker learns whether it worked.
 
@@ -732,6 +751,9 @@ def train_worker(cfg: TrainConfig, rank: int, world_size: int, device: torch.dev
     last: dict[str, Any] = {}
     preempted: tuple[int, Path] | None = None  # (step, checkpoint) when stopped on SLURM's signal
     profiled: list[Event] = []
+    if rank == 0 and first < cfg.steps:
+        log.info("training steps %d to %d%s", first, cfg.steps - 1, _first_step_note(worker))
+    started = time.monotonic()  # training time of this attempt: a stop saves after checkpoint.on_stop_after_s
     bar = _step_range(cfg, first, enabled=rank == 0)
     try:
         for step in bar:
@@ -789,9 +811,11 @@ def train_worker(cfg: TrainConfig, rank: int, world_size: int, device: torch.dev
                 worker.save_checkpoint(root, step)
                 policy.saved()
             if worker.stop_agreed and step < cfg.steps - 1:  # preempted: see [Note: stopping on a signal]
-                # SLURM's signal always saves (the requeued job resumes); Ctrl-C only with checkpointing on.
-                folder = (step_dir(root, step) if saved else worker.save_checkpoint(root, step)
-                          if worker.watch_preemption or cfg.checkpoint.enabled else None)
+                # SLURM's signal always saves (the requeued job resumes); Ctrl-C and SIGTERM with
+                # checkpointing on, or after checkpoint.on_stop_after_s of training (rank 0's clock).
+                keep = (saved or worker.watch_preemption or cfg.checkpoint.enabled
+                        or _trained_long_enough(cfg, time.monotonic() - started, device))
+                folder = step_dir(root, step) if saved else worker.save_checkpoint(root, step) if keep else None
                 if rank == 0:
                     log.warning("stop signal: stopped after step %d of %d, checkpoint: %s",
                                 step, cfg.steps, folder or "none")
