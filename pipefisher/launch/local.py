@@ -39,6 +39,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any, NoReturn
 
+import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
@@ -225,8 +226,6 @@ def _run_local_workers(cfg: TrainConfig, output_dir: str | os.PathLike, run_name
 
 def _warn_if_oversubscribed(cfg: TrainConfig) -> None:
     """One warning line when the local workers outnumber the CPU cores they train on."""
-    import torch  # imported already by the workers' modules
-
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     on_cpu = cfg.device == "cpu" or (cfg.device == "auto" and not torch.cuda.is_available())
     if on_cpu and cfg.num_workers > cores:
