@@ -165,7 +165,7 @@ class CheckpointConfig:
     every_minutes: float = 0.0  # also save when this many minutes passed since the last save; 0 = off
     keep_last: int = 2  # complete checkpoints kept in `dir`, older ones deleted; 0 = keep all
     dir: Optional[str] = None  # where step_<n>/ folders go; None = <run output dir>/checkpoints
-    on_stop_after_s: float = 10.0  # Ctrl-C/SIGTERM save the last step once the run trained this long (s); < 0 = only with every_* on
+    on_stop_after_s: float = 60.0  # Ctrl-C/SIGTERM save the last step once the run trained this long (s); < 0 = only with every_* on
 
     @property
     def enabled(self) -> bool:

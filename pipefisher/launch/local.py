@@ -286,7 +286,7 @@ def _kill_workers(context: mp.ProcessContext) -> None:
 
 
 def _exit_interrupted(cfg: TrainConfig, output_dir: Path, signum: int,
-                      resume_command: str | None = None) -> NoReturn:
+                      resume_command: str | None = None, single_process: bool = False) -> NoReturn:
     """Name the last finished step, the last checkpoint and the command that continues from it
     (``resume_command``, else the same command with ``resume=<checkpoint>``), then exit with
     128 + ``signum``."""
@@ -305,6 +305,12 @@ def _exit_interrupted(cfg: TrainConfig, output_dir: Path, signum: int,
         folder = find_latest(checkpoint_root(cfg, output_dir))
     log.warning("interrupted at step %s; last checkpoint: %s", "0 (no step finished)" if step is None else step,
                 folder or "none")
+    if not folder and single_process:
+        log.warning("(training in one process saves no checkpoint; with checkpoint.every_minutes=<m> the run "
+                    "trains in a worker process that also saves one on a stop)")
+    elif not folder and step is not None and cfg.checkpoint.on_stop_after_s >= 0:
+        log.warning("(a stop saves a checkpoint once the run trained checkpoint.on_stop_after_s=%g s, or with "
+                    "checkpoint.every_steps / checkpoint.every_minutes)", cfg.checkpoint.on_stop_after_s)
     if folder and resume_command:
         log.warning("to continue from it: %s", resume_command)
     elif folder:
@@ -363,4 +369,4 @@ def _train_in_this_process(cfg: TrainConfig, output_dir: Path, run_name: str | N
         logger.finish()
         for s, h in previous.items():
             signal.signal(s, h if h is not None else signal.SIG_DFL)
-    _exit_interrupted(cfg, output_dir, seen[0])
+    _exit_interrupted(cfg, output_dir, seen[0], single_process=True)

@@ -142,8 +142,8 @@ def _model_keys(run: RunShape, model_name: str) -> str:
     named = OmegaConf.to_container(OmegaConf.load(yaml), resolve=False)
     named.pop("defaults", None)
     base = {**asdict(ModelConfig()), **named}
-    keys = "".join(f" model.{k}={getattr(run.bert, k)}" for k in ("num_layers", "hidden_size", "num_heads", "vocab_size")
-                   if getattr(run.bert, k) != base[k])
+    fields = ("num_layers", "hidden_size", "num_heads", "vocab_size")
+    keys = "".join(f" model.{k}={getattr(run.bert, k)}" for k in fields if getattr(run.bert, k) != base[k])
     return f" model={model_name}{keys}"
 
 

@@ -681,9 +681,9 @@ def _first_step_note(worker: PipelineWorker) -> str:
     if worker.kfac is None or worker.kfac_interval is None:
         return ""
     dims = [d for pre in worker.kfac.pre.values() for name in pre.layer_names for d in pre.layer(name).dims]
-    return (f"; K-FAC inverts {len(dims)} factors of up to {max(dims)} x {max(dims)} on this worker every "
-            f"{worker.kfac_interval} step(s), and the progress bar shows an ETA from the first step's end on"
-            if dims else "")
+    return (f"; K-FAC inverts {len(dims)} factors ({len(dims) // 2} layers) of up to {max(dims)} x {max(dims)} "
+            f"on this worker every {worker.kfac_interval} step(s), and the progress bar shows an ETA from the "
+            f"first step's end on" if dims else "")
 
 
 def _requeue_from_rank0(rank: int, step: int, folder: Path) -> None:
