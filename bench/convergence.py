@@ -9,7 +9,7 @@ Every run is ``python train.py ... hydra.run.dir=<dir>`` in a subprocess (the pr
 path, metrics.jsonl included) on NVIDIA-format shards that ``python -m pipefisher.data.prepare`` makes
 from the text (raw WikiText or one sentence per line), cached under ``--cache-dir`` by a hash of the
 text, the preparation options and prepare.py itself. The MLM loss is smoothed by a trailing mean over
-``--smooth`` steps; a run reaches a target at the first step whose smoothed loss is at or below it.
+``--smooth`` (50) steps; a run reaches a target at the first step whose smoothed loss is at or below it.
 
 Targets: ``nvlamb`` = NVLAMB's final smoothed MLM loss in the same pipeline (the others reach it in
 fewer steps or seconds, or not); ``unigram`` = the unigram entropy of the masked-token labels of the
@@ -446,8 +446,9 @@ def run_jobs(jobs: list[Job], common: Sequence[str], chunk: int, timeout_s: floa
 
 # --- the benchmark -------------------------------------------------------------------------------
 
-QUICK = {"model": "bert-tiny", "pipelines": "1f1b", "steps": 40, "kfac_intervals": "1", "chunk_steps": 20}
-FULL = {"model": "bert-mini", "pipelines": "1f1b,chimera", "steps": 600, "kfac_intervals": "1,8", "chunk_steps": 100}
+QUICK = {"model": "bert-tiny", "pipelines": "1f1b", "steps": 40, "kfac_intervals": "1", "chunk_steps": 20, "smooth": 10}
+FULL = {"model": "bert-mini", "pipelines": "1f1b,chimera", "steps": 600, "kfac_intervals": "1,8", "chunk_steps": 100,
+        "smooth": 50}
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -477,7 +478,9 @@ def _parser() -> argparse.ArgumentParser:
                                        "deferred_inverse=true) on the first pipeline")
     p.add_argument("--target", type=float, help="fixed MLM target instead of unigram entropy - margin")
     p.add_argument("--unigram-margin", type=float, default=0.3, help="nats below the unigram entropy (default 0.3)")
-    p.add_argument("--smooth", type=int, default=10, help="trailing-mean window in steps (default 10)")
+    p.add_argument("--smooth", type=int, help="trailing-mean window in steps (default 50, --quick: 10; the batch-to-batch loss noise, "
+                                              "the same for every arm, is about ±0.1 nats; --retime: the run's own "
+                                              "unless given)")
     p.add_argument("--chunk-steps", type=int, help="steps per turn of interleaved rounds, 0 = whole runs in turn "
                                                    "(default 100; --quick: 20)")
     p.add_argument("--seed", type=int, default=0, help="seed of weights and data order (all arms alike)")
@@ -504,6 +507,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     args = _parser().parse_args(argv)
+    smooth_given = args.smooth is not None
     for key, value in (QUICK if args.quick else FULL).items():
         if getattr(args, key) is None:
             setattr(args, key, value)
@@ -515,6 +519,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     args.extra = parse_extra(args.extra)
     args.variant = parse_variants(args.variant)
     args.lr = parse_lrs(args.lr)
+    args.smooth_given = smooth_given
     args.sweep_steps = args.sweep_steps or max(2 * args.smooth, args.steps // 3)
     unknown = [a for a in args.arms if a not in ARMS]
     if unknown:
@@ -561,7 +566,8 @@ def common_overrides(args: argparse.Namespace, data_path: Path | str, vocab: int
 def main() -> None:
     args = parse_args()
     if args.retime:
-        return retime(args.retime, args.timing_steps, args.timing_rounds, args.run_timeout_s)
+        return retime(args.retime, args.timing_steps, args.timing_rounds, args.run_timeout_s,
+                      args.smooth if args.smooth_given else None)
     out = args.out or h.REPO / "bench" / "results" / "convergence" / datetime.datetime.now().strftime("%Y-%m-%d_%H-%M-%S")
     out = out.resolve()
     text = args.text.resolve()
@@ -791,7 +797,7 @@ def _report(args: argparse.Namespace, out: Path, data: Prepared | None, by_pipel
     print(f"\nwritten: {out}/table.md, results.json, loss_vs_step.png, loss_vs_time.png")
 
 
-def retime(out: Path, steps: int, rounds: int, timeout_s: float) -> None:
+def retime(out: Path, steps: int, rounds: int, timeout_s: float, smooth: int | None = None) -> None:
     """``--retime``: time every main run of the finished benchmark in ``out`` again (the same command,
     ``steps`` steps, each run once per round, rounds rotated), then rewrite its report with those
     step times. Steps to target come from the trajectories, which do not depend on the machine's load
@@ -803,6 +809,7 @@ def retime(out: Path, steps: int, rounds: int, timeout_s: float) -> None:
     for key, value in results["args"].items():
         setattr(ns, key, value)
     ns.text, ns.cache_dir = Path(ns.text), Path(ns.cache_dir)
+    ns.smooth = smooth or ns.smooth
     data = None
     if results.get("data"):
         data = Prepared(**{**results["data"], "path": Path(results["data"]["path"])})
