@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import random
 from pathlib import Path
 
@@ -416,3 +417,16 @@ def test_truncated_shard_is_rejected_naming_the_file(tmp_path: Path) -> None:
     path.write_bytes(data[: len(data) // 2])  # a copy or a download cut short
     with pytest.raises(DataError, match=r"cut.hdf5: not a readable HDF5 file \(.*truncated.*prepare the data again"):
         Hdf5Source(path.parent, seed=0, vocab_size=100)
+
+
+def test_a_model_vocabulary_larger_than_the_shards_is_reported(prepared: Path, caplog) -> None:
+    """Issue 16 item 7: model.vocab_size=30522 on shards prepared with a smaller WordPiece
+    vocabulary trains rows nothing ever uses; the log says so and names the size to set."""
+    used = len((prepared / "vocab.txt").read_text().splitlines())
+    with caplog.at_level(logging.WARNING, logger="pipefisher.data.hdf5"):
+        Hdf5Source(prepared, seed=0, vocab_size=used + 1000)
+    assert f"set model.vocab_size={used}" in caplog.text and "1000 rows" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="pipefisher.data.hdf5"):
+        Hdf5Source(prepared, seed=0, vocab_size=used)
+    assert "never used" not in caplog.text

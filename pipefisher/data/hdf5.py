@@ -247,6 +247,12 @@ class Hdf5Source:
             if vocab_size is None:
                 vocab_size = BERT_VOCAB_SIZE
             log.info("%s: checking token ids against vocab_size=%d", self.path, vocab_size)
+        else:
+            used = _vocab_size_near(self.path)
+            if used is not None and used < vocab_size:
+                log.warning("%s: model.vocab_size=%d but the shards' vocab.txt has %d tokens: %d rows of the "
+                            "embedding and the decoder are never used (and cost memory and time); set "
+                            "model.vocab_size=%d", self.path, vocab_size, used, vocab_size - used, used)
         self.vocab_size = vocab_size
         self.seq_len = first.seq_len
         self.max_predictions = first.max_predictions
