@@ -25,7 +25,7 @@ from tests.conftest import REPO, TINY
 
 # Long enough never to finish while the test runs; 1F1B over two workers, two micro-batches.
 RUN = ["pipeline=1f1b", "stages=2", "num_micro_batches=2", "cluster.worker_timeout_s=120", *TINY]
-STOP_TIMEOUT_S = 30  # "promptly": generous, the machine may be busy (tiny steps take milliseconds)
+STOP_TIMEOUT_S = 60  # "promptly": generous, the machine may be busy (tiny steps take milliseconds)
 START_TIMEOUT_S = 240  # until the first step's metrics row (interpreter and torch start-up, niced)
 
 
