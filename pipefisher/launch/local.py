@@ -303,6 +303,8 @@ def _exit_interrupted(cfg: TrainConfig, output_dir: Path, signum: int,
         step = rows[-1].get("step") if rows else None
     if not folder:  # none saved on stopping: an earlier one, if any
         folder = find_latest(checkpoint_root(cfg, output_dir))
+    if sys.stderr.isatty():  # end the progress bar's line (a worker's, left open when it stopped)
+        sys.stderr.write("\n")
     log.warning("interrupted at step %s; last checkpoint: %s", "0 (no step finished)" if step is None else step,
                 folder or "none")
     if not folder and single_process:
