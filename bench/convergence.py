@@ -403,6 +403,16 @@ def run_chunk(job: Job, cmd: list[str], until: int, timeout_s: float) -> None:
         job.status = "done"
 
 
+def rotated(items: Sequence[Any], r: int) -> list[Any]:
+    """``items`` rotated left by ``r``: round r of interleaved rounds starts with a different run."""
+    return list(items[r % len(items):]) + list(items[:r % len(items)])
+
+
+def sweep_dir(out: Path, pipeline: str, arm: str, lr: float) -> Path:
+    """Where the lr sweep's run of ``arm`` at ``lr`` lives."""
+    return out / "sweep" / pipeline / arm / f"lr{lr:g}"
+
+
 def pick_up(job: Job) -> None:
     """``--continue``: a run already in ``job.run_dir`` continues from its newest chunk checkpoint
     (``step_<n>`` with a manifest and n + 1 logged steps), or from the start if it has none."""
@@ -425,8 +435,7 @@ def run_jobs(jobs: list[Job], common: Sequence[str], chunk: int, timeout_s: floa
     rounds = math.ceil(max(j.steps for j in jobs) / chunk) if chunk else 1
     start = time.monotonic()
     for r in range(rounds):
-        order = jobs[r % len(jobs):] + jobs[:r % len(jobs)]
-        for job in order:
+        for job in rotated(jobs, r):
             if job.status != "pending":
                 continue
             until = min(job.steps, (r + 1) * chunk) if chunk else job.steps
@@ -494,7 +503,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--plan-from-profile", action="store_true",
                    help="per pipeline, profile the run (profile.py, optimizer=kfac, 6 steps) and plan PipeFisher from the "
                         "measured costs (schedule.py from=profile.sqlite); the pipefisher arm trains with that plan")
-    p.add_argument("--quick", action="store_true", help="bert-tiny, 1f1b, 40 steps in 2 rounds, kfac k=1, no sweep: ~4 min")
+    p.add_argument("--quick", action="store_true", help="bert-tiny, 1f1b, 40 steps in 2 rounds, kfac k=1, no sweep: ~1 min after the data preparation")
     p.add_argument("--dry-run", action="store_true", help="print the commands only")
     p.add_argument("--retime", type=Path, metavar="DIR",
                    help="re-measure step times for a finished run in DIR on a quiet machine: each main run's command "
@@ -595,7 +604,7 @@ def main() -> None:
 
     # 1. lr sweep on the first pipeline, for the arms without a fixed lr.
     # Variants without a fixed lr take their base arm's: they are not swept.
-    sweep_jobs = [Job("sweep", first, arm, o, lr, args.sweep_steps, out / "sweep" / first / arm / f"lr{lr:g}")
+    sweep_jobs = [Job("sweep", first, arm, o, lr, args.sweep_steps, sweep_dir(out, first, arm, lr))
                   for arm, o in arms.items() if fixed_lr(args, arm) is None and arm not in args.variant
                   for lr in args.lr_sweep]
     plans: dict[tuple[str, str], Path] = {}
@@ -646,7 +655,7 @@ def main() -> None:
         _print_commands(jobs, common, args.chunk_steps)
         return
     if args.continue_runs:
-        for job in [*jobs]:
+        for job in jobs:
             pick_up(job)
     run_jobs(jobs, common, args.chunk_steps, args.run_timeout_s, args.keep_checkpoints, args.smooth)
     _report(args, out, data, {p: [j for j in jobs if j.pipeline == p] for p in args.pipelines}, sweep_jobs,
@@ -824,23 +833,24 @@ def retime(out: Path, steps: int, rounds: int, timeout_s: float, smooth: int | N
         raise RuntimeError(f"{out}/results.json: no finished main runs to time")
     records: dict[tuple[str, str], list[dict[str, Any]]] = {}
     for r in range(rounds):
-        order = timed_jobs[r % len(timed_jobs):] + timed_jobs[:r % len(timed_jobs)]
-        for base in order:
+        for base in rotated(timed_jobs, r):
             job = dataclasses.replace(base, phase="timing", steps=steps, status="pending", done_steps=0, wall_s=0.0,
                                       chunks=0, run_dir=out / "timing" / f"round{r}" / base.pipeline / base.arm)
             shutil.rmtree(job.run_dir, ignore_errors=True)
             run_chunk(job, job.command(common, 0), steps, timeout_s)
             if job.status != "done":
                 raise RuntimeError(f"timing run {job.label} failed:\n{job.error}")
-            records.setdefault((job.pipeline, job.arm), []).extend(job.records()[1:])  # the first step warms up
+            timed = job.records()[1:]  # the first step warms up
+            records.setdefault((job.pipeline, job.arm), []).extend(timed)
             print(f"[{time.monotonic() - started:7.1f} s, {h.load()}] timing round {r + 1}/{rounds} {job.pipeline} "
-                  f"{job.arm}: typical step {typical_step_s(job.records()[1:]):.3f} s", flush=True)
+                  f"{job.arm}: typical step {typical_step_s(timed):.3f} s", flush=True)
+    load = h.load()
     timing: dict[str, dict[str, dict[str, Any]]] = {}
     for (pipeline, arm), recs in records.items():
         timing.setdefault(pipeline, {})[arm] = {"typical_step_s": typical_step_s(recs), "steps": steps,
-                                                "rounds": rounds, "load": h.load()}
+                                                "rounds": rounds, "load": load}
     first = next(iter(results["pipelines"]))
-    sweep = [Job("sweep", first, x["arm"], [], x["lr"], ns.sweep_steps, out / "sweep" / first / x["arm"] / f"lr{x['lr']:g}",
+    sweep = [Job("sweep", first, x["arm"], [], x["lr"], ns.sweep_steps, sweep_dir(out, first, x["arm"], x["lr"]),
                  x["status"]) for x in results.get("sweep", [])]
     stale = [j for js in by_pipeline.values() for j in js if family(j.arm) == "stale"]
     _report(ns, out, data, by_pipeline, sweep, stale, results.get("picked_lr", {}), load_before, started, timing)

@@ -37,7 +37,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.errors import CompactHydraException
 from omegaconf import DictConfig, OmegaConf
 
-from pipefisher.config import TrainConfig, check_override_keys, register_configs, to_train_config
+from pipefisher.config import TrainConfig, refuse_unknown_keys, register_configs, to_train_config
 
 __all__ = ["train_main", "profile_main", "UserError", "user_message"]
 
@@ -86,8 +86,8 @@ def user_message(err: BaseException) -> str | None:
 def _hydra_only(run_dir: Path, job_name: str, overrides: list[str]) -> bool:
     """Whether ``run_dir`` holds nothing but what Hydra wrote before this task ran.
 
-    Its ``.hydra/overrides.yaml`` must be this run's: until run folders have unique names, a run
-    started in the same second writes into the same folder, and its files must stay.
+    Its ``.hydra/overrides.yaml`` must be this run's: another run may share the folder (one given
+    as ``hydra.run.dir``), and its files must stay.
     """
     if not run_dir.is_dir() or not {p.name for p in run_dir.iterdir()} <= {".hydra", f"{job_name}.log"}:
         return False
@@ -253,12 +253,7 @@ _register_help()
 def _start(main: Callable[[], Any]) -> Any:
     """Check the command line's keys, choose our help page, then hand over to Hydra."""
     args = sys.argv[1:]
-    try:
-        check_override_keys(args, TrainConfig)
-    except ValueError as err:
-        if os.environ.get("HYDRA_FULL_ERROR") == "1":
-            raise
-        sys.exit(f"{_program()}: {err}")
+    refuse_unknown_keys(args, _program(), TrainConfig)
     if ("--help" in args or "-h" in args) and not any(a.startswith("hydra/help=") for a in args):
         # The page lives in the ConfigStore; choosing it from conf/config.yaml's defaults
         # (`override hydra/help: pipefisher_train`) would do the same.

@@ -32,6 +32,7 @@ __all__ = [
     "CheckpointConfig",
     "TrainConfig",
     "check_override_keys",
+    "refuse_unknown_keys",
     "num_micro_batches_for",
     "register_configs",
     "to_train_config",
@@ -478,6 +479,18 @@ def check_override_keys(args: Iterable[str], schema: type | None = None,
         hint = f"; did you mean {close[0]}={value}?" if close else ""
         where = f"'{parent}' has" if depth else "the config has"
         raise ConfigError(f"{arg}: unknown key '{key}'{hint} ({where} no key '{parts[depth]}'; --help lists the keys)")
+
+
+def refuse_unknown_keys(args: Iterable[str], program: str, schema: type | None = None,
+                        rename: Mapping[str, str] | None = None) -> None:
+    """:func:`check_override_keys` for an entry point: an unknown key ends the process with
+    ``<program>: <message>`` and status 1 (``HYDRA_FULL_ERROR=1``: the error with its traceback)."""
+    try:
+        check_override_keys(args, schema, rename)
+    except ConfigError as err:
+        if os.environ.get("HYDRA_FULL_ERROR") == "1":
+            raise
+        raise SystemExit(f"{program}: {err}") from None
 
 
 def to_train_config(cfg: DictConfig | TrainConfig) -> TrainConfig:

@@ -263,3 +263,8 @@ def test_continue_picks_up_a_run_after_its_last_complete_chunk_checkpoint(cv, tm
     partial = job("b", 12, [9], manifest=False)  # no complete checkpoint: starts over, old files gone
     cv.pick_up(partial)
     assert (partial.done_steps, partial.chunks) == (0, 0) and not partial.run_dir.exists()
+
+
+def test_rounds_rotate_the_runs_and_the_sweep_has_one_folder_per_arm_and_lr(cv, tmp_path: Path) -> None:
+    assert [cv.rotated("abc", r) for r in range(4)] == [list("abc"), list("bca"), list("cab"), list("abc")]
+    assert cv.sweep_dir(tmp_path, "1f1b", "kfac-k1", 0.01) == tmp_path / "sweep" / "1f1b" / "kfac-k1" / "lr0.01"

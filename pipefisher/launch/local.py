@@ -217,8 +217,7 @@ def _run_local_workers(cfg: TrainConfig, output_dir: str | os.PathLike, run_name
         )
     preemption.forward_to(context.pids())  # a signal sent to this process alone reaches the workers
     try:
-        # A cluster.stop_grace_s field, where the config has one, sets the grace period.
-        _wait_for_workers(context, getattr(cfg.cluster, "stop_grace_s", STOP_GRACE_S), Path(output_dir))
+        _wait_for_workers(context, STOP_GRACE_S, Path(output_dir))
     finally:
         _kill_workers(context)
         del store

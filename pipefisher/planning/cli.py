@@ -9,9 +9,9 @@ the summary text, so tests call them without a subprocess.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import sys
-import logging
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -21,7 +21,7 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
-from pipefisher.config import ModelConfig
+from pipefisher.config import ModelConfig, refuse_unknown_keys
 from pipefisher.model.config import BertConfig
 from pipefisher.planning.config import ScheduleConfig, register_schedule_configs, to_schedule_config
 from pipefisher.planning.costs import Hardware, RunShape, costs_from_profile, estimate_run_costs
@@ -357,14 +357,7 @@ def schedule_main() -> None:
     """``schedule.py``: refuse unknown keys naming the closest one (Hydra would suggest ``+key``),
     take ``from=profile.sqlite`` from the latest profile run, then compose, validate, plan (or
     rank) and print the summary; bad input exits with the message."""
-    from pipefisher.config import check_override_keys
-
-    try:
-        check_override_keys(sys.argv[1:], ScheduleConfig, rename={"from_": "from"})
-    except ValueError as exc:
-        if os.environ.get("HYDRA_FULL_ERROR") == "1":
-            raise
-        raise SystemExit(f"schedule.py: {exc}") from None
+    refuse_unknown_keys(sys.argv[1:], "schedule.py", ScheduleConfig, rename={"from_": "from"})
     sys.argv[1:] = _resolve_from(sys.argv[1:])
     _schedule()
 

@@ -749,7 +749,7 @@ def train_worker(cfg: TrainConfig, rank: int, world_size: int, device: torch.dev
         if rank == 0 else None
     )
     last: dict[str, Any] = {}
-    preempted: tuple[int, Path] | None = None  # (step, checkpoint) when stopped on SLURM's signal
+    preempted: tuple[int, Path | None] | None = None  # (step, checkpoint or None) when stopped on a signal
     profiled: list[Event] = []
     if rank == 0 and first < cfg.steps:
         log.info("training steps %d to %d%s", first, cfg.steps - 1, _first_step_note(worker))
