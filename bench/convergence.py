@@ -171,6 +171,14 @@ def summarize(records: Sequence[dict[str, Any]], targets: dict[str, float | None
     return out
 
 
+def batch_noise(values: Sequence[float], window: int) -> list[float]:
+    """Each loss of the second half of a run minus the mean of the ``window`` losses centred on it:
+    how much a batch's loss differs from its neighbours' (the same batches for every arm)."""
+    half = len(values) // 2
+    return [values[i] - statistics.fmean(values[max(0, i - window // 2): i + window // 2])
+            for i in range(half, len(values))]
+
+
 def best_kfac(summaries: dict[str, dict[str, Any]], target: str) -> str | None:
     """The critical-path K-FAC arm (``kfac-k*``) reaching ``target`` in the least steps x median time."""
     reached = [(s["targets"][target]["seconds_est"], arm) for arm, s in summaries.items()
@@ -487,9 +495,9 @@ def _parser() -> argparse.ArgumentParser:
                                        "deferred_inverse=true) on the first pipeline")
     p.add_argument("--target", type=float, help="fixed MLM target instead of unigram entropy - margin")
     p.add_argument("--unigram-margin", type=float, default=0.3, help="nats below the unigram entropy (default 0.3)")
-    p.add_argument("--smooth", type=int, help="trailing-mean window in steps (default 50, --quick: 10; the batch-to-batch loss noise, "
-                                              "the same for every arm, is about ±0.1 nats; --retime: the run's own "
-                                              "unless given)")
+    p.add_argument("--smooth", type=int, help="trailing-mean window in steps (default 50, --quick: 10: a step's loss differs from its "
+                                              "neighbours' by about 0.12 nats, the same for every arm, see the "
+                                              "report's 'Batch noise' line; --retime: the run's own unless given)")
     p.add_argument("--chunk-steps", type=int, help="steps per turn of interleaved rounds, 0 = whole runs in turn "
                                                    "(default 100; --quick: 20)")
     p.add_argument("--seed", type=int, default=0, help="seed of weights and data order (all arms alike)")
@@ -510,7 +518,9 @@ def _parser() -> argparse.ArgumentParser:
                         "(not the staleness arms) for --timing-steps steps, --timing-rounds rotated rounds; DIR's "
                         "report is rewritten with time to target = steps of the runs x the timed typical step")
     p.add_argument("--timing-steps", type=int, default=40, help="--retime: steps per timing run (default 40)")
-    p.add_argument("--timing-rounds", type=int, default=2, help="--retime: rotated rounds (default 2)")
+    p.add_argument("--timing-rounds", type=int, default=2,
+                   help="--retime: rotated rounds (default 2; 0: only write the report again, with the step "
+                        "times of an earlier --retime)")
     return p
 
 
@@ -740,6 +750,14 @@ def _report(args: argparse.Namespace, out: Path, data: Prepared | None, by_pipel
                 for j in jobs if j.status == "done"}
         summaries[pipeline] = summ
         main_arms = {a: s for a, s in summ.items() if family(a) != "stale"}
+        noise = {j.arm: batch_noise(mlm_losses(j.records()), args.smooth) for j in jobs if j.status == "done"}
+        if len(noise.get("nvlamb", [])) > 2:
+            corr = [float(np.corrcoef(noise["nvlamb"], v)[0, 1]) for a, v in noise.items()
+                    if a != "nvlamb" and len(v) == len(noise["nvlamb"])]
+            lines += ["", f"Batch noise: in the second half of the runs NVLAMB's loss of a step differs from the "
+                          f"{args.smooth}-step mean around it by {statistics.pstdev(noise['nvlamb']):.3f} nats (std)"
+                          + (f"; that difference correlates {min(corr):.3f}–{max(corr):.3f} with the other arms' "
+                             "(same batches)" if corr else "") + ".  "]
         run_rows = [[j.arm, "config" if j.lr is None else f"{j.lr:g}",
                      summ[j.arm].get("refresh_interval", "-") if j.arm in summ else "-",
                      j.status if j.status != "done" else summ[j.arm]["steps"],
@@ -831,6 +849,10 @@ def retime(out: Path, steps: int, rounds: int, timeout_s: float, smooth: int | N
     timed_jobs = [j for js in by_pipeline.values() for j in js if j.status == "done" and family(j.arm) != "stale"]
     if not timed_jobs:
         raise RuntimeError(f"{out}/results.json: no finished main runs to time")
+    if rounds == 0:  # report again only, with the step times of an earlier --retime
+        _report(ns, out, data, by_pipeline, *_sweep_and_stale(out, results, ns, by_pipeline),
+                results.get("picked_lr", {}), load_before, started, results.get("timing"))
+        return
     records: dict[tuple[str, str], list[dict[str, Any]]] = {}
     for r in range(rounds):
         for base in rotated(timed_jobs, r):
@@ -849,11 +871,17 @@ def retime(out: Path, steps: int, rounds: int, timeout_s: float, smooth: int | N
     for (pipeline, arm), recs in records.items():
         timing.setdefault(pipeline, {})[arm] = {"typical_step_s": typical_step_s(recs), "steps": steps,
                                                 "rounds": rounds, "load": load}
+    _report(ns, out, data, by_pipeline, *_sweep_and_stale(out, results, ns, by_pipeline),
+            results.get("picked_lr", {}), load_before, started, timing)
+
+
+def _sweep_and_stale(out: Path, results: dict[str, Any], ns: argparse.Namespace,
+                     by_pipeline: dict[str, list[Job]]) -> tuple[list[Job], list[Job]]:
+    """The lr sweep's runs and the staleness arms of a finished benchmark, for its report."""
     first = next(iter(results["pipelines"]))
     sweep = [Job("sweep", first, x["arm"], [], x["lr"], ns.sweep_steps, sweep_dir(out, first, x["arm"], x["lr"]),
                  x["status"]) for x in results.get("sweep", [])]
-    stale = [j for js in by_pipeline.values() for j in js if family(j.arm) == "stale"]
-    _report(ns, out, data, by_pipeline, sweep, stale, results.get("picked_lr", {}), load_before, started, timing)
+    return sweep, [j for js in by_pipeline.values() for j in js if family(j.arm) == "stale"]
 
 
 def _job_result(job: Job, summary: dict[str, Any] | None) -> dict[str, Any]:

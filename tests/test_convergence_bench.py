@@ -268,3 +268,9 @@ def test_continue_picks_up_a_run_after_its_last_complete_chunk_checkpoint(cv, tm
 def test_rounds_rotate_the_runs_and_the_sweep_has_one_folder_per_arm_and_lr(cv, tmp_path: Path) -> None:
     assert [cv.rotated("abc", r) for r in range(4)] == [list("abc"), list("bca"), list("cab"), list("abc")]
     assert cv.sweep_dir(tmp_path, "1f1b", "kfac-k1", 0.01) == tmp_path / "sweep" / "1f1b" / "kfac-k1" / "lr0.01"
+
+
+def test_batch_noise_is_the_second_half_minus_a_centred_mean(cv) -> None:
+    values = [5.0, 5.0, 5.0, 5.0, 6.0, 4.0, 6.0, 4.0]
+    # the second half is values[4:]; each minus the mean of values[i-1], values[i]
+    assert cv.batch_noise(values, 2) == [0.5, -1.0, 1.0, -1.0]
