@@ -41,7 +41,7 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-PIPELINE_METHODS = ("gpipe", "1f1b", "chimera", "interleaved")
+PIPELINE_METHODS = ("gpipe", "1f1b", "chimera", "interleaved", "zb-h1", "zb-v")
 OPTIMIZERS = ("nvlamb", "kfac", "pipefisher")
 DATA_KINDS = ("synthetic", "hdf5")
 PRECISIONS = ("fp32", "bf16")
@@ -77,8 +77,8 @@ class ModelConfig:
 class PipelineConfig:
     """Pipeline method; the stage count is the top-level key ``stages``."""
 
-    method: str = "gpipe"  # one of gpipe, 1f1b, chimera, interleaved
-    num_virtual: int = 1  # model chunks per worker (interleaved only)
+    method: str = "gpipe"  # one of gpipe, 1f1b, chimera, interleaved, zb-h1, zb-v
+    num_virtual: int = 1  # model chunks per worker (interleaved; zb-v: exactly 2)
     layers_per_stage: Optional[list[int]] = None  # explicit encoder layers per stage; None = balance by cost
 
 
@@ -243,10 +243,10 @@ def num_micro_batches_for(method: str, stages: int) -> int:
 
     GPipe and 1F1B run any N, but below D micro-batches a stage idles for more than half a step
     (bubble (D-1)/(N+D-1)); Chimera and interleaved 1F1B need a multiple of D, and D is the
-    smallest (Chimera's bubble (D-2)/(2N+D-2)).
+    smallest (Chimera's bubble (D-2)/(2N+D-2)); zb-v needs N >= 2D.
     """
     _check_choice("pipeline.method", method, PIPELINE_METHODS)
-    return max(1, stages)
+    return max(1, stages) * (2 if method == "zb-v" else 1)
 
 
 def _resolve_auto(cfg: TrainConfig) -> None:
@@ -344,8 +344,17 @@ def validate(cfg: TrainConfig) -> None:
                 _fail("num_micro_batches", cfg.num_micro_batches,
                       f"interleaved needs a multiple of stages={cfg.stages}; use num_micro_batches="
                       f"{max(cfg.stages, cfg.num_micro_batches // cfg.stages * cfg.stages)} (or auto)")
-    if method != "interleaved" and cfg.pipeline.num_virtual != 1:
-        _fail("pipeline.num_virtual", cfg.pipeline.num_virtual, "only pipeline=interleaved uses virtual stages; set it to 1")
+    if method == "zb-v":
+        if cfg.pipeline.num_virtual != 2:
+            _fail("pipeline.num_virtual", cfg.pipeline.num_virtual,
+                  "zb-v places exactly 2 model chunks per worker (a V); use pipeline.num_virtual=2 (pipeline=zb-v sets it)")
+        if cfg.num_micro_batches < 2 * cfg.stages:
+            _fail("num_micro_batches", cfg.num_micro_batches,
+                  f"zb-v needs at least 2 x stages = {2 * cfg.stages} micro-batches to fill its V; use "
+                  f"num_micro_batches={2 * cfg.stages} or more (or auto), or pipeline=zb-h1")
+    elif method != "interleaved" and cfg.pipeline.num_virtual != 1:
+        _fail("pipeline.num_virtual", cfg.pipeline.num_virtual,
+              "only pipeline=interleaved and pipeline=zb-v use virtual stages; set it to 1")
     lps = cfg.pipeline.layers_per_stage
     if lps is not None:
         if len(lps) != total_stages or any(n < 1 for n in lps) or sum(lps) != m.num_layers:

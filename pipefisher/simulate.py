@@ -7,15 +7,16 @@ records, so profiling, plots and bubble utilization work on either. Pure Python;
 [Note: simulated semantics]
 Chosen to match ``pipefisher.runtime.executor``:
 
-- ``F``/``B`` of stage s occupy the worker for ``cost.forward_ns[s]`` / ``cost.backward_ns[s]``.
+- ``F``/``B`` of stage s occupy the worker for ``cost.forward_ns[s]`` / ``cost.backward_ns[s]``;
+  the split backward's ``I``/``W`` for ``cost.input_grad_ns[s]`` / ``cost.weight_grad_ns[s]``.
 - ``SEND_*`` is issued and returns at once (zero-length event; the executor uses ``isend``).
 - ``RECV_*`` ends at max(worker free, send issued + ``cost.p2p_ns``); its event spans the wait.
 - ``SYNC_GRAD`` of stage s is an asynchronous all-reduce: it starts when every replica of the
   stage has reached its SYNC_GRAD and lasts ``cost.sync_ns[s]``; the worker does not wait for it.
 - ``STEP`` waits for the worker's all-reduces of the step, then lasts ``cost.step_ns``.
 - A compute-only schedule (no SEND/RECV) is simulated with its data dependencies instead: an F
-  starts after the upstream F ended (+ ``p2p_ns`` across workers), a B after its own F and the
-  downstream B.
+  starts after the upstream F ended (+ ``p2p_ns`` across workers), a B or I after its own F and
+  the downstream B or I, a W after its own I.
 - K-FAC work (DESIGN.md, "K-FAC"; ``pipefisher.schedules.kfac``): ``CURV_A``/``CURV_B``/``INVERT``
   of a stage's layer occupy the worker for ``cost.kfac_ns(kind, stage, layer)`` (``layer=None``:
   the sum over the stage's layers); ``PRECOND`` waits for the stage's ``SYNC_GRAD`` all-reduce and
@@ -92,6 +93,11 @@ class CostModel:
         sync_factor_ns: ``[stage][layer]`` cost of the factor all-reduce of one layer.
         invert_ns: ``[stage][layer]`` cost of inverting both factors of one layer.
         precond_ns: per-stage cost of preconditioning all the stage's gradients (empty: 0).
+        input_grad_ns: per-stage cost of a split backward's I (input gradient); empty: the first
+            half of ``backward_ns`` (rounded up). Measured I + W is 7-12 % more than one B on
+            BERT stages (DESIGN.md, "Split backward"), so give measured values where you have them.
+        weight_grad_ns: per-stage cost of a split backward's W (weight gradients); empty: the rest
+            of ``backward_ns``.
     """
 
     forward_ns: tuple[int, ...]
@@ -104,18 +110,30 @@ class CostModel:
     sync_factor_ns: KfacTable = ()
     invert_ns: KfacTable = ()
     precond_ns: tuple[int, ...] = ()
+    input_grad_ns: tuple[int, ...] = ()
+    weight_grad_ns: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         n = len(self.forward_ns)
         object.__setattr__(self, "forward_ns", _as_tuple(self.forward_ns, n, "forward_ns"))
         object.__setattr__(self, "backward_ns", _as_tuple(self.backward_ns, n, "backward_ns"))
+        given_i, given_w = len(self.input_grad_ns) > 0, len(self.weight_grad_ns) > 0
+        if given_i != given_w:
+            raise ValueError("CostModel: give both input_grad_ns and weight_grad_ns (split backward) "
+                             "or neither (then each is half of backward_ns)")
+        if not given_i:
+            object.__setattr__(self, "weight_grad_ns", tuple(b // 2 for b in self.backward_ns))
+            object.__setattr__(self, "input_grad_ns",
+                               tuple(b - w for b, w in zip(self.backward_ns, self.weight_grad_ns)))
+        for name in ("input_grad_ns", "weight_grad_ns"):
+            object.__setattr__(self, name, _as_tuple(getattr(self, name), n, name))
         sync = self.sync_ns if (isinstance(self.sync_ns, int) or len(self.sync_ns)) else 0
         object.__setattr__(self, "sync_ns", _as_tuple(sync, n, "sync_ns"))
         precond = self.precond_ns if (isinstance(self.precond_ns, int) or len(self.precond_ns)) else 0
         object.__setattr__(self, "precond_ns", _as_tuple(precond, n, "precond_ns"))
         _as_tuple(self.p2p_ns, 1, "p2p_ns")
         _as_tuple(self.step_ns, 1, "step_ns")
-        for name in ("backward_ns", "sync_ns", "precond_ns"):
+        for name in ("backward_ns", "sync_ns", "precond_ns", "input_grad_ns", "weight_grad_ns"):
             if len(getattr(self, name)) != n:
                 raise ValueError(f"CostModel.{name} has {len(getattr(self, name))} entries; "
                                  f"forward_ns has {n} (one per stage)")
@@ -135,7 +153,8 @@ class CostModel:
     def uniform(cls, num_stages: int, forward_ns: int, backward_ns: int | None = None, *,
                 p2p_ns: int = 0, sync_ns: int = 0, step_ns: int = 0, kfac_layers: int = 0,
                 curv_a_ns: int = 0, curv_b_ns: int = 0, sync_factor_ns: int = 0, invert_ns: int = 0,
-                precond_ns: int = 0) -> CostModel:
+                precond_ns: int = 0, input_grad_ns: int | None = None,
+                weight_grad_ns: int | None = None) -> CostModel:
         """Every stage costs the same.
 
         Args:
@@ -152,6 +171,9 @@ class CostModel:
             sync_factor_ns: factor all-reduce of one layer.
             invert_ns: inversion of one layer's factors.
             precond_ns: preconditioning of one stage.
+            input_grad_ns: a split backward's I; with ``weight_grad_ns``, or both None (halves of
+                the backward).
+            weight_grad_ns: a split backward's W.
         """
         def table(value: int) -> KfacTable:
             return ((value,) * kfac_layers,) * num_stages if kfac_layers else ()
@@ -167,7 +189,15 @@ class CostModel:
             sync_factor_ns=table(sync_factor_ns),
             invert_ns=table(invert_ns),
             precond_ns=(precond_ns,) * num_stages,
+            input_grad_ns=() if input_grad_ns is None else (input_grad_ns,) * num_stages,
+            weight_grad_ns=() if weight_grad_ns is None else (weight_grad_ns,) * num_stages,
         )
+
+    def compute_ns(self, kind: ActionKind, stage: int) -> int:
+        """Cost of one F, B, I or W of ``stage``."""
+        table = {K.FORWARD: self.forward_ns, K.BACKWARD: self.backward_ns,
+                 K.BACKWARD_INPUT: self.input_grad_ns, K.BACKWARD_WEIGHT: self.weight_grad_ns}[kind]
+        return table[stage]
 
     @property
     def num_stages(self) -> int:
@@ -282,10 +312,15 @@ class _Sim:
         if a.kind == K.FORWARD:
             if s > 0:
                 deps.append(Action(K.FORWARD, s - 1, j, p))
+        elif a.kind == K.BACKWARD_WEIGHT:
+            deps.append(Action(K.BACKWARD_INPUT, s, j, p))
         else:
             deps.append(Action(K.FORWARD, s, j, p))
             if s < self.s.num_stages - 1:
-                deps.append(Action(K.BACKWARD, s + 1, j, p))
+                down = Action(K.BACKWARD, s + 1, j, p)
+                if (k, dp, down) not in self.compute_end:
+                    down = Action(K.BACKWARD_INPUT, s + 1, j, p)
+                deps.append(down)
         for d in deps:
             end = self.compute_end.get((k, dp, d))
             if end is None:
@@ -311,7 +346,7 @@ class _Sim:
             if ready is None:
                 return False
             start = max(now, ready)
-            end = start + (self.cost.forward_ns if a.kind == K.FORWARD else self.cost.backward_ns)[a.stage]
+            end = start + self.cost.compute_ns(a.kind, a.stage)
             self.compute_end[(k, self.dp_of[w], a)] = end
         elif a.kind in (K.SEND_F, K.SEND_B):
             start = end = now
@@ -475,7 +510,10 @@ def action_times(schedule: Schedule, cost: CostModel) -> dict[int, list[ActionTi
 
 
 def peak_activations(schedule: Schedule) -> dict[int, int]:
-    """Most micro-batch activations a worker holds at once: max over its order of #F − #B.
+    """Most micro-batch activations a worker holds at once: max over its order of #F − #B − #W.
+
+    A split backward's activations count until its W (W keeps each layer's input and output
+    gradient alive; counting the whole activation until then is the conservative choice).
 
     Args:
         schedule: any schedule.
@@ -490,7 +528,7 @@ def peak_activations(schedule: Schedule) -> dict[int, int]:
             if a.kind == K.FORWARD:
                 held += 1
                 peak = max(peak, held)
-            elif a.kind == K.BACKWARD:
+            elif a.kind in (K.BACKWARD, K.BACKWARD_WEIGHT):
                 held -= 1
         peaks[w] = peak
     return peaks
@@ -512,6 +550,6 @@ def simulated_bubble_ratio(schedule: Schedule, cost: CostModel | None = None) ->
     if cost is None:
         cost = CostModel.uniform(schedule.num_stages, 1000)
     cost = replace(cost, p2p_ns=0, sync_ns=(0,) * cost.num_stages, step_ns=0)
-    fb = frozenset({K.FORWARD.value, K.BACKWARD.value})
+    fb = frozenset(k.value for k in (K.FORWARD, K.BACKWARD, K.BACKWARD_INPUT, K.BACKWARD_WEIGHT))
     events = [e for e in simulate(schedule, cost) if e.kind in fb]
     return 1.0 - bubble_utilization(events, schedule.num_workers, kinds=fb)

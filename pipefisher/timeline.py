@@ -16,7 +16,7 @@ __all__ = ["Event", "COMPUTE_KINDS", "SYNC_KINDS", "is_wait", "union_length", "b
 # Action kinds whose time counts as useful work when measuring bubble utilization (DESIGN.md,
 # "Bubble utilization"); communication waits and idle time do not.
 COMPUTE_KINDS: frozenset[str] = frozenset(
-    {"F", "B", "STEP", "CURV_A", "CURV_B", "INVERT", "PRECOND"}
+    {"F", "B", "I", "W", "STEP", "CURV_A", "CURV_B", "INVERT", "PRECOND"}
 )
 # The all-reduces: a wait for one is recorded with its kind (see Event), never busy.
 SYNC_KINDS: frozenset[str] = frozenset({"SYNC_GRAD", "SYNC_FACTOR"})

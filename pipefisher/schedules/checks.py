@@ -64,10 +64,11 @@ def check_schedule(schedule: Schedule, *, complete: bool = True, kfac: bool | No
     """Check that ``schedule`` is well formed and runs to completion.
 
     Checks, in order: every action sits on a worker holding its stage replica (right pipe, right
-    peer); every micro-batch gets exactly one F and one B per stage replica; on a worker, B comes
-    after its own F, and co-located stages keep data order; every cross-worker dependency is
+    peer); every micro-batch gets exactly one F and either one B or one I and one W (split
+    backward) per stage replica; on a worker, B or I comes after its own F, W after its own I, and
+    co-located stages keep data order; every cross-worker dependency is
     carried by a SEND after the producer and a RECV before the consumer, each SEND matching exactly
-    one RECV on its peer; exactly one SYNC_GRAD per stage replica (after its last B), issued in the
+    one RECV on its peer (a split backward's I carries the B's messages; its W none); exactly one SYNC_GRAD per stage replica (after its last B), issued in the
     same relative order by workers that share collectives, and one STEP per worker after all its
     work; the K-FAC rules of [Note: K-FAC rules of one step]; no deadlock (see
     [Note: deadlock semantics]).
@@ -169,16 +170,31 @@ def _check_coverage(schedule: Schedule) -> None:
     for (w, a), where in pos.items():
         if len(where) > 1:
             _fail(schedule, f"{a} appears {len(where)} times on worker {w}; each micro-batch gets "
-                            f"exactly one F and one B per stage replica", (w, where[1]))
+                            f"exactly one F and one B (or one I and one W) per stage replica", (w, where[1]))
     for dp in range(schedule.dp_width):
         for j, pipe in enumerate(schedule.pipe_of_micro_batch):
             for s in range(schedule.num_stages):
                 w = schedule.placement.worker_of(dp, pipe, s)
-                for kind in (K.FORWARD, K.BACKWARD):
-                    a = Action(kind, s, j, pipe)
-                    if (w, a) not in pos:
-                        _fail(schedule, f"{a} is missing on worker {w} (data-parallel group {dp}); "
-                                        f"each micro-batch gets one F and one B per stage replica")
+                f, b = Action(K.FORWARD, s, j, pipe), Action(K.BACKWARD, s, j, pipe)
+                i, wg = Action(K.BACKWARD_INPUT, s, j, pipe), Action(K.BACKWARD_WEIGHT, s, j, pipe)
+                if (w, f) not in pos:
+                    _fail(schedule, f"{f} is missing on worker {w} (data-parallel group {dp}); "
+                                    f"each micro-batch gets one F and one B per stage replica")
+                split = [x for x in (i, wg) if (w, x) in pos]
+                if (w, b) in pos and split:
+                    _fail(schedule, f"{b} and {split[0]} both on worker {w}: a micro-batch's backward "
+                                    f"is either one B or a split I + W", (w, pos[(w, split[0])][0]))
+                if (w, b) not in pos and len(split) < 2:
+                    what = b if not split else (wg if split[0] == i else i)
+                    _fail(schedule, f"{what} is missing on worker {w} (data-parallel group {dp}); "
+                                    f"each micro-batch gets one F and one B (or one I and one W) per "
+                                    f"stage replica", (w, pos[(w, split[0])][0]) if split else None)
+
+
+def _input_backward_at(pos: dict[tuple[int, Action], int], w: int, s: int, j: int, p: int) -> int:
+    """Position of the B or I of (stage s, micro-batch j, pipe p) on worker w (coverage holds)."""
+    b = pos.get((w, Action(K.BACKWARD, s, j, p)))
+    return b if b is not None else pos[(w, Action(K.BACKWARD_INPUT, s, j, p))]
 
 
 def _check_local_order(schedule: Schedule) -> None:
@@ -192,10 +208,14 @@ def _check_local_order(schedule: Schedule) -> None:
             if s > 0 and where[(dp, p, s - 1)] == w and pos[(w, Action(K.FORWARD, s - 1, j, p))] > i:
                 _fail(schedule, f"{a} on worker {w} runs before the forward of stage {s - 1} that "
                                 f"feeds it (same worker)", (w, i))
+        elif a.kind == K.BACKWARD_WEIGHT:
+            if pos[(w, Action(K.BACKWARD_INPUT, s, j, p))] > i:
+                _fail(schedule, f"{a} on worker {w} runs before its own I: the weight gradients need "
+                                f"the output gradient that I computes", (w, i))
         else:
             if pos[(w, Action(K.FORWARD, s, j, p))] > i:
                 _fail(schedule, f"{a} on worker {w} runs before its own forward", (w, i))
-            if s < last and where[(dp, p, s + 1)] == w and pos[(w, Action(K.BACKWARD, s + 1, j, p))] > i:
+            if s < last and where[(dp, p, s + 1)] == w and _input_backward_at(pos, w, s + 1, j, p) > i:
                 _fail(schedule, f"{a} on worker {w} runs before the backward of stage {s + 1} that "
                                 f"feeds it (same worker)", (w, i))
 
@@ -214,7 +234,7 @@ def _required_comm(schedule: Schedule, w: int, dp: int, a: Action) -> list[tuple
             need.append((Action(K.RECV_F, s, j, p, u), True))
         if s < last and (v := where[(dp, p, s + 1)]) != w:
             need.append((Action(K.SEND_F, s, j, p, v), False))
-    else:
+    elif a.kind.is_input_backward:  # B or I; W exchanges nothing
         if s < last and (v := where[(dp, p, s + 1)]) != w:
             need.append((Action(K.RECV_B, s, j, p, v), True))
         if s > 0 and (u := where[(dp, p, s - 1)]) != w:
@@ -278,8 +298,8 @@ def _check_sync_and_step(schedule: Schedule) -> None:
             if a.kind == K.SYNC_GRAD:
                 syncs[(a.stage, a.pipe)].append(i)
                 last_work = i
-            elif a.kind == K.BACKWARD:
-                last_b[(a.stage, a.pipe)] = i
+            elif a.kind in (K.BACKWARD, K.BACKWARD_INPUT, K.BACKWARD_WEIGHT):
+                last_b[(a.stage, a.pipe)] = max(i, last_b.get((a.stage, a.pipe), -1))
                 last_work = i
             elif a.kind == K.FORWARD or a.kind.is_kfac:
                 last_work = i
@@ -378,6 +398,8 @@ def _check_kfac(schedule: Schedule, require_precond: bool) -> None:
             if a.kind in (K.CURV_A, K.CURV_B):
                 dep = K.FORWARD if a.kind == K.CURV_A else K.BACKWARD
                 j = computes.get((dep, a.stage, a.micro_batch, a.pipe))
+                if j is None and dep == K.BACKWARD:  # a split backward: its I computes the output gradient
+                    j = computes.get((K.BACKWARD_INPUT, a.stage, a.micro_batch, a.pipe))
                 need = Action(dep, a.stage, a.micro_batch, a.pipe)
                 if j is None:
                     _fail(schedule, f"{a} on worker {w} has no {need} on this worker in this step; "
@@ -470,8 +492,11 @@ def _abstract_run(schedule: Schedule, data_dependencies: bool) -> dict[int, int]
         dp, s, j, p = dp_of[w], a.stage, a.micro_batch, a.pipe
         if a.kind == K.FORWARD:
             return s == 0 or (dp, Action(K.FORWARD, s - 1, j, p)) in done
+        if a.kind == K.BACKWARD_WEIGHT:
+            return (dp, Action(K.BACKWARD_INPUT, s, j, p)) in done
         return (dp, Action(K.FORWARD, s, j, p)) in done and (
-            s == last or (dp, Action(K.BACKWARD, s + 1, j, p)) in done)
+            s == last or (dp, Action(K.BACKWARD, s + 1, j, p)) in done
+            or (dp, Action(K.BACKWARD_INPUT, s + 1, j, p)) in done)
 
     def step(w: int) -> bool:
         a = current(w)

@@ -18,6 +18,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 from pipefisher.schedules.ir import Action, ActionKind, Placement, Schedule
+from pipefisher.schedules.zero_bubble import zb_h1, zb_v
 
 __all__ = [
     "GENERATORS",
@@ -326,6 +327,8 @@ GENERATORS: dict[str, GeneratorFn] = {
     "1f1b": one_f_one_b,
     "chimera": chimera,
     "interleaved": interleaved,
+    "zb-h1": zb_h1,
+    "zb-v": zb_v,
 }
 
 

@@ -9,6 +9,8 @@ String form of an action (parses back with :meth:`Action.from_str`)::
 
     0F2        stage 0, forward, micro-batch 2 (pipe 0: the "down" pipeline)
     3B5@1      stage 3, backward, micro-batch 5, on pipe 1 (Chimera's "up" pipeline)
+    1I4        stage 1, split backward: input gradient of micro-batch 4 (zero-bubble schedules)
+    1W4        stage 1, split backward: the weight gradients of micro-batch 4, deferred
     1SEND_F2>2 stage 1 sends the activation of micro-batch 2 to worker 2
     2RECV_F2<1 stage 2 receives that activation from worker 1
     1SYNC_GRAD stage 1 all-reduces its gradients with its replicas (no micro-batch)
@@ -30,7 +32,14 @@ class ActionKind(str, Enum):
     """What an action does. ``SEND_*``/``RECV_*`` carry the peer worker."""
 
     FORWARD = "F"
-    BACKWARD = "B"
+    BACKWARD = "B"  # full backward: input and weight gradients
+    # Split backward (Zero Bubble, Qi et al. 2024; DESIGN.md "Split backward"). The paper calls the
+    # input-gradient pass B; here B stays the full backward and the split halves take torch's
+    # names: I computes the input gradient (on the critical path; it sends the activation
+    # gradient upstream), W the deferred weight gradients of the same micro-batch, any time after
+    # its I. I followed by W of the same micro-batch equals one B.
+    BACKWARD_INPUT = "I"
+    BACKWARD_WEIGHT = "W"
     SEND_F = "SEND_F"  # send an activation downstream (along the pipe's direction)
     RECV_F = "RECV_F"
     SEND_B = "SEND_B"  # send an activation gradient upstream
@@ -54,8 +63,14 @@ class ActionKind(str, Enum):
 
     @property
     def is_compute(self) -> bool:
-        """Forward or backward of a micro-batch."""
-        return self in (ActionKind.FORWARD, ActionKind.BACKWARD)
+        """Forward or (full or split) backward of a micro-batch: F, B, I or W."""
+        return self in _COMPUTE
+
+    @property
+    def is_input_backward(self) -> bool:
+        """The backward that produces the input gradient: B (full) or I (split). It consumes the
+        ``RECV_B`` of its micro-batch and feeds the ``SEND_B``."""
+        return self in (ActionKind.BACKWARD, ActionKind.BACKWARD_INPUT)
 
     @property
     def is_kfac(self) -> bool:
@@ -63,6 +78,8 @@ class ActionKind(str, Enum):
         return self in _KFAC
 
 
+_COMPUTE = frozenset({ActionKind.FORWARD, ActionKind.BACKWARD, ActionKind.BACKWARD_INPUT,
+                      ActionKind.BACKWARD_WEIGHT})
 _COMM = frozenset({ActionKind.SEND_F, ActionKind.RECV_F, ActionKind.SEND_B, ActionKind.RECV_B})
 _KFAC = frozenset({ActionKind.CURV_A, ActionKind.CURV_B, ActionKind.SYNC_FACTOR, ActionKind.INVERT,
                    ActionKind.PRECOND})
@@ -102,7 +119,7 @@ class Action:
             raise ValueError(f"{self.kind} needs a peer worker")
         if not self.kind.is_comm and self.peer is not None:
             raise ValueError(f"{self.kind} takes no peer")
-        if self.kind in (ActionKind.FORWARD, ActionKind.BACKWARD) or self.kind.is_comm:
+        if self.kind.is_compute or self.kind.is_comm:
             if self.stage is None or self.micro_batch is None:
                 raise ValueError(f"{self.kind} needs a stage and a micro-batch")
         if self.layer is not None and not self.kind.is_kfac:

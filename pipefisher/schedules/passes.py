@@ -97,7 +97,7 @@ def _comm_around(action: Action, worker: int, dp: int,
             before.append(Action(K.RECV_F, s, j, p, up))
         if s < last and (down := where[(dp, p, s + 1)]) != worker:
             after.append(Action(K.SEND_F, s, j, p, down))
-    else:
+    elif action.kind.is_input_backward:  # B or I; a deferred W exchanges nothing
         if s < last and (down := where[(dp, p, s + 1)]) != worker:
             before.append(Action(K.RECV_B, s, j, p, down))
         if s > 0 and (up := where[(dp, p, s - 1)]) != worker:
@@ -289,10 +289,11 @@ def add_communication(schedule: Schedule) -> Schedule:
 
 
 def _insert_syncs(anchors: list[Action], clusters: list[list[Action]]) -> set[tuple[int, int]]:
-    """Put a SYNC_GRAD after the last B of each (stage, pipe), after that B's own SEND_B."""
+    """Put a SYNC_GRAD after the last B or W of each (stage, pipe) (the replica's gradients are
+    complete then), after that B's own SEND_B."""
     last_b: dict[tuple[int, int], int] = {}
     for i, a in enumerate(anchors):
-        if a.kind == K.BACKWARD:
+        if a.kind in (K.BACKWARD, K.BACKWARD_WEIGHT):
             last_b[(a.stage, a.pipe)] = i
     for (stage, pipe), i in last_b.items():
         b = anchors[i]
@@ -309,8 +310,8 @@ def _insert_syncs(anchors: list[Action], clusters: list[list[Action]]) -> set[tu
 def add_grad_sync_and_step(schedule: Schedule) -> Schedule:
     """Insert one ``SYNC_GRAD(stage, pipe)`` per stage replica and one ``STEP`` per worker.
 
-    The SYNC_GRAD of a replica goes right after its last B (after that B's ``SEND_B`` when there is
-    one), so a replica that finishes early starts its all-reduce early (DESIGN.md, "Schedules");
+    The SYNC_GRAD of a replica goes right after its last B or W (after that B's ``SEND_B`` when
+    there is one), so a replica that finishes early starts its all-reduce early (DESIGN.md, "Schedules");
     STEP ends every worker's list. SYNC_GRAD is a collective over all replicas of the stage
     (Chimera twin and data-parallel copies); it is placed among the messages around it by the same
     rendezvous execution as ``add_communication`` (a collective completes when every member is
