@@ -65,13 +65,19 @@ def compute_only(schedule: Schedule) -> dict[int, list[Action]]:
 # -- registry and shape validation -------------------------------------------------------------
 
 
-def test_registry_names_the_four_methods():
-    assert set(GENERATORS) == {"gpipe", "1f1b", "chimera", "interleaved"}
+def test_registry_names_the_six_methods():
+    assert set(GENERATORS) == {"gpipe", "1f1b", "chimera", "interleaved", "zb-h1", "zb-v"}
 
 
 def test_every_method_accepts_one_virtual_chunk():
-    # Callers may pass the config's pipeline.num_virtual (1 unless interleaved) to every method.
+    # Callers may pass the config's pipeline.num_virtual (1 unless interleaved or zb-v) to every
+    # method; zb-v's V is exactly two chunks per worker, and it says so.
     for method in GENERATORS:
+        if method == "zb-v":
+            with pytest.raises(ValueError, match="pipeline.num_virtual=1: zb-v places exactly 2 model chunks"):
+                build_schedule(method, 2, 4, num_virtual=1)
+            assert build_schedule(method, 2, 4, num_virtual=2).num_stages == 4
+            continue
         assert build_schedule(method, 2, 2, num_virtual=1).num_stages == 2
 
 
