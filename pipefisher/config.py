@@ -130,6 +130,9 @@ class ClusterConfig:
     master_port: int = 0  # local: rendezvous port; 0 picks a free one
     worker_timeout_s: float = 600.0  # a worker silent for this long ends the job
     requeue: bool = True  # slurm: on SIGUSR2 (preemption or time limit) checkpoint at the next step end and requeue
+    nodes: int = 1  # slurm: nodes per run; the stages*data_parallel workers (one SLURM task each) split evenly over them
+    partition: Optional[str] = None  # slurm: partition (sbatch --partition); None = the cluster's default
+    account: Optional[str] = None  # slurm: account charged (sbatch --account); None = the user's default
 
 
 @dataclass
@@ -264,6 +267,19 @@ def _resolve_auto(cfg: TrainConfig) -> None:
             _fail("num_micro_batches", n, "give a whole number of micro-batches per step, or num_micro_batches=auto")
 
 
+def _check_cluster(cfg: TrainConfig) -> None:
+    """``cluster.nodes`` must be a positive divisor of the worker count, and more than one node needs SLURM."""
+    nodes = cfg.cluster.nodes
+    if isinstance(nodes, bool) or not isinstance(nodes, int) or nodes < 1:
+        _fail("cluster.nodes", nodes, "give a whole number of nodes >= 1")
+    if nodes > 1 and cfg.cluster.name != "slurm":
+        _fail("cluster.nodes", nodes, "runs on several nodes go through SLURM: add cluster=slurm and run with -m")
+    if cfg.num_workers % nodes:
+        divisors = [d for d in range(1, cfg.num_workers + 1) if cfg.num_workers % d == 0]
+        _fail("cluster.nodes", nodes, f"stages*data_parallel={cfg.num_workers} workers (one SLURM task each) must "
+              f"split evenly over the nodes; use one of {divisors}")
+
+
 def validate(cfg: TrainConfig) -> None:
     """Cross-field checks of a run's configuration (``num_micro_batches=auto`` is resolved first).
 
@@ -292,6 +308,7 @@ def validate(cfg: TrainConfig) -> None:
     _check_choice("precision", cfg.precision, PRECISIONS)
     _check_choice("wandb.mode", cfg.wandb.mode, WANDB_MODES)
     _check_choice("cluster.name", cfg.cluster.name, ("local", "slurm"))
+    _check_cluster(cfg)
     _check_choice("device", cfg.device, ("auto", "cpu", "cuda"))
     _check_choice("fault.mode", cfg.fault.mode, FAULT_MODES)
     _check_choice("on_nonfinite", cfg.on_nonfinite, NONFINITE_MODES)

@@ -23,6 +23,8 @@ import logging
 import math
 import os
 import pickle
+import socket
+import struct
 import subprocess
 import time
 from dataclasses import dataclass
@@ -39,12 +41,14 @@ __all__ = [
     "register_resolvers",
     "RegisterResolvers",
     "report_lost_tasks",
+    "interface_towards",
 ]
 
 log = logging.getLogger(__name__)
 
 PORT_BASE = 20000  # rendezvous ports are PORT_BASE + job id % PORT_SPAN
 PORT_SPAN = 20000
+_SIOCGIFADDR = 0x8915  # ioctl: an interface's IPv4 address (linux/sockios.h)
 
 
 @dataclass(frozen=True)
@@ -103,6 +107,47 @@ def _first_host(nodelist: str) -> str:
     return out[0]
 
 
+def _interface_addresses() -> dict[str, str]:
+    """``{interface name: IPv4 address}`` of this network namespace (Linux; empty elsewhere)."""
+    try:
+        import fcntl
+    except ImportError:  # not Linux
+        return {}
+    found = {}
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        for _, name in socket.if_nameindex():
+            try:
+                req = fcntl.ioctl(s.fileno(), _SIOCGIFADDR, struct.pack("256s", name.encode()[:15]))
+            except OSError:  # no IPv4 address on it
+                continue
+            found[name] = socket.inet_ntoa(req[20:24])
+    return found
+
+
+def interface_towards(host: str, port: int = PORT_BASE) -> str | None:
+    """The name of the network interface this host uses to reach ``host``, or None when unknown.
+
+    [Note: which interface gloo binds]
+    gloo listens on one address that its peers must reach. Without ``GLOO_SOCKET_IFNAME`` it takes
+    the address this machine's hostname resolves to, which on many clusters (and on this machine,
+    where ``/etc/hosts`` maps the hostname to 127.0.0.1) is loopback or a management network the
+    other nodes cannot reach. The interface that routes to the rendezvous host is one every peer
+    reaches too: the kernel picks the source address of a (never sent) UDP datagram to ``host``,
+    and the interface holding that address is the answer; for a rendezvous on this node it is the
+    interface holding the node's own address (e.g. ``eth0``), not loopback, unless the hostname
+    itself is a loopback address.
+    """
+    try:
+        addr = socket.gethostbyname(host)
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect((addr, port))  # UDP: chooses the route, sends nothing
+            source = s.getsockname()[0]
+    except OSError:
+        return None
+    names = [name for name, a in _interface_addresses().items() if a == source]
+    return names[0] if names else None
+
+
 def slurm_task_env(set_environ: bool = True) -> SlurmTask | None:
     """This process's place in a multi-task SLURM job step, or None outside one.
 
@@ -136,12 +181,16 @@ def slurm_task_env(set_environ: bool = True) -> SlurmTask | None:
         master_port=master_port_for_job(int(env["SLURM_JOB_ID"])),
         job_id=env["SLURM_JOB_ID"],
     )
+    ifname = env.get("GLOO_SOCKET_IFNAME") or interface_towards(task.master_addr, task.master_port)
     if set_environ:
         env["MASTER_ADDR"], env["MASTER_PORT"] = task.master_addr, str(task.master_port)
-    log.info("SLURM task: SLURM_JOB_ID=%s array=%s rank %d/%d (local %d/%d) on %s, rendezvous %s:%d",
+        if ifname and "GLOO_SOCKET_IFNAME" not in env:  # see [Note: which interface gloo binds]
+            env["GLOO_SOCKET_IFNAME"] = ifname
+    log.info("SLURM task: SLURM_JOB_ID=%s array=%s rank %d/%d (local %d/%d) on host %s (node %s), "
+             "rendezvous %s:%d, gloo interface %s",
              task.job_id, env.get("SLURM_ARRAY_JOB_ID", "-") + "_" + env.get("SLURM_ARRAY_TASK_ID", "-"),
-             task.rank, task.world_size, task.local_rank, task.local_world_size,
-             env.get("SLURMD_NODENAME", "?"), task.master_addr, task.master_port)
+             task.rank, task.world_size, task.local_rank, task.local_world_size, socket.gethostname(),
+             env.get("SLURMD_NODENAME", "?"), task.master_addr, task.master_port, ifname or "(gloo's default)")
     return task
 
 
@@ -205,8 +254,8 @@ def _tasks_per_node(stages: Any, data_parallel: Any, nodes: Any) -> int:
     workers, nodes = int(stages) * int(data_parallel), int(nodes)
     if nodes < 1 or workers % nodes:
         raise ValueError(
-            f"hydra.launcher.nodes={nodes}: stages*data_parallel={workers} workers (one SLURM task each) "
-            f"must split evenly over the nodes; use a divisor of {workers}, or set hydra.launcher.tasks_per_node"
+            f"cluster.nodes={nodes}: stages*data_parallel={workers} workers (one SLURM task each) "
+            f"must split evenly over the nodes; use a divisor of {workers}"
         )
     return workers // nodes
 

@@ -1,11 +1,15 @@
 #!/usr/bin/env bash
-# Stop the single-node SLURM cluster that scripts/slurm/start.sh started: cancel every job, then
-# stop slurmd, slurmctld and munged (by their pid files). Safe to run when nothing is running.
+# Stop the SLURM cluster that scripts/slurm/start.sh started: cancel every job, stop every node's
+# slurmd, slurmctld and munged (by their pid files), kill what is left in the node namespaces, and
+# remove the namespaces, the veth pairs and the bridge. Safe to run when nothing is running.
 set -euo pipefail
 
+here="$(cd "$(dirname "$0")" && pwd)"
 log() { echo "[slurm/stop] $*"; }
 
 [[ $(id -u) -eq 0 ]] || { echo "[slurm/stop] error: run as root" >&2; exit 1; }
+# shellcheck source=scripts/slurm/net.sh
+. "$here/net.sh"
 
 if command -v squeue >/dev/null && squeue -h >/dev/null 2>&1; then
   mapfile -t jobs < <(squeue -h -o %i | sort -u)
@@ -31,7 +35,19 @@ stop_daemon() {
   rm -f "$pidfile"
 }
 
-stop_daemon slurmd /run/slurmd.pid
+for pidfile in /run/slurmd-*.pid /run/slurmd.pid; do  # /run/slurmd.pid: the earlier single-node layout
+  [[ -e $pidfile ]] || continue
+  name=${pidfile#/run/}
+  stop_daemon "${name%.pid}" "$pidfile"
+done
 stop_daemon slurmctld /run/slurmctld.pid
 stop_daemon munged /run/munge/munged.pid
+for ns in $(pf_existing_nodes); do
+  log "removing node namespace $ns"
+  pf_remove_node "$ns"
+done
+if ip link show "$PF_BRIDGE" >/dev/null 2>&1; then
+  log "removing bridge $PF_BRIDGE"
+  pf_bridge_down
+fi
 log "stopped"
