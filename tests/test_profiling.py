@@ -65,8 +65,8 @@ def test_profile_uses_the_nsys_layout_and_the_nsys_reader_reads_it(tmp_path: Pat
     path = tmp_path / "profile.sqlite"
     write_profile(path, chimera_events, metadata={"method": "chimera"})
     with sqlite3.connect(path) as conn:
-        row = conn.execute("SELECT n.eventType, n.globalTid, s.value FROM NVTX_EVENTS AS n "
-                           "JOIN StringIds AS s ON s.id = n.textId WHERE n.rowid = 1").fetchone()
+        row = conn.execute("SELECT n.eventType, n.globalTid, coalesce(n.text, s.value) FROM NVTX_EVENTS AS n "
+                           "LEFT JOIN StringIds AS s ON s.id = n.textId WHERE n.rowid = 1").fetchone()
     assert row == (59, global_tid_of_worker(chimera_events[0].worker), chimera_events[0].name)
     assert (row[1] >> 24) & 0xFFFFFF == row[1] & 0xFFFFFF  # pid == tid, as for a main thread
 
@@ -165,7 +165,7 @@ def two_thread_export(tmp_path: Path) -> Path:
 def test_nsys_export_reads_into_cpu_events(two_thread_export: Path,
                                            caplog: pytest.LogCaptureFixture) -> None:
     with caplog.at_level(logging.INFO, logger="pipefisher.profiling"):
-        profile = read_profile(two_thread_export)  # no PIPEFISHER_* tables: delegated to read_nsys
+        profile = read_profile(two_thread_export, gpu=False)  # no PIPEFISHER_* tables: read_nsys
     assert profile.source == "nsys" and profile.metadata == {}
     assert profile.events == [
         Event(0, "0F0", "F", 100, 200, 0),
@@ -183,11 +183,17 @@ def test_nsys_export_reads_into_cpu_events(two_thread_export: Path,
 
 def test_nsys_export_reads_into_gpu_spans(two_thread_export: Path) -> None:
     profile = read_profile(two_thread_export, gpu=True)
+    assert profile.gpu and read_profile(two_thread_export).events == profile.events  # gpu=auto: kernels
     assert profile.events == [
+        Event(0, "0SEND_F0>1", "SEND_F", 210, 230, 0),  # ranges without kernels keep their CPU range
+        Event(1, "1RECV_F0<0", "RECV_F", 215, 240, 0),
+        Event(0, "0F1", "F", 310, 400, 1),
+        Event(1, "STEP", "STEP", 360, 380, 0),
         Event(0, "0F0", "F", 1000, 1300, 0),      # first kernel start .. last kernel end
         Event(1, "1F0", "F", 1320, 1600, 0),
         Event(0, "STEP", "STEP", 1400, 1450, 0),
-    ]  # ranges without kernels (send, recv, 0F1, worker 1's STEP) have no GPU span
+    ]
+    assert not read_profile(two_thread_export, gpu=False).gpu
 
 
 def test_nsys_workers_by_process_and_per_process_correlation_ids(tmp_path: Path) -> None:

@@ -1,66 +1,81 @@
-"""Read an Nsight Systems SQLite export (``nsys export --type sqlite``) into timeline events.
+"""Read Nsight Systems SQLite exports (``nsys export --type sqlite``) into timeline events.
 
 This module knows the Nsight Systems layout; ``pipefisher.profiling.sqlite`` writes our own
 ``profile.sqlite`` in the same layout and adds run metadata, so :func:`read_nsys` also reads ours
 (without the metadata). The tables used:
 
-- ``NVTX_EVENTS(start, end, text, textId, globalTid, eventType, …)``: one row per NVTX range,
-  times in ns. The name is in ``text`` or, for registered strings, in ``StringIds.value`` through
-  ``textId``. Only ranges (eventType 59 = NvtxPushPopRange, 60 = NvtxStartEndRange) whose name
-  parses as one of our action names (``0F2``, ``3B5@1``, ``STEP``, …, see
+- ``NVTX_EVENTS(start, end, text, textId, globalTid, eventType, …)``: one row per NVTX range or
+  mark, times in ns. The name is in ``text`` or, for registered strings, in ``StringIds.value``
+  through ``textId``. Only ranges (eventType 59 = NvtxPushPopRange, 60 = NvtxStartEndRange) whose
+  name parses as one of our action names (``0F2``, ``3B5@1``, ``STEP``, …, see
   ``pipefisher.schedules.ir``) become events; other ranges are ignored and counted in a log line.
-- ``CUPTI_ACTIVITY_KIND_RUNTIME(start, end, globalTid, correlationId, …)``: CUDA API calls and
-  ``CUPTI_ACTIVITY_KIND_KERNEL(start, end, correlationId, globalPid, …)``: the kernels they
-  launched, for GPU spans (``gpu=True``).
+  A mark ``rank=N`` (eventType 34) names its process's rank (``pipefisher.profiling.nvtx``).
+- ``CUPTI_ACTIVITY_KIND_RUNTIME`` / ``CUPTI_ACTIVITY_KIND_KERNEL``: GPU spans
+  (``pipefisher.profiling.nsys_gpu``), used when ``gpu=True``, or with ``gpu="auto"`` when the
+  export has kernels.
+- ``TARGET_INFO_SESSION_START_TIME(utcEpochNs, …)``: the UTC time of a capture's timestamp 0, to
+  put several per-rank exports on one clock.
 
 [Note: globalTid]
 Nsight Systems serializes a thread as ``globalTid = (hw << 48) | (pid << 24) | tid`` (24 bits
 each for pid and tid); a kernel's ``globalPid`` is the launching process's ``globalTid`` with the
-tid bits zero. Correlation ids are unique per process only, so kernels are joined to their runtime
-call on ``correlationId`` *and* process where the export has ``globalPid``.
+tid bits zero.
 
-[Note: workers and steps of an nsys export]
-An action range's worker is, in this order of preference:
-1. a name prefix ``w{worker}:`` or ``rank{worker}:`` (e.g. ``w2:0F1``), if every action range has one;
-2. its process, if action ranges come from more than one process (one process per worker, the
-   way ``pipefisher.launch`` runs): distinct pids map to workers 0, 1, … in pid order;
-3. its thread otherwise (all workers as threads of one process): distinct globalTids in order.
-An action's step is the number of ``STEP`` ranges its worker ended before the action started
-(0 when no STEP range was recorded; ties at one instant are broken by record order).
+[Note: steps of an nsys export]
+Workers come from [Note: ranks of an nsys export] (``nsys_ranks``). An action's step is the
+number of ``STEP`` ranges its worker ended before the action started (0 when none was recorded;
+ties at one instant are broken by record order). A range named like an action that encloses
+another action range of its thread (a user's ``STEP`` around a whole iteration) is not an action:
+it is dropped from the events, and its ends count steps only where the worker recorded no
+optimizer ``STEP`` range (issue 15, item 8). Steps below ``warmup_steps`` are dropped, as
+``profile.py`` drops them from its own profiles (item 4); so is every step from the first one with
+an action range that never ended (end NULL: the capture stopped inside it).
 """
 
 from __future__ import annotations
 
 import bisect
+import glob
 import logging
 import re
 import sqlite3
-from dataclasses import dataclass, field
+from collections import defaultdict
+from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
+from pipefisher.profiling.nsys_gpu import TID_MASK, gpu_spans, has_kernels, process_key
+from pipefisher.profiling.nsys_ranks import RangeOrigin, assign_workers
+from pipefisher.profiling.nvtx import RANK_MARK_RE
+from pipefisher.profiling.types import Profile, ProfileError, WorkerInfo
 from pipefisher.schedules.ir import Action
 from pipefisher.timeline import Event
 
 __all__ = [
     "KFAC_KINDS",
+    "NVTX_MARK",
+    "NVTX_PUSH_POP_RANGE",
     "NVTX_RANGE_EVENT_TYPES",
     "Profile",
     "ProfileError",
     "WorkerInfo",
+    "expand_paths",
     "gpu_spans",
     "open_database",
     "parse_action_name",
     "pid_of",
     "read_nsys",
+    "resolve_gpu",
     "table_columns",
 ]
 
 log = logging.getLogger(__name__)
 
+NVTX_MARK = 34
 NVTX_PUSH_POP_RANGE = 59
 NVTX_START_END_RANGE = 60
 NVTX_RANGE_EVENT_TYPES: tuple[int, ...] = (NVTX_PUSH_POP_RANGE, NVTX_START_END_RANGE)
+GpuArg = bool | str  # True, False or "auto"
 
 # Action kinds the K-FAC passes will add to the IR. Names with these kinds are recognized already,
 # so profiles recorded by a newer executor still read; once ``ActionKind`` has them,
@@ -71,52 +86,7 @@ _KFAC_RE = re.compile(
     rf"(?P<mb>\d+)?(?:@(?P<pipe>\d+))?$"
 )
 _PREFIX_RE = re.compile(r"^(?:w|rank)(?P<worker>\d+)[:/]\s*", re.IGNORECASE)
-
-_TID_BITS = 24
-_TID_MASK = (1 << _TID_BITS) - 1
-
-
-class ProfileError(ValueError):
-    """A profile database cannot be read; the message names the file, the table and the fix."""
-
-
-@dataclass(frozen=True)
-class WorkerInfo:
-    """Where one worker's events came from.
-
-    Attributes:
-        worker: worker index (``Event.worker``).
-        rank: torch.distributed rank of the worker's process.
-        global_tid: the Nsight Systems ``globalTid`` its ranges carry (see [Note: globalTid]).
-        host: host name, or None when unknown.
-    """
-
-    worker: int
-    rank: int
-    global_tid: int
-    host: str | None = None
-
-
-@dataclass
-class Profile:
-    """The contents of a profile database.
-
-    Attributes:
-        events: timeline events, in the order they were written (our files) or by start time.
-        metadata: run metadata (``PIPEFISHER_META``; empty for an nsys export).
-        workers: per-worker origin, keyed by worker index.
-        source: ``"pipefisher"`` for a file written by ``write_profile``, ``"nsys"`` otherwise.
-    """
-
-    events: list[Event]
-    metadata: dict[str, Any] = field(default_factory=dict)
-    workers: dict[int, WorkerInfo] = field(default_factory=dict)
-    source: str = "pipefisher"
-
-    @property
-    def num_workers(self) -> int:
-        """Number of workers: those in the worker map and those with events."""
-        return len(set(self.workers) | {e.worker for e in self.events})
+_REEXPORT = "export the report again: nsys export --type sqlite --force-overwrite true REPORT.nsys-rep"
 
 
 def parse_action_name(text: str) -> tuple[str, int | None] | None:
@@ -140,19 +110,26 @@ def parse_action_name(text: str) -> tuple[str, int | None] | None:
 
 def pid_of(global_tid: int) -> int:
     """The process id serialized in an Nsight Systems ``globalTid``."""
-    return (global_tid >> _TID_BITS) & _TID_MASK
+    return (global_tid >> 24) & TID_MASK
+
+
+def table_columns(conn: sqlite3.Connection, table: str) -> set[str]:
+    """Column names of ``table``; empty if it does not exist."""
+    return {row[1] for row in conn.execute(f'PRAGMA table_info("{table}")')}
 
 
 def open_database(path: str | Path) -> sqlite3.Connection:
     """Open ``path`` read-only and check that it is an SQLite database.
 
     Raises:
-        ProfileError: the file is missing or is not an SQLite database.
+        ProfileError: the file is missing, empty or not an SQLite database.
     """
     path = Path(path)
     if not path.is_file():
         raise ProfileError(f"{path}: no such profile file; pass the profile.sqlite of a run or an "
                            f"'nsys export --type sqlite' output")
+    if path.stat().st_size == 0:
+        raise ProfileError(f"{path}: the file is empty (0 bytes), so the export did not finish; {_REEXPORT}")
     conn = sqlite3.connect(f"{path.resolve().as_uri()}?mode=ro", uri=True)
     try:
         conn.execute("SELECT name FROM sqlite_master LIMIT 1").fetchall()
@@ -163,199 +140,303 @@ def open_database(path: str | Path) -> sqlite3.Connection:
     return conn
 
 
-def table_columns(conn: sqlite3.Connection, table: str) -> set[str]:
-    """Column names of ``table``; empty if it does not exist."""
-    return {row[1] for row in conn.execute(f'PRAGMA table_info("{table}")')}
+def damaged(path: Path, exc: sqlite3.DatabaseError) -> ProfileError:
+    """The one-line error for a database that opened but fails when read (a corrupt page)."""
+    return ProfileError(f"{path}: the database is damaged ({exc}); {_REEXPORT}")
+
+
+def expand_paths(paths: str | Path | Sequence[str | Path]) -> list[Path]:
+    """Files named by a path, a comma-separated list, a glob, or a sequence of those.
+
+    Raises:
+        ProfileError: a glob that matches nothing, or no file named at all.
+    """
+    items = [paths] if isinstance(paths, (str, Path)) else list(paths)
+    out: list[Path] = []
+    for item in items:
+        whole = not isinstance(item, str) or Path(item).exists()  # a file name may hold a comma
+        parts = [str(item)] if whole else str(item).split(",")
+        for part in (p.strip() for p in parts):
+            if not part:
+                continue
+            if any(c in part for c in "*?["):
+                found = sorted(Path(p) for p in glob.glob(part))
+                if not found:
+                    raise ProfileError(f"{part}: no file matches this pattern; pass per-rank exports as a glob "
+                                       f"(e.g. 'report_rank*.sqlite') or a comma-separated list of files")
+                out += [p for p in found if p not in out]
+            elif Path(part) not in out:
+                out.append(Path(part))
+    if not out:
+        raise ProfileError(f"{paths!r}: no profile file given; pass a profile.sqlite or nsys exports")
+    return out
+
+
+def resolve_gpu(conn: sqlite3.Connection, gpu: GpuArg) -> bool:
+    """``gpu`` as a bool: ``"auto"`` is True exactly when the export holds CUDA kernels."""
+    value = str(gpu).lower()
+    if value not in ("true", "false", "auto"):
+        raise ValueError(f"gpu={gpu!r}: choose auto (kernel time when the export has CUDA kernels), true or false")
+    return has_kernels(conn) if value == "auto" else value == "true"
 
 
 @dataclass(frozen=True)
 class _Range:
-    """One NVTX range that names an action."""
+    """One NVTX range that names an action (``end`` None: it never ended)."""
 
-    row: int  # NVTX_EVENTS rowid
+    key: tuple[int, int]  # (file index, NVTX_EVENTS rowid)
     name: str
     kind: str
     start: int
-    end: int
+    end: int | None
     global_tid: int
     prefix_worker: int | None
 
 
-def _action_ranges(conn: sqlite3.Connection, path: Path) -> tuple[list[_Range], int]:
-    """The action ranges of ``NVTX_EVENTS`` and the number of other ranges ignored."""
-    cols = table_columns(conn, "NVTX_EVENTS")
-    missing = {"start", "end", "globalTid"} - cols
-    if not cols or missing:
-        what = "has no NVTX_EVENTS table" if not cols else \
-            f"table NVTX_EVENTS lacks column(s) {', '.join(sorted(missing))}"
-        raise ProfileError(f"{path}: {what}; record NVTX ranges with 'nsys profile --trace=nvtx,cuda' "
-                           f"(the executor names each action's range) and export with "
-                           f"'nsys export --type sqlite'")
+@dataclass
+class _File:
+    """What one export holds for us."""
+
+    path: Path
+    ranges: list[_Range]
+    ignored: int
+    marks: dict[int, int]  # process_key -> rank
+    utc_epoch_ns: int | None
+    gpu: bool
+    spans: dict[tuple[int, int], tuple[int, int]]
+
+
+def _name_sql(conn: sqlite3.Connection, cols: set[str]) -> tuple[str, str]:
     text = "n.text" if "text" in cols else "NULL"
-    use_ids = "textId" in cols and table_columns(conn, "StringIds") >= {"id", "value"}
-    name_sql = f"COALESCE({text}, s.value)" if use_ids else text
-    join = "LEFT JOIN StringIds AS s ON s.id = n.textId" if use_ids else ""
-    where = "n.end IS NOT NULL"
-    if "eventType" in cols:
-        where += f" AND n.eventType IN ({', '.join(map(str, NVTX_RANGE_EVENT_TYPES))})"
-    rows = conn.execute(
-        f"SELECT n.rowid, {name_sql}, n.start, n.end, n.globalTid FROM NVTX_EVENTS AS n {join} "
-        f"WHERE {where} ORDER BY n.start, n.rowid"
-    ).fetchall()
-    ranges, ignored = [], 0
-    for row, name, start, end, gtid in rows:
-        name = (name or "").strip()
-        m = _PREFIX_RE.match(name)
-        bare = name[m.end():] if m else name
-        parsed = parse_action_name(bare)
-        if parsed is None or end < start:
-            ignored += 1
-            continue
-        ranges.append(_Range(row, bare, parsed[0], int(start), int(end), int(gtid or 0),
-                             int(m["worker"]) if m else None))
-    return ranges, ignored
+    if "textId" in cols and table_columns(conn, "StringIds") >= {"id", "value"}:
+        return f"COALESCE({text}, s.value)", "LEFT JOIN StringIds AS s ON s.id = n.textId"
+    return text, ""
 
 
-def _worker_map(ranges: list[_Range]) -> tuple[dict[int, int], dict[int, WorkerInfo]]:
-    """``{NVTX rowid: worker}`` and the worker map, by [Note: workers and steps of an nsys export]."""
-    if ranges and all(r.prefix_worker is not None for r in ranges):
-        worker_of = {r.row: r.prefix_worker for r in ranges}
-        first_tid: dict[int, int] = {}
-        for r in ranges:
-            first_tid.setdefault(r.prefix_worker, r.global_tid)  # type: ignore[arg-type]
-        infos = {w: WorkerInfo(w, w, t) for w, t in sorted(first_tid.items())}
-        return worker_of, infos
-    by_pid = len({pid_of(r.global_tid) for r in ranges}) > 1
-    key = (lambda g: g & ~_TID_MASK) if by_pid else (lambda g: g)
-    keys = sorted({key(r.global_tid) for r in ranges})
-    index = {k: i for i, k in enumerate(keys)}
-    worker_of = {r.row: index[key(r.global_tid)] for r in ranges}
-    infos = {}
+def _check_names(conn: sqlite3.Connection, cols: set[str], path: Path) -> None:
+    """Ranges that name themselves through textId must find the name (item 9)."""
+    if "textId" not in cols:
+        return
+    where = "n.textId IS NOT NULL" + (" AND n.text IS NULL" if "text" in cols else "")
+    if not table_columns(conn, "StringIds") >= {"id", "value"}:
+        n = conn.execute(f"SELECT count(*) FROM NVTX_EVENTS AS n WHERE {where}").fetchone()[0]
+        if n:
+            raise ProfileError(f"{path}: {n} NVTX row(s) name themselves through textId, but the StringIds "
+                               f"table is missing, so the export is incomplete; {_REEXPORT}")
+        return
+    lost = conn.execute(f"SELECT DISTINCT n.textId FROM NVTX_EVENTS AS n LEFT JOIN StringIds AS s "
+                        f"ON s.id = n.textId WHERE {where} AND s.id IS NULL LIMIT 4").fetchall()
+    if lost:
+        ids = ", ".join(str(r[0]) for r in lost[:3])
+        raise ProfileError(f"{path}: NVTX textId value(s) {ids} are missing from StringIds, so the export is "
+                           f"incomplete; {_REEXPORT}")
+
+
+def _read_file(path: Path, index: int, gpu: GpuArg) -> _File:
+    conn = open_database(path)
+    try:
+        cols = table_columns(conn, "NVTX_EVENTS")
+        missing = {"start", "end", "globalTid"} - cols
+        if not cols or missing:
+            what = "has no NVTX_EVENTS table" if not cols else \
+                f"table NVTX_EVENTS lacks column(s) {', '.join(sorted(missing))}"
+            raise ProfileError(f"{path}: {what}; record NVTX ranges with 'nsys profile --trace=nvtx,cuda' "
+                               f"(the executor names each action's range) and export with "
+                               f"'nsys export --type sqlite'")
+        _check_names(conn, cols, path)
+        name_sql, join = _name_sql(conn, cols)
+        etype = "n.eventType" if "eventType" in cols else "NULL"
+        rows = conn.execute(
+            f"SELECT n.rowid, {name_sql}, n.start, n.end, n.globalTid, {etype} FROM NVTX_EVENTS AS n {join} "
+            f"ORDER BY n.start, n.rowid").fetchall()
+        ranges, marks, ignored = [], {}, 0
+        for row, name, start, end, gtid, event_type in rows:
+            name = (name or "").strip()
+            mark = RANK_MARK_RE.match(name)
+            if mark is not None:
+                marks[process_key(int(gtid or 0))] = int(mark["rank"])
+                continue
+            if event_type is not None and event_type not in NVTX_RANGE_EVENT_TYPES:
+                continue
+            m = _PREFIX_RE.match(name)
+            bare = name[m.end():] if m else name
+            parsed = parse_action_name(bare)
+            if parsed is None or (end is not None and end < start):
+                ignored += 1
+                continue
+            ranges.append(_Range((index, row), bare, parsed[0], int(start), None if end is None else int(end),
+                                 int(gtid or 0), int(m["worker"]) if m else None))
+        utc = None
+        if table_columns(conn, "TARGET_INFO_SESSION_START_TIME") >= {"utcEpochNs"}:
+            got = conn.execute("SELECT utcEpochNs FROM TARGET_INFO_SESSION_START_TIME LIMIT 1").fetchone()
+            utc = int(got[0]) if got and got[0] is not None else None
+        use_gpu = resolve_gpu(conn, gpu)
+        spans: dict[tuple[int, int], tuple[int, int]] = {}
+        if use_gpu:
+            closed = [(r.key[1], r.global_tid, r.start, r.end) for r in ranges if r.end is not None]
+            spans = {(index, row): span for row, span in gpu_spans(conn, closed, path).items()}
+    except sqlite3.DatabaseError as exc:
+        raise damaged(path, exc) from None
+    finally:
+        conn.close()
+    return _File(path, ranges, ignored, marks, utc, use_gpu, spans)
+
+
+def _enclosing(ranges: Sequence[_Range]) -> set[tuple[int, int]]:
+    """Keys of ranges that enclose another action range of their thread (not actions themselves)."""
+    out = set()
+    by_thread: dict[tuple[int, int], list[_Range]] = defaultdict(list)
     for r in ranges:
-        w = worker_of[r.row]
-        if w not in infos:
-            infos[w] = WorkerInfo(w, w, r.global_tid)
-    return worker_of, dict(sorted(infos.items()))
-
-
-def _steps(ranges: list[_Range], worker_of: dict[int, int]) -> dict[int, int]:
-    """``{NVTX rowid: step}``: the worker's STEP ranges that ended before the range started.
-
-    A STEP counts for a range only if it also comes first in (start, end, rowid) order, so that a
-    zero-length range recorded just before a zero-length STEP at the same instant stays in its step.
-    """
-    def key(r: _Range) -> tuple[int, int, int]:
-        return (r.start, r.end, r.row)
-
-    steps: dict[int, list[_Range]] = {}
-    for r in ranges:
-        if r.kind == "STEP":
-            steps.setdefault(worker_of[r.row], []).append(r)
-    ends: dict[int, list[int]] = {}
-    for w, rs in steps.items():
-        rs.sort(key=lambda r: (r.end, key(r)))
-        ends[w] = [r.end for r in rs]
-    out = {}
-    for r in ranges:
-        w = worker_of[r.row]
-        n = bisect.bisect_right(ends.get(w, []), r.start)
-        while n and key(steps[w][n - 1]) >= key(r):  # ties at r.start that come after r
-            n -= 1
-        out[r.row] = n
+        by_thread[(r.key[0], r.global_tid)].append(r)
+    for rs in by_thread.values():
+        rs.sort(key=lambda r: (r.start, -(r.end or r.start)))
+        starts = [r.start for r in rs]
+        for r in rs:
+            length = r.end - r.start
+            i = bisect.bisect_left(starts, r.start)
+            while i < len(rs) and rs[i].start <= r.end:
+                o = rs[i]
+                if o is not r and 0 < o.end - o.start < length and o.end <= r.end:
+                    out.add(r.key)
+                    break
+                i += 1
     return out
 
 
-def gpu_spans(conn: sqlite3.Connection, ranges: list[tuple[int, int, int, int]],
-              path: Path) -> dict[int, tuple[int, int]]:
-    """GPU span of each range: [first kernel start, last kernel end] of the kernels it launched.
+def _steps(ranges: Sequence[_Range], worker_of: dict[tuple[int, int], int],
+           delimiters: Sequence[_Range]) -> dict[tuple[int, int], int]:
+    """``{key: step}``: the worker's step delimiters that ended before the range started.
 
-    A kernel belongs to the innermost given range that encloses its runtime API call on the same
-    globalTid (nested non-action ranges are transparent).
+    A delimiter counts for a range only if it also comes first in (start, end, key) order, so that
+    a zero-length range recorded just before a zero-length STEP at the same instant stays in its step.
+    """
+    def order(r: _Range) -> tuple[int, int, tuple[int, int]]:
+        return (r.start, r.end if r.end is not None else r.start, r.key)
+
+    steps: dict[int, list[_Range]] = defaultdict(list)
+    for r in delimiters:
+        steps[worker_of[r.key]].append(r)
+    ends: dict[int, list[int]] = {}
+    for w, rs in steps.items():
+        rs.sort(key=lambda r: (r.end, order(r)))
+        ends[w] = [r.end for r in rs]
+    out = {}
+    for r in ranges:
+        w = worker_of[r.key]
+        n = bisect.bisect_right(ends.get(w, []), r.start)
+        while n and order(steps[w][n - 1]) >= order(r):  # ties at r.start that come after r
+            n -= 1
+        out[r.key] = n
+    return out
+
+
+def _delimiters(ranges: Sequence[_Range], enclosing: set[tuple[int, int]],
+                worker_of: dict[tuple[int, int], int]) -> list[_Range]:
+    """Per worker: its optimizer STEP ranges, or its enclosing STEP ranges if it has none."""
+    chosen: dict[int, list[_Range]] = defaultdict(list)
+    enclosing_steps: dict[int, list[_Range]] = defaultdict(list)
+    for r in ranges:
+        if r.kind == "STEP" and r.end is not None:
+            (enclosing_steps if r.key in enclosing else chosen)[worker_of[r.key]].append(r)
+    return [r for w in set(chosen) | set(enclosing_steps) for r in (chosen.get(w) or enclosing_steps[w])]
+
+
+def _clock_offsets(files: Sequence[_File]) -> tuple[list[int], list[str]]:
+    """Per file, ns to add to put it on the first capture's clock (TARGET_INFO_SESSION_START_TIME)."""
+    if len(files) == 1:
+        return [0], []
+    utc = [f.utc_epoch_ns for f in files]
+    if any(u is None for u in utc):
+        lacking = [str(f.path) for f in files if f.utc_epoch_ns is None][:3]
+        note = (f"{', '.join(lacking)}: no TARGET_INFO_SESSION_START_TIME, so the exports' clocks are taken as one; "
+                f"export with a current nsys")
+        log.warning("%s", note)
+        return [0] * len(files), [note]
+    base = min(utc)  # type: ignore[type-var]
+    return [u - base for u in utc], []  # type: ignore[operator]
+
+
+def read_nsys(paths: str | Path | Sequence[str | Path], *, gpu: GpuArg = "auto",
+              warmup_steps: int = 0) -> Profile:
+    """Read the action ranges of one Nsight Systems SQLite export, or of one export per rank.
 
     Args:
-        conn: an open export.
-        ranges: ``(row, global_tid, start, end)`` of the CPU ranges.
-        path: the file, for messages.
+        paths: an ``nsys export --type sqlite`` file (or our own ``profile.sqlite``, whose metadata
+            this reader ignores), a comma-separated list or glob of them, or a sequence of those.
+        gpu: True: an event spans its action's kernels, [first kernel start, last kernel end],
+            instead of its CPU range (an action that launched no kernel keeps its CPU range);
+            ``"auto"``: True for an export with CUDA kernels; False: CPU ranges.
+        warmup_steps: steps to drop from the start ([Note: steps of an nsys export]).
 
     Returns:
-        ``{row: (gpu_start, gpu_end)}`` for the ranges that launched at least one kernel.
+        A :class:`Profile` with ``source="nsys"``, events sorted by start time; workers from
+        [Note: ranks of an nsys export], steps from [Note: steps of an nsys export]; several
+        exports are put on one clock by their session start times.
 
     Raises:
-        ProfileError: the export has no kernel or runtime table.
+        ProfileError: a missing, empty, damaged or non-SQLite file, no NVTX_EVENTS table, names
+            lost with StringIds, no range named like an action, nothing left after the warm-up or
+            after unfinished steps, or (``gpu=True``) no CUPTI kernel/runtime tables.
     """
-    kcols = table_columns(conn, "CUPTI_ACTIVITY_KIND_KERNEL")
-    rcols = table_columns(conn, "CUPTI_ACTIVITY_KIND_RUNTIME")
-    for table, cols in (("CUPTI_ACTIVITY_KIND_KERNEL", kcols), ("CUPTI_ACTIVITY_KIND_RUNTIME", rcols)):
-        if not cols:
-            raise ProfileError(f"{path}: table {table} is missing, so there are no GPU spans; "
-                               f"profile with 'nsys profile --trace=cuda,nvtx', or read with gpu=False")
-    same_process = f" AND k.globalPid = (r.globalTid & ~{_TID_MASK})" if "globalPid" in kcols else ""
-    launches = conn.execute(
-        "SELECT r.globalTid, r.start, k.start, k.end FROM CUPTI_ACTIVITY_KIND_KERNEL AS k "
-        "JOIN CUPTI_ACTIVITY_KIND_RUNTIME AS r ON r.correlationId = k.correlationId" + same_process
-    ).fetchall()
-    # Per thread: ranges by start, with the running max of ends to stop the backward walk early.
-    per_tid: dict[int, tuple[list[int], list[tuple[int, int, int]], list[int]]] = {}
-    for row, gtid, start, end in sorted(ranges, key=lambda r: (r[1], r[2], -r[3])):
-        starts, items, max_end = per_tid.setdefault(gtid, ([], [], []))
-        starts.append(start)
-        items.append((row, start, end))
-        max_end.append(max(end, max_end[-1]) if max_end else end)
-    spans: dict[int, tuple[int, int]] = {}
-    for gtid, call_start, k_start, k_end in launches:
-        if gtid not in per_tid:
-            continue
-        starts, items, max_end = per_tid[gtid]
-        i = bisect.bisect_right(starts, call_start) - 1
-        while i >= 0 and max_end[i] >= call_start:
-            row, _, end = items[i]
-            if end >= call_start:  # innermost enclosing range: the latest start that encloses
-                lo, hi = spans.get(row, (k_start, k_end))
-                spans[row] = (min(lo, k_start), max(hi, k_end))
-                break
-            i -= 1
-    return spans
-
-
-def read_nsys(path: str | Path, *, gpu: bool = False) -> Profile:
-    """Read the action ranges of an Nsight Systems SQLite export.
-
-    Args:
-        path: an ``nsys export --type sqlite`` file (or our own ``profile.sqlite``, whose metadata
-            this reader ignores).
-        gpu: if True, an event spans its action's kernels, [first kernel start, last kernel end],
-            instead of its CPU range; actions that launched no kernel are dropped (logged).
-
-    Returns:
-        A :class:`Profile` with ``source="nsys"``, events sorted by start time; workers and steps
-        as in [Note: workers and steps of an nsys export].
-
-    Raises:
-        ProfileError: not an SQLite file, no NVTX_EVENTS table, no range named like an action, or
-            (``gpu=True``) no CUPTI kernel/runtime tables.
-    """
-    path = Path(path)
-    conn = open_database(path)
-    try:
-        ranges, ignored = _action_ranges(conn, path)
-        if not ranges:
-            raise ProfileError(
-                f"{path}: table NVTX_EVENTS has no range named like an action ('0F2', '3B5@1', "
-                f"'STEP', …; {ignored} other range(s)); run the executor with NVTX ranges enabled "
-                f"under 'nsys profile --trace=nvtx,cuda'")
-        worker_of, workers = _worker_map(ranges)
-        step_of = _steps(ranges, worker_of)
-        spans = {r.row: (r.start, r.end) for r in ranges}
-        if gpu:
-            spans = gpu_spans(conn, [(r.row, r.global_tid, r.start, r.end) for r in ranges], path)
-    finally:
-        conn.close()
+    files_in = expand_paths(paths)
+    files = [_read_file(p, i, gpu) for i, p in enumerate(files_in)]
+    where = str(files_in[0]) if len(files_in) == 1 else f"{len(files_in)} exports ({files_in[0]}, …)"
+    ranges = [r for f in files for r in f.ranges]
+    closed = [r for r in ranges if r.end is not None]
+    ignored = sum(f.ignored for f in files)
+    if not closed:
+        open_ = len(ranges)
+        raise ProfileError(
+            f"{where}: table NVTX_EVENTS has no {'finished ' if open_ else ''}range named like an action "
+            f"('0F2', '3B5@1', 'STEP', …; {ignored} other range(s){f', {open_} never ended' if open_ else ''}); "
+            + ("capture whole steps (let the run finish the profiled steps)" if open_ else
+               "run the executor with NVTX ranges enabled under 'nsys profile --trace=nvtx,cuda'"))
+    marks = {(i, key): rank for i, f in enumerate(files) for key, rank in f.marks.items()}
+    worker_of, workers, notes = assign_workers(
+        {r.key: RangeOrigin(r.key[0], r.global_tid, r.prefix_worker) for r in ranges}, marks, files_in)
+    enclosing = _enclosing(closed)
+    step_of = _steps(ranges, worker_of, _delimiters(closed, enclosing, worker_of))
+    if enclosing:
+        names = sorted({r.name for r in closed if r.key in enclosing})
+        log.info("%s: %d range(s) named like an action (%s) enclose other actions: read as step brackets, "
+                 "not actions", where, len(enclosing), ", ".join(names[:3]))
+    unfinished = [step_of[r.key] for r in ranges if r.end is None]
+    last_step = min(unfinished) if unfinished else None
+    if last_step is not None:
+        notes.append(f"{len(unfinished)} action range(s) never ended (the capture stopped inside step "
+                     f"{last_step}): steps from {last_step} on are dropped")
+        log.warning("%s: %s", where, notes[-1])
+    offsets, clock_notes = _clock_offsets(files)
+    notes += clock_notes
+    events, no_kernel = [], 0
+    for f_index, f in enumerate(files):
+        for r in f.ranges:
+            if r.end is None or r.key in enclosing:
+                continue
+            step = step_of[r.key]
+            if step < warmup_steps or (last_step is not None and step >= last_step):
+                continue
+            span = f.spans.get(r.key)
+            if f.gpu and span is None:
+                no_kernel += 1
+            start, end = span if span is not None else (r.start, r.end)
+            off = offsets[f_index]
+            events.append(Event(worker_of[r.key], r.name, r.kind, start + off, end + off, step))
+    if not events:
+        steps = len({step_of[r.key] for r in closed})
+        if last_step is not None and last_step <= warmup_steps:
+            why = (f"no complete step is left ({len(unfinished)} action range(s) never ended: NVTX_EVENTS.end "
+                   f"is NULL); capture whole steps (let the run finish the profiled steps)")
+        else:
+            why = (f"warmup_steps={warmup_steps} skips every step of the {steps} it holds (steps are counted "
+                   f"by STEP ranges); profile more steps or pass warmup_steps=0")
+        raise ProfileError(f"{where}: {why}")
     if ignored:
-        log.info("%s: ignored %d NVTX range(s) not named like an action", path, ignored)
-    if gpu and len(spans) < len(ranges):
-        log.info("%s: %d of %d action range(s) launched no kernel and have no GPU span",
-                 path, len(ranges) - len(spans), len(ranges))
-    events = [Event(worker_of[r.row], r.name, r.kind, *spans[r.row], step_of[r.row])
-              for r in ranges if r.row in spans]
+        log.info("%s: ignored %d NVTX range(s) not named like an action", where, ignored)
+    if no_kernel:
+        log.info("%s: %d action range(s) launched no kernel and keep their CPU range", where, no_kernel)
+    if warmup_steps:
+        log.info("%s: dropped the first %d (warm-up) step(s)", where, warmup_steps)
     events.sort(key=lambda e: (e.start_ns, e.worker, e.end_ns))
-    return Profile(events=events, metadata={}, workers=workers, source="nsys")
+    return Profile(events=events, metadata={}, workers=workers, source="nsys",
+                   gpu=any(f.gpu for f in files), notes=notes)

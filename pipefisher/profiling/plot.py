@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import logging
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from matplotlib.figure import Figure
@@ -25,7 +25,8 @@ from matplotlib.lines import Line2D
 from matplotlib.patches import Patch
 
 from pipefisher.profiling.nsys import parse_action_name
-from pipefisher.timeline import Event, bubble_utilization, busy_ns, worker_utilization
+from pipefisher.profiling.utilization import host_spans_ns, utilization_per_host
+from pipefisher.timeline import Event, busy_ns
 
 __all__ = ["KIND_COLORS", "OVERSUBSCRIBED_NOTE", "plot_timeline", "utilization_table"]
 
@@ -107,7 +108,8 @@ def _stem_path(out_path_stem: str | Path, suffix: str) -> Path:
 
 
 def plot_timeline(events: Sequence[Event], out_path_stem: str | Path, *, title: str | None = None,
-                  num_workers: int | None = None, oversubscribed: bool = False) -> list[Path]:
+                  num_workers: int | None = None, oversubscribed: bool = False,
+                  hosts: Mapping[int, str] | None = None) -> list[Path]:
     """Draw a timeline of ``events`` and save it as ``{stem}.pdf`` and ``{stem}.png``.
 
     Args:
@@ -118,6 +120,8 @@ def plot_timeline(events: Sequence[Event], out_path_stem: str | Path, *, title: 
         num_workers: rows to draw (defaults to the highest worker seen + 1); workers without
             events show as empty rows with 0% utilization.
         oversubscribed: the run had more workers than CPU cores; adds :data:`OVERSUBSCRIBED_NOTE`.
+        hosts: ``{worker: host}``: utilization is measured on each host's own clock
+            (``pipefisher.profiling.utilization``); None: one clock.
 
     Returns:
         ``[pdf_path, png_path]``.
@@ -131,8 +135,8 @@ def plot_timeline(events: Sequence[Event], out_path_stem: str | Path, *, title: 
     t0 = min(e.start_ns for e in events)
     span = max(e.end_ns for e in events) - t0
     unit, scale = _time_unit(span)
-    util = worker_utilization(events, n_workers)
-    overall = bubble_utilization(events, n_workers)
+    util = utilization_per_host(events, n_workers, hosts)
+    overall = sum(util.values()) / len(util) if util else 0.0
 
     fig = Figure(figsize=(12.0, max(2.6, 1.3 + 0.55 * n_workers)))
     ax = fig.add_subplot()
@@ -208,16 +212,18 @@ def plot_timeline(events: Sequence[Event], out_path_stem: str | Path, *, title: 
 
 
 def utilization_table(events: Sequence[Event], num_workers: int | None = None, *,
-                      oversubscribed: bool = False) -> str:
+                      oversubscribed: bool = False, hosts: Mapping[int, str] | None = None) -> str:
     """Per-worker busy time and utilization and the overall bubble utilization, as text.
 
     Busy time is the union of compute intervals (``timeline.COMPUTE_KINDS``) over the wall time
-    spanned by all events (DESIGN.md, "Bubble utilization").
+    spanned by the events of the worker's host, on that host's clock (DESIGN.md, "Bubble
+    utilization"; ``pipefisher.profiling.utilization``).
 
     Args:
         events: the events of all workers.
         num_workers: workers to list (defaults to those seen).
         oversubscribed: the run had more workers than CPU cores; appends :data:`OVERSUBSCRIBED_NOTE`.
+        hosts: ``{worker: host}``; None: all workers on one clock.
 
     Returns:
         A few lines, e.g.::
@@ -230,14 +236,16 @@ def utilization_table(events: Sequence[Event], num_workers: int | None = None, *
     if not events:
         return "no events: nothing to measure"
     n_workers = _num_workers(events, num_workers) if num_workers is not None else None
-    util = worker_utilization(events, n_workers)
+    util = utilization_per_host(events, n_workers, hosts)
     busy = busy_ns(events)
-    wall = max(e.end_ns for e in events) - min(e.start_ns for e in events)
+    wall = max(host_spans_ns(events, hosts).values())
     rows = [f"{'worker':<8}{'busy':>12}{'utilization':>14}"]
     rows += [f"{'W' + str(w):<8}{_fmt_ns(busy.get(w, 0)):>12}{u:>14.1%}" for w, u in util.items()]
     steps = len({e.step for e in events})
-    rows.append(f"overall bubble utilization {bubble_utilization(events, n_workers):.1%} "
-                f"({len(util)} workers, wall {_fmt_ns(wall)}, {steps} step{'s' if steps != 1 else ''})")
+    overall = sum(util.values()) / len(util) if util else 0.0
+    per_host = f", {len(set(hosts.values()))} hosts, each on its own clock" if hosts and len(set(hosts.values())) > 1 else ""
+    rows.append(f"overall bubble utilization {overall:.1%} "
+                f"({len(util)} workers{per_host}, wall {_fmt_ns(wall)}, {steps} step{'s' if steps != 1 else ''})")
     if oversubscribed:
         rows.append("note: " + OVERSUBSCRIBED_NOTE)
     return "\n".join(rows)
