@@ -331,11 +331,11 @@ def validate(cfg: TrainConfig) -> None:
 
     # Pipeline shape.
     total_stages = cfg.stages * cfg.pipeline.num_virtual
-    if total_stages > m.num_layers:
+    if total_stages > m.num_layers + 2:
         what = "stages" if cfg.pipeline.num_virtual == 1 else "stages*pipeline.num_virtual"
         _fail(what, total_stages,
-              f"exceeds model.num_layers={m.num_layers} (every stage needs an encoder layer); "
-              f"use {what} <= {m.num_layers} or a deeper model")
+              f"exceeds model.num_layers={m.num_layers} + 2 (one encoder layer per stage, plus a stage for "
+              f"the heads and one for the embeddings); use {what} <= {m.num_layers + 2} or a deeper model")
     method = cfg.pipeline.method
     if method == "interleaved" and cfg.stages == 1 and cfg.pipeline.num_virtual > 1:
         # A worker's virtual stages hand activations and gradients to each other only through the

@@ -69,7 +69,7 @@ def test_unknown_group_option_lists_the_choices() -> None:
 
 @pytest.mark.parametrize("overrides,field,fix", [
     (["model.num_heads=3"], "model.num_heads", "divisible"),
-    (["stages=3"], "stages", "exceeds model.num_layers=2"),
+    (["stages=5"], "stages", "exceeds model.num_layers=2 + 2"),
     (["model=bert-mini", "pipeline=chimera", "stages=3", "model.num_layers=4"], "stages", "even number"),
     (["model=bert-mini", "pipeline=chimera", "stages=2", "num_micro_batches=3"], "num_micro_batches", "multiple"),
     (["data.seq_len=1024"], "data.seq_len", "max_position_embeddings"),

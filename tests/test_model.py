@@ -358,7 +358,10 @@ def test_explicit_layers_per_stage_and_errors():
         partition_layers(config, 2, layers_per_stage=[4, 0])
     with pytest.raises(ValueError, match="layers_per_stage.*stages=3"):
         partition_layers(config, 3, layers_per_stage=[2, 2])
-    with pytest.raises(ValueError, match="^stages=5 exceeds model.num_layers=4: use stages ≤ 4$"):
-        partition_layers(config, 5)
+    # Beyond L stages the heads, then the embeddings, get stages of their own (zb-v on small models).
+    assert partition_layers(config, 5) == [(0, 1), (2, 2), (3, 3), (4, 4), (5, 5)]
+    assert partition_layers(config, 6) == [(0, 0), (1, 1), (2, 2), (3, 3), (4, 4), (5, 5)]
+    with pytest.raises(ValueError, match=r"^stages=7 exceeds model.num_layers=4 \+ 2 .*use stages ≤ 6$"):
+        partition_layers(config, 7)
     with pytest.raises(ValueError, match="stages=0"):
         partition_layers(config, 0)

@@ -102,10 +102,10 @@ def test_profile_py_gives_the_default_model_a_layer_per_stage(profiled) -> None:
 
 
 def test_a_chosen_depth_is_not_changed_and_fails_with_the_config_message(tmp_path: Path) -> None:
-    proc = _run([str(REPO / "profile.py"), "pipeline=chimera", "stages=4", "model=bert-tiny", *SMALL],
+    proc = _run([str(REPO / "profile.py"), "pipeline=chimera", "stages=6", "model=bert-tiny", *SMALL],
                 cwd=tmp_path, ok=False)
     assert proc.returncode == 1
-    assert "stages=4: exceeds model.num_layers=2" in proc.stderr, proc.stderr[-3000:]
+    assert "stages=6: exceeds model.num_layers=2 + 2" in proc.stderr, proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr
 
 

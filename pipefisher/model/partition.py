@@ -110,7 +110,8 @@ def partition_layers(
 
     Args:
         config: the architecture.
-        num_stages: D, number of pipeline stages (1 ≤ D ≤ L).
+        num_stages: D, number of pipeline stages (1 ≤ D ≤ L + 2; beyond L, the heads and then the
+            embeddings get stages without encoder layers).
         seq_len: S, used by the cost estimate.
         max_predictions: P, used by the cost estimate.
         layers_per_stage: explicit number of *encoder* layers per stage (length D, each ≥ 1,
@@ -126,10 +127,18 @@ def partition_layers(
     num_layers = config.num_layers
     if num_stages < 1:
         raise ValueError(f"stages={num_stages} must be ≥ 1")
-    if num_stages > num_layers:
+    if num_stages > num_layers + 2:
         raise ValueError(
-            f"stages={num_stages} exceeds model.num_layers={num_layers}: use stages ≤ {num_layers}"
+            f"stages={num_stages} exceeds model.num_layers={num_layers} + 2 (the embeddings and the heads "
+            f"can have stages of their own): use stages ≤ {num_layers + 2}"
         )
+    if num_stages > num_layers and layers_per_stage is None:
+        # One encoder layer per stage; the heads (the MLM decoder costs about an encoder layer at
+        # the masked positions), then the embeddings, get a stage of their own.
+        counts = [1] * num_layers + [0]
+        if num_stages == num_layers + 2:
+            counts = [0] + counts
+        return _bounds_from_counts(counts, num_layers)
     if layers_per_stage is not None:
         counts = list(layers_per_stage)
         if len(counts) != num_stages:

@@ -62,6 +62,7 @@ from torch import nn
 
 from pipefisher.model.rng import dropout_key
 from pipefisher.runtime.kfac_work import KfacWork, StageKey
+from pipefisher.runtime.split_backward import WeightGradStore, apply_weight_grads, deferring, enable_split_backward
 from pipefisher.schedules.ir import Action, ActionKind, Schedule
 from pipefisher.timeline import Event
 
@@ -169,6 +170,9 @@ class WorkerExecutor:
             key: [p for p in m.parameters() if p.requires_grad and id(p) not in tied_ids]
             for key, m in modules.items()
         }
+        # Zero-bubble schedules split backwards into I and W: [Note: deferred weight gradients].
+        if any(a.kind == ActionKind.BACKWARD_WEIGHT for ph in self.phases for a in ph.actions[rank]):
+            enable_split_backward(modules.values())
 
     # -- communication -------------------------------------------------------------------------
 
@@ -211,6 +215,7 @@ class WorkerExecutor:
         received: dict[tuple[ActionKind, int, int, int], torch.Tensor] = {}
         sends: list[tuple[dist.Work, torch.Tensor]] = []
         syncs: dict[StageKey, tuple[dist.Work, torch.Tensor, list[nn.Parameter]]] = {}
+        deferred: dict[tuple[int, int, int], WeightGradStore] = {}  # an I's weight gradients, until its W
         batches: dict[int, dict[str, torch.Tensor]] = {}
         loss_sum = torch.zeros(2, device=self.comm.device)
         num_losses = 0
@@ -235,6 +240,8 @@ class WorkerExecutor:
             elif k == ActionKind.FORWARD:
                 module = self.modules[(a.pipe, a.stage)]
                 x = received.pop((ActionKind.RECV_F, *key), None)
+                if x is None and (a.pipe, a.stage - 1) in self.modules:  # the previous stage is here (zb-v's turn)
+                    x = outputs[(a.pipe, a.stage - 1, a.micro_batch)].detach()
                 if x is not None:
                     x.requires_grad_(True)
                 if a.micro_batch not in batches:
@@ -249,17 +256,25 @@ class WorkerExecutor:
             elif k == ActionKind.SEND_F:
                 y = self.comm.message(outputs[key].detach())
                 sends.append((dist.isend(y, dst=a.peer, tag=self._tag(a)), y))
-            elif k == ActionKind.BACKWARD:
+            elif k.is_input_backward:  # B, or a split backward's I (weight gradients deferred to W)
                 y = outputs.pop(key)
-                if y.dim() == 1:
-                    (y.float().sum() * self.loss_scale).backward()
-                else:
-                    torch.autograd.backward(y, received.pop((ActionKind.RECV_B, *key)))
+                split = deferring(deferred.setdefault(key, [])) if k == ActionKind.BACKWARD_INPUT \
+                    else contextlib.nullcontext()
+                with split:
+                    if y.dim() == 1:
+                        (y.float().sum() * self.loss_scale).backward()
+                    else:
+                        g = received.pop((ActionKind.RECV_B, *key), None)
+                        if g is None:  # the next stage is on this worker: its input gradient
+                            g = grad_in.pop((a.pipe, a.stage + 1, a.micro_batch))
+                        torch.autograd.backward(y, g)
                 x = inputs.pop(key)
                 if x is not None:
                     grad_in[key] = x.grad
                 if not any(m == a.micro_batch for (_, _, m) in outputs):
                     batches.pop(a.micro_batch, None)
+            elif k == ActionKind.BACKWARD_WEIGHT:
+                apply_weight_grads(deferred.pop(key))
             elif k == ActionKind.SEND_B:
                 g = self.comm.message(grad_in.pop(key))
                 sends.append((dist.isend(g, dst=a.peer, tag=self._tag(a)), g))
@@ -279,7 +294,7 @@ class WorkerExecutor:
             else:  # pragma: no cover - kinds added to the IR must be handled here
                 raise NotImplementedError(f"executor has no handler for {a}")
             if cuda:
-                if k in (ActionKind.FORWARD, ActionKind.BACKWARD, ActionKind.STEP):
+                if k.is_compute or k == ActionKind.STEP:
                     torch.cuda.current_stream().synchronize()
                 torch.cuda.nvtx.range_pop()
             events.append(Event(self.rank, str(a), k.value, start, now(), step))
@@ -288,7 +303,7 @@ class WorkerExecutor:
             work.wait()
         if self.kfac is not None:
             self.kfac.end_step()
-        assert not outputs and not received, f"worker {self.rank}: step {step} left work behind"
+        assert not outputs and not received and not deferred, f"worker {self.rank}: step {step} left work behind"
         return StepResult(loss_sum=loss_sum, num_losses=num_losses, events=events)
 
     def _capture(self, a: Action):

@@ -24,10 +24,9 @@ import math
 import os
 import random
 import signal
-import socket
 import time
 from dataclasses import asdict
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -40,7 +39,8 @@ from tqdm import tqdm
 from pipefisher.config import TrainConfig
 from pipefisher.data import get_micro_batch
 from pipefisher.model import BertStage, partition_layers
-from pipefisher.profiling import plot_timeline, utilization_table, write_profile
+from pipefisher.profiling import (WorkerOrigin, local_origin, plot_timeline, utilization_table, write_profile,
+                                  write_trace_json)
 from pipefisher.optim import KFACPreconditioner
 from pipefisher.planning.assign import plan_pipefisher
 from pipefisher.planning.costs import Hardware, RunShape, estimate_run_costs
@@ -88,7 +88,7 @@ from pipefisher.training import (
 )
 
 __all__ = ["run_shape", "kfac_assignment", "kfac_plan_label", "describe_kfac", "run_worker", "train_worker", "PipelineWorker", "schedule_for",
-           "build_stage_modules", "write_run_profile", "check_world_size", "seed_worker_rngs"]
+           "build_stage_modules", "gather_origins", "write_run_profile", "check_world_size", "seed_worker_rngs"]
 
 log = logging.getLogger(__name__)
 _KFAC_KINDS = frozenset(k.value for k in ActionKind if k.is_kfac)
@@ -176,8 +176,27 @@ def _mean_ns(durations: Sequence[int]) -> int:
     return round(sum(durations) / len(durations))
 
 
+def compute_costs(mean: dict[tuple[str, int], int], num_stages: int) -> dict[str, list[int]]:
+    """CostModel's F/B/I/W fields from per-(kind, stage) mean durations in ns.
+
+    A stage that ran only split backwards gets B = I + W; one that ran only full backwards gets
+    I and W as halves of B (``CostModel``'s default); one that ran both keeps each as measured.
+    """
+    forward, backward, input_grad, weight_grad = [], [], [], []
+    for s in range(num_stages):
+        b, i, w = mean.get(("B", s)), mean.get(("I", s)), mean.get(("W", s))
+        split = i is not None and w is not None
+        full = b if b is not None else ((i + w) if split else 0)
+        forward.append(mean.get(("F", s), 0))
+        backward.append(full)
+        input_grad.append(i if split else full - full // 2)
+        weight_grad.append(w if split else full // 2)
+    return {"forward_ns": forward, "backward_ns": backward, "input_grad_ns": input_grad,
+            "weight_grad_ns": weight_grad}
+
+
 def _measured_costs(events: list[Event], schedule: Schedule, kfac_layers: Sequence[int] = ()) -> CostModel:
-    """Mean F and B time per stage in this step's timeline → a cost model for the simulator.
+    """Mean F, B (and split I, W) time per stage in this step's timeline → a cost model for the simulator.
 
     With ``kfac_layers`` (K-FAC layers per stage) the K-FAC units the step ran are costed too, as
     measured (a unit run for all of a stage's layers at once is split evenly over them; what the
@@ -186,7 +205,7 @@ def _measured_costs(events: list[Event], schedule: Schedule, kfac_layers: Sequen
     sums: dict[tuple[str, int], list[int]] = {}
     kfac: dict[tuple[str, int, int | None], list[int]] = {}
     for e in events:
-        if e.kind in ("F", "B"):
+        if e.kind in ("F", "B", "I", "W"):
             stage = int(e.name.split(e.kind, 1)[0])
             sums.setdefault((e.kind, stage), []).append(e.duration_ns)
         elif kfac_layers and e.kind in _KFAC_KINDS and not is_wait(e):  # a wait costs no unit
@@ -194,9 +213,9 @@ def _measured_costs(events: list[Event], schedule: Schedule, kfac_layers: Sequen
             kfac.setdefault((e.kind, a.stage, a.layer), []).append(e.duration_ns)
     mean = {k: _mean_ns(v) for k, v in sums.items()}
     d = schedule.num_stages
+    compute = compute_costs(mean, d)
     if not kfac_layers:
-        return CostModel(forward_ns=[mean.get(("F", s), 0) for s in range(d)],
-                         backward_ns=[mean.get(("B", s), 0) for s in range(d)])
+        return CostModel(**compute)
 
     def table(kind: ActionKind) -> list[list[int]]:
         rows = []
@@ -209,8 +228,7 @@ def _measured_costs(events: list[Event], schedule: Schedule, kfac_layers: Sequen
 
     precond = [kfac.get((ActionKind.PRECOND.value, s, None), []) for s in range(d)]
     return CostModel(
-        forward_ns=[mean.get(("F", s), 0) for s in range(d)],
-        backward_ns=[mean.get(("B", s), 0) for s in range(d)],
+        **compute,
         curv_a_ns=table(ActionKind.CURV_A), curv_b_ns=table(ActionKind.CURV_B),
         sync_factor_ns=table(ActionKind.SYNC_FACTOR), invert_ns=table(ActionKind.INVERT),
         precond_ns=[_mean_ns(v) if v else 0 for v in precond],
@@ -753,6 +771,8 @@ def train_worker(cfg: TrainConfig, rank: int, world_size: int, device: torch.dev
     profiled: list[Event] = []
     if rank == 0 and first < cfg.steps:
         log.info("training steps %d to %d%s", first, cfg.steps - 1, _first_step_note(worker))
+    # Each worker's own host, pid, tid and clock, for profile.sqlite and timeline.json (issue 15).
+    origins = gather_origins(rank, world_size) if cfg.profile.enabled else {}
     started = time.monotonic()  # training time of this attempt: a stop saves after checkpoint.on_stop_after_s
     bar = _step_range(cfg, first, enabled=rank == 0)
     try:
@@ -823,7 +843,7 @@ def train_worker(cfg: TrainConfig, rank: int, world_size: int, device: torch.dev
                 last["preempted"] = True
                 break
         if rank == 0 and profiled:
-            for picture in write_run_profile(cfg, profiled, world_size, output_dir, device):
+            for picture in write_run_profile(cfg, profiled, world_size, output_dir, device, origins):
                 if picture.suffix == ".png":
                     logger.log_image("timeline", str(picture))
         if rank == 0 and first >= cfg.steps:
@@ -844,9 +864,30 @@ def train_worker(cfg: TrainConfig, rank: int, world_size: int, device: torch.dev
     return last
 
 
+def gather_origins(rank: int, world_size: int) -> dict[int, WorkerOrigin]:
+    """Every worker's :func:`~pipefisher.profiling.local_origin` (host, pid, tid, clock), on rank 0.
+
+    A collective: every rank calls it. Each origin is taken in its worker's own process, so a
+    multi-node run records each node's hostname and clock offset, not rank 0's.
+
+    Returns:
+        ``{rank: origin}`` on rank 0; empty on the other ranks.
+    """
+    mine = local_origin()
+    if world_size == 1 or not dist.is_initialized():
+        return {rank: mine}
+    gathered: list[WorkerOrigin] | None = [mine] * world_size if rank == 0 else None
+    dist.gather_object(mine, gathered, dst=0)
+    return dict(enumerate(gathered)) if gathered is not None else {}
+
+
 def write_run_profile(cfg: TrainConfig, events: list[Event], num_workers: int, output_dir: Path,
-                      device: torch.device) -> list[Path]:
-    """Write ``profile.sqlite`` and ``timeline.pdf/png`` of a run; log the utilization table.
+                      device: torch.device, origins: Mapping[int, WorkerOrigin] | None = None) -> list[Path]:
+    """Write ``profile.sqlite``, ``timeline.json`` (Perfetto, chrome://tracing) and
+    ``timeline.pdf/png`` of a run; log the utilization table (each host on its own clock).
+
+    Args:
+        origins: ``{worker: origin}`` from :func:`gather_origins`; hosts, pids and clocks.
 
     Returns:
         The paths of the pictures.
@@ -863,12 +904,16 @@ def write_run_profile(cfg: TrainConfig, events: list[Event], num_workers: int, o
         "oversubscribed": oversubscribed,
         "cores": cores,
     }
-    write_profile(output_dir / "profile.sqlite", events, metadata=metadata,
-                  worker_ranks={w: w for w in range(num_workers)}, worker_hosts={w: socket.gethostname() for w in range(num_workers)})
+    origins = dict(origins or {})
+    ranks = {w: w for w in range(num_workers)}
+    hosts = {w: o.host for w, o in origins.items()}
+    write_profile(output_dir / "profile.sqlite", events, metadata=metadata, worker_ranks=ranks, origins=origins)
+    write_trace_json(output_dir / "timeline.json", events, ranks=ranks, origins=origins,
+                     metadata={k: v for k, v in metadata.items() if k != "config"})
     title = (f"{cfg.model.name} {cfg.pipeline.method} D={cfg.stages} N={cfg.num_micro_batches}"
              f" W={cfg.data_parallel} on {device.type}")
     pictures = plot_timeline(events, output_dir / "timeline", title=title, num_workers=num_workers,
-                             oversubscribed=oversubscribed)
-    log.info("profile written to %s\n%s", output_dir / "profile.sqlite",
-             utilization_table(events, num_workers, oversubscribed=oversubscribed))
+                             oversubscribed=oversubscribed, hosts=hosts)
+    log.info("profile written to %s (and timeline.json)\n%s", output_dir / "profile.sqlite",
+             utilization_table(events, num_workers, oversubscribed=oversubscribed, hosts=hosts))
     return pictures
