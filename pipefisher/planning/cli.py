@@ -25,9 +25,11 @@ from pipefisher.config import ModelConfig, refuse_unknown_keys
 from pipefisher.model.config import BertConfig
 from pipefisher.planning.config import ScheduleConfig, register_schedule_configs, to_schedule_config
 from pipefisher.planning.costs import Hardware, RunShape, costs_from_profile, estimate_run_costs
+from pipefisher.planning.infer import ProfiledShape, infer_shape
 from pipefisher.planning.predict import Comparison, StepSplit, compare_optimizers, predict_schedule, split_steps
 from pipefisher.planning.whatif import format_candidates, what_if
 from pipefisher.profiling import OVERSUBSCRIBED_NOTE, Profile, plot_timeline, read_profile
+from pipefisher.schedules import GENERATORS
 from pipefisher.schedules.kfac import assignment_to_json
 
 __all__ = ["PlanResult", "plan_run", "run_whatif", "schedule_main", "latest_profile"]
@@ -101,15 +103,63 @@ def _conflicts(cfg: ScheduleConfig, run_cfg: Mapping[str, Any], requested: Colle
     return out
 
 
+_SHAPE_KEYS = ("stages", "num_micro_batches", "data_parallel", "pipeline", "pipeline.method", "pipeline.num_virtual")
+
+
+def _shape_conflicts(cfg: ScheduleConfig, shape: ProfiledShape, requested: Collection[str]) -> list[str]:
+    """Keys the user set that contradict what the profile's actions say, each naming both."""
+    out = []
+    if "stages" in requested and cfg.stages != shape.stages:
+        out.append(f"stages={cfg.stages} (the profile has {shape.stages}: its forwards name stages "
+                   f"0-{shape.model_stages - 1} on {shape.num_workers} worker(s))")
+    if "num_micro_batches" in requested and cfg.num_micro_batches != shape.num_micro_batches:
+        out.append(f"num_micro_batches={cfg.num_micro_batches} (the profile has {shape.num_micro_batches}: "
+                   f"micro-batches 0-{shape.num_micro_batches - 1})")
+    if "data_parallel" in requested and cfg.data_parallel != shape.data_parallel:
+        out.append(f"data_parallel={cfg.data_parallel} (the profile has {shape.data_parallel})")
+    if shape.methods and ({"pipeline", "pipeline.method"} & set(requested)) and cfg.pipeline.method not in shape.methods:
+        out.append(f"pipeline.method={cfg.pipeline.method} (the profile's order of forwards and backwards is "
+                   f"{' or '.join(shape.methods)})")
+    if "pipeline.num_virtual" in requested and shape.methods and cfg.pipeline.num_virtual != shape.num_virtual:
+        out.append(f"pipeline.num_virtual={cfg.pipeline.num_virtual} (the profile has {shape.num_virtual})")
+    return out
+
+
+def _run_from_export(cfg: ScheduleConfig, path: str, profile: Profile, requested: Collection[str],
+                     notes: list[str]) -> RunShape:
+    """The run of an nsys export: method, D, N and W from its actions, the model from the keys."""
+    if not any(k.partition(".")[0] in (*_RUN_KEYS, *_GROUP_FIELDS) for k in requested):
+        raise ValueError(f"{path}: field metadata.config is missing (an nsys export, or not written by "
+                         f"profile.py); give the run's model keys (model=, micro_batch_size=, data.seq_len=; "
+                         f"method, stages and micro-batches are read from the profile) or rerun profile.py")
+    shape = infer_shape(profile.events)
+    run = _run_from_config(cfg)
+    if shape is None:
+        return run
+    conflicts = _shape_conflicts(cfg, shape, requested)
+    if conflicts:
+        raise ValueError(f"{path}: key(s) contradict the profile: {'; '.join(conflicts)}. Drop them (method, "
+                         f"stages, micro-batches and width are read from the profile), profile the run you plan "
+                         f"for, or, with one export per rank, pass them all (from='report_rank*.sqlite')")
+    if not shape.methods:
+        note = (f"the profile's order of forwards and backwards matches no {', '.join(GENERATORS)} "
+                f"schedule of D={shape.stages} N={shape.num_micro_batches}: planned for the keys' "
+                f"pipeline={run.method} stages={run.stages}")
+        log.warning("%s: %s", path, note)
+        notes.append(note)
+        return run
+    method = cfg.pipeline.method if cfg.pipeline.method in shape.methods else shape.methods[0]
+    return replace(run, method=method, stages=shape.stages, num_micro_batches=shape.num_micro_batches,
+                   dp_width=shape.data_parallel, num_virtual=shape.num_virtual)
+
+
 def _run_from_profile(cfg: ScheduleConfig, path: Path, metadata: Mapping[str, Any],
                       requested: Collection[str]) -> RunShape:
     run_cfg = metadata.get("config")
     if not isinstance(run_cfg, Mapping):
-        if any(k.partition(".")[0] in (*_RUN_KEYS, *_GROUP_FIELDS) for k in requested):
-            return _run_from_config(cfg)  # an nsys export: the run is what the keys say
-        raise ValueError(f"{path}: field metadata.config is missing (an nsys export, or not written by "
-                         f"profile.py); give the run's keys too (model=, pipeline=, stages=, "
-                         f"num_micro_batches=, micro_batch_size=) or rerun profile.py")
+        raise ValueError(f"{path}: field metadata.config is missing (not written by profile.py); give the "
+                         f"run's keys too (model=, pipeline=, stages=, num_micro_batches=, micro_batch_size=) "
+                         f"or rerun profile.py")
     for field, key in (("num_stages", "stages"), ("num_micro_batches", "num_micro_batches")):
         if field in metadata and metadata[field] != run_cfg.get(key):
             raise ValueError(f"{path}: field metadata.{field}={metadata[field]!r} disagrees with "
@@ -214,15 +264,26 @@ def plan_run(cfg: ScheduleConfig, out_dir: str | Path, requested: Collection[str
     profile: Profile | None = None
     if cfg.from_:
         path = Path(cfg.from_)
-        profile = read_profile(path)
-        run = _run_from_profile(cfg, path, profile.metadata, requested)
+        profile = read_profile(cfg.from_, gpu=cfg.gpu, warmup_steps=cfg.warmup_steps)
+        notes += profile.notes
+        if profile.source == "nsys":
+            run = _run_from_export(cfg, cfg.from_, profile, requested, notes)
+            missing = sorted(set(range(run.num_workers)) - {e.worker for e in profile.events})
+            if missing:
+                raise ValueError(f"{cfg.from_}: no events of worker(s) {missing} of the run's {run.num_workers} "
+                                 f"(stages × data_parallel); with one export per rank, pass every rank's: "
+                                 f"from='report_rank*.sqlite' or from='a.sqlite,b.sqlite'")
+        else:
+            run = _run_from_profile(cfg, path, profile.metadata, requested)
         workers = {e.worker for e in profile.events}
         if workers and max(workers) >= run.num_workers:
             raise ValueError(f"{path}: events of worker {max(workers)} but the run has {run.num_workers} workers "
                              f"(stages × data_parallel); profile that run or pass its stages=/data_parallel=")
         cost = costs_from_profile(profile, run, path=path)
         model_name = profile.metadata.get("config", {}).get("model", {}).get("name", "the profiled model")
-        source = f"measured in {path} ({len(profile.events)} events; K-FAC units measured or estimated at the measured FLOP rate)"
+        timing = "kernel time of CUDA kernels" if profile.gpu else "CPU ranges"
+        source = (f"measured in {cfg.from_} ({len(profile.events)} events, {timing}; K-FAC units measured or "
+                  f"estimated at the measured FLOP rate)")
         if profile.metadata.get("oversubscribed"):
             notes.append(OVERSUBSCRIBED_NOTE)
         if str(profile.metadata.get("device", "")).startswith("cpu"):
@@ -339,7 +400,8 @@ def _resolve_from(args: list[str]) -> list[str]:
     out = list(args)
     for i, arg in enumerate(args):
         key, _, value = arg.partition("=")
-        if key != "from" or not value or os.path.dirname(value) or Path(value).exists() or "," in value:
+        if (key != "from" or not value or os.path.dirname(value) or Path(value).exists() or "," in value
+                or any(c in value for c in "*?")):  # a list or glob of per-rank exports
             continue
         path = latest_profile(value)
         if path is None:

@@ -39,7 +39,7 @@ class WhatIfConfig:
 class ScheduleConfig:
     """What ``schedule.py`` plans: from a profile (``from=``), from estimates, or a what-if search."""
 
-    from_: Optional[str] = None  # key `from`: profile.sqlite to take costs and the run from; None = estimate
+    from_: Optional[str] = None  # key `from`: profile.sqlite, an nsys export, or per-rank exports as a glob or comma list; None = estimate
     model: ModelConfig = field(default_factory=ModelConfig)  # the model (group `model`)
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)  # the pipeline method (group `pipeline`)
     data: DataConfig = field(default_factory=DataConfig)  # sequence shape: data.seq_len, data.max_predictions
@@ -57,6 +57,8 @@ class ScheduleConfig:
     max_staleness: Optional[int] = None  # bound on the curvature age (2k-1 <= it); None = no bound
     curvature_micro_batches: int = 0  # K-FAC curvature from the first n micro-batches of each pipe; 0 = all
     kfac_interval: int = 1  # refresh interval of the kfac (critical path) baseline in the summary
+    gpu: str = "auto"  # profile times: auto = kernel time when the profile has CUDA kernels (nsys --trace=cuda); true; false = CPU ranges
+    warmup_steps: int = 1  # steps dropped from the start of an nsys export (profile.py's own profiles dropped theirs already)
     plot: bool = True  # write the predicted timeline (timeline.pdf/png)
     whatif: bool = False  # rank configurations instead of planning one
     devices: int = 16  # whatif: devices to use
@@ -80,6 +82,11 @@ class ScheduleConfig:
             raise ConfigError(f"max_staleness={self.max_staleness!r}: must be >= 1 (2k-1 with k=1), or null")
         if self.curvature_micro_batches < 0:
             raise ConfigError(f"curvature_micro_batches={self.curvature_micro_batches!r}: must be >= 0 (0 = all)")
+        if str(self.gpu).lower() not in ("auto", "true", "false"):
+            raise ConfigError(f"gpu={self.gpu!r}: choose auto (kernel time when the profile has CUDA kernels), "
+                              f"true or false")
+        if self.warmup_steps < 0:
+            raise ConfigError(f"warmup_steps={self.warmup_steps!r}: must be >= 0")
         if self.precision not in ("fp32", "bf16"):
             raise ConfigError(f"precision={self.precision!r}: choose fp32 or bf16")
 

@@ -372,11 +372,20 @@ def costs_from_profile(profile: Profile, run: RunShape | None = None, *,
             raise ValueError(f"{where}: no {kind} events for stage(s) {missing} of {d}; the profile is not of "
                              f"a {run.method} run with {run.stages} stages: profile it (python profile.py "
                              f"pipeline={run.method} stages={run.stages} ...) or pass the profile's stages=")
-    latencies = []
+    latencies, negative = [], 0
     for step, w, r, start, end in recvs:
         sent = sends.get((step, r.peer, str(matching_send(r, w))))
         if sent is not None and end > start:
+            if end < sent:  # the receive ended before its send began: the two clocks disagree
+                negative += 1
+                continue
             latencies.append(end - sent)
+    if negative:
+        log.warning("%s: %d of %d receive(s) that waited ended before their send started, so the ranks' clocks "
+                    "disagree (per-rank exports from hosts whose clocks are not synchronized); they are left out "
+                    "of the message latency (p2p_ns%s); synchronize the hosts' clocks (NTP/PTP) or profile on one "
+                    "node for message latencies", where, negative, negative + len(latencies),
+                    " = 0: none left" if not latencies else "")
     fwd = tuple(_mean(durations[("F", s, None)]) for s in range(d))
     sync = tuple(_mean(durations[("SYNC_GRAD", s, None)]) if durations.get(("SYNC_GRAD", s, None)) else 0
                  for s in range(d))

@@ -1,0 +1,114 @@
+"""The run a profile records: pipeline method, stages, micro-batches and width, read from the
+order of its actions (issue 15, item 6).
+
+An nsys export carries no run config, and keys given on the command line may describe another
+run. The profile does hold the answer: action names carry stage, micro-batch and pipe (``3B5@1``),
+and each worker's order of forwards and backwards is its schedule's. :func:`infer_shape` builds
+every registered schedule that fits the counts and keeps those whose per-worker order of compute
+actions equals the profile's first step.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import defaultdict
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from pipefisher.schedules import GENERATORS, Action, build_schedule
+from pipefisher.timeline import Event
+
+__all__ = ["ProfiledShape", "infer_shape"]
+
+log = logging.getLogger(__name__)
+
+_COMPUTE = frozenset({"F", "B", "I", "W"})
+_MAX_VIRTUAL = 8  # interleaved chunks per worker to try
+
+
+@dataclass(frozen=True)
+class ProfiledShape:
+    """What a profile's actions say about its run.
+
+    Attributes:
+        methods: pipeline methods whose schedule has the profile's order (several when the orders
+            coincide, e.g. gpipe and 1f1b with one micro-batch); empty when none has it.
+        stages: D, workers per pipeline.
+        num_micro_batches: N, one more than the largest micro-batch index of a forward.
+        data_parallel: W, workers / D.
+        num_virtual: model chunks per worker (interleaved), else 1.
+        model_stages: distinct stage indices of the forwards (D · num_virtual).
+        num_workers: workers with compute events.
+    """
+
+    methods: tuple[str, ...]
+    stages: int
+    num_micro_batches: int
+    data_parallel: int
+    num_virtual: int
+    model_stages: int
+    num_workers: int
+
+
+def _orders(events: Sequence[Event]) -> dict[int, list[str]]:
+    """Per worker, the names of its compute actions in the profile's first step, by start time."""
+    first = min(e.step for e in events)
+    out: dict[int, list[tuple[int, int, str]]] = defaultdict(list)
+    for i, e in enumerate(events):
+        if e.step == first and e.kind in _COMPUTE:
+            out[e.worker].append((e.start_ns, i, e.name))
+    return {w: [n for _, _, n in sorted(v)] for w, v in out.items()}
+
+
+def _candidates(model_stages: int, workers: int) -> list[tuple[str, int, int, int]]:
+    """``(method, D, W, num_virtual)`` shapes that fit the counts."""
+    out = []
+    for method in GENERATORS:
+        for v in (range(2, _MAX_VIRTUAL + 1) if method == "interleaved" else (1,)):
+            if model_stages % v:
+                continue
+            d = model_stages // v
+            if d and workers % d == 0:
+                out.append((method, d, workers // d, v))
+    return out
+
+
+def infer_shape(events: Sequence[Event]) -> ProfiledShape | None:
+    """The run shape of a profile's events, or None if it holds no forward.
+
+    Args:
+        events: a profile's events (any number of steps; the first one's order is compared).
+    """
+    stages, mbs = set(), set()
+    for e in events:
+        if e.kind != "F":
+            continue
+        try:
+            a = Action.from_str(e.name)
+        except ValueError:
+            continue
+        if a.stage is not None:
+            stages.add(a.stage)
+        if a.micro_batch is not None:
+            mbs.add(a.micro_batch)
+    if not stages or not mbs:
+        return None
+    orders = _orders(events)
+    model_stages, n, workers = max(stages) + 1, max(mbs) + 1, max(orders) + 1
+    matches = []
+    for method, d, w, v in _candidates(model_stages, workers):
+        try:
+            schedule = build_schedule(method, d, n, w, num_virtual=v)
+        except Exception as exc:  # noqa: BLE001 - a shape a generator refuses is simply no candidate
+            log.debug("not %s D=%d N=%d W=%d v=%d: %s", method, d, n, w, v, exc)
+            continue
+        if all([str(a) for a in schedule.actions.get(worker, ()) if a.kind.value in _COMPUTE] == names
+               for worker, names in orders.items()):
+            matches.append((method, d, w, v))
+    if not matches:
+        guess = (model_stages, workers // model_stages if workers % model_stages == 0 else 1, 1)
+        return ProfiledShape((), guess[0], n, guess[1], 1, model_stages, workers)
+    method, d, w, v = matches[0]
+    same = tuple(m for m, d2, w2, v2 in matches if (d2, w2, v2) == (d, w, v))
+    return ProfiledShape(same, d, n, w, v, model_stages, workers)
+
