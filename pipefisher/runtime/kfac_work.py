@@ -120,8 +120,10 @@ class KfacWork:
         elif k == ActionKind.SYNC_FACTOR:
             key, names = (a.pipe, a.stage), self._names(a)
             group = self.groups.get(a.stage)
-            if group is not None and self.ablate:
-                dist.all_reduce(torch.zeros(1, dtype=torch.uint8), group=group)  # communication ablation
+            if group is not None and self.ablate:  # communication ablation: one byte on the comm device
+                # (the layers' device: NCCL rejects a CPU tensor; issue 15)
+                device = pre.layer(names[0]).module.weight.device if names else torch.device("cpu")
+                dist.all_reduce(torch.zeros(1, dtype=torch.uint8, device=device), group=group)
             elif group is not None:  # see [Note: asynchronous factor syncs]
                 tensors = [t for name in names for t in pre.factor_tensors(name)]
                 flat = torch._utils._flatten_dense_tensors(tensors)
