@@ -102,6 +102,7 @@ class OptimizerConfig:
     schedule: Optional[str] = None  # pipefisher: work-assignment JSON from schedule.py (kfac: run it on the critical path)
     inverse_dtype: str = "float32"  # K-FAC inversion precision: float32 (as ASDL), float64, or auto (float64 up to 1024 wide)
     curvature_micro_batches: int = 0  # K-FAC curvature from the first n micro-batches of each pipe per refresh; 0 = all
+    curvature_placement: str = "after_capture"  # pipefisher planner: after_capture (after F / B or I) or beside_w (after the micro-batch's W; zero-bubble schedules)
     max_interval: int = 8  # pipefisher: the largest refresh interval k the planner tries
     max_staleness: Optional[int] = None  # pipefisher: bound on the curvature age in steps (2k-1 <= it); None = no bound
     kfac_update: str = "lamb"  # update of K-FAC layers: lamb (NVLAMB on the preconditioned gradient) or momentum (reference: no second moment)
@@ -374,9 +375,10 @@ def validate(cfg: TrainConfig) -> None:
               "only pipeline=interleaved and pipeline=zb-v use virtual stages; set it to 1")
     lps = cfg.pipeline.layers_per_stage
     if lps is not None:
-        if len(lps) != total_stages or any(n < 1 for n in lps) or sum(lps) != m.num_layers:
+        if len(lps) != total_stages or any(n < 1 for n in lps[1:-1]) or min(lps) < 0 or sum(lps) != m.num_layers:
             _fail("pipeline.layers_per_stage", list(lps),
-                  f"needs {total_stages} counts, each >= 1, summing to model.num_layers={m.num_layers}")
+                  f"needs {total_stages} counts, each >= 1 (the first and the last may be 0), summing to "
+                  f"model.num_layers={m.num_layers}")
 
     o = cfg.optimizer
     if o.name in ("kfac", "pipefisher"):
@@ -391,6 +393,9 @@ def validate(cfg: TrainConfig) -> None:
         if o.curvature_micro_batches > per_pipe:
             _fail("optimizer.curvature_micro_batches", o.curvature_micro_batches,
                   f"chimera gives each of its two pipes {per_pipe} micro-batches; use at most {per_pipe}")
+        if o.curvature_placement not in ("after_capture", "beside_w"):
+            _fail("optimizer.curvature_placement", o.curvature_placement,
+                  "use after_capture (curvature after its F / its B or I) or beside_w (after the micro-batch's W)")
         if o.max_interval < 1:
             _fail("optimizer.max_interval", o.max_interval, "the planner needs to try at least k=1")
         if o.max_staleness is not None and o.max_staleness < 1:

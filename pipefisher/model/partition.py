@@ -114,8 +114,8 @@ def partition_layers(
             embeddings get stages without encoder layers).
         seq_len: S, used by the cost estimate.
         max_predictions: P, used by the cost estimate.
-        layers_per_stage: explicit number of *encoder* layers per stage (length D, each ≥ 1,
-            summing to L); the embeddings go with stage 0 and the heads with stage D-1. When
+        layers_per_stage: explicit number of *encoder* layers per stage (length D, each ≥ 1 but
+            the first and the last, which may be 0, summing to L); the embeddings go with stage 0 and the heads with stage D-1. When
             ``None``, the counts minimize the largest stage cost under ``layer_costs``.
 
     Returns:
@@ -146,9 +146,10 @@ def partition_layers(
                 f"layers_per_stage={counts} has {len(counts)} entries but stages={num_stages}: "
                 "give one encoder-layer count per stage"
             )
-        if any(c < 1 for c in counts) or sum(counts) != num_layers:
+        if any(c < 1 for c in counts[1:-1]) or min(counts) < 0 or sum(counts) != num_layers:
             raise ValueError(
-                f"layers_per_stage={counts} must be positive counts summing to "
+                f"layers_per_stage={counts} must be positive counts (0 allowed for the first and the "
+                f"last stage: embeddings or heads alone) summing to "
                 f"model.num_layers={num_layers} (it sums to {sum(counts)}): e.g. "
                 f"{_even_counts(num_layers, num_stages)}, or leave it unset to balance by cost"
             )

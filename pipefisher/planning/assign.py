@@ -31,6 +31,14 @@ every phase of a k-step cycle.
    this phase or a later one (inverses from earlier phases first); what does not fit by the last
    phase runs before STEP of the last phase (spilled).
 
+[Note: curvature beside W]
+With ``curvature_placement="beside_w"`` on a zero-bubble schedule (split backwards, ``I``/``W``), a
+micro-batch's CURV_A and CURV_B go into the earliest window after the W of the same micro-batch
+(after its B where the pair was merged), not after its F or I: W holds exactly the layer inputs
+and output gradients the curvature reads, so a capture then lives no longer than W's operands do
+and costs no activation memory of its own. ``after_capture`` (the default) lets them run as early
+as their data exists, which hides more in short bubbles but keeps captures alive longer.
+
 k is the smallest interval with no spill; when every interval up to ``max_interval`` spills, the
 smallest one predicted within 2 % of the fastest ([Note: choosing k]). The work does not slow the pipeline: every inserted
 unit ends before the action after its window needs the worker, so the simulated times of the
@@ -61,7 +69,10 @@ from pipefisher.schedules.kfac import (
 )
 from pipefisher.simulate import CostModel, simulate, simulate_phases
 
-__all__ = ["PlanStats", "plan_pipefisher", "plan_interval", "work_and_bubbles"]
+__all__ = ["CURVATURE_PLACEMENTS", "PlanStats", "plan_pipefisher", "plan_interval", "work_and_bubbles"]
+
+# Where a micro-batch's curvature may go ([Note: curvature beside W]).
+CURVATURE_PLACEMENTS = ("after_capture", "beside_w")
 
 log = logging.getLogger(__name__)
 K = ActionKind
@@ -110,7 +121,11 @@ class _Sync:
 
 class _Planner:
     def __init__(self, schedule: Schedule, cost: CostModel, kfac_layers: Sequence[int], interval: int,
-                 curvature_micro_batches: int = 0) -> None:
+                 curvature_micro_batches: int = 0, curvature_placement: str = "after_capture") -> None:
+        if curvature_placement not in CURVATURE_PLACEMENTS:
+            raise ValueError(f"optimizer.curvature_placement={curvature_placement!r}: use one of "
+                             f"{', '.join(CURVATURE_PLACEMENTS)}")
+        self.beside_w = curvature_placement == "beside_w"
         self.base = with_preconditioning(schedule)
         self.cost = cost
         self.layers = list(kfac_layers)
@@ -166,6 +181,17 @@ class _Planner:
         i = bisect.bisect_right(self.points[w], dep)
         return i >= len(self.points[w]) or self.suffix_max[w][i] < cost
 
+    def _after(self, w: int, kind: ActionKind, stage: int, j: int, pipe: int) -> int:
+        """Index of the compute a curvature unit must follow on worker w: its F (A factor) or its
+        B / I (B factor); with beside_w, the micro-batch's W (or merged B) for both."""
+        index = self.index[w]
+        full = index.get(Action(K.BACKWARD, stage, j, pipe))
+        if self.beside_w:
+            return full if full is not None else index[Action(K.BACKWARD_WEIGHT, stage, j, pipe)]
+        if kind == K.CURV_A:
+            return index[Action(K.FORWARD, stage, j, pipe)]
+        return full if full is not None else index[Action(K.BACKWARD_INPUT, stage, j, pipe)]
+
     def _add(self, win: Window, start: int, cost: int, action: Action) -> WindowItem:
         return win.add(start, cost, next(self.seq), action)
 
@@ -182,8 +208,8 @@ class _Planner:
         for w, pipe in self.replicas[stage]:
             units = []
             for j in self.mbs[pipe]:
-                for kind, dep in ((K.CURV_A, K.FORWARD), (K.CURV_B, K.BACKWARD)):
-                    units.append((self.index[w][Action(dep, stage, j, pipe)], Action(kind, stage, j, pipe, layer=layer)))
+                for kind in (K.CURV_A, K.CURV_B):
+                    units.append((self._after(w, kind, stage, j, pipe), Action(kind, stage, j, pipe, layer=layer)))
             units.sort(key=lambda u: u[0])
             for dep, act in units:
                 c = self.cost.kfac_ns(act.kind, stage, layer)
@@ -415,11 +441,13 @@ class _Planner:
 
 
 def plan_interval(schedule: Schedule, cost: CostModel, kfac_layers: Sequence[int], interval: int, *,
-                  curvature_micro_batches: int = 0) -> tuple[Assignment, PlanStats]:
+                  curvature_micro_batches: int = 0,
+                  curvature_placement: str = "after_capture") -> tuple[Assignment, PlanStats]:
     """The PipeFisher plan for a given refresh interval ([Note: the list scheduler]).
 
     ``curvature_micro_batches``: curvature from the first n micro-batches of each pipe (0: all;
     ``pipefisher.schedules.kfac`` [Note: curvature from part of the batch]).
+    ``curvature_placement``: ``after_capture`` or ``beside_w`` ([Note: curvature beside W]).
 
     Returns:
         ``(assignment, stats)``; the assignment is checked.
@@ -430,17 +458,19 @@ def plan_interval(schedule: Schedule, cost: CostModel, kfac_layers: Sequence[int
     if cost.kfac_layers is not None and list(cost.kfac_layers) != list(kfac_layers):
         raise ValueError(f"kfac_layers={list(kfac_layers)} but the cost model has K-FAC costs for "
                          f"{list(cost.kfac_layers)} layers per stage; build both for the same model")
-    phases, stats = _Planner(schedule, cost, kfac_layers, interval, curvature_micro_batches).run()
+    phases, stats = _Planner(schedule, cost, kfac_layers, interval, curvature_micro_batches,
+                             curvature_placement).run()
     a = Assignment(interval, phases, True, tuple(kfac_layers), metadata={
         "planner": "pipefisher", "spilled_ns": stats.spilled_ns, "tail_ns": stats.tail_ns,
-        "mid_step_syncs": stats.mid_step_syncs}, curvature_micro_batches=curvature_micro_batches)
+        "mid_step_syncs": stats.mid_step_syncs, "curvature_placement": curvature_placement},
+        curvature_micro_batches=curvature_micro_batches)
     check_assignment(a)
     return a, stats
 
 
 def plan_pipefisher(schedule: Schedule, cost: CostModel, kfac_layers: Sequence[int], *,
                     max_interval: int = 8, max_staleness: int | None = None,
-                    curvature_micro_batches: int = 0) -> Assignment:
+                    curvature_micro_batches: int = 0, curvature_placement: str = "after_capture") -> Assignment:
     """Place K-FAC work into the bubbles; the smallest refresh interval whose bubbles hold it.
 
     See [Note: the list scheduler]. Curvature of micro-batch i runs after its F (A factor) or B
@@ -463,6 +493,8 @@ def plan_pipefisher(schedule: Schedule, cost: CostModel, kfac_layers: Sequence[i
         max_interval: the largest k to try.
         max_staleness: bound on the curvature age in steps (2k − 1 <= it); None: no bound.
         curvature_micro_batches: curvature from the first n micro-batches of each pipe (0: all).
+        curvature_placement: ``after_capture`` (after the F / the B or I) or ``beside_w`` (after the
+            micro-batch's W on a zero-bubble schedule; [Note: curvature beside W]).
 
     Returns:
         A checked assignment with ``deferred=True``, never predicted slower than the same
@@ -482,7 +514,8 @@ def plan_pipefisher(schedule: Schedule, cost: CostModel, kfac_layers: Sequence[i
         limit = min(limit, (max_staleness + 1) // 2)
     tried: list[tuple[Assignment, PlanStats, float]] = []
     for k in range(1, limit + 1):  # plan_interval checks the inputs
-        a, stats = plan_interval(schedule, cost, kfac_layers, k, curvature_micro_batches=curvature_micro_batches)
+        a, stats = plan_interval(schedule, cost, kfac_layers, k, curvature_micro_batches=curvature_micro_batches,
+                                 curvature_placement=curvature_placement)
         log.debug("interval %d: spilled %d ns, tail %d ns", k, stats.spilled_ns, stats.tail_ns)
         tried.append((a, stats, _step_ns(a, cost)))
         if stats.spilled_ns == 0:

@@ -84,7 +84,7 @@ def _capture_peak(phase: Schedule, worker: int, run: RunShape, kfac_layers: list
     held = peak = 0.0
     for a in acts:
         key = (a.stage, a.pipe)
-        if a.kind in (K.FORWARD, K.BACKWARD) and key in refreshed:
+        if (a.kind == K.FORWARD or a.kind.is_input_backward) and key in refreshed:
             side = 0 if a.kind == K.FORWARD else 1
             held += sum(tokens * dims[a.stage][layer][side] * elem for layer in refreshed[key])
         elif a.kind in (K.CURV_A, K.CURV_B):

@@ -330,7 +330,8 @@ def kfac_assignment(cfg: TrainConfig, schedule: Schedule) -> Assignment:
     hw = Hardware() if resolve_device(cfg.device).type == "cuda" else CPU_HARDWARE
     return plan_pipefisher(schedule, estimate_run_costs(run_shape(cfg), hw), kfac_layers,
                            max_interval=o.max_interval, max_staleness=o.max_staleness,
-                           curvature_micro_batches=o.curvature_micro_batches)
+                           curvature_micro_batches=o.curvature_micro_batches,
+                           curvature_placement=o.curvature_placement)
 
 
 def kfac_plan_label(assignment: Assignment) -> str:
