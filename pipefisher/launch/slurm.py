@@ -23,6 +23,7 @@ import logging
 import math
 import os
 import pickle
+import re
 import socket
 import struct
 import subprocess
@@ -42,6 +43,7 @@ __all__ = [
     "RegisterResolvers",
     "report_lost_tasks",
     "interface_towards",
+    "task_hosts",
 ]
 
 log = logging.getLogger(__name__)
@@ -224,9 +226,9 @@ def report_lost_tasks(error: BaseException, grace_s: float = 10.0) -> dict[int, 
             break
         time.sleep(0.5)
     for t in missing:
-        message = (f"task {t} of SLURM job {env.job_id} ended without a result (killed by a signal, out of memory, "
-                   f"or its node failed; see {paths[t].stderr}); task {env.global_rank} saw: "
-                   f"{type(error).__name__}: {error}")
+        message = (f"task {t} of SLURM job {env.job_id}{_on_host(t, env.hostnames)} ended without a result (killed "
+                   f"by a signal, out of memory, or its node failed; see {paths[t].stderr}); task {env.global_rank} "
+                   f"saw: {type(error).__name__}: {error}")
         log.error(message)
         with submitit_utils.temporary_save_path(paths[t].result_pickle) as tmp:
             submitit_utils.cloudpickle_dump(("error", message), tmp)
@@ -242,6 +244,41 @@ def report_lost_tasks(error: BaseException, grace_s: float = 10.0) -> dict[int, 
         elif getattr(getattr(value, "status", None), "name", None) == "FAILED":  # Hydra keeps the job's exception
             errors[t] = str(getattr(value, "_return_value", value))
     return errors
+
+
+def task_hosts(tasks_per_node: str, hostnames: list[str], distribution: str = "block") -> list[str] | None:
+    """The host of every task of a job step, by task: None for a layout other than block or cyclic.
+
+    Args:
+        tasks_per_node: ``SLURM_STEP_TASKS_PER_NODE``, e.g. ``"2(x2)"``.
+        hostnames: the step's nodes in node-list order.
+        distribution: ``SLURM_DISTRIBUTION`` (its node-level part counts): block fills a node
+            before the next (tasks 0,1 | 2,3); cyclic deals tasks out one node at a time (0,2 | 1,3).
+            SLURM reports ``cyclic`` for one task per node, where the two agree.
+    """
+    counts = [tasks_on_node(tasks_per_node, n) for n in range(len(hostnames))]
+    kind = re.split(r"[:,]", distribution or "block")[0]
+    if kind == "block":
+        return [h for h, c in zip(hostnames, counts) for _ in range(c)]
+    if kind == "cyclic":
+        out, left = [], list(counts)
+        while any(left):
+            for n, h in enumerate(hostnames):
+                if left[n]:
+                    out.append(h)
+                    left[n] -= 1
+        return out
+    return None
+
+
+def _on_host(task: int, hostnames: list[str]) -> str:
+    """`` on <host>`` for SLURM task ``task`` of this job step, or ``""`` when the layout is unknown."""
+    per_node = os.environ.get("SLURM_STEP_TASKS_PER_NODE") or os.environ.get("SLURM_TASKS_PER_NODE")
+    try:
+        hosts = task_hosts(per_node, hostnames, os.environ.get("SLURM_DISTRIBUTION", "block")) if per_node else None
+    except ValueError:
+        hosts = None
+    return f" on {hosts[task]}" if hosts and 0 <= task < len(hosts) else ""
 
 
 def _mul(*factors: Any) -> int:
