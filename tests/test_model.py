@@ -354,8 +354,9 @@ def test_explicit_layers_per_stage_and_errors():
     assert partition_layers(config, 4, layers_per_stage=[1, 1, 1, 1]) == [(0, 1), (2, 2), (3, 3), (4, 5)]
     with pytest.raises(ValueError, match=r"layers_per_stage=\[2, 1\].*summing to model.num_layers=4"):
         partition_layers(config, 2, layers_per_stage=[2, 1])
-    with pytest.raises(ValueError, match="layers_per_stage"):
-        partition_layers(config, 2, layers_per_stage=[4, 0])
+    assert partition_layers(config, 2, layers_per_stage=[4, 0]) == [(0, 4), (5, 5)]  # the heads alone
+    with pytest.raises(ValueError, match="layers_per_stage.*0 allowed for the first and the last"):
+        partition_layers(config, 3, layers_per_stage=[2, 0, 2])
     with pytest.raises(ValueError, match="layers_per_stage.*stages=3"):
         partition_layers(config, 3, layers_per_stage=[2, 2])
     # Beyond L stages the heads, then the embeddings, get stages of their own (zb-v on small models).
