@@ -139,6 +139,27 @@ def test_cluster_slurm_asks_one_task_per_worker() -> None:
     assert _launcher(["stages=4", "data_parallel=2", "hydra.launcher.nodes=2"]).tasks_per_node == 4
 
 
+def test_cluster_keys_reach_the_launcher() -> None:
+    launcher = _launcher(["stages=2", "data_parallel=2", "cluster.nodes=2", "cluster.partition=gpu",
+                          "cluster.account=proj"])
+    assert (launcher.nodes, launcher.tasks_per_node, launcher.partition, launcher.account) == (2, 2, "gpu", "proj")
+    default = _launcher(["stages=2"])
+    assert (default.nodes, default.partition, default.account) == (1, None, None)
+
+
+def test_cluster_nodes_are_checked_before_workers_start() -> None:
+    from pipefisher.config import ConfigError
+    from tests.conftest import compose_train
+
+    assert compose_train(["cluster=slurm", "cluster.nodes=2", "stages=2", "data_parallel=2"]).cluster.nodes == 2
+    with pytest.raises(ConfigError, match=r"cluster.nodes.*cluster=slurm"):
+        compose_train(["cluster.nodes=2", "stages=2"])  # cluster=local
+    with pytest.raises(ConfigError, match=r"cluster.nodes.*stages\*data_parallel=2 workers.*\[1, 2\]"):
+        compose_train(["cluster=slurm", "cluster.nodes=4", "stages=2"])
+    with pytest.raises(ConfigError, match=r"cluster.nodes"):
+        compose_train(["cluster=slurm", "cluster.nodes=0", "stages=2"])
+
+
 def test_uneven_split_over_nodes_names_the_fix() -> None:
     launcher = _launcher(["stages=3", "cluster.nodes=2"])
     with pytest.raises(Exception, match=r"cluster.nodes=2.*stages\*data_parallel=3"):

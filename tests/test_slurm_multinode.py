@@ -131,6 +131,8 @@ def test_chimera_on_two_nodes_one_task_each_equals_single_process(two_nodes: lis
     code, out = _finish(_train(sweep, ["pipeline=chimera", "stages=2", "steps=3"]), sweep)
     assert code == 0, f"{out[-3000:]}\n{all_task_logs(sweep)}"
     job_id = submitit_job_id(sweep)
+    script = (sweep / ".submitit" / job_id / f"{job_id}_submission.sh").read_text()
+    assert "#SBATCH --nodes=2\n" in script and "#SBATCH --ntasks-per-node=1\n" in script, script
     job = scontrol_job(job_id)
     assert (job["NumNodes"], job["NumTasks"]) == ("2", "2"), job
     _check_spread(_placement(sweep, job_id, 2), 1, two_nodes, job_id)
@@ -140,13 +142,18 @@ def test_chimera_on_two_nodes_one_task_each_equals_single_process(two_nodes: lis
 
 def test_four_workers_on_two_nodes_two_tasks_each_equal_single_process(two_nodes: list[str], tmp_path: Path) -> None:
     # 1f1b D=2 x data_parallel 2: four SLURM tasks, two per node; local ranks 0 and 1 on each.
+    # The partition and the account go to sbatch as on a real cluster (this one has no accounting
+    # that checks the account).
     sweep = tmp_path / "sweep"
     run = ["pipeline=1f1b", "stages=2", "data_parallel=2", "steps=3"]
-    code, out = _finish(_train(sweep, run), sweep)
+    code, out = _finish(_train(sweep, [*run, "cluster.partition=debug", "cluster.account=pf-ci"]), sweep)
     assert code == 0, f"{out[-3000:]}\n{all_task_logs(sweep)}"
     job_id = submitit_job_id(sweep)
+    script = (sweep / ".submitit" / job_id / f"{job_id}_submission.sh").read_text()
+    for flag in ("--nodes=2", "--ntasks-per-node=2", "--partition=debug", "--account=pf-ci"):
+        assert f"#SBATCH {flag}\n" in script, script
     job = scontrol_job(job_id)
-    assert (job["NumNodes"], job["NumTasks"]) == ("2", "4"), job
+    assert (job["NumNodes"], job["NumTasks"], job["Partition"], job["Account"]) == ("2", "4", "debug", "pf-ci"), job
     _check_spread(_placement(sweep, job_id, 4), 2, two_nodes, job_id)
     expected = _single_process_losses(tmp_path, run, data_parallel=2)
     assert losses(sweep / "0" / "metrics.jsonl") == pytest.approx(expected, rel=1e-6)
@@ -189,6 +196,8 @@ def test_preemption_with_tasks_on_both_nodes_checkpoints_requeues_and_resumes(tw
 
 
 def test_profile_on_two_nodes_records_each_workers_own_host(two_nodes: list[str], tmp_path: Path) -> None:
+    # Each worker's hostname is its own (gathered by rank 0, issue 15): in profile.sqlite's worker
+    # and host tables, and in timeline.json's process names.
     sweep = tmp_path / "sweep"
     code, out = _finish(_train(sweep, ["pipeline=chimera", "stages=2"], script="profile.py"), sweep)
     assert code == 0, f"{out[-3000:]}\n{all_task_logs(sweep)}"
@@ -197,7 +206,12 @@ def test_profile_on_two_nodes_records_each_workers_own_host(two_nodes: list[str]
     assert hosts[0] != hosts[1], hosts
     with sqlite3.connect(sweep / "0" / "profile.sqlite") as db:
         recorded = db.execute("SELECT worker, host FROM PIPEFISHER_WORKERS ORDER BY worker").fetchall()
+        host_rows = {h for (h,) in db.execute("SELECT host FROM PIPEFISHER_HOSTS")}
     assert recorded == [(0, hosts[0]), (1, hosts[1])]
+    assert host_rows == set(hosts)
+    trace = json.loads((sweep / "0" / "timeline.json").read_text())["traceEvents"]
+    names = {e["pid"]: e["args"]["name"] for e in trace if e.get("name") == "process_name"}
+    assert sorted(names) == [0, 1] and all(f" on {hosts[w]}," in names[w] for w in (0, 1)), names
 
 
 def test_a_node_that_dies_mid_run_ends_the_job_promptly_naming_the_lost_task(two_nodes: list[str],

@@ -206,6 +206,10 @@ def _run_local_workers(cfg: TrainConfig, output_dir: str | os.PathLike, run_name
                           wait_for_workers=False)
     port = store.port
     log.info("starting %d workers on this machine (%s:%d)", world, addr, port)
+    if cfg.cluster.nodes > 1:  # only SLURM's launcher (train.py -m) spreads workers over nodes
+        log.warning("cluster.nodes=%d has no effect on a run started without -m: its workers start on this "
+                    "machine (python train.py -m cluster=slurm cluster.nodes=%d ... sends it to SLURM)",
+                    cfg.cluster.nodes, cfg.cluster.nodes)
     _warn_if_oversubscribed(cfg)
     with preemption.interrupts_ignored_by_children():
         context = mp.start_processes(
