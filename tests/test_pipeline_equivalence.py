@@ -1,4 +1,5 @@
-"""Every pipeline method gives the loss and gradients of single-process training (CPU, gloo).
+"""Every pipeline method gives the loss and gradients of single-process training (CPU, gloo),
+the zero-bubble ones (split backward: I now, W deferred) included.
 
 The reference is an independent plain loop: the full model, the same micro-batches, loss scaled by
 1/(N·W) per micro-batch, one backward each. For 5 NVLAMB steps the reference is
@@ -28,9 +29,10 @@ DECODER = "cls.predictions.decoder.weight"
 
 def _grid() -> list[tuple[str, int, int, int]]:
     cases = []
-    for method in ("gpipe", "1f1b", "chimera", "interleaved"):
+    for method in ("gpipe", "1f1b", "chimera", "interleaved", "zb-h1", "zb-v"):
         for d in (2, 4):
-            for n in (d, 2 * d):
+            # zb-v needs N >= 2D: its N are 2D and 3D.
+            for n in ((2 * d, 3 * d) if method == "zb-v" else (d, 2 * d)):
                 for w in (1, 2):
                     if d * w > 8 or (method == "interleaved" and d == 4):  # 4 workers x 2 chunks > 4 layers
                         continue
@@ -39,11 +41,15 @@ def _grid() -> list[tuple[str, int, int, int]]:
 
 
 GRID = _grid()
-LONG = [("gpipe", 4, 8, 1), ("1f1b", 2, 4, 2), ("chimera", 4, 8, 1), ("chimera", 2, 4, 2), ("interleaved", 2, 4, 1)]
+LONG = [("gpipe", 4, 8, 1), ("1f1b", 2, 4, 2), ("chimera", 4, 8, 1), ("chimera", 2, 4, 2), ("interleaved", 2, 4, 1),
+        ("zb-h1", 2, 4, 2), ("zb-v", 2, 4, 1)]
 
 
 def _cfg(method: str, d: int, n: int, w: int) -> TrainConfig:
-    return compose_train(MODEL + [f"pipeline={method}", f"stages={d}", f"num_micro_batches={n}", f"data_parallel={w}"])
+    model = MODEL
+    if method == "zb-v" and d == 4:  # 8 stages: 6 encoder layers, plus a stage each for the embeddings and heads
+        model = [x if not x.startswith("model.num_layers=") else "model.num_layers=6" for x in MODEL]
+    return compose_train(model + [f"pipeline={method}", f"stages={d}", f"num_micro_batches={n}", f"data_parallel={w}"])
 
 
 def _reference_grads(cfg: TrainConfig) -> tuple[list[float], dict[str, torch.Tensor]]:
