@@ -267,10 +267,13 @@ def plan_run(cfg: ScheduleConfig, out_dir: str | Path, requested: Collection[str
         profile = read_profile(cfg.from_, gpu=cfg.gpu, warmup_steps=cfg.warmup_steps)
         notes += profile.notes
         if profile.source == "nsys":
-            run = _run_from_export(cfg, cfg.from_, profile, requested, notes)
-            missing = sorted(set(range(run.num_workers)) - {e.worker for e in profile.events})
+            seen = {e.worker for e in profile.events}
+            missing = sorted(set(range(max(seen) + 1)) - seen)
+            if not missing:
+                run = _run_from_export(cfg, cfg.from_, profile, requested, notes)
+                missing = sorted(set(range(run.num_workers)) - seen)
             if missing:
-                raise ValueError(f"{cfg.from_}: no events of worker(s) {missing} of the run's {run.num_workers} "
+                raise ValueError(f"{cfg.from_}: no events of worker(s) {missing} (the profile has worker(s) {sorted(seen)}) "
                                  f"(stages × data_parallel); with one export per rank, pass every rank's: "
                                  f"from='report_rank*.sqlite' or from='a.sqlite,b.sqlite'")
         else:

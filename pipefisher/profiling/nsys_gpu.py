@@ -61,11 +61,12 @@ class _Index:
         self.max_end.append(max(end, self.max_end[-1]) if self.max_end else end)
 
     def innermost(self, t: int) -> int | None:
-        """The row of the latest-starting range that encloses ``t``."""
+        """The row of the latest-starting range with start <= ``t`` < end (half-open, so a
+        zero-length range, or one that ends as the next begins, takes no launch)."""
         i = bisect.bisect_right(self.starts, t) - 1
-        while i >= 0 and self.max_end[i] >= t:
+        while i >= 0 and self.max_end[i] > t:
             row, end = self.items[i]
-            if end >= t:
+            if end > t:
                 return row
             i -= 1
         return None

@@ -32,9 +32,10 @@ equal pids on two hosts apart); a worker without a recorded origin gets the made
     PIPEFISHER_WORKERS(worker, rank, globalTid, host)       worker → rank (and host) map
     PIPEFISHER_HOSTS(host, hwId, utcOffsetNs)               clock alignment per host:
                                                             UTC ns = event ns + utcOffsetNs
-    PIPEFISHER_EVENTS(nvtxRowId INTEGER PRIMARY KEY, step, kind)
-                                                            the rest of each Event; nvtxRowId is
-                                                            the rowid of its NVTX_EVENTS row
+    PIPEFISHER_EVENTS(nvtxRowId INTEGER PRIMARY KEY, step,  the rest of each Event; nvtxRowId is
+                      kind, name)                           the rowid of its NVTX_EVENTS row; name
+                                                            only for a wait, whose NVTX text is its
+                                                            collective (SYNC_GRAD), as on a GPU
 
 ``PRAGMA user_version`` holds :data:`FORMAT_VERSION` (1: names through textId, made-up pids;
 still read). Metadata values go through JSON, so tuples come back as lists and dict keys as strings.
@@ -69,7 +70,7 @@ from pipefisher.profiling.nsys_gpu import TID_MASK
 from pipefisher.profiling.nvtx import rank_mark_text
 from pipefisher.profiling.origin import WorkerOrigin
 from pipefisher.profiling.types import Profile, ProfileError, WorkerInfo
-from pipefisher.timeline import Event
+from pipefisher.timeline import Event, is_wait
 
 __all__ = ["FAKE_PID_BASE", "FORMAT_VERSION", "META_KEYS", "global_tid_of_worker", "read_profile",
            "worker_global_tids", "write_profile"]
@@ -105,7 +106,7 @@ CREATE TABLE PIPEFISHER_WORKERS (
 CREATE TABLE PIPEFISHER_HOSTS (host TEXT PRIMARY KEY, hwId INTEGER NOT NULL, utcOffsetNs INTEGER NOT NULL);
 CREATE TABLE PIPEFISHER_EVENTS (
     nvtxRowId INTEGER PRIMARY KEY REFERENCES NVTX_EVENTS(rowid), step INTEGER NOT NULL,
-    kind TEXT NOT NULL
+    kind TEXT NOT NULL, name TEXT
 );
 """
 _EVENT_TYPES = ((NVTX_MARK, "NvtxMark"), (NVTX_PUSH_POP_RANGE, "NvtxPushPopRange"),
@@ -168,7 +169,9 @@ def _nsys_rows(events: Sequence[Event], workers: Sequence[int], ranks: Mapping[i
     first = {}
     for e in events:
         first[e.worker] = min(first.get(e.worker, e.start_ns), e.start_ns)
-    nvtx = [(e.start_ns, e.end_ns, NVTX_PUSH_POP_RANGE, e.name, tids[e.worker], None, None, 0) for e in events]
+    # A wait is named by its collective, as the executor's NVTX range for it is (SYNC_GRAD, …).
+    nvtx = [(e.start_ns, e.end_ns, NVTX_PUSH_POP_RANGE, e.kind if is_wait(e) else e.name, tids[e.worker], None,
+             None, 0) for e in events]
     nvtx += [(first[w], None, NVTX_MARK, rank_mark_text(ranks[w]), tids[w], None, None, 0)
              for w in workers if w in first]
     strings = [(i, f"worker {w} (rank {ranks[w]})") for i, w in enumerate(workers, start=1)]
@@ -241,8 +244,9 @@ def write_profile(path: str | Path, events: Sequence[Event], *, metadata: Mappin
                 conn.executemany("INSERT INTO META_DATA_EXPORT VALUES (?, ?)", rows["meta"])
                 conn.executemany("INSERT INTO TARGET_INFO_SESSION_START_TIME VALUES (?, ?, ?)", rows["session"])
                 conn.executemany("INSERT INTO ENUM_NSYS_EVENT_TYPE VALUES (?, ?, ?)", rows["types"])
-                conn.executemany("INSERT INTO PIPEFISHER_EVENTS(nvtxRowId, step, kind) VALUES (?, ?, ?)",
-                                 [(i, e.step, e.kind) for i, e in enumerate(events, start=1)])
+                conn.executemany("INSERT INTO PIPEFISHER_EVENTS(nvtxRowId, step, kind, name) VALUES (?, ?, ?, ?)",
+                                 [(i, e.step, e.kind, e.name if is_wait(e) else None)
+                                  for i, e in enumerate(events, start=1)])
                 conn.executemany("INSERT INTO PIPEFISHER_WORKERS VALUES (?, ?, ?, ?)",
                                  [(w, ranks[w], tids[w], worker_hosts.get(w)) for w in workers])
                 conn.executemany("INSERT INTO PIPEFISHER_HOSTS VALUES (?, ?, ?)",
@@ -277,7 +281,7 @@ def _read_ours(conn: sqlite3.Connection, path: Path, gpu: GpuArg) -> Profile:
              if table_columns(conn, "PIPEFISHER_HOSTS") else {})
     worker_of_tid = {info.global_tid: w for w, info in workers.items()}
     names = ("COALESCE(n.text, s.value)", "LEFT JOIN StringIds AS s ON s.id = n.textId") \
-        if version < 2 else ("n.text", "")
+        if version < 2 else ("COALESCE(p.name, n.text)", "")
     rows = conn.execute(
         f"SELECT n.rowid, {names[0]}, p.kind, n.start, n.end, n.globalTid, p.step "
         f"FROM NVTX_EVENTS AS n JOIN PIPEFISHER_EVENTS AS p ON p.nvtxRowId = n.rowid {names[1]} "
