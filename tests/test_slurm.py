@@ -23,6 +23,7 @@ from omegaconf import OmegaConf
 
 from pipefisher.config import register_configs
 from pipefisher.launch.slurm import (
+    interface_towards,
     master_port_for_job,
     register_resolvers,
     slurm_task_env,
@@ -101,6 +102,18 @@ def test_every_task_of_a_step_agrees_on_the_rendezvous(clean_env: pytest.MonkeyP
     assert len(set(seen)) == 1
 
 
+def test_gloo_interface_is_the_one_routing_to_the_rendezvous_host(clean_env: pytest.MonkeyPatch) -> None:
+    assert interface_towards("127.0.0.1") == "lo"
+    assert interface_towards("no-such-host.invalid") is None  # gloo's own choice then
+    clean_env.delenv("GLOO_SOCKET_IFNAME", raising=False)
+    _srun_task(clean_env, 0, SLURM_JOB_NODELIST="localhost", SLURM_STEP_NODELIST="localhost")
+    slurm_task_env()
+    assert os.environ["MASTER_ADDR"] == "localhost" and os.environ["GLOO_SOCKET_IFNAME"] == "lo"
+    clean_env.setenv("GLOO_SOCKET_IFNAME", "ib0")  # the user's choice wins
+    slurm_task_env()
+    assert os.environ["GLOO_SOCKET_IFNAME"] == "ib0"
+
+
 def test_array_tasks_get_different_ports(clean_env: pytest.MonkeyPatch) -> None:
     ports = set()
     for job_id, task_id in (("500", "0"), ("501", "1")):  # SLURM_JOB_ID of array 500's tasks
@@ -136,6 +149,7 @@ def test_cluster_slurm_asks_one_task_per_worker() -> None:
     assert launcher._target_.endswith("SlurmLauncher")
     assert launcher.tasks_per_node == 4 and launcher.nodes == 1
     assert _launcher(["stages=4", "data_parallel=2", "cluster.nodes=2"]).tasks_per_node == 4
+    assert _launcher(["stages=8", "data_parallel=2", "cluster.nodes=4"]).tasks_per_node == 4
     assert _launcher(["stages=4", "data_parallel=2", "hydra.launcher.nodes=2"]).tasks_per_node == 4
 
 
@@ -162,7 +176,7 @@ def test_cluster_nodes_are_checked_before_workers_start() -> None:
 
 def test_uneven_split_over_nodes_names_the_fix() -> None:
     launcher = _launcher(["stages=3", "cluster.nodes=2"])
-    with pytest.raises(Exception, match=r"cluster.nodes=2.*stages\*data_parallel=3"):
+    with pytest.raises(Exception, match=r"cluster.nodes=2.*stages\*data_parallel=3 workers.*\[1, 3\]"):
         OmegaConf.to_container(launcher, resolve=True)
 
 

@@ -1,9 +1,11 @@
 """Worker environment of a SLURM job step (srun, or a submitit job started by ``cluster=slurm``).
 
-Each SLURM task of a multi-task job step is one pipeline worker: its rank is ``SLURM_PROCID``, the
-world is the step's task count, and the rendezvous address is the first host of the job's node
-list. All tasks must agree on the rendezvous port without talking to each other, so it is derived
-from the job id (see :func:`master_port_for_job`).
+Each SLURM task of a multi-task job step is one pipeline worker: its rank is ``SLURM_PROCID``, its
+local rank ``SLURM_LOCALID`` (counted per node), the world is the step's task count, and the
+rendezvous address is the first host of the job's node list, on any number of nodes
+(``cluster.nodes``). All tasks must agree on the rendezvous port without talking to each other, so
+it is derived from the job id (see :func:`master_port_for_job`); gloo binds the interface that
+routes to the rendezvous host (see [Note: which interface gloo binds]).
 
 Entry points: :func:`slurm_task_env` (what ``launch.local`` asks) and :func:`register_resolvers`
 (the ``pf.tasks_per_node`` and ``pf.mul`` resolvers used by ``conf/cluster/slurm.yaml``, registered through
@@ -292,7 +294,7 @@ def _tasks_per_node(stages: Any, data_parallel: Any, nodes: Any) -> int:
     if nodes < 1 or workers % nodes:
         raise ValueError(
             f"cluster.nodes={nodes}: stages*data_parallel={workers} workers (one SLURM task each) "
-            f"must split evenly over the nodes; use a divisor of {workers}"
+            f"must split evenly over the nodes; use one of {[d for d in range(1, workers + 1) if workers % d == 0]}"
         )
     return workers // nodes
 
