@@ -21,6 +21,7 @@ from pipefisher.model import (
     partition_layers,
     stage_costs,
 )
+from pipefisher.model.partition import _bounds_from_counts
 
 torch.set_num_threads(1)
 
@@ -346,6 +347,19 @@ def test_heavy_heads_shift_layers_away_from_the_last_stage():
     # then holds a single encoder layer.
     config = BertConfig.from_size("mini")
     assert partition_layers(config, 2, seq_len=128, max_predictions=128) == [(0, 3), (4, 5)]
+
+
+def test_v_partition_balances_workers_not_stages():
+    # zb-v: worker r holds stages r and 3-r. bert-mini's heads (masked-position decoder) cost about
+    # 1.4 encoder layers, so the V gives worker 0 the embeddings, one layer and the heads.
+    config = BertConfig.from_size("mini")
+    costs = layer_costs(config)
+    v = partition_layers(config, 4, v_shape=True)
+    assert v == [(0, 0), (1, 1), (2, 3), (4, 5)]
+    load = lambda p: max(stage_costs(costs, p)[r] + stage_costs(costs, p)[3 - r] for r in range(2))  # noqa: E731
+    assert load(v) < load(partition_layers(config, 4))
+    assert load(v) == min(load(_bounds_from_counts(c, 4)) for c in ([1, 1, 1, 1], [0, 1, 1, 2], [1, 1, 2, 0],
+                                                                      [0, 2, 2, 0], [2, 1, 1, 0], [1, 2, 1, 0]))
 
 
 def test_explicit_layers_per_stage_and_errors():

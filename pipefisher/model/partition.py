@@ -9,6 +9,9 @@ layer (DESIGN.md, "Where BERT's compute is": balance by cost, not by layer count
 
 from __future__ import annotations
 
+import itertools
+import math
+
 from collections.abc import Sequence
 
 from pipefisher.model.config import BertConfig
@@ -99,12 +102,42 @@ def _balanced_counts(costs: Sequence[float], num_stages: int) -> list[int]:
     return counts[::-1]
 
 
+def _v_balanced_counts(costs: Sequence[float], num_stages: int) -> list[int] | None:
+    """Encoder layers per stage minimizing the most loaded worker of a V placement (worker r holds
+    stages r and S−1−r; the first and the last stage, both on worker 0, may hold no encoder layer):
+    exhaustive over the compositions, None when there are too many."""
+    num_layers = len(costs) - 2
+    if math.comb(num_layers + num_stages - 1, num_stages - 1) > _V_SEARCH_LIMIT:
+        return None
+    embeddings, encoder, heads = costs[0], costs[1:-1], costs[-1]
+    prefix = [0.0]
+    for c in encoder:
+        prefix.append(prefix[-1] + c)
+    best: tuple[float, list[int]] | None = None
+    for cuts in itertools.combinations_with_replacement(range(num_layers + 1), num_stages - 1):
+        bounds = (0, *cuts, num_layers)
+        counts = [b - a for a, b in zip(bounds, bounds[1:])]
+        if min(counts[1:-1], default=1) < 1:  # only the first and the last stage may be empty
+            continue
+        stage = [prefix[b] - prefix[a] for a, b in zip(bounds, bounds[1:])]
+        stage[0] += embeddings
+        stage[-1] += heads
+        load = max(stage[r] + stage[num_stages - 1 - r] for r in range(num_stages // 2))
+        if best is None or load < best[0]:
+            best = (load, counts)
+    return best[1] if best else None
+
+
+_V_SEARCH_LIMIT = 300_000
+
+
 def partition_layers(
     config: BertConfig,
     num_stages: int,
     seq_len: int = 128,
     max_predictions: int = 20,
     layers_per_stage: Sequence[int] | None = None,
+    v_shape: bool = False,
 ) -> list[tuple[int, int]]:
     """Split the L + 2 pipeline layers into ``num_stages`` contiguous stages.
 
@@ -117,6 +150,9 @@ def partition_layers(
         layers_per_stage: explicit number of *encoder* layers per stage (length D, each ≥ 1 but
             the first and the last, which may be 0, summing to L); the embeddings go with stage 0 and the heads with stage D-1. When
             ``None``, the counts minimize the largest stage cost under ``layer_costs``.
+        v_shape: the stages are placed in a V (zb-v: worker r holds stages r and D−1−r, D even):
+            balance the workers' loads (the sum of their two stages) instead of the stages'
+            (exhaustive search; the per-stage balance when the model has too many layers for it).
 
     Returns:
         One ``(first_layer, last_layer)`` pair per stage, both inclusive, covering 0..L+1.
@@ -154,7 +190,9 @@ def partition_layers(
                 f"{_even_counts(num_layers, num_stages)}, or leave it unset to balance by cost"
             )
     else:
-        counts = _balanced_counts(layer_costs(config, seq_len, max_predictions), num_stages)
+        costs = layer_costs(config, seq_len, max_predictions)
+        counts = (_v_balanced_counts(costs, num_stages) if v_shape and num_stages % 2 == 0 else None) \
+            or _balanced_counts(costs, num_stages)
     return _bounds_from_counts(counts, num_layers)
 
 

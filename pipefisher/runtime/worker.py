@@ -116,6 +116,7 @@ def build_stage_modules(cfg: TrainConfig, schedule: Schedule, rank: int) -> dict
         seq_len=cfg.data.seq_len,
         max_predictions=cfg.data.max_predictions,
         layers_per_stage=cfg.pipeline.layers_per_stage,
+        v_shape=cfg.pipeline.method == "zb-v",
     )
     modules: dict[StageKey, BertStage] = {}
     for _dp, pipe, stage in schedule.placement.stages_of(rank):
@@ -283,7 +284,7 @@ def encoder_layers_per_stage(cfg: TrainConfig, num_stages: int) -> list[int]:
     """How many encoder layers each of the ``num_stages`` stages holds (the partition's choice)."""
     bert = bert_config(cfg)
     slices = partition_layers(bert, num_stages, seq_len=cfg.data.seq_len, max_predictions=cfg.data.max_predictions,
-                              layers_per_stage=cfg.pipeline.layers_per_stage)
+                              layers_per_stage=cfg.pipeline.layers_per_stage, v_shape=cfg.pipeline.method == "zb-v")
     return [sum(1 for j in range(first, last + 1) if 1 <= j <= bert.num_layers) for first, last in slices]
 
 
