@@ -280,8 +280,9 @@ def _read_ours(conn: sqlite3.Connection, path: Path, gpu: GpuArg) -> Profile:
     hosts = ({h: off for h, off in conn.execute("SELECT host, utcOffsetNs FROM PIPEFISHER_HOSTS")}
              if table_columns(conn, "PIPEFISHER_HOSTS") else {})
     worker_of_tid = {info.global_tid: w for w, info in workers.items()}
+    pname = "p.name" if "name" in table_columns(conn, "PIPEFISHER_EVENTS") else "NULL"
     names = ("COALESCE(n.text, s.value)", "LEFT JOIN StringIds AS s ON s.id = n.textId") \
-        if version < 2 else ("COALESCE(p.name, n.text)", "")
+        if version < 2 else (f"COALESCE({pname}, n.text)", "")
     rows = conn.execute(
         f"SELECT n.rowid, {names[0]}, p.kind, n.start, n.end, n.globalTid, p.step "
         f"FROM NVTX_EVENTS AS n JOIN PIPEFISHER_EVENTS AS p ON p.nvtxRowId = n.rowid {names[1]} "
