@@ -73,24 +73,27 @@ def _single_process_losses(out: Path, overrides: list[str], data_parallel: int =
     return losses(out / "metrics.jsonl")
 
 
-def _train(sweep: Path, overrides: list[str], script: str = "train.py", **popen) -> subprocess.Popen:
+def _train(sweep: Path, overrides: list[str], script: str = "train.py") -> subprocess.Popen:
+    """Start ``script -m cluster=slurm cluster.nodes=2 …`` (the launcher) with its output in
+    ``<sweep>.log`` (a file: a pipe nobody reads while the test waits could fill up)."""
     cmd = [sys.executable, str(REPO / script), *SLURM, *RUN, *overrides, f"hydra.sweep.dir={sweep}"]
-    return subprocess.Popen(cmd, cwd=sweep.parent, env=SUB_ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, **popen)
+    with open(f"{sweep}.log", "w") as out:
+        return subprocess.Popen(cmd, cwd=sweep.parent, env=SUB_ENV, stdout=out, stderr=subprocess.STDOUT, text=True)
 
 
 def _finish(proc: subprocess.Popen, sweep: Path, timeout_s: float = 300) -> tuple[int, str]:
-    """Wait for a launcher; on a time-out cancel its job. Returns (exit status, stdout + stderr)."""
+    """Wait for a launcher; on a time-out kill it and cancel its job. Returns (exit status, output)."""
     try:
-        out, err = proc.communicate(timeout=timeout_s)
+        proc.wait(timeout=timeout_s)
     except subprocess.TimeoutExpired:
         proc.kill()
-        out, err = proc.communicate()
+        proc.wait()
         for d in (sweep / ".submitit").glob("*"):
             if d.name.isdigit():
                 subprocess.run(["scancel", d.name], check=False, timeout=30)
-        raise AssertionError(f"launcher still running after {timeout_s} s\n{err[-3000:]}\n{all_task_logs(sweep)}")
-    return proc.returncode, out + err
+        raise AssertionError(f"launcher still running after {timeout_s} s\n"
+                             f"{Path(f'{sweep}.log').read_text()[-3000:]}\n{all_task_logs(sweep)}")
+    return proc.returncode, Path(f"{sweep}.log").read_text()
 
 
 def _placement(sweep: Path, job_id: str, workers: int) -> list[dict[str, str]]:
