@@ -79,6 +79,8 @@ class PipelineConfig:
 
     method: str = "gpipe"  # one of gpipe, 1f1b, chimera, interleaved, zb-h1, zb-v
     num_virtual: int = 1  # model chunks per worker (interleaved; zb-v: exactly 2)
+    order_costs: Optional[list[float]] = None  # zb-v: relative [F, I, W] cost of a stage its list scheduler orders by (default equal)
+    activation_memory: float = 1.0  # zb-v: activation bound as a multiple of 1F1B's peak (>= 1)
     layers_per_stage: Optional[list[int]] = None  # explicit encoder layers per stage; None = balance by cost
 
 
@@ -362,10 +364,21 @@ def validate(cfg: TrainConfig) -> None:
                 _fail("num_micro_batches", cfg.num_micro_batches,
                       f"interleaved needs a multiple of stages={cfg.stages}; use num_micro_batches="
                       f"{max(cfg.stages, cfg.num_micro_batches // cfg.stages * cfg.stages)} (or auto)")
+    if method != "zb-v" and (cfg.pipeline.order_costs is not None or cfg.pipeline.activation_memory != 1.0):
+        _fail("pipeline.order_costs" if cfg.pipeline.order_costs is not None else "pipeline.activation_memory",
+              cfg.pipeline.order_costs if cfg.pipeline.order_costs is not None else cfg.pipeline.activation_memory,
+              "only pipeline=zb-v orders its actions by a list scheduler; leave it unset for other methods")
     if method == "zb-v":
         if cfg.pipeline.num_virtual != 2:
             _fail("pipeline.num_virtual", cfg.pipeline.num_virtual,
                   "zb-v places exactly 2 model chunks per worker (a V); use pipeline.num_virtual=2 (pipeline=zb-v sets it)")
+        oc = cfg.pipeline.order_costs
+        if oc is not None and (len(oc) != 3 or min(oc) <= 0):
+            _fail("pipeline.order_costs", list(oc), "give three positive relative costs [F, I, W] of a stage, "
+                  "e.g. [1.0,1.2,1.0] (bench/zero_bubble.py measures them), or leave it unset (equal)")
+        if not cfg.pipeline.activation_memory >= 1.0:
+            _fail("pipeline.activation_memory", cfg.pipeline.activation_memory,
+                  "a multiple of 1F1B's activation peak, at least 1.0 (e.g. 1.5)")
         if cfg.num_micro_batches < 2 * cfg.stages:
             _fail("num_micro_batches", cfg.num_micro_batches,
                   f"zb-v needs at least 2 x stages = {2 * cfg.stages} micro-batches to fill its V; use "

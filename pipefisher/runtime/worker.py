@@ -98,12 +98,15 @@ CPU_HARDWARE = Hardware(flops_per_s=3e10, p2p_bytes_per_s=2e9, memory_bytes_per_
 
 def schedule_for(cfg: TrainConfig) -> Schedule:
     """The checked schedule of a run (pure function of the config)."""
+    zb_v = {"order_costs": cfg.pipeline.order_costs, "activation_memory": cfg.pipeline.activation_memory} \
+        if cfg.pipeline.method == "zb-v" else {}
     return build_schedule(
         cfg.pipeline.method,
         cfg.stages,
         cfg.num_micro_batches,
         dp_width=cfg.data_parallel,
         num_virtual=cfg.pipeline.num_virtual,
+        **zb_v,
     )
 
 

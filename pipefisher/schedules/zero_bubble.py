@@ -224,14 +224,17 @@ def greedy_split_orders(num_stages: int, num_micro_batches: int, position_of_sta
 
 
 def zb_v(num_stages: int, num_micro_batches: int, dp_width: int = 1, num_virtual: int = 2,
-         merge: bool = True) -> Schedule:
+         merge: bool = True, order_costs: Sequence[float] | None = None, activation_memory: float = 1.0) -> Schedule:
     """ZB-V: two model chunks per worker in a V, F/I/W ordered by :func:`greedy_split_orders`.
 
     The model is cut into 2D stages; worker r holds stage r and stage 2D−1−r, so a micro-batch
     goes down the workers and back up, and worker 0 computes both the embeddings and the loss.
-    Each worker holds at most 2D chunk activations between F and W: D micro-batches of its share
-    of the model, 1F1B's peak on its first stage. With equal costs and N ≥ 2D the step is close to
-    the lower bound N(F+I+W) + (D−1)·F/2 (F, I, W per worker-share; see bench/README.md).
+    Each worker holds at most 2D chunk activations between F and W (times ``activation_memory``):
+    D micro-batches of its share of the model, 1F1B's peak on its first stage. With equal costs
+    and N ≥ 2D the step is the lower bound N(F+I+W) + (D−1)·F/2 (F, I, W per worker-share;
+    tests/test_zero_bubble.py); with I > W the memory bound costs a few per cent, which
+    ``order_costs`` (the measured F, I, W) and ``activation_memory`` > 1 win back (bench/README.md,
+    "Zero-bubble schedules").
 
     Note: ``num_stages`` is the number of *workers* per pipeline (the config's ``stages``); the
     returned ``Schedule.num_stages`` is 2D.
@@ -242,9 +245,13 @@ def zb_v(num_stages: int, num_micro_batches: int, dp_width: int = 1, num_virtual
         dp_width: W, data-parallel copies.
         num_virtual: model chunks per worker; must be 2 (the config's ``pipeline.num_virtual``).
         merge: merge adjacent I and W where nobody waits (:func:`merge_adjacent_backwards`).
+        order_costs: relative (F, I, W) costs of a stage the list scheduler orders by (default
+            equal; the config's ``pipeline.order_costs``).
+        activation_memory: the activation bound as a multiple of 1F1B's peak (>= 1; the config's
+            ``pipeline.activation_memory``).
 
     Raises:
-        ValueError: N < 2D or num_virtual != 2, with the fix.
+        ValueError: N < 2D, num_virtual != 2, or a bad order_costs / activation_memory, with the fix.
     """
     _check(num_stages, num_micro_batches, dp_width)
     d, n = num_stages, num_micro_batches
@@ -255,8 +262,14 @@ def zb_v(num_stages: int, num_micro_batches: int, dp_width: int = 1, num_virtual
         raise ValueError(f"num_micro_batches={n}: zb-v needs at least 2 x stages = {2 * d} "
                          f"micro-batches to fill its V; use num_micro_batches={2 * d} or more "
                          f"(or pipeline=zb-h1)")
+    if not activation_memory >= 1.0:
+        raise ValueError(f"pipeline.activation_memory={activation_memory!r}: the bound is a multiple of 1F1B's "
+                         f"peak, at least 1.0 (1.5 gives zb-v's order more room)")
+    f_cost, i_cost, w_cost = _integer_costs(order_costs)
     positions = [v_position(s, d) for s in range(2 * d)]
-    orders = greedy_split_orders(2 * d, n, positions, caps=[2 * d] * d)
+    cap = max(2 * d, int(2 * d * activation_memory))
+    orders = greedy_split_orders(2 * d, n, positions, caps=[cap] * d, forward=[f_cost] * (2 * d),
+                                 input_grad=[i_cost] * (2 * d), weight_grad=[w_cost] * (2 * d))
     workers = {(dp, 0, s): dp * d + positions[s] for dp in range(dp_width) for s in range(2 * d)}
     schedule = Schedule(
         method="zb-v",
@@ -267,6 +280,18 @@ def zb_v(num_stages: int, num_micro_batches: int, dp_width: int = 1, num_virtual
         pipe_of_micro_batch=(0,) * n,
     )
     return merge_adjacent_backwards(schedule) if merge else schedule
+
+
+def _integer_costs(order_costs: Sequence[float] | None) -> tuple[int, int, int]:
+    """(F, I, W) relative costs as integers for the list scheduler (two significant digits)."""
+    if order_costs is None:
+        return 1, 1, 1
+    values = [float(x) for x in order_costs]
+    if len(values) != 3 or min(values) <= 0:
+        raise ValueError(f"pipeline.order_costs={list(order_costs)!r}: give three positive relative costs "
+                         f"[F, I, W] of a stage, e.g. [1.0, 1.2, 1.0] (bench/zero_bubble.py measures them)")
+    unit = min(values) / 100
+    return tuple(max(1, round(v / unit)) for v in values)  # type: ignore[return-value]
 
 
 # -- merging -----------------------------------------------------------------------------------
