@@ -52,7 +52,6 @@ readers take the kind from the name; that name is stage-less, so no cost reads i
 from __future__ import annotations
 
 import contextlib
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -63,6 +62,7 @@ from torch import nn
 from pipefisher.model.rng import dropout_key
 from pipefisher.runtime.kfac_work import KfacWork, StageKey
 from pipefisher.runtime.split_backward import WeightGradStore, apply_weight_grads, deferring, enable_split_backward
+from pipefisher.runtime.step_clock import StepClock
 from pipefisher.schedules.ir import Action, ActionKind, Schedule
 from pipefisher.timeline import Event
 
@@ -133,6 +133,9 @@ class WorkerExecutor:
         loss_scale: factor applied to each micro-batch loss before backward (1 / (N · W)).
         autocast: context factory wrapped around each forward.
         kfac: performs the K-FAC actions (None: the schedule has none).
+        cuda_timing: on CUDA, ``events`` (CUDA events read at the end of the step; training) or
+            ``sync`` (a stream synchronization after each action; profiles); see
+            ``pipefisher.runtime.step_clock`` [Note: timing on a GPU]. Ignored on CPU.
     """
 
     def __init__(
@@ -148,7 +151,9 @@ class WorkerExecutor:
         loss_scale: float,
         autocast: Callable[[], object],
         kfac: KfacWork | None = None,
+        cuda_timing: str = "events",
     ) -> None:
+        self.clock = StepClock(cuda_timing if comm.device.type == "cuda" else "cpu")
         self.phases: list[Schedule] = [schedule] if isinstance(schedule, Schedule) else list(schedule)
         self.schedule = self.phases[0]
         self.rank = rank
@@ -197,13 +202,14 @@ class WorkerExecutor:
             get_batch: micro-batch index → batch (on the right device); every stage of a
                 micro-batch gets the same batch.
         """
-        now = time.perf_counter_ns
+        clock = self.clock
+        clock.start_step()
         cuda = self.comm.device.type == "cuda"
         phase = step % len(self.phases)
         actions = self.phases[phase].actions[self.rank]
         if self.kfac is not None:
             self.kfac.begin_step(actions, phase, step)
-        events: list[Event] = []
+        marks: list[tuple[str, str, object, object]] = []  # (name, kind, start, end): Events after the step
         recvs: dict[Action, tuple[torch.Tensor, dist.Work]] = {}
         if self.eager_recv:
             for a in actions:
@@ -221,7 +227,7 @@ class WorkerExecutor:
         num_losses = 0
 
         for a in actions:
-            start = now()
+            start = clock.mark()
             key = (a.pipe, a.stage, a.micro_batch)
             k = a.kind
             if k in _WAITS_FOR:  # the wait first, as an event of its own: [Note: waits are not compute]
@@ -229,8 +235,8 @@ class WorkerExecutor:
                 with self._nvtx(collective if cuda else None):
                     waited, grad_norm = self._wait_for_collectives(a, syncs, sends)
                 if waited:
-                    events.append(Event(self.rank, str(a), collective, start, now(), step))
-                    start = now()
+                    start, waited_until = clock.mark(settle=True), start
+                    marks.append((str(a), collective, waited_until, start))
             if cuda:  # the same names in an nsys capture as in our timeline
                 torch.cuda.nvtx.range_push(str(a))
             if k == ActionKind.RECV_F or k == ActionKind.RECV_B:
@@ -293,16 +299,19 @@ class WorkerExecutor:
                 self.optimizer_step(grad_norm)
             else:  # pragma: no cover - kinds added to the IR must be handled here
                 raise NotImplementedError(f"executor has no handler for {a}")
+            # A compute's, a unit's, STEP's or a receive's GPU time is its own: [Note: timing on a GPU].
+            end = clock.mark(settle=k.is_compute or k.is_kfac or k in (ActionKind.STEP, ActionKind.RECV_F,
+                                                                     ActionKind.RECV_B))
             if cuda:
-                if k.is_compute or k == ActionKind.STEP:
-                    torch.cuda.current_stream().synchronize()
                 torch.cuda.nvtx.range_pop()
-            events.append(Event(self.rank, str(a), k.value, start, now(), step))
+            marks.append((str(a), k.value, start, end))
 
         for work, _ in sends:
             work.wait()
         if self.kfac is not None:
             self.kfac.end_step()
+        clock.finish()
+        events = [Event(self.rank, name, kind, clock.ns(s0), clock.ns(s1), step) for name, kind, s0, s1 in marks]
         assert not outputs and not received and not deferred, f"worker {self.rank}: step {step} left work behind"
         return StepResult(loss_sum=loss_sum, num_losses=num_losses, events=events)
 

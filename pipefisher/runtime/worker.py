@@ -38,7 +38,8 @@ from tqdm import tqdm
 
 from pipefisher.config import TrainConfig
 from pipefisher.data import get_micro_batch
-from pipefisher.model import BertStage, partition_layers
+from pipefisher.model import BertStage, layer_costs, partition_layers, stage_costs
+from pipefisher.profiling.nvtx import mark_rank
 from pipefisher.profiling import (WorkerOrigin, local_origin, plot_timeline, utilization_table, write_profile,
                                   write_trace_json)
 from pipefisher.optim import KFACPreconditioner
@@ -98,8 +99,15 @@ CPU_HARDWARE = Hardware(flops_per_s=3e10, p2p_bytes_per_s=2e9, memory_bytes_per_
 
 def schedule_for(cfg: TrainConfig) -> Schedule:
     """The checked schedule of a run (pure function of the config)."""
-    zb_v = {"order_costs": cfg.pipeline.order_costs, "activation_memory": cfg.pipeline.activation_memory} \
-        if cfg.pipeline.method == "zb-v" else {}
+    zb_v = {}
+    if cfg.pipeline.method == "zb-v":  # its list scheduler orders by the V partition's estimated stage costs
+        bert = bert_config(cfg)
+        partition = partition_layers(bert, cfg.stages * cfg.pipeline.num_virtual, seq_len=cfg.data.seq_len,
+                                     max_predictions=cfg.data.max_predictions,
+                                     layers_per_stage=cfg.pipeline.layers_per_stage, v_shape=True)
+        estimate = stage_costs(layer_costs(bert, cfg.data.seq_len, cfg.data.max_predictions), partition)
+        zb_v = {"order_costs": cfg.pipeline.order_costs, "activation_memory": cfg.pipeline.activation_memory,
+                "stage_costs": [max(c, 1e-3 * max(estimate)) for c in estimate]}
     return build_schedule(
         cfg.pipeline.method,
         cfg.stages,
@@ -461,7 +469,10 @@ class PipelineWorker:
             loss_scale=loss_scale,
             autocast=lambda: autocast_context(cfg, device),
             kfac=self.kfac,
+            cuda_timing="sync" if cfg.profile.enabled else "events",  # [Note: timing on a GPU]
         )
+        if device.type == "cuda":
+            mark_rank(rank)  # an nsys capture maps this process to its rank (issue 15)
         self.source = data_source(cfg)
         self.plan = data_plan(cfg)
         self.dp_rank = self.schedule.placement.dp_group_of(rank)

@@ -123,7 +123,9 @@ def greedy_split_orders(num_stages: int, num_micro_batches: int, position_of_sta
     the I of its oldest micro-batch (the critical path; between stages of one micro-batch, the
     later stage), else a forward (the later stage first, so micro-batches reach the loss and
     free memory early) if it holds fewer than ``caps[position]`` micro-batch activations of its
-    stages between F and W, else its oldest pending W; it idles only when none is ready.
+    stages between F and W (a forward of a stage that is not the worker's last takes the last slot
+    only while an activation of the last is live, so that the micro-batches in flight can always
+    come back through it), else its oldest pending W; it idles only when none is ready.
     Forwards run in micro-batch order per stage, as do the I's. Every stage of one micro-batch
     sees the same data, so the result runs with the executor unchanged.
 
@@ -153,6 +155,7 @@ def greedy_split_orders(num_stages: int, num_micro_batches: int, position_of_sta
     next_i = [0] * s_count
     pending_w: dict[int, list[tuple[int, int]]] = {p: [] for p in positions}  # heap of (j, s)
     live = dict.fromkeys(positions, 0)
+    live_last = dict.fromkeys(positions, 0)  # of those, activations of the worker's last stage
     clock = dict.fromkeys(positions, 0)
     orders: dict[int, list[Action]] = {p: [] for p in positions}
     last = s_count - 1
@@ -178,11 +181,14 @@ def greedy_split_orders(num_stages: int, num_micro_batches: int, position_of_sta
         if i_candidates:
             j, neg_s = min(i_candidates)
             return I, -neg_s, j
-        if live[p] < caps[p]:
-            for s in held[p]:  # later stages first
-                j = next_f[s]
-                if j < n and (ready := f_ready(s, j)) is not None and ready <= t:
-                    return F, s, j
+        for s in held[p]:  # later stages first
+            # An earlier stage takes the last slot only if a later-stage activation is live (its
+            # I and W will free memory); else the micro-batches in flight could never come back
+            # through the later stage's F: a memory deadlock.
+            room = caps[p] - (1 if s != held[p][0] and not live_last[p] else 0)
+            j = next_f[s]
+            if live[p] < room and j < n and (ready := f_ready(s, j)) is not None and ready <= t:
+                return F, s, j
         if pending_w[p]:
             j, s = heapq.heappop(pending_w[p])
             return W, s, j
@@ -205,12 +211,14 @@ def greedy_split_orders(num_stages: int, num_micro_batches: int, position_of_sta
                 f_end[(s, j)] = end
                 next_f[s] += 1
                 live[p] += 1
+                live_last[p] += s == held[p][0]
             elif kind == I:
                 i_end[(s, j)] = end
                 next_i[s] += 1
                 heapq.heappush(pending_w[p], (j, s))
             else:
                 live[p] -= 1
+                live_last[p] -= s == held[p][0]
             clock[p] = end
             todo[p] -= 1
         later = [c for c in clock.values() if c > now]
@@ -224,7 +232,8 @@ def greedy_split_orders(num_stages: int, num_micro_batches: int, position_of_sta
 
 
 def zb_v(num_stages: int, num_micro_batches: int, dp_width: int = 1, num_virtual: int = 2,
-         merge: bool = True, order_costs: Sequence[float] | None = None, activation_memory: float = 1.0) -> Schedule:
+         merge: bool = True, order_costs: Sequence[float] | None = None, activation_memory: float = 1.0,
+         stage_costs: Sequence[float] | None = None) -> Schedule:
     """ZB-V: two model chunks per worker in a V, F/I/W ordered by :func:`greedy_split_orders`.
 
     The model is cut into 2D stages; worker r holds stage r and stage 2D−1−r, so a micro-batch
@@ -249,6 +258,9 @@ def zb_v(num_stages: int, num_micro_batches: int, dp_width: int = 1, num_virtual
             equal; the config's ``pipeline.order_costs``).
         activation_memory: the activation bound as a multiple of 1F1B's peak (>= 1; the config's
             ``pipeline.activation_memory``).
+        stage_costs: relative forward cost of each of the 2D stages (train.py passes the
+            partition's estimate: the V's end stages hold the embeddings and the heads, which cost
+            nothing alike); default equal. A stage's I and W scale with it by ``order_costs``.
 
     Raises:
         ValueError: N < 2D, num_virtual != 2, or a bad order_costs / activation_memory, with the fix.
@@ -266,10 +278,17 @@ def zb_v(num_stages: int, num_micro_batches: int, dp_width: int = 1, num_virtual
         raise ValueError(f"pipeline.activation_memory={activation_memory!r}: the bound is a multiple of 1F1B's "
                          f"peak, at least 1.0 (1.5 gives zb-v's order more room)")
     f_cost, i_cost, w_cost = _integer_costs(order_costs)
+    scale = [1.0] * (2 * d)
+    if stage_costs is not None:
+        if len(stage_costs) != 2 * d or min(stage_costs) <= 0:
+            raise ValueError(f"stage_costs={list(stage_costs)}: give {2 * d} positive relative costs, one per stage")
+        scale = [c / max(stage_costs) for c in stage_costs]
     positions = [v_position(s, d) for s in range(2 * d)]
     cap = max(2 * d, int(2 * d * activation_memory))
-    orders = greedy_split_orders(2 * d, n, positions, caps=[cap] * d, forward=[f_cost] * (2 * d),
-                                 input_grad=[i_cost] * (2 * d), weight_grad=[w_cost] * (2 * d))
+    orders = greedy_split_orders(2 * d, n, positions, caps=[cap] * d,
+                                 forward=[max(1, round(f_cost * x)) for x in scale],
+                                 input_grad=[max(1, round(i_cost * x)) for x in scale],
+                                 weight_grad=[max(1, round(w_cost * x)) for x in scale])
     workers = {(dp, 0, s): dp * d + positions[s] for dp in range(dp_width) for s in range(2 * d)}
     schedule = Schedule(
         method="zb-v",
@@ -285,7 +304,7 @@ def zb_v(num_stages: int, num_micro_batches: int, dp_width: int = 1, num_virtual
 def _integer_costs(order_costs: Sequence[float] | None) -> tuple[int, int, int]:
     """(F, I, W) relative costs as integers for the list scheduler (two significant digits)."""
     if order_costs is None:
-        return 1, 1, 1
+        return 100, 100, 100
     values = [float(x) for x in order_costs]
     if len(values) != 3 or min(values) <= 0:
         raise ValueError(f"pipeline.order_costs={list(order_costs)!r}: give three positive relative costs "
