@@ -45,6 +45,8 @@ CASES = {
     "1f1b-D2-N2-W2": ["pipeline=1f1b", "stages=2", "num_micro_batches=2", "data_parallel=2"],
     "chimera-D2-N2-W2": ["pipeline=chimera", "stages=2", "num_micro_batches=2", "data_parallel=2"],
     "gpipe-D2-N2-recompute": ["pipeline=gpipe", "stages=2", "num_micro_batches=2", "recompute=true"],
+    "zb-h1-D2-N2": ["pipeline=zb-h1", "stages=2", "num_micro_batches=2"],
+    "zb-v-D2-N4-recompute": ["pipeline=zb-v", "stages=2", "num_micro_batches=4", "recompute=true"],
 }
 
 

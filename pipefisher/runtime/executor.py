@@ -12,6 +12,16 @@ the wait is only paid where the data is consumed); on NCCL, which matches point-
 in issue order per pair of ranks and serializes a pair's sends behind its posted receives, a
 receive is posted when its RECV action is reached. Sends are waited for at the end of the step.
 
+Consecutive stages on one worker (zb-v's turn, where worker D−1 holds stages D−1 and D) exchange
+nothing: the later stage's forward takes the earlier one's output, detached, and the earlier
+stage's backward takes the later one's input gradient from memory.
+
+[Note: split backward]
+``I`` runs a micro-batch's backward with every ``nn.Linear`` weight-gradient product deferred
+(``runtime.split_backward``, [Note: deferred weight gradients]); it produces the input gradient the
+``SEND_B`` carries, as ``B`` does. ``W`` runs the deferred products into ``.grad``. SYNC_GRAD comes
+after a replica's last B or W, so it all-reduces complete gradients.
+
 [Note: gradient synchronization]
 ``SYNC_GRAD(stage, pipe)`` starts an asynchronous all-reduce (sum) of that stage's flattened
 gradients over all its replicas (Chimera twin, data-parallel copies), as soon as the replica's last
