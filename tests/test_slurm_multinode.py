@@ -223,7 +223,8 @@ def test_a_node_that_dies_mid_run_ends_the_job_promptly_naming_the_lost_task(two
     # as when a node fails. Worker 0 sees the connection close, fails, and files worker 1's result
     # naming the task and its node, so that `train.py -m` ends (this SLURM keeps no accounting for
     # submitit to read the job's end from). SLURM then declares the node down. The node is brought
-    # back afterwards for the tests that follow.
+    # back afterwards for the tests that follow. Like a real node failure, this also ends any other
+    # job on that node: run it on a cluster nobody else is using at the time (CI's own).
     sweep = tmp_path / "sweep"
     proc = _train(sweep, ["pipeline=chimera", "stages=2", "steps=100000"])
     alive = lambda: proc.poll() is None  # noqa: E731
