@@ -2,8 +2,8 @@
 measured at D=2 on the same BERT stages; then by simulation against the closed forms and the lower
 bound, and PipeFisher's K-FAC work on each schedule.
 
-    python bench/zero_bubble.py             # bert-mini, D=2, N=8, B=4, 12 paired rounds + simulation (~6 min)
-    python bench/zero_bubble.py --quick     # B=2, 3 rounds (~1.5 min)
+    python bench/zero_bubble.py             # bert-mini, D=2, N=8, B=4, 12 paired rounds + simulation (~15 min)
+    python bench/zero_bubble.py --quick     # B=2, 3 rounds, the PipeFisher simulation at D=8 only (~3 min)
     python bench/zero_bubble.py --sim-only  # the simulation tables, with I/W/B ratios given on the command line
 
 Measured variants (every one in the same two worker processes, rotated every round, DESIGN.md
@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import statistics
+import sys
 from collections import defaultdict
 
 import torch
@@ -268,14 +269,14 @@ def _simulate(ratios: dict[str, float]) -> None:
     print()
 
 
-def _pipefisher_table(ratios: dict[str, float]) -> None:
+def _pipefisher_table(ratios: dict[str, float], dims: tuple[int, ...] = (8, 16, 32)) -> None:
     """PipeFisher on each schedule: the K-FAC work of one refresh, the bubbles of one step, the k the
     planner reaches and the step time it predicts, from the built-in GPU cost estimate
     (``Hardware()``) of a BERT-large-width model with 2 encoder layers per worker."""
     print("PipeFisher by simulation (built-in GPU cost estimate; hidden 1024, 2 encoder layers per worker; "
           "N = 2D; I and W split B in the measured ratio)")
     rows = []
-    for d in (8, 16, 32):
+    for d in dims:
         for method, placement in (("1f1b", "after_capture"), ("chimera", "after_capture"), ("zb-h1", "after_capture"),
                                   ("zb-h1", "beside_w"), ("zb-v", "after_capture"), ("zb-v", "beside_w")):
             n = 2 * d
@@ -297,6 +298,7 @@ def _pipefisher_table(ratios: dict[str, float]) -> None:
             step = (max(e.end_ns for e in events) - min(e.start_ns for e in events)) / (2 * k)
             meta = a.metadata
             hidden = 1 - (meta.get("spilled_ns", 0) + meta.get("tail_ns", 0)) / max(1, meta["kfac_work_ns"])
+            print(f"  planned D={d} {method} ({placement}): k={k}", file=sys.stderr, flush=True)
             rows.append([d, method, placement, base / 1e6, meta["kfac_work_ns"] / 1e6, meta["bubble_ns"] / 1e6, meta["k_min"], k,
                          f"{hidden:.0%}", step / base, "fallback" if meta.get("fallback") else ""])
     print(h.table(["D", "schedule", "curvature", "step ms (no K-FAC)", "K-FAC work ms/refresh", "bubbles ms/step", "k_min", "k",
@@ -322,7 +324,7 @@ def main() -> None:
     else:
         ratios = _measure(args)
     _simulate(ratios)
-    _pipefisher_table(ratios)
+    _pipefisher_table(ratios, (8,) if args.quick else (8, 16, 32))
 
 
 if __name__ == "__main__":
