@@ -300,9 +300,9 @@ def _pipefisher_table(ratios: dict[str, float], dims: tuple[int, ...] = (8, 16, 
             hidden = 1 - (meta.get("spilled_ns", 0) + meta.get("tail_ns", 0)) / max(1, meta["kfac_work_ns"])
             print(f"  planned D={d} {method} ({placement}): k={k}", file=sys.stderr, flush=True)
             rows.append([d, method, placement, base / 1e6, meta["kfac_work_ns"] / 1e6, meta["bubble_ns"] / 1e6, meta["k_min"], k,
-                         f"{hidden:.0%}", step / base, "fallback" if meta.get("fallback") else ""])
+                         f"{hidden:.0%}", step / base, step / 1e6, "fallback" if meta.get("fallback") else ""])
     print(h.table(["D", "schedule", "curvature", "step ms (no K-FAC)", "K-FAC work ms/refresh", "bubbles ms/step", "k_min", "k",
-                   "work hidden", "step with PipeFisher / without", "note"], rows))
+                   "work hidden", "step with PipeFisher / without", "step with PipeFisher ms", "note"], rows))
     print("work and bubbles are summed over workers; hidden = 1 - (spilled + tail work) / work")
 
 
