@@ -47,7 +47,7 @@ from pipefisher.schedules.ir import Action, ActionKind, Schedule
 from pipefisher.schedules.passes import matching_send, worker_dp_groups
 from pipefisher.timeline import Event, bubble_utilization
 
-__all__ = ["ActionTime", "CostModel", "action_times", "peak_activations", "simulate", "simulate_phases",
+__all__ = ["ActionTime", "CostModel", "action_times", "compute_cost_fields", "peak_activations", "simulate", "simulate_phases",
            "simulated_bubble_ratio"]
 
 K = ActionKind
@@ -252,6 +252,25 @@ class CostModel:
     @property
     def step(self) -> int:
         return self.step_ns
+
+
+def compute_cost_fields(mean: dict[tuple[str, int], int], num_stages: int) -> dict[str, list[int]]:
+    """CostModel's F/B/I/W fields from per-(kind, stage) mean durations in ns.
+
+    A stage that ran only split backwards gets B = I + W; one that ran only full backwards gets
+    I and W as halves of B (``CostModel``'s default); one that ran both keeps each as measured.
+    """
+    forward, backward, input_grad, weight_grad = [], [], [], []
+    for s in range(num_stages):
+        b, i, w = mean.get(("B", s)), mean.get(("I", s)), mean.get(("W", s))
+        split = i is not None and w is not None
+        full = b if b is not None else ((i + w) if split else 0)
+        forward.append(mean.get(("F", s), 0))
+        backward.append(full)
+        input_grad.append(i if split else full - full // 2)
+        weight_grad.append(w if split else full // 2)
+    return {"forward_ns": forward, "backward_ns": backward, "input_grad_ns": input_grad,
+            "weight_grad_ns": weight_grad}
 
 
 class ActionTime(NamedTuple):

@@ -273,6 +273,26 @@ def test_costs_from_a_profile_recover_the_simulated_costs(tmp_path: Path, make_c
         truth.curv_a_ns, truth.curv_b_ns, truth.invert_ns, truth.precond_ns)
 
 
+def test_costs_from_a_zero_bubble_profile_recover_the_split_backward_costs(tmp_path: Path, make_cfg):
+    # zb-h1 at D=2, N=4 merges stage 0's I+W pairs into B and splits stage 1's: B is measured on
+    # stage 0, I and W on stage 1, and each stays as measured (B = I + W where only the split ran).
+    cfg = make_cfg("pipeline=zb-h1", "stages=2", "num_micro_batches=4")
+    truth = CostModel.uniform(2, 1000, 2000, p2p_ns=70, input_grad_ns=1200, weight_grad_ns=900)
+    events = simulate(build_schedule("zb-h1", 2, 4), truth, steps=2)
+    path = tmp_path / "profile.sqlite"
+    write_profile(path, events, metadata={"config": asdict(cfg), "method": "zb-h1", "num_stages": 2,
+                                          "num_micro_batches": 4, "device": "cpu", "oversubscribed": False})
+    kinds = {(e.kind, e.name[0]) for e in events if e.kind in ("B", "I", "W")}
+    cost = costs_from_profile(read_profile(path), path=path)
+    assert cost.forward_ns == truth.forward_ns
+    for s in range(2):
+        if ("I", str(s)) in kinds:
+            assert (cost.input_grad_ns[s], cost.weight_grad_ns[s]) == (1200, 900)
+        if ("B", str(s)) in kinds:
+            assert cost.backward_ns[s] == 2000
+    assert ("I", "1") in kinds
+
+
 def test_costs_from_a_profile_without_kfac_estimate_it_at_the_measured_rate(tmp_path: Path, make_cfg):
     path, _ = _profile(tmp_path, make_cfg)
     cost = costs_from_profile(read_profile(path), path=path)

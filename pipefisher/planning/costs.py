@@ -38,7 +38,7 @@ from pipefisher.profiling import Profile
 from pipefisher.schedules import Action, ActionKind, Schedule, build_schedule
 from pipefisher.schedules.kfac import LINEARS_PER_ENCODER_LAYER
 from pipefisher.schedules.passes import matching_send
-from pipefisher.simulate import CostModel
+from pipefisher.simulate import CostModel, compute_cost_fields
 from pipefisher.timeline import is_wait
 
 __all__ = [
@@ -366,8 +366,9 @@ def costs_from_profile(profile: Profile, run: RunShape | None = None, *,
             recvs.append((e.step, e.worker, a, e.start_ns, e.end_ns))
         else:
             durations[(a.kind.value, a.stage, a.layer)].append(e.duration_ns)
-    for kind in ("F", "B"):
-        missing = [s for s in range(d) if not durations.get((kind, s, None))]
+    for kind in ("F", "B"):  # a stage's backwards may all be split: I and W then stand for B
+        missing = [s for s in range(d) if not durations.get((kind, s, None))
+                   and not (kind == "B" and durations.get(("I", s, None)) and durations.get(("W", s, None)))]
         if missing:
             raise ValueError(f"{where}: no {kind} events for stage(s) {missing} of {d}; the profile is not of "
                              f"a {run.method} run with {run.stages} stages: profile it (python profile.py "
@@ -438,9 +439,13 @@ def costs_from_profile(profile: Profile, run: RunShape | None = None, *,
     if not any(k[0] in ("CURV_A", "CURV_B", "INVERT") for k in durations):
         log.info("%s has no K-FAC events: K-FAC unit costs estimated from FLOPs at the measured "
                  "forward rate (%.3g FLOP/s)", where, statistics.mean(rate) * 1e9)
+    compute = compute_cost_fields({(kind, s): _mean(durations[(kind, s, None)]) for kind in ("F", "B", "I", "W")
+                                   for s in range(d) if durations.get((kind, s, None))}, d)
     return CostModel(
         forward_ns=fwd,
-        backward_ns=tuple(_mean(durations[("B", s, None)]) for s in range(d)),
+        backward_ns=tuple(compute["backward_ns"]),
+        input_grad_ns=tuple(compute["input_grad_ns"]),
+        weight_grad_ns=tuple(compute["weight_grad_ns"]),
         p2p_ns=round(statistics.median(latencies)) if latencies else 0,
         sync_ns=sync,
         step_ns=_mean(steps) if steps else 0,

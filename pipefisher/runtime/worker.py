@@ -74,7 +74,7 @@ from pipefisher.schedules.kfac_baseline import on_critical_path
 from pipefisher.schedules.kfac import Assignment, assignment_from_json, critical_path_assignment, kfac_layer_counts
 from pipefisher.schedules import build_schedule
 from pipefisher.schedules.ir import Action, ActionKind, Schedule
-from pipefisher.simulate import CostModel, simulate
+from pipefisher.simulate import CostModel, compute_cost_fields, simulate
 from pipefisher.timeline import COMPUTE_KINDS, Event, bubble_utilization, busy_ns, is_wait
 from pipefisher.tracking import METRICS_FILE, MetricsWriter, WandbLogger
 from pipefisher.training import (
@@ -188,25 +188,6 @@ def _mean_ns(durations: Sequence[int]) -> int:
     return round(sum(durations) / len(durations))
 
 
-def compute_costs(mean: dict[tuple[str, int], int], num_stages: int) -> dict[str, list[int]]:
-    """CostModel's F/B/I/W fields from per-(kind, stage) mean durations in ns.
-
-    A stage that ran only split backwards gets B = I + W; one that ran only full backwards gets
-    I and W as halves of B (``CostModel``'s default); one that ran both keeps each as measured.
-    """
-    forward, backward, input_grad, weight_grad = [], [], [], []
-    for s in range(num_stages):
-        b, i, w = mean.get(("B", s)), mean.get(("I", s)), mean.get(("W", s))
-        split = i is not None and w is not None
-        full = b if b is not None else ((i + w) if split else 0)
-        forward.append(mean.get(("F", s), 0))
-        backward.append(full)
-        input_grad.append(i if split else full - full // 2)
-        weight_grad.append(w if split else full // 2)
-    return {"forward_ns": forward, "backward_ns": backward, "input_grad_ns": input_grad,
-            "weight_grad_ns": weight_grad}
-
-
 def _measured_costs(events: list[Event], schedule: Schedule, kfac_layers: Sequence[int] = ()) -> CostModel:
     """Mean F, B (and split I, W) time per stage in this step's timeline → a cost model for the simulator.
 
@@ -225,7 +206,7 @@ def _measured_costs(events: list[Event], schedule: Schedule, kfac_layers: Sequen
             kfac.setdefault((e.kind, a.stage, a.layer), []).append(e.duration_ns)
     mean = {k: _mean_ns(v) for k, v in sums.items()}
     d = schedule.num_stages
-    compute = compute_costs(mean, d)
+    compute = compute_cost_fields(mean, d)
     if not kfac_layers:
         return CostModel(**compute)
 
