@@ -241,3 +241,27 @@ def test_num_micro_batches_auto_fills_the_v() -> None:
     from tests.conftest import compose_train
     assert compose_train(["pipeline=zb-v", "stages=2"]).num_micro_batches == 4
     assert compose_train(["pipeline=zb-h1", "stages=2"]).num_micro_batches == 2
+
+
+def test_schedule_py_recognizes_zero_bubble_profiles_whatever_their_order() -> None:
+    # A zb-v run orders its V by its model's stage costs, and which I+W pairs merge depends on that
+    # order: inference from a profile's actions must still name zb-v (and zb-h1 by its order).
+    from pipefisher.planning.infer import infer_shape
+    cost = CostModel.uniform(4, U, 2 * U)
+    tuned = build_schedule("zb-v", 2, 8, num_virtual=2, stage_costs=[0.05, 1, 2, 2.4])
+    assert tuned.actions != build_schedule("zb-v", 2, 8, num_virtual=2).actions
+    shape = infer_shape(simulate(tuned, cost))
+    assert (shape.methods, shape.stages, shape.num_micro_batches, shape.num_virtual) == (("zb-v",), 2, 8, 2)
+    h1 = infer_shape(simulate(build_schedule("zb-h1", 2, 4), CostModel.uniform(2, U, 2 * U)))
+    assert "zb-h1" in h1.methods and (h1.stages, h1.num_micro_batches) == (2, 4)
+
+
+def test_the_planner_and_train_py_build_the_same_zb_v_schedule() -> None:
+    from pipefisher.runtime.worker import run_shape, schedule_for
+    from tests.conftest import compose_train
+    cfg = compose_train(["pipeline=zb-v", "stages=2", "model=bert-mini", "num_micro_batches=8"])
+    from pipefisher.planning.costs import RunShape
+    from dataclasses import asdict
+    from_profile = RunShape.from_train_config(asdict(cfg))  # what schedule.py reads from profile.sqlite
+    assert from_profile.partition == run_shape(cfg).partition
+    assert from_profile.build_schedule().actions == schedule_for(cfg).actions

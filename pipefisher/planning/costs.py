@@ -133,6 +133,8 @@ class RunShape:
         layers_per_stage: encoder layers per model stage; None balances by estimated cost.
         recompute: activation recomputation in the backward.
         precision: fp32 or bf16 (bytes of activations).
+        order_costs: zb-v: the relative [F, I, W] its list scheduler orders by (None: equal).
+        activation_memory: zb-v: the activation bound as a multiple of 1F1B's peak.
     """
 
     bert: BertConfig
@@ -147,6 +149,8 @@ class RunShape:
     layers_per_stage: tuple[int, ...] | None = None
     recompute: bool = False
     precision: str = "fp32"
+    order_costs: tuple[float, ...] | None = None
+    activation_memory: float = 1.0
 
     @property
     def num_model_stages(self) -> int:
@@ -155,7 +159,7 @@ class RunShape:
     @property
     def partition(self) -> list[tuple[int, int]]:
         return partition_layers(self.bert, self.num_model_stages, self.seq_len, self.max_predictions,
-                                self.layers_per_stage)
+                                self.layers_per_stage, v_shape=self.method == "zb-v")
 
     @property
     def encoder_layers(self) -> list[int]:
@@ -187,9 +191,16 @@ class RunShape:
         return 2 if self.precision == "bf16" else 4
 
     def build_schedule(self, dp_width: int | None = None) -> Schedule:
-        """The run's checked schedule (``dp_width`` overrides W, e.g. 1 to simulate one group)."""
+        """The run's checked schedule (``dp_width`` overrides W, e.g. 1 to simulate one group); what
+        ``train.py`` runs (``runtime.worker.schedule_for`` calls this)."""
+        options: dict[str, Any] = {}
+        if self.method == "zb-v":  # its list scheduler orders by the V partition's estimated stage costs
+            estimate = stage_costs(layer_costs(self.bert, self.seq_len, self.max_predictions), self.partition)
+            options = {"order_costs": self.order_costs, "activation_memory": self.activation_memory,
+                       "stage_costs": [max(c, 1e-3 * max(estimate)) for c in estimate]}
         return build_schedule(self.method, self.stages, self.num_micro_batches,
-                              self.dp_width if dp_width is None else dp_width, num_virtual=self.num_virtual)
+                              self.dp_width if dp_width is None else dp_width, num_virtual=self.num_virtual,
+                              **options)
 
     @classmethod
     def from_train_config(cls, cfg: Mapping[str, Any]) -> RunShape:
@@ -210,7 +221,9 @@ class RunShape:
                    dp_width=cfg.get("data_parallel", 1), num_virtual=p.get("num_virtual", 1),
                    seq_len=d["seq_len"], max_predictions=d["max_predictions"],
                    layers_per_stage=tuple(lps) if lps else None, recompute=bool(cfg.get("recompute", False)),
-                   precision=cfg.get("precision", "fp32"))
+                   precision=cfg.get("precision", "fp32"),
+                   order_costs=tuple(p["order_costs"]) if p.get("order_costs") else None,
+                   activation_memory=float(p.get("activation_memory", 1.0)))
 
 
 def _kfac_flops(bert: BertConfig, encoder_layers: Sequence[int], tokens: int) -> dict[str, list[list[float]]]:

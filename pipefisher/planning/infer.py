@@ -13,9 +13,9 @@ from __future__ import annotations
 import logging
 from collections import defaultdict
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
-from pipefisher.schedules import GENERATORS, Action, build_schedule
+from pipefisher.schedules import GENERATORS, Action, ActionKind, build_schedule
 from pipefisher.timeline import Event
 
 __all__ = ["ProfiledShape", "infer_shape"]
@@ -64,13 +64,25 @@ def _candidates(model_stages: int, workers: int) -> list[tuple[str, int, int, in
     """``(method, D, W, num_virtual)`` shapes that fit the counts."""
     out = []
     for method in GENERATORS:
-        for v in (range(2, _MAX_VIRTUAL + 1) if method == "interleaved" else (1,)):
+        for v in (range(2, _MAX_VIRTUAL + 1) if method == "interleaved" else (2,) if method == "zb-v" else (1,)):
             if model_stages % v:
                 continue
             d = model_stages // v
             if d and workers % d == 0:
                 out.append((method, d, workers // d, v))
     return out
+
+
+def _as_split(names: Sequence[str]) -> list[str]:
+    """Compute-action names, sorted, with every full backward B written as its I and W."""
+    out = []
+    for name in names:
+        a = Action.from_str(name)
+        if a.kind == ActionKind.BACKWARD:
+            out += [str(replace(a, kind=k)) for k in (ActionKind.BACKWARD_INPUT, ActionKind.BACKWARD_WEIGHT)]
+        else:
+            out.append(name)
+    return sorted(out)
 
 
 def infer_shape(events: Sequence[Event]) -> ProfiledShape | None:
@@ -102,7 +114,11 @@ def infer_shape(events: Sequence[Event]) -> ProfiledShape | None:
         except Exception as exc:  # noqa: BLE001 - a shape a generator refuses is simply no candidate
             log.debug("not %s D=%d N=%d W=%d v=%d: %s", method, d, n, w, v, exc)
             continue
-        if all([str(a) for a in schedule.actions.get(worker, ()) if a.kind.value in _COMPUTE] == names
+        # zb-v's order depends on the run's stage costs (pipeline.order_costs, the model): its V
+        # placement, the same actions on the same workers, identifies it.
+        # Which I+W pairs merged into a B depends on that order too, so compare with B as I and W.
+        same = (lambda x, y: _as_split(x) == _as_split(y)) if method == "zb-v" else (lambda x, y: x == y)
+        if all(same([str(a) for a in schedule.actions.get(worker, ()) if a.kind.value in _COMPUTE], names)
                for worker, names in orders.items()):
             matches.append((method, d, w, v))
     if not matches:

@@ -38,7 +38,7 @@ from tqdm import tqdm
 
 from pipefisher.config import TrainConfig
 from pipefisher.data import get_micro_batch
-from pipefisher.model import BertStage, layer_costs, partition_layers, stage_costs
+from pipefisher.model import BertStage, partition_layers
 from pipefisher.profiling.nvtx import mark_rank
 from pipefisher.profiling import (WorkerOrigin, local_origin, plot_timeline, utilization_table, write_profile,
                                   write_trace_json)
@@ -98,24 +98,8 @@ CPU_HARDWARE = Hardware(flops_per_s=3e10, p2p_bytes_per_s=2e9, memory_bytes_per_
 
 
 def schedule_for(cfg: TrainConfig) -> Schedule:
-    """The checked schedule of a run (pure function of the config)."""
-    zb_v = {}
-    if cfg.pipeline.method == "zb-v":  # its list scheduler orders by the V partition's estimated stage costs
-        bert = bert_config(cfg)
-        partition = partition_layers(bert, cfg.stages * cfg.pipeline.num_virtual, seq_len=cfg.data.seq_len,
-                                     max_predictions=cfg.data.max_predictions,
-                                     layers_per_stage=cfg.pipeline.layers_per_stage, v_shape=True)
-        estimate = stage_costs(layer_costs(bert, cfg.data.seq_len, cfg.data.max_predictions), partition)
-        zb_v = {"order_costs": cfg.pipeline.order_costs, "activation_memory": cfg.pipeline.activation_memory,
-                "stage_costs": [max(c, 1e-3 * max(estimate)) for c in estimate]}
-    return build_schedule(
-        cfg.pipeline.method,
-        cfg.stages,
-        cfg.num_micro_batches,
-        dp_width=cfg.data_parallel,
-        num_virtual=cfg.pipeline.num_virtual,
-        **zb_v,
-    )
+    """The checked schedule of a run (pure function of the config; ``RunShape.build_schedule``)."""
+    return run_shape(cfg).build_schedule()
 
 
 def build_stage_modules(cfg: TrainConfig, schedule: Schedule, rank: int) -> dict[StageKey, BertStage]:
@@ -375,6 +359,8 @@ def run_shape(cfg: TrainConfig) -> RunShape:
         layers_per_stage=tuple(encoder_layers_per_stage(cfg, cfg.stages * cfg.pipeline.num_virtual)),
         recompute=cfg.recompute,
         precision=cfg.precision,
+        order_costs=tuple(cfg.pipeline.order_costs) if cfg.pipeline.order_costs else None,
+        activation_memory=cfg.pipeline.activation_memory,
     )
 
 
