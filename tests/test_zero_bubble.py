@@ -265,3 +265,31 @@ def test_the_planner_and_train_py_build_the_same_zb_v_schedule() -> None:
     from_profile = RunShape.from_train_config(asdict(cfg))  # what schedule.py reads from profile.sqlite
     assert from_profile.partition == run_shape(cfg).partition
     assert from_profile.build_schedule().actions == schedule_for(cfg).actions
+
+
+@pytest.mark.parametrize("method", ["zb-h1", "zb-v"])
+def test_curvature_beside_w_runs_after_the_micro_batchs_w(method: str) -> None:
+    # [Note: curvature beside W]: every CURV_A/CURV_B of a micro-batch runs after that micro-batch's
+    # W (or its merged B) on the same worker; after_capture lets CURV_B run right after the I.
+    from pipefisher.planning.assign import plan_pipefisher
+    from pipefisher.schedules.kfac import kfac_layer_counts
+    schedule = build_schedule(method, 2, 4, **({"num_virtual": 2} if method == "zb-v" else {}))
+    layers = kfac_layer_counts(schedule, [1] * schedule.num_stages)
+    cost = CostModel.uniform(schedule.num_stages, 10 * U, 20 * U, input_grad_ns=11 * U, weight_grad_ns=9 * U,
+                             kfac_layers=6, curv_a_ns=U, curv_b_ns=U, invert_ns=2 * U, precond_ns=U)
+    for placement, after in (("beside_w", (K.BACKWARD_WEIGHT, K.BACKWARD)),
+                             ("after_capture", (K.BACKWARD_INPUT, K.BACKWARD, K.FORWARD))):
+        plan = plan_pipefisher(schedule, cost, layers, curvature_placement=placement)
+        assert plan.metadata["curvature_placement"] == placement
+        seen = 0
+        for phase in plan.phases:
+            for acts in phase.actions.values():
+                for i, a in enumerate(acts):
+                    if a.kind in (K.CURV_A, K.CURV_B):
+                        seen += 1
+                        before = {(x.kind, x.stage, x.micro_batch) for x in acts[:i]}
+                        assert any((k, a.stage, a.micro_batch) in before for k in after), (placement, a)
+                        if placement == "beside_w":
+                            assert ((K.BACKWARD_WEIGHT, a.stage, a.micro_batch) in before
+                                    or (K.BACKWARD, a.stage, a.micro_batch) in before), a
+        assert seen > 0

@@ -56,6 +56,7 @@ class ScheduleConfig:
     max_interval: int = 8  # largest K-FAC refresh interval k PipeFisher may choose
     max_staleness: Optional[int] = None  # bound on the curvature age (2k-1 <= it); None = no bound
     curvature_micro_batches: int = 0  # K-FAC curvature from the first n micro-batches of each pipe; 0 = all
+    curvature_placement: str = "after_capture"  # after_capture (after F / B or I) or beside_w (after the micro-batch's W; zero-bubble schedules)
     kfac_interval: int = 1  # refresh interval of the kfac (critical path) baseline in the summary
     gpu: str = "auto"  # profile times: auto = kernel time when the profile has CUDA kernels (nsys --trace=cuda); true; false = CPU ranges
     warmup_steps: int = 1  # steps dropped from the start of an nsys export (profile.py's own profiles dropped theirs already)
@@ -80,6 +81,9 @@ class ScheduleConfig:
             raise ConfigError(f"allreduce_bytes_per_s={self.allreduce_bytes_per_s!r}: must be positive, or null")
         if self.max_staleness is not None and self.max_staleness < 1:
             raise ConfigError(f"max_staleness={self.max_staleness!r}: must be >= 1 (2k-1 with k=1), or null")
+        if self.curvature_placement not in ("after_capture", "beside_w"):
+            raise ConfigError(f"curvature_placement={self.curvature_placement!r}: use after_capture (curvature "
+                              f"after its F / its B or I) or beside_w (after the micro-batch's W)")
         if self.curvature_micro_batches < 0:
             raise ConfigError(f"curvature_micro_batches={self.curvature_micro_batches!r}: must be >= 0 (0 = all)")
         if str(self.gpu).lower() not in ("auto", "true", "false"):
