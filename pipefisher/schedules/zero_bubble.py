@@ -241,9 +241,8 @@ def zb_v(num_stages: int, num_micro_batches: int, dp_width: int = 1, num_virtual
     Each worker holds at most 2D chunk activations between F and W (times ``activation_memory``):
     D micro-batches of its share of the model, 1F1B's peak on its first stage. With equal costs
     and N ≥ 2D the step is the lower bound N(F+I+W) + (D−1)·F/2 (F, I, W per worker-share;
-    tests/test_zero_bubble.py); with I > W the memory bound costs a few per cent, which
-    ``order_costs`` (the measured F, I, W) and ``activation_memory`` > 1 win back (bench/README.md,
-    "Zero-bubble schedules").
+    tests/test_zero_bubble.py); with the measured, unequal costs the greedy order is 0–8 % over it
+    (bench/README.md, section 8, which also measures ``order_costs`` and ``activation_memory`` > 1).
 
     Note: ``num_stages`` is the number of *workers* per pipeline (the config's ``stages``); the
     returned ``Schedule.num_stages`` is 2D.
@@ -259,8 +258,8 @@ def zb_v(num_stages: int, num_micro_batches: int, dp_width: int = 1, num_virtual
         activation_memory: the activation bound as a multiple of 1F1B's peak (>= 1; the config's
             ``pipeline.activation_memory``).
         stage_costs: relative forward cost of each of the 2D stages (train.py passes the
-            partition's estimate: the V's end stages hold the embeddings and the heads, which cost
-            nothing alike); default equal. A stage's I and W scale with it by ``order_costs``.
+            partition's estimate: the V's end stages hold the embeddings and the heads, whose costs
+            differ widely); default equal. A stage's I and W scale with it by ``order_costs``.
 
     Raises:
         ValueError: N < 2D, num_virtual != 2, or a bad order_costs / activation_memory, with the fix.
