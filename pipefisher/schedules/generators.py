@@ -15,9 +15,10 @@ Error messages name the config field (``stages``, ``num_micro_batches``, ``data_
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 
 from pipefisher.schedules.ir import Action, ActionKind, Placement, Schedule
+from pipefisher.schedules.shapes import check_common, linear_placement, multiple_hint, replicate
 from pipefisher.schedules.zero_bubble import zb_h1, zb_v
 
 __all__ = [
@@ -35,38 +36,6 @@ F = ActionKind.FORWARD
 B = ActionKind.BACKWARD
 
 GeneratorFn = Callable[..., Schedule]
-
-
-# -- shared helpers ----------------------------------------------------------------------------
-
-
-def _check_common(num_stages: int, num_micro_batches: int, dp_width: int) -> None:
-    for name, value in (("stages", num_stages), ("num_micro_batches", num_micro_batches),
-                        ("data_parallel", dp_width)):
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise ValueError(f"{name}={value!r}: must be a positive integer; use {name}=1 or more")
-
-
-def _multiple_hint(value: int, of: int) -> str:
-    lower = value // of * of
-    upper = lower + of
-    return f"num_micro_batches={lower} or {upper}" if lower >= of else f"num_micro_batches={upper}"
-
-
-def _linear_placement(num_stages: int, num_workers_per_group: int, dp_width: int,
-                      position_of_stage: Callable[[int], int]) -> Placement:
-    workers = {
-        (dp, 0, s): dp * num_workers_per_group + position_of_stage(s)
-        for dp in range(dp_width)
-        for s in range(num_stages)
-    }
-    return Placement(num_stages=num_stages, num_pipes=1, dp_width=dp_width, workers=workers)
-
-
-def _replicate(orders: Sequence[Sequence[Action]], dp_width: int) -> dict[int, tuple[Action, ...]]:
-    """Give every data-parallel group the same per-position orders (worker = dp * D + position)."""
-    d = len(orders)
-    return {dp * d + pos: tuple(order) for dp in range(dp_width) for pos, order in enumerate(orders)}
 
 
 # -- GPipe -------------------------------------------------------------------------------------
@@ -87,7 +56,7 @@ def gpipe(num_stages: int, num_micro_batches: int, dp_width: int = 1) -> Schedul
     Returns:
         A compute-only schedule with D·W workers.
     """
-    _check_common(num_stages, num_micro_batches, dp_width)
+    check_common(num_stages, num_micro_batches, dp_width)
     d, n = num_stages, num_micro_batches
     orders = [
         [Action(F, s, j) for j in range(n)] + [Action(B, s, j) for j in range(n)] for s in range(d)
@@ -96,8 +65,8 @@ def gpipe(num_stages: int, num_micro_batches: int, dp_width: int = 1) -> Schedul
         method="gpipe",
         num_stages=d,
         num_micro_batches=n,
-        placement=_linear_placement(d, d, dp_width, lambda s: s),
-        actions=_replicate(orders, dp_width),
+        placement=linear_placement(d, d, dp_width, lambda s: s),
+        actions=replicate(orders, dp_width),
         pipe_of_micro_batch=(0,) * n,
     )
 
@@ -133,15 +102,15 @@ def one_f_one_b(num_stages: int, num_micro_batches: int, dp_width: int = 1) -> S
     Returns:
         A compute-only schedule with D·W workers.
     """
-    _check_common(num_stages, num_micro_batches, dp_width)
+    check_common(num_stages, num_micro_batches, dp_width)
     d, n = num_stages, num_micro_batches
     orders = [_one_f_one_b_order(s, d, n) for s in range(d)]
     return Schedule(
         method="1f1b",
         num_stages=d,
         num_micro_batches=n,
-        placement=_linear_placement(d, d, dp_width, lambda s: s),
-        actions=_replicate(orders, dp_width),
+        placement=linear_placement(d, d, dp_width, lambda s: s),
+        actions=replicate(orders, dp_width),
         pipe_of_micro_batch=(0,) * n,
     )
 
@@ -226,7 +195,7 @@ def chimera(num_stages: int, num_micro_batches: int, dp_width: int = 1) -> Sched
     Raises:
         ValueError: D odd, or N not a multiple of D.
     """
-    _check_common(num_stages, num_micro_batches, dp_width)
+    check_common(num_stages, num_micro_batches, dp_width)
     d, n = num_stages, num_micro_batches
     if d % 2:
         options = " or ".join(f"stages={x}" for x in (d - 1, d + 1) if x >= 2)
@@ -234,7 +203,7 @@ def chimera(num_stages: int, num_micro_batches: int, dp_width: int = 1) -> Sched
     if n % d:
         raise ValueError(
             f"num_micro_batches={n}: chimera needs a multiple of stages={d} (whole basic units); "
-            f"use {_multiple_hint(n, d)}"
+            f"use {multiple_hint(n, d)}"
         )
     slots = chimera_slots(d, n)
     orders = [[a for _, a in slots[r]] for r in range(d)]
@@ -249,7 +218,7 @@ def chimera(num_stages: int, num_micro_batches: int, dp_width: int = 1) -> Sched
         num_stages=d,
         num_micro_batches=n,
         placement=Placement(num_stages=d, num_pipes=2, dp_width=dp_width, workers=workers),
-        actions=_replicate(orders, dp_width),
+        actions=replicate(orders, dp_width),
         pipe_of_micro_batch=tuple((j % d) // half for j in range(n)),
     )
 
@@ -300,22 +269,22 @@ def interleaved(num_stages: int, num_micro_batches: int, dp_width: int = 1,
     Returns:
         A compute-only schedule with D·W workers and D·v stages.
     """
-    _check_common(num_stages, num_micro_batches, dp_width)
+    check_common(num_stages, num_micro_batches, dp_width)
     d, n, v = num_stages, num_micro_batches, num_virtual
     if not isinstance(v, int) or isinstance(v, bool) or v < 1:
         raise ValueError(f"pipeline.num_virtual={v!r}: must be a positive integer; use 2 or more")
     if v > 1 and n % d:
         raise ValueError(
             f"num_micro_batches={n}: interleaved needs a multiple of stages={d}; "
-            f"use {_multiple_hint(n, d)}"
+            f"use {multiple_hint(n, d)}"
         )
     orders = [_interleaved_order(r, d, n, v) for r in range(d)]
     return Schedule(
         method="interleaved",
         num_stages=d * v,
         num_micro_batches=n,
-        placement=_linear_placement(d * v, d, dp_width, lambda k: k % d),
-        actions=_replicate(orders, dp_width),
+        placement=linear_placement(d * v, d, dp_width, lambda k: k % d),
+        actions=replicate(orders, dp_width),
         pipe_of_micro_batch=(0,) * n,
     )
 

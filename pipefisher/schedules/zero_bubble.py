@@ -26,25 +26,14 @@ import heapq
 from collections.abc import Sequence
 from dataclasses import replace
 
-from pipefisher.schedules.ir import Action, ActionKind, Placement, Schedule
+from pipefisher.schedules.ir import Action, ActionKind, Schedule
+from pipefisher.schedules.shapes import check_common, linear_placement, replicate
 
 __all__ = ["zb_h1", "zb_v", "greedy_split_orders", "merge_adjacent_backwards", "v_position"]
 
 F = ActionKind.FORWARD
 I = ActionKind.BACKWARD_INPUT  # noqa: E741 - the IR's name
 W = ActionKind.BACKWARD_WEIGHT
-
-
-def _check(num_stages: int, num_micro_batches: int, dp_width: int) -> None:
-    for name, value in (("stages", num_stages), ("num_micro_batches", num_micro_batches),
-                        ("data_parallel", dp_width)):
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise ValueError(f"{name}={value!r}: must be a positive integer; use {name}=1 or more")
-
-
-def _replicate(orders: Sequence[Sequence[Action]], dp_width: int) -> dict[int, tuple[Action, ...]]:
-    d = len(orders)
-    return {dp * d + pos: tuple(order) for dp in range(dp_width) for pos, order in enumerate(orders)}
 
 
 # -- ZB-H1 -------------------------------------------------------------------------------------
@@ -90,16 +79,15 @@ def zb_h1(num_stages: int, num_micro_batches: int, dp_width: int = 1, merge: boo
     Returns:
         A compute-only schedule with D·W workers (``method="zb-h1"``).
     """
-    _check(num_stages, num_micro_batches, dp_width)
+    check_common(num_stages, num_micro_batches, dp_width)
     d, n = num_stages, num_micro_batches
     orders = [_zb_h1_order(s, d, n) for s in range(d)]
-    workers = {(dp, 0, s): dp * d + s for dp in range(dp_width) for s in range(d)}
     schedule = Schedule(
         method="zb-h1",
         num_stages=d,
         num_micro_batches=n,
-        placement=Placement(num_stages=d, num_pipes=1, dp_width=dp_width, workers=workers),
-        actions=_replicate(orders, dp_width),
+        placement=linear_placement(d, d, dp_width, lambda s: s),
+        actions=replicate(orders, dp_width),
         pipe_of_micro_batch=(0,) * n,
     )
     return merge_adjacent_backwards(schedule) if merge else schedule
@@ -264,7 +252,7 @@ def zb_v(num_stages: int, num_micro_batches: int, dp_width: int = 1, num_virtual
     Raises:
         ValueError: N < 2D, num_virtual != 2, or a bad order_costs / activation_memory, with the fix.
     """
-    _check(num_stages, num_micro_batches, dp_width)
+    check_common(num_stages, num_micro_batches, dp_width)
     d, n = num_stages, num_micro_batches
     if num_virtual != 2:
         raise ValueError(f"pipeline.num_virtual={num_virtual!r}: zb-v places exactly 2 model chunks per "
@@ -288,13 +276,12 @@ def zb_v(num_stages: int, num_micro_batches: int, dp_width: int = 1, num_virtual
                                  forward=[max(1, round(f_cost * x)) for x in scale],
                                  input_grad=[max(1, round(i_cost * x)) for x in scale],
                                  weight_grad=[max(1, round(w_cost * x)) for x in scale])
-    workers = {(dp, 0, s): dp * d + positions[s] for dp in range(dp_width) for s in range(2 * d)}
     schedule = Schedule(
         method="zb-v",
         num_stages=2 * d,
         num_micro_batches=n,
-        placement=Placement(num_stages=2 * d, num_pipes=1, dp_width=dp_width, workers=workers),
-        actions=_replicate(orders, dp_width),
+        placement=linear_placement(2 * d, d, dp_width, positions.__getitem__),
+        actions=replicate(orders, dp_width),
         pipe_of_micro_batch=(0,) * n,
     )
     return merge_adjacent_backwards(schedule) if merge else schedule

@@ -1,0 +1,42 @@
+"""Shape helpers shared by the schedule generators (``generators``, ``zero_bubble``): checks of
+the requested shape, one-pipe placements and per-group replication of per-position orders."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+from pipefisher.schedules.ir import Action, Placement
+
+__all__ = ["check_common", "linear_placement", "multiple_hint", "replicate"]
+
+
+def check_common(num_stages: int, num_micro_batches: int, dp_width: int) -> None:
+    """Refuse a shape that is not positive integers, naming the config field and the fix."""
+    for name, value in (("stages", num_stages), ("num_micro_batches", num_micro_batches),
+                        ("data_parallel", dp_width)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{name}={value!r}: must be a positive integer; use {name}=1 or more")
+
+
+def multiple_hint(value: int, of: int) -> str:
+    """The nearest multiples of ``of`` around ``value``, as config values for an error message."""
+    lower = value // of * of
+    upper = lower + of
+    return f"num_micro_batches={lower} or {upper}" if lower >= of else f"num_micro_batches={upper}"
+
+
+def linear_placement(num_stages: int, num_workers_per_group: int, dp_width: int,
+                     position_of_stage: Callable[[int], int]) -> Placement:
+    """One pipe; stage s of data-parallel group dp on worker ``dp * workers_per_group + position``."""
+    workers = {
+        (dp, 0, s): dp * num_workers_per_group + position_of_stage(s)
+        for dp in range(dp_width)
+        for s in range(num_stages)
+    }
+    return Placement(num_stages=num_stages, num_pipes=1, dp_width=dp_width, workers=workers)
+
+
+def replicate(orders: Sequence[Sequence[Action]], dp_width: int) -> dict[int, tuple[Action, ...]]:
+    """Give every data-parallel group the same per-position orders (worker = dp * D + position)."""
+    d = len(orders)
+    return {dp * d + pos: tuple(order) for dp in range(dp_width) for pos, order in enumerate(orders)}
