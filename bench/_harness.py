@@ -31,6 +31,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from torch import nn
 
 import pipefisher
 
@@ -38,6 +39,8 @@ from pipefisher.config import TrainConfig, register_configs, to_train_config
 
 __all__ = [
     "REPO",
+    "BatchFeed",
+    "TensorStage",
     "compose",
     "cores",
     "caveat",
@@ -168,6 +171,41 @@ def _fmt(v: Any) -> str:
             return "n/a"
         return f"{v:.3f}" if abs(v) < 10 else f"{v:.1f}"
     return str(v)
+
+
+class BatchFeed:
+    """One stage's micro-batches of the current step for torch.distributed.pipelining, handed out
+    in forward order: the k-th forward of a step on a stage is micro-batch k (true for every torch
+    schedule the benchmarks run). See ``vs_torch_pipelining.py``, [Note: one BERT stage, two
+    calling conventions].
+
+    Args:
+        worker: a ``PipelineWorker``; its ``get_batch(step, micro_batch)`` gives the batch.
+    """
+
+    def __init__(self, worker: Any) -> None:
+        self.worker, self.step, self.next = worker, 0, 0
+
+    def start(self, step: int) -> None:
+        self.step, self.next = step, 0
+
+    def take(self) -> dict[str, torch.Tensor]:
+        mb, self.next = self.next, self.next + 1
+        return self.worker.get_batch(self.step, mb)
+
+
+class TensorStage(nn.Module):
+    """A ``BertStage`` with torch.distributed.pipelining's convention: one tensor in, one out;
+    the micro-batch comes from its :class:`BatchFeed`."""
+
+    def __init__(self, stage: nn.Module, feed: BatchFeed) -> None:
+        super().__init__()
+        self.stage = stage
+        self.feed = feed
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch = self.feed.take()
+        return self.stage(None if self.stage.has_embeddings else x, batch)  # (B, S, H) or [mlm, nsp]
 
 
 def main_guard(main: Callable[[], None]) -> None:

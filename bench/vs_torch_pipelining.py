@@ -30,7 +30,6 @@ import time
 
 import torch
 import torch.distributed as dist
-from torch import nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
 import _harness as h
@@ -45,35 +44,6 @@ _PHASES = ("pipeline", "grad sync + norm", "update", "rest")
 _TORCH_SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
 
 
-class _BatchFeed:
-    """The current step's micro-batches, handed out in forward order (see the note above)."""
-
-    def __init__(self, worker: PipelineWorker) -> None:
-        self.worker = worker
-        self.step = 0
-        self.next = 0
-
-    def start(self, step: int) -> None:
-        self.step, self.next = step, 0
-
-    def take(self) -> dict[str, torch.Tensor]:
-        mb, self.next = self.next, self.next + 1
-        return self.worker.get_batch(self.step, mb)
-
-
-class _TensorStage(nn.Module):
-    """A ``BertStage`` with torch.distributed.pipelining's convention: one tensor in, one out."""
-
-    def __init__(self, stage: nn.Module, feed: _BatchFeed) -> None:
-        super().__init__()
-        self.stage = stage
-        self.feed = feed
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        batch = self.feed.take()
-        return self.stage(None if self.stage.has_embeddings else x, batch)  # (B, S, H) or [mlm, nsp]
-
-
 class _TorchPipeline:
     """One worker's side of a torch.distributed.pipelining run of our stages.
 
@@ -84,13 +54,13 @@ class _TorchPipeline:
     def __init__(self, cfg: TrainConfig, rank: int, world: int, method: str) -> None:
         self.cfg, self.rank, self.world = cfg, rank, world
         self.worker = PipelineWorker(cfg, rank, world, torch.device("cpu"))
-        self.feed = _BatchFeed(self.worker)
+        self.feed = h.BatchFeed(self.worker)
         stage = self.worker.modules[(0, rank)]
         n, b, s, hid = cfg.num_micro_batches, cfg.micro_batch_size, cfg.data.seq_len, cfg.model.hidden_size
         # Static metadata: what requires grad here is what gets a gradient sent back.
         example_in = torch.zeros(1, 1) if rank == 0 else torch.zeros(b, s, hid, requires_grad=True)
         example_out = torch.zeros(2, requires_grad=True) if rank == world - 1 else torch.zeros(b, s, hid, requires_grad=True)
-        self.pipe_stage = PipelineStage(_TensorStage(stage, self.feed), rank, world, torch.device("cpu"),
+        self.pipe_stage = PipelineStage(h.TensorStage(stage, self.feed), rank, world, torch.device("cpu"),
                                         input_args=example_in, output_args=example_out)
         scale = 1.0 / n
         self.schedule = _TORCH_SCHEDULES[method](

@@ -35,7 +35,6 @@ from collections import defaultdict
 
 import torch
 import torch.distributed as dist
-from torch import nn
 
 import _harness as h
 from pipefisher.config import TrainConfig
@@ -54,29 +53,6 @@ _METHOD = {"ours-1f1b": "1f1b", "ours-zb-h1": "zb-h1", "ours-zb-v": "zb-v", "tor
            "pf-1f1b": "1f1b", "pf-zb-h1": "zb-h1", "pf-zb-v": "zb-v"}
 
 
-class _Feed:
-    """The current step's micro-batches of one stage, in forward order."""
-
-    def __init__(self, worker: PipelineWorker) -> None:
-        self.worker, self.step, self.next = worker, 0, 0
-
-    def start(self, step: int) -> None:
-        self.step, self.next = step, 0
-
-    def take(self) -> dict[str, torch.Tensor]:
-        mb, self.next = self.next, self.next + 1
-        return self.worker.get_batch(self.step, mb)
-
-
-class _TensorStage(nn.Module):
-    def __init__(self, stage: nn.Module, feed: _Feed) -> None:
-        super().__init__()
-        self.stage, self.feed = stage, feed
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.stage(None if self.stage.has_embeddings else x, self.feed.take())
-
-
 class _TorchZeroBubble:
     """torch's zero-bubble schedule over this rank's stages of our ``PipelineWorker`` (same weights,
     data, optimizer and tied-weight group as ours)."""
@@ -90,12 +66,12 @@ class _TorchZeroBubble:
         total = self.worker.schedule.num_stages
         self.feeds, stages = [], []
         for (_, stage), module in sorted(self.worker.modules.items()):
-            feed = _Feed(self.worker)
+            feed = h.BatchFeed(self.worker)
             self.feeds.append(feed)
             example_in = torch.zeros(1, 1) if stage == 0 else torch.zeros(b, s, hid, requires_grad=True)
             example_out = (torch.zeros(2, requires_grad=True) if stage == total - 1
                            else torch.zeros(b, s, hid, requires_grad=True))
-            stages.append(PipelineStage(_TensorStage(module, feed), stage, total, torch.device("cpu"),
+            stages.append(PipelineStage(h.TensorStage(module, feed), stage, total, torch.device("cpu"),
                                         input_args=example_in, output_args=example_out))
         self.has_first = any(st.stage_index == 0 for st in stages)
         self.has_last = any(st.stage_index == total - 1 for st in stages)
