@@ -105,12 +105,13 @@ def _phases(*marks: int) -> dict[str, float]:
 
 def _ours_step(worker: PipelineWorker, step: int) -> tuple[list[float], dict[str, float]]:
     """Our step, cut into the same phases from the executor's events: the pipeline runs until STEP
-    starts waiting for gradient synchronization (the event named ``SYNC_GRAD``), then the tied-weight
+    starts waiting for gradient synchronization (STEP's wait: name ``STEP``, kind ``SYNC_GRAD``;
+    executor [Note: waits are not compute]), then the tied-weight
     sum and global norm, the update (the ``STEP`` event), and the rest (the loss all-reduce)."""
     t0 = time.perf_counter_ns()
     losses, result = worker.train_step(step)
     t4 = time.perf_counter_ns()
-    wait = next(e for e in result.events if e.name == "SYNC_GRAD")
+    wait = next(e for e in result.events if e.name == "STEP" and e.kind == "SYNC_GRAD")
     update = next(e for e in result.events if e.kind == "STEP")
     return losses, _phases(t0, wait.start_ns, wait.end_ns, update.end_ns, t4)
 
