@@ -116,5 +116,12 @@ def release_requeued(job_id: str, alive: Callable[[], bool], timeout_s: float = 
     subprocess.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"], check=True, timeout=30)
 
 
+def preempt(job_id: str, alive: Callable[[], bool]) -> None:
+    """Send SLURM's warning signal (USR2, as before a time limit or a preemption) to every task of
+    ``job_id``, then let its requeued copy start (:func:`release_requeued`)."""
+    subprocess.run(["scancel", "--signal=USR2", job_id], check=True, timeout=30)
+    release_requeued(job_id, alive)
+
+
 def losses(metrics: Path) -> list[float]:
     return [json.loads(line)["loss"] for line in metrics.read_text().splitlines() if line.strip()]

@@ -35,6 +35,7 @@ from tests.slurm_harness import (
     SUB_ENV,
     array_jobs,
     job_records,
+    preempt,
     release_requeued,
     require_slurm,
     scontrol_job,
@@ -297,8 +298,7 @@ def test_preempted_submitit_job_checkpoints_requeues_and_resumes(tmp_path: Path,
     try:
         wait_for_rows(sweep / "0" / "metrics.jsonl", 4, alive)
         job_id = submitit_job_id(sweep)
-        subprocess.run(["scancel", "--signal=USR2", job_id], check=True, timeout=30)
-        release_requeued(job_id, alive)
+        preempt(job_id, alive)
         out, _ = launcher.communicate(timeout=240)
     finally:
         if launcher.poll() is None:

@@ -32,7 +32,7 @@ from tests.slurm_harness import (
     SUB_ENV,
     all_task_logs,
     losses,
-    release_requeued,
+    preempt,
     require_slurm,
     scontrol_job,
     slurm_nodes,
@@ -178,8 +178,7 @@ def test_preemption_with_tasks_on_both_nodes_checkpoints_requeues_and_resumes(tw
     try:
         wait_for_rows(sweep / "0" / "metrics.jsonl", 4, alive)
         job_id = submitit_job_id(sweep)
-        subprocess.run(["scancel", "--signal=USR2", job_id], check=True, timeout=30)
-        release_requeued(job_id, alive)
+        preempt(job_id, alive)
     finally:
         code, out = _finish(proc, sweep)
     assert code == 0, f"{out[-3000:]}\n{all_task_logs(sweep)}"
