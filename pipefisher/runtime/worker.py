@@ -72,7 +72,6 @@ from pipefisher.runtime.state import (
 from pipefisher.runtime.kfac_work import KfacWork
 from pipefisher.schedules.kfac_baseline import on_critical_path
 from pipefisher.schedules.kfac import Assignment, assignment_from_json, critical_path_assignment, kfac_layer_counts
-from pipefisher.schedules import build_schedule
 from pipefisher.schedules.ir import Action, ActionKind, Schedule
 from pipefisher.simulate import CostModel, compute_cost_fields, simulate
 from pipefisher.timeline import COMPUTE_KINDS, Event, bubble_utilization, busy_ns, is_wait
@@ -105,14 +104,7 @@ def schedule_for(cfg: TrainConfig) -> Schedule:
 def build_stage_modules(cfg: TrainConfig, schedule: Schedule, rank: int) -> dict[StageKey, BertStage]:
     """The stage replicas ``rank`` holds, keyed by (pipe, stage); replicas of a stage are identical."""
     bert = bert_config(cfg)
-    slices = partition_layers(
-        bert,
-        schedule.num_stages,
-        seq_len=cfg.data.seq_len,
-        max_predictions=cfg.data.max_predictions,
-        layers_per_stage=cfg.pipeline.layers_per_stage,
-        v_shape=cfg.pipeline.method == "zb-v",
-    )
+    slices = stage_slices(cfg, schedule.num_stages)
     modules: dict[StageKey, BertStage] = {}
     for _dp, pipe, stage in schedule.placement.stages_of(rank):
         first, last = slices[stage]
@@ -256,12 +248,18 @@ def run_worker(
         dist.destroy_process_group()
 
 
+def stage_slices(cfg: TrainConfig, num_stages: int) -> list[tuple[int, int]]:
+    """The run's partition: (first, last) pipeline layer of each of ``num_stages`` stages (balanced
+    for the workers of a V on zb-v)."""
+    return partition_layers(bert_config(cfg), num_stages, seq_len=cfg.data.seq_len,
+                            max_predictions=cfg.data.max_predictions,
+                            layers_per_stage=cfg.pipeline.layers_per_stage, v_shape=cfg.pipeline.method == "zb-v")
+
+
 def encoder_layers_per_stage(cfg: TrainConfig, num_stages: int) -> list[int]:
     """How many encoder layers each of the ``num_stages`` stages holds (the partition's choice)."""
-    bert = bert_config(cfg)
-    slices = partition_layers(bert, num_stages, seq_len=cfg.data.seq_len, max_predictions=cfg.data.max_predictions,
-                              layers_per_stage=cfg.pipeline.layers_per_stage, v_shape=cfg.pipeline.method == "zb-v")
-    return [sum(1 for j in range(first, last + 1) if 1 <= j <= bert.num_layers) for first, last in slices]
+    num_layers = cfg.model.num_layers
+    return [sum(1 for j in range(first, last + 1) if 1 <= j <= num_layers) for first, last in stage_slices(cfg, num_stages)]
 
 
 def kfac_assignment(cfg: TrainConfig, schedule: Schedule) -> Assignment:
