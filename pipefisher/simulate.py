@@ -53,6 +53,11 @@ __all__ = ["ActionTime", "CostModel", "action_times", "compute_cost_fields", "pe
 K = ActionKind
 
 
+def _split_halves(backward_ns: int) -> tuple[int, int]:
+    """(I, W) of a backward that was not measured split: its halves, I rounded up."""
+    return backward_ns - backward_ns // 2, backward_ns // 2
+
+
 def _as_tuple(values: Sequence[int] | int, n: int, name: str) -> tuple[int, ...]:
     out = (values,) * n if isinstance(values, int) else tuple(values)
     if any(not isinstance(v, int) or isinstance(v, bool) or v < 0 for v in out):
@@ -122,9 +127,9 @@ class CostModel:
             raise ValueError("CostModel: give both input_grad_ns and weight_grad_ns (split backward) "
                              "or neither (then each is half of backward_ns)")
         if not given_i:
-            object.__setattr__(self, "weight_grad_ns", tuple(b // 2 for b in self.backward_ns))
-            object.__setattr__(self, "input_grad_ns",
-                               tuple(b - w for b, w in zip(self.backward_ns, self.weight_grad_ns)))
+            halves = [_split_halves(b) for b in self.backward_ns]
+            object.__setattr__(self, "input_grad_ns", tuple(i for i, _ in halves))
+            object.__setattr__(self, "weight_grad_ns", tuple(w for _, w in halves))
         for name in ("input_grad_ns", "weight_grad_ns"):
             object.__setattr__(self, name, _as_tuple(getattr(self, name), n, name))
         sync = self.sync_ns if (isinstance(self.sync_ns, int) or len(self.sync_ns)) else 0
@@ -265,10 +270,12 @@ def compute_cost_fields(mean: dict[tuple[str, int], int], num_stages: int) -> di
         b, i, w = mean.get(("B", s)), mean.get(("I", s)), mean.get(("W", s))
         split = i is not None and w is not None
         full = b if b is not None else ((i + w) if split else 0)
+        if not split:
+            i, w = _split_halves(full)
         forward.append(mean.get(("F", s), 0))
         backward.append(full)
-        input_grad.append(i if split else full - full // 2)
-        weight_grad.append(w if split else full // 2)
+        input_grad.append(i)
+        weight_grad.append(w)
     return {"forward_ns": forward, "backward_ns": backward, "input_grad_ns": input_grad,
             "weight_grad_ns": weight_grad}
 
