@@ -332,8 +332,8 @@ def test_preempted_batch_job_with_local_workers_requeues_and_resumes(tmp_path: P
         subprocess.run(["scancel", "--batch", "--signal=USR2", job_id], check=True, timeout=30)
         release_requeued(job_id, lambda: state() not in ("FAILED", "CANCELLED", "COMPLETED"))
         deadline = time.monotonic() + 240
-        while state() != "COMPLETED":
-            assert state() in ("PENDING", "RUNNING", "CONFIGURING", "COMPLETING") and time.monotonic() < deadline, \
+        while (now := state()) != "COMPLETED":  # one read per check: the job may complete between two
+            assert now in ("PENDING", "RUNNING", "CONFIGURING", "COMPLETING") and time.monotonic() < deadline, \
                 (tmp_path / "job.out").read_text()[-3000:]
             time.sleep(0.5)
     finally:
