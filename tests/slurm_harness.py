@@ -44,8 +44,13 @@ def slurm_nodes() -> dict[str, str]:
 
 def require_slurm(min_nodes: int = 1) -> list[str]:
     """The up nodes of the SLURM cluster (at least ``min_nodes``), in ``sinfo`` order; fails the test
-    (not skips) when there are fewer."""
+    (not skips) when there are fewer. A node still completing an earlier test's job ("comp") is
+    waited for, up to a minute: that state passes by itself."""
     nodes = slurm_nodes()
+    deadline = time.monotonic() + 60
+    while any(state.startswith("comp") for state in nodes.values()) and time.monotonic() < deadline:
+        time.sleep(0.5)
+        nodes = slurm_nodes()
     up = [n for n, state in nodes.items() if state in UP_STATES]
     if len(up) < min_nodes:
         how = f"sudo {START}" + (f" --nodes {min_nodes}" if min_nodes > 1 else "")
