@@ -2,6 +2,11 @@
 
     python bench/executor_overhead.py            # bert-mini, gpipe/1f1b/chimera, D=2 and D=4, N=8, B=4: ~2 min
     python bench/executor_overhead.py --quick    # B=2, fewer steps: ~30 s
+    python bench/executor_overhead.py --quick --stages 8   # rank 0's per-step bookkeeping at D=8
+
+The last table is rank 0's bookkeeping of a training step (``runtime.step_metrics.timeline_fields``
+on the gathered timeline, which every worker waits for): with the simulation (a logged step) and
+without it, and what it costs a run per step at ``log_every=1`` and at the default ``log_every``.
 
 For every measured step, the mean F and B time of each stage in that step's timeline (the executor's
 events, all workers) becomes a ``CostModel``; ``simulate`` then predicts the step's span with zero
@@ -16,12 +21,15 @@ The three methods take turns step by step in the same worker processes.
 from __future__ import annotations
 
 import argparse
+import time
 from collections import defaultdict
 
 import torch
 import torch.distributed as dist
 
 import _harness as h
+from pipefisher.config import TrainConfig
+from pipefisher.runtime.step_metrics import timeline_fields
 from pipefisher.runtime.worker import PipelineWorker
 from pipefisher.schedules.ir import Schedule
 from pipefisher.simulate import CostModel, simulate
@@ -81,6 +89,16 @@ def _analyse(events: list[Event], wall_s: float, schedule: Schedule) -> dict[str
     }
 
 
+def _bookkeeping_ms(events: list[Event], worker: PipelineWorker) -> dict[str, float]:
+    """Rank 0's row fields from the step's timeline, with and without the simulation (ms)."""
+    out = {}
+    for name, simulated in (("keep_sim", True), ("keep", False)):
+        t0 = time.perf_counter()
+        timeline_fields(events, worker.schedule, worker.world_size, 0, simulated=simulated)
+        out[name] = 1e3 * (time.perf_counter() - t0)
+    return out
+
+
 def _run(rank: int, world: int, overrides: list[str], warmup: int, repeats: int) -> dict | None:
     workers = {m: PipelineWorker(h.compose(overrides + [f"pipeline={m}"]), rank, world, torch.device("cpu"))
                for m in METHODS}
@@ -92,7 +110,9 @@ def _run(rank: int, world: int, overrides: list[str], warmup: int, repeats: int)
             gathered: list | None = [None] * world if rank == 0 else None
             dist.gather_object(result.events, gathered, dst=0)
             if rank == 0 and step >= warmup:
-                figures[m].append(_analyse([e for evs in gathered for e in evs], wall, workers[m].schedule))
+                events = [e for evs in gathered for e in evs]
+                figures[m].append(_analyse(events, wall, workers[m].schedule))
+                figures[m][-1].update(_bookkeeping_ms(events, workers[m]))
     return figures if rank == 0 else None
 
 
@@ -109,7 +129,8 @@ def main() -> None:
     b = args.micro_batch_size or (2 if args.quick else 4)
     repeats = args.repeats or (3 if args.quick else 8)
     warmup = 1 if args.quick else 2
-    timing, breakdown, notes = [], [], []
+    timing, breakdown, notes, keeping = [], [], [], []
+    default_every = TrainConfig.log_every
     for d in [int(x) for x in args.stages.split(",")]:
         overrides = [f"model={args.model}", f"stages={d}", f"num_micro_batches={args.micro_batches}",
                      f"micro_batch_size={b}", f"steps={warmup + repeats}"]
@@ -122,6 +143,8 @@ def main() -> None:
                            med["util_fb"], med["util_fb_sim"], med["util"], med["util_sim"]])
             breakdown.append([d, m, med["F"], med["B"], med["RECV"], med["RECV_sim"], med["SEND"], med["SYNC_GRAD"],
                               med["STEP"], med["untracked"]])
+            keeping.append([d, m, med["wall"], med["keep_sim"], med["keep"], med["keep_sim"] / med["wall"],
+                            (med["keep_sim"] + (default_every - 1) * med["keep"]) / default_every / med["wall"]])
         notes.append(f"D={d}: {h.caveat(d)}")
     print(f"{args.model}, N={args.micro_batches}, B={b}, seq 128, fp32, NVLAMB, dropout 0.1, {repeats} measured "
           f"steps per method after {warmup} warm-up, interleaved; gloo on CPU; medians over steps")
@@ -134,6 +157,10 @@ def main() -> None:
     print(h.table(["D", "method", "F", "B", "RECV wait", "RECV wait sim", "SEND issue", "SYNC_GRAD wait", "STEP",
                    "untracked"],
                   breakdown))
+    print()
+    print(f"Rank 0's bookkeeping per step (ms; the simulation runs on logged steps only, default log_every={default_every})")
+    print(h.table(["D", "method", "step ms", "with simulation", "without", "share at log_every=1",
+                   f"share at log_every={default_every}"], keeping))
     for line in notes:
         print(line)
     print(f"Machine: {load_before} before, {h.load()} after (other jobs on the machine count too).")

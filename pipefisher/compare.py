@@ -2,8 +2,9 @@
 
 ``python -m pipefisher.compare <multirun dir> [--out DIR] [--last N]`` reads every job under the
 sweep directory (any folder holding ``metrics.jsonl`` or ``.hydra/config.yaml``), prints one table
-row per run and writes ``compare_loss_vs_step``, ``compare_loss_vs_time`` and
-``compare_utilization_vs_step`` as PNG and PDF. Entry points: :func:`load_sweep`,
+row per run and writes ``compare_loss_vs_step``, ``compare_loss_vs_time``,
+``compare_utilization_vs_step`` and, when some run evaluated, ``compare_eval_mlm_loss_vs_step`` and
+``compare_eval_mlm_loss_vs_time`` as PNG and PDF. Entry points: :func:`load_sweep`,
 :func:`comparison_table`, :func:`plot_sweep`, :func:`main`.
 
 [Note: where the numbers come from] ``metrics.jsonl`` is the source of truth. When a job also has an
@@ -19,6 +20,15 @@ offline wandb run (``<job>/wandb/offline-run-*/run-*.wandb``), its history only 
 - samples/s and both bubble utilizations: median over the steps after the first. Step 0 pays for
   allocator warm-up and first-touch costs (several times slower in our CPU runs), so it is left
   out; a run with one step has no value.
+- TFLOP/s and MFU: median over the steps after the first as well, except that a run with one step
+  keeps it (a warm-up-inflated number beats none for a one-step smoke run).
+- peak memory: the largest ``peak_memory_bytes`` of any step (already the max over workers).
+- held-out MLM loss, MLM accuracy and NSP accuracy: the values of the last evaluated record (one
+  carrying ``eval_*`` fields; evaluations are fields of the step they follow, not rows of their own).
+  A ``null`` there (non-finite, e.g. a diverged eval loss) shows as NaN, not as an earlier value.
+
+Fields added after a run was recorded (``eval_*``, ``tflops``, ``mfu``, ``peak_memory_bytes``) are
+simply absent from older runs: their cells read ``—``, and a column no run has is left out.
 """
 
 from __future__ import annotations
@@ -31,7 +41,7 @@ import re
 import statistics
 import struct
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -52,6 +62,10 @@ DEFAULT_LAST = 5
 #: Steps left out of the medians (see [Note: summary statistics]).
 _WARMUP_STEPS = 1
 _MISSING = "—"
+#: Fields an evaluation adds to the record of the step it follows.
+_EVAL_KEYS = ("eval_mlm_loss", "eval_mlm_accuracy", "eval_nsp_loss", "eval_nsp_accuracy", "eval_time_s")
+#: x-axis label of the plots over training time (``step_time_s`` does not include evaluations).
+_TIME_LABEL = "training time (s, sum of step_time_s; evaluation time excluded)"
 
 
 @dataclass(frozen=True)
@@ -117,6 +131,12 @@ class Summary:
     bubble_utilization: float | None
     simulated_bubble_utilization: float | None
     refresh_intervals: tuple[int, ...] = field(default_factory=tuple)
+    eval_mlm_loss: float | None = None
+    eval_mlm_accuracy: float | None = None
+    eval_nsp_accuracy: float | None = None
+    tflops: float | None = None
+    mfu: float | None = None
+    peak_memory_bytes: float | None = None
 
 
 # --------------------------------------------------------------------------------------- loading
@@ -320,9 +340,24 @@ def load_sweep(sweep_dir: str | Path) -> list[Run]:
 # --------------------------------------------------------------------------------------- table
 
 
-def _median_after_warmup(run: Run, key: str) -> float | None:
-    values = [v for s, v in zip(*run.series(key)) if s >= _first_step(run) + _WARMUP_STEPS]
+def _median_after_warmup(run: Run, key: str, *, keep_lone_step: bool = False) -> float | None:
+    """Median of ``key`` past the warm-up steps; ``keep_lone_step``: a one-step run keeps its step."""
+    skip = 0 if keep_lone_step and len(run.records) == 1 else _WARMUP_STEPS
+    values = [v for s, v in zip(*run.series(key)) if s >= _first_step(run) + skip]
     return statistics.median(values) if values else None
+
+
+def _last_eval(run: Run) -> Mapping[str, Any]:
+    """The last record carrying evaluation fields (empty when the run never evaluated)."""
+    return next((rec for rec in reversed(run.records) if any(k in rec for k in _EVAL_KEYS)), {})
+
+
+def _recorded(rec: Mapping[str, Any], key: str) -> float | None:
+    """``rec[key]`` as a float: None when absent, NaN when written as ``null`` (non-finite)."""
+    if key not in rec:
+        return None
+    value = rec[key]
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else math.nan
 
 
 def _first_step(run: Run) -> int:
@@ -348,6 +383,8 @@ def summarize(run: Run, last: int = DEFAULT_LAST) -> Summary:
         final = statistics.fmean(losses) if finite else math.nan
     intervals = sorted({int(r["refresh_interval"]) for r in run.records
                         if r.get("refresh_interval") is not None})
+    evaluated = _last_eval(run)
+    memory = run.series("peak_memory_bytes")[1]
     return Summary(
         num_steps=len(run.records),
         final_loss=final,
@@ -355,6 +392,12 @@ def summarize(run: Run, last: int = DEFAULT_LAST) -> Summary:
         bubble_utilization=_median_after_warmup(run, "bubble_utilization"),
         simulated_bubble_utilization=_median_after_warmup(run, "simulated_bubble_utilization"),
         refresh_intervals=tuple(intervals),
+        eval_mlm_loss=_recorded(evaluated, "eval_mlm_loss"),
+        eval_mlm_accuracy=_recorded(evaluated, "eval_mlm_accuracy"),
+        eval_nsp_accuracy=_recorded(evaluated, "eval_nsp_accuracy"),
+        tflops=_median_after_warmup(run, "tflops", keep_lone_step=True),
+        mfu=_median_after_warmup(run, "mfu", keep_lone_step=True),
+        peak_memory_bytes=max(memory) if memory else None,
     )
 
 
@@ -384,14 +427,21 @@ def _fmt(value: Any, spec: str) -> str:
     return format(value, spec)
 
 
+def _optional(header: str, values: Sequence[float | None], spec: str) -> list[tuple[str, list[str]]]:
+    """A column ``(header, cells)`` in a list, or no column when no run recorded the value."""
+    return [(header, [_fmt(v, spec) for v in values])] if any(v is not None for v in values) else []
+
+
 def comparison_table(runs: Sequence[Run], *, last: int = DEFAULT_LAST) -> str:
     """One Markdown-style row per run: varying overrides, set-up and summary numbers.
 
     Columns: ``job``, ``overrides`` (those that vary across ``runs``, as ``key=value``; left out
     when none varies), ``method``, ``optimizer``, ``stages``, ``steps logged`` (records read),
-    ``loss (last N)``, ``samples/s``, ``bubble util``, ``sim. util`` and, when any run is K-FAC,
-    ``refresh k`` (the refresh intervals it logged). ``—`` marks a value the run did not record.
-    Numbers follow [Note: summary statistics].
+    ``loss (last N)``, ``eval MLM loss``, ``eval MLM acc``, ``eval NSP acc`` (last evaluation),
+    ``samples/s``, ``TFLOP/s``, ``MFU``, ``bubble util``, ``sim. util``, ``peak mem (MB)`` (10^6
+    bytes) and, when any run is K-FAC, ``refresh k`` (the refresh intervals it logged). The eval,
+    TFLOP/s, MFU and memory columns are left out when no run recorded them. ``—`` marks a value
+    the run did not record. Numbers follow [Note: summary statistics].
 
     Args:
         runs: from :func:`load_sweep`.
@@ -402,20 +452,30 @@ def comparison_table(runs: Sequence[Run], *, last: int = DEFAULT_LAST) -> str:
     """
     keys = varying_overrides(runs)
     summaries = [summarize(run, last) for run in runs]
-    with_kfac = any(s.refresh_intervals for s in summaries)
-    header = ["job", *(["overrides"] if keys else []), "method", "optimizer", "stages", "steps logged",
-              f"loss (last {last})",
-              "samples/s", "bubble util", "sim. util"] + (["refresh k"] if with_kfac else [])
+    memory_mb = [None if s.peak_memory_bytes is None else s.peak_memory_bytes / 1e6 for s in summaries]
+    columns: list[tuple[str, list[str]]] = [
+        ("job", [run.name for run in runs]),
+        *([("overrides", [_varying_text(run, keys) or _MISSING for run in runs])] if keys else []),
+        ("method", [str(run.method or _MISSING) for run in runs]),
+        ("optimizer", [str(run.optimizer or _MISSING) for run in runs]),
+        ("stages", [_fmt(run.stages, "d") for run in runs]),
+        ("steps logged", [str(s.num_steps) for s in summaries]),
+        (f"loss (last {last})", [_fmt(s.final_loss, ".4f") for s in summaries]),
+        *_optional("eval MLM loss", [s.eval_mlm_loss for s in summaries], ".4f"),
+        *_optional("eval MLM acc", [s.eval_mlm_accuracy for s in summaries], ".3f"),
+        *_optional("eval NSP acc", [s.eval_nsp_accuracy for s in summaries], ".3f"),
+        ("samples/s", [_fmt(s.samples_per_s, ".1f") for s in summaries]),
+        *_optional("TFLOP/s", [s.tflops for s in summaries], ".3g"),
+        *_optional("MFU", [s.mfu for s in summaries], ".3f"),
+        ("bubble util", [_fmt(s.bubble_utilization, ".3f") for s in summaries]),
+        ("sim. util", [_fmt(s.simulated_bubble_utilization, ".3f") for s in summaries]),
+        *_optional("peak mem (MB)", memory_mb, ".0f"),
+    ]
+    if any(s.refresh_intervals for s in summaries):
+        columns.append(("refresh k", ["/".join(map(str, s.refresh_intervals)) or _MISSING for s in summaries]))
+    header = [name for name, _ in columns]
+    rows = [list(cells) for cells in zip(*(cells for _, cells in columns))]
     numeric_from = header.index("stages")  # numbers are right-aligned
-    rows = []
-    for run, s in zip(runs, summaries):
-        row = [run.name, *([_varying_text(run, keys) or _MISSING] if keys else []),
-               str(run.method or _MISSING), str(run.optimizer or _MISSING), _fmt(run.stages, "d"),
-               str(s.num_steps), _fmt(s.final_loss, ".4f"), _fmt(s.samples_per_s, ".1f"),
-               _fmt(s.bubble_utilization, ".3f"), _fmt(s.simulated_bubble_utilization, ".3f")]
-        if with_kfac:
-            row.append("/".join(map(str, s.refresh_intervals)) or _MISSING)
-        rows.append(row)
     widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
 
     def line(cells: Sequence[str]) -> str:
@@ -430,19 +490,24 @@ def comparison_table(runs: Sequence[Run], *, last: int = DEFAULT_LAST) -> str:
 # --------------------------------------------------------------------------------------- plots
 
 
-def _cumulative_time(run: Run) -> tuple[list[float], list[float]]:
-    """(end time of each step in s, loss at that step), time summed over ``step_time_s``."""
-    times, losses, now = [], [], 0.0
+def _cumulative_time(run: Run, key: str = "loss") -> tuple[list[float], list[float]]:
+    """(end time of each step in s, ``key`` at that step) for the steps that recorded ``key``.
+
+    Time is the running sum of ``step_time_s`` over every record up to and including the step;
+    ``eval_time_s`` is not added, so evaluations do not stretch the axis. Records without
+    ``step_time_s`` are skipped.
+    """
+    times, values, now = [], [], 0.0
     for rec in run.records:
         dt = rec.get("step_time_s")
         if not isinstance(dt, (int, float)):
             continue
         now += dt
-        loss = rec.get("loss")
-        if isinstance(loss, (int, float)):
+        value = rec.get(key)
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
             times.append(now)
-            losses.append(float(loss))
-    return times, losses
+            values.append(float(value))
+    return times, values
 
 
 def _save(fig: Figure, out_dir: Path, stem: str) -> list[Path]:
@@ -453,11 +518,13 @@ def _save(fig: Figure, out_dir: Path, stem: str) -> list[Path]:
 
 
 def plot_sweep(runs: Sequence[Run], out_dir: str | Path) -> list[Path]:
-    """Draw loss vs step, loss vs time and bubble utilization vs step, each as PNG and PDF.
+    """Draw loss vs step, loss vs time, bubble utilization vs step and held-out MLM loss, as PNG and PDF.
 
     Files: ``compare_loss_vs_step``, ``compare_loss_vs_time`` (time is the running sum of
-    ``step_time_s``) and, when any run recorded it, ``compare_utilization_vs_step`` (measured
-    solid, simulated dashed, one colour per run).
+    ``step_time_s``, evaluations excluded), when any run recorded it, ``compare_utilization_vs_step``
+    (measured solid, simulated dashed, one colour per run) and, when any run evaluated,
+    ``compare_eval_mlm_loss_vs_step`` and ``compare_eval_mlm_loss_vs_time`` (same time axis; one
+    marked line per run that evaluated).
 
     Args:
         runs: from :func:`load_sweep`.
@@ -492,7 +559,7 @@ def plot_sweep(runs: Sequence[Run], out_dir: str | Path) -> list[Path]:
     legend(ax)
     paths += _save(fig, out_dir, "compare_loss_vs_step")
 
-    fig, ax = figure("Loss over training time", "time (s, sum of step_time_s)", "loss (MLM + NSP)")
+    fig, ax = figure("Loss over training time", _TIME_LABEL, "loss (MLM + NSP)")
     for i, run in enumerate(runs):
         ax.plot(*_cumulative_time(run), color=colors[i], linestyle=styles[i // 10 % 4], label=labels[i])
     legend(ax)
@@ -511,6 +578,24 @@ def plot_sweep(runs: Sequence[Run], out_dir: str | Path) -> list[Path]:
         paths += _save(fig, out_dir, "compare_utilization_vs_step")
     else:
         log.info("no run recorded bubble utilization (single-stage runs?); no utilization plot")
+
+    with_eval = [i for i, run in enumerate(runs) if run.series("eval_mlm_loss")[0]]
+    if with_eval:
+        eval_series: list[tuple[str, str, str, Callable[[Run], tuple[list[Any], list[float]]]]] = [
+            ("compare_eval_mlm_loss_vs_step", "Held-out MLM loss per step", "step",
+             lambda run: run.series("eval_mlm_loss")),
+            ("compare_eval_mlm_loss_vs_time", "Held-out MLM loss over training time", _TIME_LABEL,
+             lambda run: _cumulative_time(run, "eval_mlm_loss")),
+        ]
+        for stem, title, xlabel, series in eval_series:
+            fig, ax = figure(title, xlabel, "held-out MLM loss")
+            for i in with_eval:  # markers: evaluations are sparse, and a lone one must still show
+                ax.plot(*series(runs[i]), color=colors[i], linestyle=styles[i // 10 % 4], marker="o",
+                        markersize=3, label=labels[i])
+            legend(ax)
+            paths += _save(fig, out_dir, stem)
+    else:
+        log.info("no run recorded eval_mlm_loss; no held-out loss plots")
     log.info("wrote %s", ", ".join(map(str, paths)))
     return paths
 
@@ -522,7 +607,7 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m pipefisher.compare",
         description="Compare the runs of a Hydra sweep (metrics.jsonl + .hydra/config.yaml): "
-                    "print a table and write loss and utilization plots. No network.",
+                    "print a table and write loss, utilization and held-out loss plots. No network.",
     )
     p.add_argument("sweep_dir", type=Path, help="the sweep's hydra.sweep.dir (e.g. multirun/<date>/<time>)")
     p.add_argument("--out", type=Path, default=None, help="where plots go (default: the sweep dir)")

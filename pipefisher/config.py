@@ -30,6 +30,8 @@ __all__ = [
     "ProfileConfig",
     "FaultConfig",
     "CheckpointConfig",
+    "EvalConfig",
+    "HardwareConfig",
     "TrainConfig",
     "check_override_keys",
     "refuse_unknown_keys",
@@ -121,7 +123,8 @@ class DataConfig:
     path: Optional[str] = None  # hdf5: a shard file or a directory of shards
     seq_len: int = 128  # tokens per sequence S (phase 1: 128, phase 2: 512)
     max_predictions: int = 20  # masked positions per sequence P (phase 1: 20, phase 2: 80)
-    num_samples: int = 1_000_000  # synthetic: samples per epoch
+    num_samples: int = 1_000_000  # synthetic: samples per epoch (and in the held-out set)
+    eval_path: Optional[str] = None  # hdf5: held-out shards (file or directory); None = <data.path>/heldout (prepare --holdout-fraction)
 
 
 @dataclass
@@ -181,6 +184,21 @@ class CheckpointConfig:
 
 
 @dataclass
+class HardwareConfig:
+    """What a run's FLOP rate is measured against (``mfu``)."""
+
+    peak_tflops: Optional[float] = None  # peak TFLOP/s at the run's precision of one GPU (MFU counts one per worker) or of the CPU cores the run uses; None = the device table (GPU) or a matmul measurement (CPU)
+
+
+@dataclass
+class EvalConfig:
+    """Held-out evaluation (``pipefisher.data.heldout``): the same batches at every evaluation."""
+
+    every_steps: int = 0  # evaluate on held-out data every n steps and after the last step; 0 = off
+    batches: int = 8  # held-out micro-batches per evaluation, each of micro_batch_size sequences (>= 1)
+
+
+@dataclass
 class TrainConfig:
     """One pretraining run. Top-level keys are the ones users type most."""
 
@@ -193,6 +211,8 @@ class TrainConfig:
     profile: ProfileConfig = field(default_factory=ProfileConfig)
     fault: FaultConfig = field(default_factory=FaultConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    hardware: HardwareConfig = field(default_factory=HardwareConfig)
 
     stages: int = 1  # pipeline stages D (1 = single process)
     data_parallel: int = 1  # data-parallel width W (W pipelines, or W Chimera pairs)
@@ -433,6 +453,10 @@ def validate(cfg: TrainConfig) -> None:
             _fail("data.path", cfg.data.path, "data=hdf5 needs data.path=<shard file or directory>")
         if not os.path.exists(cfg.data.path):
             _fail("data.path", cfg.data.path, "no such file or directory; prepare shards with `python -m pipefisher.data.prepare`")
+    _validate_eval(cfg)
+    if cfg.hardware.peak_tflops is not None and not cfg.hardware.peak_tflops > 0:
+        _fail("hardware.peak_tflops", cfg.hardware.peak_tflops,
+              "a device's peak TFLOP/s must be positive (e.g. 989 for an H100 in bf16), or unset it")
     if cfg.stages == 1 and cfg.data_parallel == 1 and method != "gpipe":
         log.warning("pipeline=%s has no effect with stages=1 and data_parallel=1", method)
     if cfg.device == "cuda":
@@ -440,6 +464,36 @@ def validate(cfg: TrainConfig) -> None:
 
         if not torch.cuda.is_available():
             _fail("device", "cuda", "no CUDA device is visible; use device=cpu or device=auto")
+
+
+def _validate_eval(cfg: TrainConfig) -> None:
+    """Checks of ``eval.*`` and ``data.eval_path`` (held-out shards must exist before workers start)."""
+    e, d = cfg.eval, cfg.data
+    if e.every_steps < 0:
+        _fail("eval.every_steps", e.every_steps, "must be >= 0 (0 turns held-out evaluation off)")
+    if e.batches < 1:
+        _fail("eval.batches", e.batches, "evaluate at least 1 held-out micro-batch, e.g. eval.batches=8")
+    if d.eval_path is not None and d.kind != "hdf5":
+        _fail("data.eval_path", d.eval_path, "synthetic data has its own held-out stream; unset data.eval_path, "
+              "or use data=hdf5")
+    if d.eval_path is not None and not e.every_steps:
+        log.warning("data.eval_path has no effect with eval.every_steps=0; set eval.every_steps to evaluate")
+    if d.kind != "hdf5" or not e.every_steps:
+        return
+    prepare = "python -m pipefisher.data.prepare ... --holdout-fraction 0.05"
+    if d.eval_path is not None:
+        if not os.path.exists(d.eval_path):
+            _fail("data.eval_path", d.eval_path, f"no such file or directory; give held-out shards, or unset it "
+                  f"to use the heldout/ folder beside data.path that `{prepare}` writes")
+        return
+    # Local import: pipefisher.data pulls in torch, which config does not need otherwise.
+    from pipefisher.data.heldout import heldout_path
+
+    if heldout_path(d.path) is None:
+        _fail("data.eval_path", d.eval_path,
+              f"eval.every_steps={e.every_steps} needs held-out shards, and data.path={d.path!r} has no heldout/ "
+              f"folder beside it; set data.eval_path=<held-out shards>, or prepare the data again with "
+              f"`{prepare}` (it writes <output-dir>/heldout/), or set eval.every_steps=0")
 
 
 def _validate_checkpoint(cfg: TrainConfig) -> None:

@@ -168,13 +168,14 @@ def autocast_context(cfg: TrainConfig, device: torch.device):
     return torch.autocast(device.type, dtype=torch.bfloat16, enabled=cfg.precision == "bf16")
 
 
-def progress_range(cfg: TrainConfig, enabled: bool) -> Iterator[int] | Any:
-    """``range(cfg.steps)``, wrapped in a tqdm bar when ``enabled`` and ``cfg.progress``."""
+def progress_range(cfg: TrainConfig, enabled: bool, first: int = 0) -> Iterator[int] | Any:
+    """``range(first, cfg.steps)``, wrapped in a tqdm bar when ``enabled`` and ``cfg.progress``."""
+    steps = range(first, cfg.steps)
     if not (enabled and cfg.progress):
-        return range(cfg.steps)
+        return steps
     from tqdm import tqdm
 
-    return tqdm(range(cfg.steps), desc="train", unit="step", dynamic_ncols=True)
+    return tqdm(steps, initial=first, total=cfg.steps, desc="train", unit="step", dynamic_ncols=True)
 
 
 def train_single_process(
@@ -196,6 +197,9 @@ def train_single_process(
     """
     if cfg.stages != 1 or cfg.data_parallel != 1:
         raise ValueError("train_single_process runs stages=1, data_parallel=1 only")
+    from pipefisher.evaluation import eval_due, eval_source, evaluate_model  # they import this module
+    from pipefisher.runtime.reporting import StepMeter, summary_line
+
     device = resolve_device(cfg.device)
     if device.type == "cpu":
         set_cpu_threads(1)
@@ -205,14 +209,18 @@ def train_single_process(
     model.to(device).train()
     optimizer, scheduler = make_optimizer(cfg, list(model.named_parameters()), device)
     source = data_source(cfg)
+    heldout = eval_source(cfg) if cfg.eval.every_steps > 0 else None
     plan = data_plan(cfg)
     timer = StepTimer(device)
+    meter = StepMeter(cfg, device=device, measure_peak=output_dir is not None)
     writer = MetricsWriter(Path(output_dir) / "metrics.jsonl") if output_dir is not None else None
     last: dict[str, Any] = {}
+    rows: list[dict[str, Any]] = []
     bar = progress_range(cfg, enabled=True)
     try:
         for step in bar:
             timer.start()
+            meter.begin_step()
             lr = optimizer.param_groups[0]["lr"]
             totals = torch.zeros(2, device=device)
             for j in range(cfg.num_micro_batches):
@@ -226,6 +234,7 @@ def train_single_process(
             optimizer.zero_grad(set_to_none=True)
             totals = (totals / cfg.num_micro_batches).tolist()
             step_time = timer.stop()
+            peak = meter.end_step()
             last = {
                 "step": step,
                 "loss": totals[0] + totals[1],
@@ -234,12 +243,18 @@ def train_single_process(
                 "lr": lr,
                 "step_time_s": step_time,
                 "samples_per_s": cfg.global_batch_size / step_time,
+                **meter.rates(step_time),
+                "peak_memory_bytes": peak,
+                "peak_memory_per_worker_bytes": [peak],
             }
             if not math.isfinite(last["loss"]):
                 raise FloatingPointError(f"step {step}: loss is {last['loss']}; lower lr or check the data")
+            if heldout is not None and eval_due(cfg, step):
+                last.update(evaluate_model(model, cfg, heldout, device, lambda: autocast_context(cfg, device)))
+            rows.append(last)
             if writer is not None:
                 writer.write(last)
-            if wandb_logger is not None and (step % cfg.log_every == 0 or step == cfg.steps - 1):
+            if wandb_logger is not None and (step % cfg.log_every == 0 or step == cfg.steps - 1 or "eval_mlm_loss" in last):
                 wandb_logger.log(last, step=step)
             if hasattr(bar, "set_postfix") and step % cfg.log_every == 0:
                 bar.set_postfix(loss=f"{last['loss']:.3f}", samples_per_s=f"{last['samples_per_s']:.0f}")
@@ -248,5 +263,6 @@ def train_single_process(
             writer.close()
         if hasattr(bar, "close"):
             bar.close()
+    if output_dir is not None:
+        log.info("%s", summary_line(rows, meter))
     return last
-

@@ -21,7 +21,7 @@ import pytest
 import yaml
 
 from pipefisher.compare import comparison_table, load_sweep, main, plot_sweep, summarize
-from pipefisher.compare import _wandb_log_records  # the .wandb framing, tested on its own
+from pipefisher.compare import _cumulative_time, _wandb_log_records  # helpers, tested on their own
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -30,6 +30,9 @@ TINY_SWEEP = [
     "model=bert-tiny", "model.vocab_size=512", "data.seq_len=32", "data.max_predictions=5",
     "micro_batch_size=2", "progress=false",
 ]
+#: Columns and plots shown only when some run recorded their fields (evaluation, FLOPs, memory).
+OPTIONAL_COLUMNS = {"eval MLM loss", "eval MLM acc", "eval NSP acc", "TFLOP/s", "MFU", "peak mem (MB)"}
+EVAL_STEMS = ["compare_eval_mlm_loss_vs_step", "compare_eval_mlm_loss_vs_time"]
 
 
 def _train_sweep(sweep_dir: Path, overrides: list[str]) -> None:
@@ -62,8 +65,9 @@ def test_sweep_table_has_a_row_per_job_with_its_varying_overrides(tiny_sweep: Pa
     runs = load_sweep(tiny_sweep)
     assert [r.name for r in runs] == ["0", "1", "2", "3"]
     header, rows = _parse_table(comparison_table(runs))
-    assert header == ["job", "overrides", "method", "optimizer", "stages", "steps logged", "loss (last 5)",
-                      "samples/s", "bubble util", "sim. util", "refresh k"]
+    assert [h for h in header if h not in OPTIONAL_COLUMNS] == [
+        "job", "overrides", "method", "optimizer", "stages", "steps logged", "loss (last 5)",
+        "samples/s", "bubble util", "sim. util", "refresh k"]
     assert [r["job"] for r in rows] == ["0", "1", "2", "3"]
     seen = set()
     for row in rows:
@@ -80,8 +84,10 @@ def test_sweep_table_has_a_row_per_job_with_its_varying_overrides(tiny_sweep: Pa
 
 @pytest.mark.slow
 def test_sweep_plots_are_written_as_non_empty_png_and_pdf(tiny_sweep: Path, tmp_path: Path) -> None:
-    paths = plot_sweep(load_sweep(tiny_sweep), tmp_path / "plots")
+    runs = load_sweep(tiny_sweep)
+    paths = plot_sweep(runs, tmp_path / "plots")
     stems = ["compare_loss_vs_step", "compare_loss_vs_time", "compare_utilization_vs_step"]
+    stems += EVAL_STEMS if any(run.series("eval_mlm_loss")[0] for run in runs) else []
     assert paths == [tmp_path / "plots" / f"{s}.{ext}" for s in stems for ext in ("png", "pdf")]
     for path in paths:
         head = path.read_bytes()[:8]
@@ -100,7 +106,8 @@ def test_main_prints_the_table_and_plot_paths_defaulting_to_the_sweep_dir(
     _header, rows = _parse_table(table)
     assert len(rows) == 4 and "loss (last 2)" in _header
     listed = [Path(p) for p in listing.split()]
-    assert len(listed) == 6 and all(p.parent == sweep and p.stat().st_size > 0 for p in listed)
+    evaluated = any(run.series("eval_mlm_loss")[0] for run in load_sweep(sweep))
+    assert len(listed) == (10 if evaluated else 6) and all(p.parent == sweep and p.stat().st_size > 0 for p in listed)
 
 
 def test_offline_wandb_history_fills_gaps_and_stands_in_for_a_missing_metrics_file(tmp_path: Path) -> None:
@@ -207,6 +214,81 @@ def test_table_shows_only_varying_overrides_and_marks_missing_values(tmp_path: P
     paths = plot_sweep(runs[:2], tmp_path / "plots")
     assert [p.name for p in paths] == ["compare_loss_vs_step.png", "compare_loss_vs_step.pdf",
                                        "compare_loss_vs_time.png", "compare_loss_vs_time.pdf"]
+
+
+def _eval_records(step_times: list[float], evals: dict[int, tuple[float | None, float, float]],
+                  tflops: list[float], peak_mb: list[float]) -> list[dict[str, Any]]:
+    """Steps with throughput and memory; ``evals``: step → (MLM loss, MLM accuracy, NSP accuracy)."""
+    out = []
+    for step, (dt, tf, mb) in enumerate(zip(step_times, tflops, peak_mb, strict=True)):
+        rec = {"step": step, "loss": 5.0 - step, "step_time_s": dt, "samples_per_s": 8.0 / dt,
+               "tflops": tf, "mfu": tf / 100, "peak_memory_bytes": int(mb * 1e6)}
+        if step in evals:
+            mlm_loss, mlm_acc, nsp_acc = evals[step]
+            rec.update(eval_mlm_loss=mlm_loss, eval_mlm_accuracy=mlm_acc, eval_nsp_loss=0.69,
+                       eval_nsp_accuracy=nsp_acc, eval_time_s=100.0)  # much longer than any step
+        out.append(rec)
+    return out
+
+
+@pytest.fixture
+def eval_sweep(tmp_path: Path) -> Path:
+    """Two runs that evaluated (every 2 steps and after the last) and one older run without the new fields."""
+    sweep = tmp_path / "sweep"
+    _write_job(sweep / "0", {"lr": "1e-3"},
+               _eval_records([4.0, 1.0, 2.0, 1.0, 3.0], {1: (6.0, 0.1, 0.5), 3: (5.0, 0.2, 0.6), 4: (4.5, 0.25, 0.7)},
+                             tflops=[1.0, 10.0, 30.0, 20.0, 40.0], peak_mb=[900.0, 1500.0, 2500.0, 2000.0, 1000.0]))
+    _write_job(sweep / "1", {"lr": "1e-2"},  # diverged: the last evaluation's loss was written as null
+               _eval_records([2.0, 2.0, 2.0], {1: (7.0, 0.05, 0.5), 2: (None, 0.0, 0.5)},
+                             tflops=[3.0, 5.0, 7.0], peak_mb=[700.0, 800.0, 750.0]))
+    _write_job(sweep / "2", {"lr": "1e-4"}, _records([4.0, 3.0], [5.0, 6.0]))
+    return sweep
+
+
+def test_table_shows_the_last_evaluation_throughput_medians_and_peak_memory(eval_sweep: Path) -> None:
+    runs = load_sweep(eval_sweep)
+    s = summarize(runs[0])
+    assert (s.eval_mlm_loss, s.eval_mlm_accuracy, s.eval_nsp_accuracy) == (4.5, 0.25, 0.7)  # step 4's
+    assert s.tflops == pytest.approx(25.0) and s.mfu == pytest.approx(0.25)  # median of steps 1-4
+    assert s.peak_memory_bytes == 2_500_000_000
+    header, rows = _parse_table(comparison_table(runs))
+    assert header == ["job", "overrides", "method", "optimizer", "stages", "steps logged", "loss (last 5)",
+                      "eval MLM loss", "eval MLM acc", "eval NSP acc", "samples/s", "TFLOP/s", "MFU",
+                      "bubble util", "sim. util", "peak mem (MB)"]
+    assert [r["eval MLM loss"] for r in rows] == ["4.5000", "nan", "—"]  # a null is not replaced by 7.0
+    assert [r["eval MLM acc"] for r in rows] == ["0.250", "0.000", "—"]
+    assert [r["eval NSP acc"] for r in rows] == ["0.700", "0.500", "—"]
+    assert [r["TFLOP/s"] for r in rows] == ["25", "6", "—"]
+    assert [r["MFU"] for r in rows] == ["0.250", "0.060", "—"]
+    assert [r["peak mem (MB)"] for r in rows] == ["2500", "800", "—"]
+    # An old sweep: none of the new columns.
+    header, _ = _parse_table(comparison_table(runs[2:]))
+    assert not OPTIONAL_COLUMNS & set(header)
+
+
+def test_a_one_step_run_keeps_its_step_for_tflops_and_mfu(tmp_path: Path) -> None:
+    _write_job(tmp_path / "0", {}, _eval_records([2.0], {0: (6.0, 0.1, 0.5)}, tflops=[3.0], peak_mb=[10.0]))
+    s = summarize(load_sweep(tmp_path)[0])
+    assert (s.tflops, s.mfu, s.samples_per_s) == (3.0, 0.03, None)  # samples/s keeps its warm-up rule
+    assert s.eval_mlm_loss == 6.0
+
+
+def test_eval_plots_are_written_when_some_run_evaluated(eval_sweep: Path, tmp_path: Path) -> None:
+    paths = plot_sweep(load_sweep(eval_sweep), tmp_path / "plots")
+    stems = ["compare_loss_vs_step", "compare_loss_vs_time", *EVAL_STEMS]  # no utilization recorded
+    assert paths == [tmp_path / "plots" / f"{s}.{ext}" for s in stems for ext in ("png", "pdf")]
+    for path in paths:
+        assert path.read_bytes()[:8].startswith(b"\x89PNG" if path.suffix == ".png" else b"%PDF"), path
+
+
+def test_eval_loss_over_time_sums_step_times_and_leaves_out_eval_time(eval_sweep: Path) -> None:
+    run, diverged, old = load_sweep(eval_sweep)
+    assert run.series("eval_mlm_loss") == ([1, 3, 4], [6.0, 5.0, 4.5])
+    # Step times 4, 1, 2, 1, 3: steps 1, 3 and 4 end at 5, 8 and 11 s; the 100 s evaluations add nothing.
+    assert _cumulative_time(run, "eval_mlm_loss") == ([5.0, 8.0, 11.0], [6.0, 5.0, 4.5])
+    assert _cumulative_time(run) == ([4.0, 5.0, 7.0, 8.0, 11.0], [5.0, 4.0, 3.0, 2.0, 1.0])  # training loss
+    assert _cumulative_time(diverged, "eval_mlm_loss") == ([4.0], [7.0])  # the null evaluation is no point
+    assert _cumulative_time(old, "eval_mlm_loss") == ([], [])
 
 
 def test_broken_runs_are_skipped_with_a_warning_naming_the_file(

@@ -22,10 +22,11 @@ from pipefisher.planning.cli import plan_run
 from pipefisher.planning.config import register_schedule_configs, to_schedule_config
 from pipefisher.planning.costs import costs_from_profile
 from pipefisher.profiling import read_profile, write_profile
-from pipefisher.runtime import worker as worker_module
+from pipefisher.runtime import step_metrics
 from pipefisher.runtime.executor import WorkerExecutor
 from pipefisher.runtime.kfac_work import KfacWork
-from pipefisher.runtime.worker import PipelineWorker, _measured_costs, train_worker
+from pipefisher.runtime.step_metrics import measured_costs as _measured_costs
+from pipefisher.runtime.worker import PipelineWorker, train_worker
 from pipefisher.schedules import build_schedule
 from pipefisher.schedules.kfac import critical_path_assignment
 from pipefisher.simulate import CostModel, simulate
@@ -82,7 +83,7 @@ def _kfac_run(rank: int, cfg: TrainConfig, out: Path) -> None:
 def _timed_run(rank: int, cfg: TrainConfig, out: Path) -> None:
     """train_worker, with a slow simulation on rank 0 and the start of every step recorded."""
     starts: list[float] = []
-    train_step, simulate_step = PipelineWorker.train_step, worker_module.simulate
+    train_step, simulate_step = PipelineWorker.train_step, step_metrics.simulate
 
     def timed_train_step(self, step):
         starts.append(time.perf_counter())
@@ -93,7 +94,7 @@ def _timed_run(rank: int, cfg: TrainConfig, out: Path) -> None:
         return simulate_step(*args, **kwargs)
 
     PipelineWorker.train_step = timed_train_step
-    worker_module.simulate = slow_simulate
+    step_metrics.simulate = slow_simulate
     train_worker(cfg, rank, cfg.num_workers, torch.device("cpu"), out / "run")
     (out / f"starts_rank{rank}.json").write_text(json.dumps(starts))
 

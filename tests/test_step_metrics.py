@@ -1,11 +1,11 @@
 """The per-step simulated utilization in metrics.jsonl is simulated from the step's own measured
-costs, K-FAC units included (pipefisher.runtime.worker._measured_costs)."""
+costs, K-FAC units included (pipefisher.runtime.step_metrics.measured_costs)."""
 
 from __future__ import annotations
 
 import pytest
 
-from pipefisher.runtime.worker import _measured_costs
+from pipefisher.runtime.step_metrics import measured_costs as _measured_costs
 from pipefisher.schedules import build_schedule
 from pipefisher.schedules.kfac import critical_path_assignment
 from pipefisher.simulate import CostModel, simulate

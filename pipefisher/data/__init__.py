@@ -1,7 +1,8 @@
 """BERT pretraining data: the batch plan every pipeline stage shares, and its sources.
 
 Entry points: `build_source` (config -> `PretrainingSource`) and `get_micro_batch` (the same
-micro-batch in every stage's process, from (seed, step, micro-batch, dp rank) alone).
+micro-batch in every stage's process, from (seed, step, micro-batch, dp rank) alone); for
+held-out evaluation `build_eval_source` and `eval_micro_batch` (`pipefisher.data.heldout`).
 Sources: `SyntheticSource` (generated, learnable, no files) and `Hdf5Source` (NVIDIA-format
 shards). ``pipefisher-prepare`` (`pipefisher.data.prepare`) makes shards from text.
 """
@@ -24,13 +25,25 @@ from pipefisher.data.batches import (
     get_micro_batch,
     micro_batch_indices,
 )
-from pipefisher.data.hdf5 import NVIDIA_DTYPES, Hdf5Source, find_shards
-from pipefisher.data.synthetic import SyntheticSource
+from pipefisher.data.hdf5 import NVIDIA_DTYPES, Hdf5Source, check_widths, find_shards
+from pipefisher.data.heldout import (
+    HELDOUT_DIR,
+    HeldoutSource,
+    build_eval_source,
+    check_eval_batches,
+    eval_micro_batch,
+    heldout_path,
+    num_eval_micro_batches,
+    split_documents,
+)
+from pipefisher.data.synthetic import HELDOUT_FIRST_ID, SyntheticSource
 
 __all__ = [
     "BATCH_KEYS",
     "BERT_VOCAB_SIZE",
     "CLS_ID",
+    "HELDOUT_DIR",
+    "HELDOUT_FIRST_ID",
     "MASK_ID",
     "NVIDIA_DTYPES",
     "PAD_ID",
@@ -39,13 +52,20 @@ __all__ = [
     "UNK_ID",
     "DataError",
     "Hdf5Source",
+    "HeldoutSource",
     "PretrainingSource",
     "SyntheticSource",
+    "build_eval_source",
     "build_source",
     "check_batch",
+    "check_eval_batches",
+    "eval_micro_batch",
     "find_shards",
     "get_micro_batch",
+    "heldout_path",
     "micro_batch_indices",
+    "num_eval_micro_batches",
+    "split_documents",
 ]
 
 #: Kinds accepted by `build_source`.
@@ -96,15 +116,6 @@ def build_source(
         # shards the epoch is the number of samples they hold.
         kw.pop("num_samples", None)
         source = Hdf5Source(path, seed, vocab_size=vocab_size, **kw)
-        for name, field, want, have in (
-            ("seq_len", "input_ids", seq_len, source.seq_len),
-            ("max_predictions", "masked_lm_positions", max_predictions, source.max_predictions),
-        ):
-            if want != have:
-                raise DataError(
-                    f"{path}: the shards have {name}={have} (width of {field!r}) but the config "
-                    f"asks for {name}={want}; set {name}={have}, or prepare the data again with "
-                    f"--{name.replace('_', '-')} {want}"
-                )
+        check_widths(source, seq_len, max_predictions)
         return source
     raise ValueError(f"unknown data source kind {kind!r}; valid kinds: {list(SOURCE_KINDS)}")

@@ -15,6 +15,8 @@ and the samples of each shard in a seeded order ``perm(seed, e, shard)``, so a s
 is a pure function of (seed, i): two processes (two pipeline stages) agree without talking, and a
 resumed run needs only its step. Consecutive indices stay within a shard, so only the current
 shard (and the next, across a boundary) is held in memory.
+`Hdf5Source.get_stored_samples` reads in storage order instead (shards by name, rows in file
+order), with no seed: the fixed order of held-out batches (`pipefisher.data.heldout`).
 
 Shard metadata (fields, dtypes, shapes) is checked for every shard when the source is built, so a
 bad file stops a run before workers start; values (token ids below the vocabulary size, positions
@@ -36,7 +38,7 @@ import torch
 
 from pipefisher.data.batches import BATCH_KEYS, BERT_VOCAB_SIZE, DataError
 
-__all__ = ["NVIDIA_DTYPES", "SHARD_SUFFIXES", "Hdf5Source", "find_shards"]
+__all__ = ["NVIDIA_DTYPES", "SHARD_SUFFIXES", "Hdf5Source", "check_widths", "find_shards"]
 
 log = logging.getLogger(__name__)
 
@@ -357,7 +359,32 @@ class Hdf5Source:
         Raises:
             DataError: a shard loaded for the first time holds out-of-range values.
         """
-        shard, row = self.locate(indices)
+        return self._gather(*self.locate(indices))
+
+    def get_stored_samples(self, positions: Sequence[int]) -> dict[str, torch.Tensor]:
+        """Samples in storage order, without any shuffle: position ``r`` counts rows through
+        the shards in `shards` order (the fixed order held-out batches use).
+
+        Args:
+            positions: in ``[0, len(self))``.
+
+        Returns:
+            A batch (see `pipefisher.data.batches.BATCH_KEYS`), all ``torch.long``.
+
+        Raises:
+            ValueError: a position outside ``[0, len(self))``.
+            DataError: a shard loaded for the first time holds out-of-range values.
+        """
+        pos = np.asarray(positions, dtype=np.int64).reshape(-1)
+        if pos.size and not (0 <= pos.min() and pos.max() < self._total):
+            raise ValueError(f"positions must lie in [0, {self._total}), got "
+                             f"[{int(pos.min())}, {int(pos.max())}]")
+        ends = np.cumsum(self._sizes)
+        shard = np.searchsorted(ends, pos, side="right")
+        return self._gather(shard, pos - (ends[shard] - self._sizes[shard]))
+
+    def _gather(self, shard: np.ndarray, row: np.ndarray) -> dict[str, torch.Tensor]:
+        """Rows ``row`` of shards ``shard`` (int64 arrays of one length) as a batch."""
         widths = {"S": (self.seq_len,), "P": (self.max_predictions,), None: ()}
         out = {k: np.zeros((shard.size, *widths[_WIDTH[k]]), dtype=np.int64) for k in BATCH_KEYS}
         for s in np.unique(shard).tolist():
@@ -366,3 +393,21 @@ class Hdf5Source:
             for k in BATCH_KEYS:
                 out[k][sel] = arrays[k][row[sel]]
         return {k: torch.from_numpy(v) for k, v in out.items()}
+
+
+def check_widths(source: Hdf5Source, seq_len: int, max_predictions: int) -> None:
+    """Refuse shards whose S or P differ from what the model expects.
+
+    Raises:
+        DataError: naming the shards, the width found, and the two fixes.
+    """
+    for name, field, want, have in (
+        ("seq_len", "input_ids", seq_len, source.seq_len),
+        ("max_predictions", "masked_lm_positions", max_predictions, source.max_predictions),
+    ):
+        if want != have:
+            raise DataError(
+                f"{source.path}: the shards have {name}={have} (width of {field!r}) but the config "
+                f"asks for {name}={want}; set {name}={have}, or prepare the data again with "
+                f"--{name.replace('_', '-')} {want}"
+            )

@@ -27,6 +27,12 @@ repository README), re-implemented here:
 5. All instances are shuffled and split into ``num_shards`` files with NVIDIA's fields and dtypes
    (`pipefisher.data.hdf5.NVIDIA_DTYPES`).
 
+With ``--holdout-fraction F > 0``, a seeded choice of about F of the documents (at least one;
+`pipefisher.data.heldout.split_documents`) is set aside before step 2 and made into held-out
+shards in ``<output-dir>/heldout/`` (same vocabulary, S and P; read once, not ``dupe_factor``
+times; a random sentence B is drawn from held-out documents only), so no document's text is on
+both sides. `pipefisher.data.heldout.heldout_path` finds that folder from the training shards.
+
 [Note: raw WikiText]
 WikiText (Merity et al. 2016) is word-tokenized Wikipedia: `` = Title = `` starts an article,
 `` = = Section = = `` (deeper: more ``=``) is a heading, each paragraph is one line, blank lines
@@ -56,7 +62,7 @@ import shutil
 import sys
 import tempfile
 from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import h5py
@@ -66,6 +72,7 @@ from tqdm import tqdm
 
 from pipefisher.data.batches import BERT_VOCAB_SIZE, DataError
 from pipefisher.data.hdf5 import NVIDIA_DTYPES, SHARD_SUFFIXES
+from pipefisher.data.heldout import HELDOUT_DIR, split_documents
 
 __all__ = [
     "BERT_SPECIAL_TOKENS",
@@ -114,6 +121,7 @@ class PrepareConfig:
     prefix: str = ""  # shard name prefix; "" means f"pretrain_s{seq_len}_p{max_predictions}"
     compression: str | None = "gzip"
     input_format: str = "auto"  # one of INPUT_FORMATS
+    holdout_fraction: float = 0.0  # documents held out into heldout/ (0 = none)
 
     def __post_init__(self) -> None:
         checks = [
@@ -126,10 +134,13 @@ class PrepareConfig:
             ("vocab_size", self.vocab_size > len(BERT_SPECIAL_TOKENS), "above 104"),
             ("compression", self.compression in (None, "gzip", "lzf"), "gzip, lzf or none"),
             ("input_format", self.input_format in INPUT_FORMATS, " or ".join(INPUT_FORMATS)),
+            ("holdout_fraction", 0.0 <= self.holdout_fraction < 1.0,
+             "in [0, 1), e.g. 0.05 (0 = no held-out split)"),
         ]
         for name, ok, want in checks:
             if not ok:
-                raise ValueError(f"{name}={getattr(self, name)!r}: must be {want}")
+                flag = "--" + name.replace("_", "-")
+                raise ValueError(f"{name}={getattr(self, name)!r} ({flag}): must be {want}")
 
 
 @dataclass
@@ -138,10 +149,13 @@ class PrepareResult:
 
     shards: list[Path]
     vocab_path: Path
-    num_documents: int
+    num_documents: int  # documents in the training shards (held-out ones not included)
     num_instances: int
     vocab_size: int
     shard_sizes: list[int] = field(default_factory=list)
+    heldout_shards: list[Path] = field(default_factory=list)  # in <output_dir>/heldout/
+    num_heldout_documents: int = 0
+    num_heldout_instances: int = 0
 
 
 _TEXT_PROBE_BYTES = 1 << 20
@@ -537,7 +551,8 @@ def prepare(
     Args:
         inputs: text files (one sentence per line, blank line between documents, or raw
             WikiText: ``cfg.input_format``).
-        output_dir: where shards, ``vocab.txt`` and ``prepare.json`` (the settings) go.
+        output_dir: where shards, ``vocab.txt`` and ``prepare.json`` (the settings) go; held-out
+            shards (``cfg.holdout_fraction > 0``) and a copy of ``vocab.txt`` go to its ``heldout/``.
         cfg: settings.
         vocab: an existing ``vocab.txt``; ``None`` trains one of ``cfg.vocab_size`` on inputs.
         overwrite: allow an output directory that already holds shards.
@@ -547,7 +562,8 @@ def prepare(
         What was written.
 
     Raises:
-        DataError: missing input, existing shards without ``overwrite``, or no instances.
+        DataError: missing input, existing shards (``heldout/`` included) without ``overwrite``,
+            no instances, or too few documents to hold some out.
     """
     paths = [Path(p) for p in inputs]
     for p in paths:
@@ -555,8 +571,8 @@ def prepare(
             raise DataError(f"{p}: input text file not found (--input)")
         check_text_file(p)
     out = Path(output_dir)
-    existing = sorted(q.name for q in out.glob("*") if q.suffix in SHARD_SUFFIXES) \
-        if out.is_dir() else []
+    held_dir = out / HELDOUT_DIR
+    existing = _shard_names(out) + [f"{HELDOUT_DIR}/{n}" for n in _shard_names(held_dir)]
     if existing and not overwrite:
         raise DataError(f"{out}: already holds shards {existing[:3]}...; choose another "
                         "--output-dir or pass --overwrite")
@@ -571,14 +587,22 @@ def prepare(
     if not documents:
         raise DataError(f"{', '.join(map(str, paths))}: no sentences found; expected one sentence per line "
                         "(blank line between documents) or raw WikiText; nothing written")
+    train_ids, held_ids = split_documents(len(documents), cfg.holdout_fraction, cfg.seed)
     special = {t: tokenizer.token_to_id(t) for t in ("[CLS]", "[SEP]", "[MASK]")}
-    arrays = create_instances(documents, cfg, vocab_size, special, progress=progress)
+    arrays = create_instances([documents[d] for d in train_ids], cfg, vocab_size, special, progress=progress)
     num = len(arrays["input_ids"])
     if num == 0:
         raise DataError(f"{', '.join(map(str, paths))}: no instances created; nothing written")
+    # Held-out documents are read once: repeated masks of one text add no new evaluation signal.
+    held_arrays = create_instances([documents[d] for d in held_ids], replace(cfg, dupe_factor=1), vocab_size,
+                                   special, progress=progress) if held_ids else None
     out.mkdir(parents=True, exist_ok=True)
     for name in existing:
         (out / name).unlink()
+    if held_dir.is_dir():  # a stale split must not outlive an --overwrite
+        (held_dir / "vocab.txt").unlink(missing_ok=True)
+        if not any(held_dir.iterdir()):
+            held_dir.rmdir()
     vocab_path = out / "vocab.txt"
     if vocab is None:
         tokenizer.save_model(str(out))
@@ -586,19 +610,38 @@ def prepare(
         shutil.copyfile(vocab, vocab_path)
     log.info("vocabulary: %d tokens (%s)", vocab_size, vocab_path)
     prefix = cfg.prefix or f"pretrain_s{cfg.seq_len}_p{cfg.max_predictions}"
-    shards = write_shards(arrays, out, cfg.num_shards, prefix=prefix,
-                          compression=cfg.compression)
-    sizes = np.diff(np.linspace(0, num, len(shards) + 1).astype(np.int64)).tolist()
-    result = PrepareResult(shards, vocab_path, len(documents), num, vocab_size, sizes)
+    shards = write_shards(arrays, out, cfg.num_shards, prefix=prefix, compression=cfg.compression)
+    result = PrepareResult(shards, vocab_path, len(train_ids), num, vocab_size, _sizes(num, len(shards)))
+    if held_arrays is not None:
+        num_held_shards = max(1, round(cfg.num_shards * cfg.holdout_fraction))
+        result.heldout_shards = write_shards(held_arrays, held_dir, num_held_shards, prefix=prefix,
+                                             compression=cfg.compression)
+        shutil.copyfile(vocab_path, held_dir / "vocab.txt")
+        result.num_heldout_documents = len(held_ids)
+        result.num_heldout_instances = len(held_arrays["input_ids"])
     info = {"inputs": [str(p) for p in paths], "input_formats": formats,
             "vocab": str(vocab) if vocab else None,
-            **asdict(cfg), "num_documents": len(documents), "num_instances": num,
+            **asdict(cfg), "num_documents": len(train_ids), "num_instances": num,
             "vocab_size_actual": vocab_size, "shards": [p.name for p in shards],
-            "shard_sizes": sizes}
+            "shard_sizes": result.shard_sizes, "num_heldout_documents": result.num_heldout_documents,
+            "num_heldout_instances": result.num_heldout_instances,
+            "heldout_shards": [f"{HELDOUT_DIR}/{p.name}" for p in result.heldout_shards],
+            "heldout_shard_sizes": _sizes(result.num_heldout_instances, len(result.heldout_shards))}
     (out / "prepare.json").write_text(json.dumps(info, indent=2) + "\n")
-    log.info("%d documents -> %d instances in %d shard(s) under %s",
-             len(documents), num, len(shards), out)
+    log.info("%d documents -> %d instances in %d shard(s) under %s", len(train_ids), num, len(shards), out)
+    if held_ids:
+        log.info("held out: %d documents -> %d instances in %d shard(s) under %s", len(held_ids),
+                 result.num_heldout_instances, len(result.heldout_shards), held_dir)
     return result
+
+
+def _shard_names(folder: Path) -> list[str]:
+    return sorted(q.name for q in folder.glob("*") if q.suffix in SHARD_SUFFIXES) if folder.is_dir() else []
+
+
+def _sizes(num: int, num_shards: int) -> list[int]:
+    """Instances per shard as `write_shards` splits ``num`` of them."""
+    return np.diff(np.linspace(0, num, num_shards + 1).astype(np.int64)).tolist() if num_shards else []
 
 
 class _DefaultsHelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -641,6 +684,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--masked-lm-prob", type=float, default=d.masked_lm_prob,
                    help="fraction of tokens masked (at most --max-predictions)")
     p.add_argument("--num-shards", type=int, default=d.num_shards, help="hdf5 files to write")
+    p.add_argument("--holdout-fraction", type=float, default=d.holdout_fraction,
+                   help="fraction of documents (at least one if > 0) written, read once, to held-out "
+                        "shards in OUTPUT_DIR/heldout/ for evaluation (data.eval_path); 0: none")
     p.add_argument("--seed", type=int, default=d.seed, help="seeds every random choice")
     p.add_argument("--prefix", default="",
                    help="shard file name prefix; empty: pretrain_s{seq-len}_p{max-predictions}")
@@ -665,7 +711,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             masked_lm_prob=args.masked_lm_prob, num_shards=args.num_shards, seed=args.seed,
             vocab_size=args.vocab_size, lowercase=not args.cased, prefix=args.prefix,
             compression=None if args.compression == "none" else args.compression,
-            input_format=args.input_format,
+            input_format=args.input_format, holdout_fraction=args.holdout_fraction,
         )
         result = prepare(args.input, args.output_dir, cfg, vocab=args.vocab,
                          overwrite=args.overwrite, progress=not args.no_progress)
@@ -675,6 +721,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"wrote {result.num_instances} instances from {result.num_documents} documents "
           f"into {len(result.shards)} shard(s) in {args.output_dir} "
           f"(vocab {result.vocab_size}: {result.vocab_path})")
+    if result.heldout_shards:
+        print(f"held out {result.num_heldout_instances} instances from {result.num_heldout_documents} "
+              f"documents into {len(result.heldout_shards)} shard(s) in {result.heldout_shards[0].parent}")
     return 0
 
 

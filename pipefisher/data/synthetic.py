@@ -27,6 +27,11 @@ drawn as one (R, S) block of uniforms, so a batch is built with array operations
 2-4 ms on one CPU core); the Markov chain is the one loop, over positions, vectorized over
 the batch.
 
+Sample ids are split in two ranges that never mix: ``[0, HELDOUT_FIRST_ID)`` for training
+sources and ``[HELDOUT_FIRST_ID, 2**63)`` for held-out ones (``first_sample_id``;
+`pipefisher.data.heldout`). A source's ids all lie in one range, so no training sample, of any
+seed or epoch, shares its generator key with a held-out sample.
+
 Shape legend: B samples, S sequence length, L = S - 3 content positions, P max predictions.
 """
 
@@ -39,10 +44,13 @@ import torch
 
 from pipefisher.data.batches import CLS_ID, MASK_ID, SEP_ID
 
-__all__ = ["CONTENT_START", "SyntheticSource"]
+__all__ = ["CONTENT_START", "HELDOUT_FIRST_ID", "SyntheticSource"]
 
 #: First content token id (the one after [MASK]).
 CONTENT_START = MASK_ID + 1
+#: First sample id of the held-out range (see the module docstring); training ids lie below it.
+HELDOUT_FIRST_ID = 2**62
+_END_ID = 2**63  # ids are int64
 
 _SUCCESSOR_PROBS = np.array([0.6, 0.25, 0.1, 0.05])
 _SUCCESSOR_CDF = np.cumsum(_SUCCESSOR_PROBS)[:-1]  # searchsorted boundaries for 4 choices
@@ -72,6 +80,8 @@ class SyntheticSource:
         short_seq_prob: probability of a shorter, padded sequence.
         masked_lm_prob: fraction of tokens masked.
         language_seed: seeds the language (topics and successor tables).
+        first_sample_id: the samples are ids ``first_sample_id + [0, num_samples)``, all below
+            or all from `HELDOUT_FIRST_ID` (0: training data; held-out sources start there).
 
     Raises:
         ValueError: a size is out of range (the message names it).
@@ -91,6 +101,7 @@ class SyntheticSource:
         short_seq_prob: float = 0.1,
         masked_lm_prob: float = 0.15,
         language_seed: int = 0,
+        first_sample_id: int = 0,
     ) -> None:
         if seq_len < _MIN_SEQ_LEN:
             raise ValueError(f"seq_len={seq_len}: synthetic data needs at least {_MIN_SEQ_LEN}")
@@ -98,6 +109,14 @@ class SyntheticSource:
             raise ValueError(f"max_predictions={max_predictions}: must be at least 1")
         if num_samples < 1:
             raise ValueError(f"num_samples={num_samples}: must be at least 1")
+        last_id = first_sample_id + num_samples - 1
+        if first_sample_id < 0 or last_id >= _END_ID or (
+            first_sample_id < HELDOUT_FIRST_ID <= last_id
+        ):
+            raise ValueError(
+                f"sample ids [{first_sample_id}, {last_id}] (first_sample_id, num_samples): must lie "
+                "all below HELDOUT_FIRST_ID=2**62 (training) or all in [2**62, 2**63) (held-out)"
+            )
         if num_topics < 2:
             raise ValueError(f"num_topics={num_topics}: must be at least 2 (for sentence B)")
         if topic_vocab < 2:
@@ -117,6 +136,7 @@ class SyntheticSource:
         self.vocab_size = vocab_size
         self.seed = seed
         self.num_samples = num_samples
+        self.first_sample_id = first_sample_id
         self.short_seq_prob = short_seq_prob
         self.masked_lm_prob = masked_lm_prob
 
@@ -154,7 +174,7 @@ class SyntheticSource:
         for epoch in np.unique(epochs):
             sel = epochs == epoch
             ids[sel] = self._epoch_permutation(int(epoch))[offsets[sel]]
-        return ids
+        return ids + self.first_sample_id
 
     def _uniforms(self, sample_ids: np.ndarray) -> np.ndarray:
         # (B, R, S): one counter-based generator per sample, keyed by (seed, sample id).
@@ -206,9 +226,32 @@ class SyntheticSource:
         idx = np.asarray(indices, dtype=np.int64).reshape(-1)
         if idx.size and idx.min() < 0:
             raise ValueError(f"sample indices must be non-negative, got {int(idx.min())}")
+        return self._generate(self._sample_ids(idx))
+
+    def get_stored_samples(self, positions: Sequence[int]) -> dict[str, torch.Tensor]:
+        """Samples in id order, without the epoch shuffle: position ``r`` is sample id
+        ``first_sample_id + r`` (the fixed order held-out batches use).
+
+        Args:
+            positions: in ``[0, len(self))``.
+
+        Returns:
+            A batch (see `pipefisher.data.batches.BATCH_KEYS`), all ``torch.long``.
+
+        Raises:
+            ValueError: a position outside ``[0, len(self))``.
+        """
+        pos = np.asarray(positions, dtype=np.int64).reshape(-1)
+        if pos.size and not (0 <= pos.min() and pos.max() < self.num_samples):
+            raise ValueError(f"positions must lie in [0, {self.num_samples}), got "
+                             f"[{int(pos.min())}, {int(pos.max())}]")
+        return self._generate(pos + self.first_sample_id)
+
+    def _generate(self, sample_ids: np.ndarray) -> dict[str, torch.Tensor]:
+        """(B,) sample ids -> a batch; a pure function of (seed, language, sample id)."""
         S, P, V, T = self.seq_len, self.max_predictions, self._topic_vocab, self._num_topics
-        B, L = idx.size, S - 3
-        u = self._uniforms(self._sample_ids(idx)) if B else np.zeros((0, _NUM_ROWS, S))
+        B, L = sample_ids.size, S - 3
+        u = self._uniforms(sample_ids) if B else np.zeros((0, _NUM_ROWS, S))
         sc = u[:, _SCALARS]  # (B, S), first 8 columns used
 
         # Sentence lengths as in BERT: a target length (short with short_seq_prob), A takes

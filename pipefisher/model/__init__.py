@@ -15,6 +15,8 @@ from pipefisher.model.bert import (
     build_full_model,
     load_hf_state_dict,
     merge_stage_state_dicts,
+    EVAL_SUMS,
+    pretraining_eval_sums,
     pretraining_loss,
 )
 from pipefisher.model.config import BERT_SIZES, BertConfig, BertSize
@@ -35,5 +37,7 @@ __all__ = [
     "merge_stage_state_dicts",
     "partition_layers",
     "pretraining_loss",
+    "pretraining_eval_sums",
+    "EVAL_SUMS",
     "stage_costs",
 ]

@@ -64,6 +64,8 @@ __all__ = [
     "BertStage",
     "build_full_model",
     "pretraining_loss",
+    "pretraining_eval_sums",
+    "EVAL_SUMS",
     "load_hf_state_dict",
     "merge_stage_state_dicts",
     "WORD_EMBEDDINGS_NAME",
@@ -346,6 +348,33 @@ def pretraining_loss(mlm_logits: Tensor, nsp_logits: Tensor, batch: Batch) -> Te
     return torch.stack([mlm_loss, nsp_loss])
 
 
+#: The sums :func:`pretraining_eval_sums` returns, in order.
+EVAL_SUMS = ("mlm_loss_sum", "mlm_correct", "mlm_count", "nsp_loss_sum", "nsp_correct", "nsp_count")
+
+
+def pretraining_eval_sums(mlm_logits: Tensor, nsp_logits: Tensor, batch: Batch) -> Tensor:
+    """Held-out evaluation sums of one micro-batch (to be added up over micro-batches and workers).
+
+    Returns:
+        [6] float64, in the order of :data:`EVAL_SUMS`: the summed MLM cross-entropy over the real
+        masked slots (``masked_lm_ids`` != 0), how many of them the argmax predicts right, their
+        count; the summed NSP cross-entropy, the right NSP predictions and the sequence count.
+    """
+    labels = batch["masked_lm_ids"].long()  # [B,P]
+    vocab = mlm_logits.size(-1)
+    flat = mlm_logits.reshape(-1, vocab).float()
+    real = labels.reshape(-1) != 0
+    mlm_sum = F.cross_entropy(flat, labels.reshape(-1), ignore_index=0, reduction="sum")
+    mlm_correct = ((flat.argmax(-1) == labels.reshape(-1)) & real).sum()
+    nsp_labels = batch["next_sentence_labels"].long()
+    nsp_sum = F.cross_entropy(nsp_logits.float(), nsp_labels, reduction="sum")
+    nsp_correct = (nsp_logits.argmax(-1) == nsp_labels).sum()
+    return torch.stack([mlm_sum.double(), mlm_correct.double(), real.sum().double(),
+                        nsp_sum.double(), nsp_correct.double(), torch.tensor(float(nsp_labels.numel()),
+                                                                             dtype=torch.float64,
+                                                                             device=nsp_labels.device)])
+
+
 class BertStage(nn.Module):
     """A contiguous slice of BERT's pipeline layers, with Hugging Face parameter names.
 
@@ -532,6 +561,14 @@ class BertStage(nn.Module):
             return hidden
         mlm_logits, nsp_logits = self.logits(hidden, batch)
         return pretraining_loss(mlm_logits, nsp_logits, batch)
+
+    def evaluate(self, hidden: Tensor | None, batch: Batch) -> Tensor:
+        """Like :meth:`forward`, but the stage holding the heads returns the evaluation sums
+        [6] of :func:`pretraining_eval_sums` instead of the losses (call it in eval mode, no grad)."""
+        hidden = self.encode(hidden, batch)
+        if not self.has_heads:
+            return hidden
+        return pretraining_eval_sums(*self.logits(hidden, batch), batch)
 
     def extra_repr(self) -> str:
         return f"pipeline layers {self.first_layer}..{self.last_layer} (inclusive)"

@@ -1,6 +1,6 @@
 """Per-worker memory estimate of a run: weights, gradients, optimizer state, activations, captures.
 
-[Note: memory model] (bytes, for the worker that needs the most)::
+[Note: memory model] (bytes per worker; ``estimate_memory`` gives the one that needs the most)::
 
     weights, gradients   4 per parameter of every stage replica the worker holds (fp32 master)
     optimizer state      NVLAMB: 2 moments, 8 per parameter; K-FAC adds per Linear layer the two
@@ -29,7 +29,7 @@ from pipefisher.schedules import ActionKind, Schedule
 from pipefisher.schedules.kfac import Assignment
 from pipefisher.simulate import peak_activations
 
-__all__ = ["MemoryEstimate", "estimate_memory"]
+__all__ = ["MemoryEstimate", "estimate_memory", "estimate_memory_per_worker"]
 
 K = ActionKind
 GB = 1e9
@@ -37,7 +37,7 @@ GB = 1e9
 
 @dataclass(frozen=True)
 class MemoryEstimate:
-    """Bytes of the worker that needs the most, by component (see [Note: memory model])."""
+    """Bytes of one worker, by component (see [Note: memory model])."""
 
     worker: int
     weights: float
@@ -95,9 +95,9 @@ def _capture_peak(phase: Schedule, worker: int, run: RunShape, kfac_layers: list
     return peak
 
 
-def estimate_memory(run: RunShape, optimizer: str, schedule: Schedule | None = None,
-                    assignment: Assignment | None = None) -> MemoryEstimate:
-    """Memory of the most loaded worker of ``run`` under ``optimizer`` ([Note: memory model]).
+def estimate_memory_per_worker(run: RunShape, optimizer: str, schedule: Schedule | None = None,
+                               assignment: Assignment | None = None) -> dict[int, MemoryEstimate]:
+    """Memory of every worker of ``run`` under ``optimizer`` ([Note: memory model]).
 
     Args:
         run: the run's shape.
@@ -106,7 +106,7 @@ def estimate_memory(run: RunShape, optimizer: str, schedule: Schedule | None = N
         assignment: the K-FAC assignment, for the capture memory (none counted when None).
 
     Returns:
-        The estimate of the worker with the largest total.
+        Worker rank -> its estimate, one entry per worker of the schedule.
     """
     if optimizer not in ("nvlamb", "kfac", "pipefisher"):
         raise ValueError(f"optimizer={optimizer!r}: choose nvlamb, kfac or pipefisher")
@@ -115,7 +115,7 @@ def estimate_memory(run: RunShape, optimizer: str, schedule: Schedule | None = N
     encoder = run.encoder_layers
     peaks = peak_activations(schedule)
     factor_sets = {"nvlamb": 0, "kfac": 2, "pipefisher": 3}[optimizer]
-    best = None
+    out: dict[int, MemoryEstimate] = {}
     for w in sorted(schedule.actions):
         stages = [s for (_, _, s) in schedule.placement.stages_of(w)]
         p = sum(params[s] for s in stages)
@@ -124,7 +124,18 @@ def estimate_memory(run: RunShape, optimizer: str, schedule: Schedule | None = N
         captures = 0.0
         if assignment is not None and optimizer != "nvlamb":
             captures = max(_capture_peak(ph, w, run, list(assignment.kfac_layers)) for ph in assignment.phases)
-        est = MemoryEstimate(w, 4.0 * p, 4.0 * p, 8.0 * p + factor_sets * factors, act, captures)
-        if best is None or est.total > best.total:
-            best = est
-    return best
+        out[w] = MemoryEstimate(w, 4.0 * p, 4.0 * p, 8.0 * p + factor_sets * factors, act, captures)
+    return out
+
+
+def estimate_memory(run: RunShape, optimizer: str, schedule: Schedule | None = None,
+                    assignment: Assignment | None = None) -> MemoryEstimate:
+    """Memory of the most loaded worker of ``run`` under ``optimizer`` ([Note: memory model]).
+
+    Args and errors as :func:`estimate_memory_per_worker`.
+
+    Returns:
+        The estimate of the worker with the largest total (the lowest rank among equals).
+    """
+    per_worker = estimate_memory_per_worker(run, optimizer, schedule, assignment)
+    return max(per_worker.values(), key=lambda est: est.total)

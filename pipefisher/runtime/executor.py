@@ -52,7 +52,7 @@ action's name and the collective's kind (never in ``timeline.COMPUTE_KINDS``)::
 
 so the PRECOND, INVERT and STEP events cover their compute only. The names parse back with
 ``Action.from_str``; a reader tells a wait from the action by its kind (``timeline.is_wait``), and
-the cost readers (``planning.costs.costs_from_profile``, ``runtime.worker._measured_costs``) skip
+the cost readers (``planning.costs.costs_from_profile``, ``runtime.step_metrics.measured_costs``) skip
 waits: SYNC_GRAD / SYNC_FACTOR costs stay the means of the events that start the all-reduces,
 and no unit is charged for its wait. A wait is recorded only when something was in flight. In an
 nsys capture a wait's range is named by the collective's kind alone (``SYNC_GRAD``), since nsys
@@ -89,7 +89,7 @@ def message_tag(kind: ActionKind, pipe: int, sender_stage: int, micro_batch: int
     return ((pipe * num_stages + sender_stage) * num_micro_batches + micro_batch) * 2 + direction
 
 
-def _sender_stage(a: Action) -> int:
+def sender_stage(a: Action) -> int:
     if a.kind in (ActionKind.SEND_F, ActionKind.SEND_B):
         return a.stage
     return a.stage - 1 if a.kind == ActionKind.RECV_F else a.stage + 1
@@ -193,7 +193,7 @@ class WorkerExecutor:
 
     def _tag(self, a: Action) -> int:
         s = self.schedule
-        return message_tag(a.kind, a.pipe, _sender_stage(a), a.micro_batch, s.num_stages, s.num_micro_batches)
+        return message_tag(a.kind, a.pipe, sender_stage(a), a.micro_batch, s.num_stages, s.num_micro_batches)
 
     def _post_recv(self, a: Action) -> tuple[torch.Tensor, dist.Work]:
         buf = torch.empty(self.comm.shape, dtype=self.comm.dtype, device=self.comm.device)

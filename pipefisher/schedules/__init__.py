@@ -4,6 +4,8 @@ Entry point: :func:`build_schedule` (generator → :func:`add_communication` →
 :func:`add_grad_sync_and_step` → :func:`check_schedule`). K-FAC work over a refresh cycle:
 :class:`Assignment`, :func:`critical_path_assignment`, :func:`check_assignment` and the JSON form
 (:func:`assignment_to_json` / :func:`assignment_from_json`) in ``pipefisher.schedules.kfac``.
+Held-out evaluation: :func:`forward_only` / :func:`build_eval_schedule` (F and its messages only)
+in ``pipefisher.schedules.evaluation``.
 Nothing here imports torch.
 """
 
@@ -13,6 +15,7 @@ import inspect
 from typing import Any
 
 from pipefisher.schedules.checks import ScheduleError, check_schedule
+from pipefisher.schedules.evaluation import build_eval_schedule, forward_only
 from pipefisher.schedules.generators import (
     GENERATORS,
     chimera,
@@ -49,6 +52,8 @@ __all__ = [
     "add_grad_sync_and_step",
     "check_schedule",
     "build_schedule",
+    "build_eval_schedule",
+    "forward_only",
     "Assignment",
     "assignment_from_json",
     "assignment_to_json",

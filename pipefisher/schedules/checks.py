@@ -60,7 +60,8 @@ def _fail(schedule: Schedule, message: str, mark: tuple[int, int] | None = None)
                         f"N={schedule.num_micro_batches}): {message}\n{schedule.format_grid(mark=mark)}")
 
 
-def check_schedule(schedule: Schedule, *, complete: bool = True, kfac: bool | None = None) -> None:
+def check_schedule(schedule: Schedule, *, complete: bool = True, kfac: bool | None = None,
+                   forward_only: bool = False) -> None:
     """Check that ``schedule`` is well formed and runs to completion.
 
     Checks, in order: every action sits on a worker holding its stage replica (right pipe, right
@@ -81,11 +82,30 @@ def check_schedule(schedule: Schedule, *, complete: bool = True, kfac: bool | No
         kfac: require one PRECOND per stage replica (a step of a K-FAC run). None: require it
             when the schedule has any K-FAC unit; False: never require it (K-FAC units present
             are still checked).
+        forward_only: check an evaluation schedule (``pipefisher.schedules.evaluation``)
+            instead: exactly one F per micro-batch per stage replica and nothing but F, SEND_F
+            and RECV_F (no backward, weight gradient, SYNC_GRAD, STEP or K-FAC unit);
+            placement, local order, forward messages (required when ``complete``) and no
+            deadlock as above.
 
     Raises:
         ScheduleError: the first violation found; the message includes the grid with the failing
             cell marked.
+        ValueError: ``forward_only`` together with ``kfac=True``.
     """
+    if forward_only:
+        if kfac:
+            raise ValueError("check_schedule: kfac=True contradicts forward_only=True "
+                             "(a forward-only schedule has no K-FAC units)")
+        _check_forward_only_kinds(schedule)
+        _check_placement(schedule)
+        _check_forward_coverage(schedule)
+        _check_local_order(schedule)
+        has_comm = any(a.kind.is_comm for acts in schedule.actions.values() for a in acts)
+        if has_comm or complete:
+            _check_communication(schedule)
+        _check_no_deadlock(schedule, data_dependencies=not has_comm)
+        return
     _check_placement(schedule)
     _check_coverage(schedule)
     _check_local_order(schedule)
@@ -189,6 +209,34 @@ def _check_coverage(schedule: Schedule) -> None:
                     _fail(schedule, f"{what} is missing on worker {w} (data-parallel group {dp}); "
                                     f"each micro-batch gets one F and one B (or one I and one W) per "
                                     f"stage replica", (w, pos[(w, split[0])][0]) if split else None)
+
+
+_FORWARD_ONLY_KINDS = (K.FORWARD, K.SEND_F, K.RECV_F)
+
+
+def _check_forward_only_kinds(schedule: Schedule) -> None:
+    for w, actions in schedule.actions.items():
+        for i, a in enumerate(actions):
+            if a.kind not in _FORWARD_ONLY_KINDS:
+                what = ("a backward" if a.kind.is_compute else "a K-FAC unit" if a.kind.is_kfac
+                        else "a backward message" if a.kind.is_comm else f"a {a.kind}")
+                _fail(schedule, f"{a} on worker {w} is {what}; a forward-only schedule holds only "
+                                f"F, SEND_F and RECV_F", (w, i))
+
+
+def _check_forward_coverage(schedule: Schedule) -> None:
+    pos = _compute_positions(schedule)
+    for (w, a), where in pos.items():
+        if len(where) > 1:
+            _fail(schedule, f"{a} appears {len(where)} times on worker {w}; a forward-only schedule "
+                            f"runs exactly one F per micro-batch per stage replica", (w, where[1]))
+    for dp in range(schedule.dp_width):
+        for j, pipe in enumerate(schedule.pipe_of_micro_batch):
+            for s in range(schedule.num_stages):
+                w, f = schedule.placement.worker_of(dp, pipe, s), Action(K.FORWARD, s, j, pipe)
+                if (w, f) not in pos:
+                    _fail(schedule, f"{f} is missing on worker {w} (data-parallel group {dp}); a "
+                                    f"forward-only schedule runs one F per micro-batch per stage replica")
 
 
 def _input_backward_at(pos: dict[tuple[int, Action], int], w: int, s: int, j: int, p: int) -> int:

@@ -1,0 +1,25 @@
+"""Measuring a run: model FLOPs, the peak FLOP/s behind MFU, and peak memory per step.
+
+Entry points: :func:`train_step_flops` (PaLM's model FLOPs of a step), :func:`resolve_peak` and
+:func:`mfu` (published GPU peak or measured CPU peak), :class:`PeakMemory` (this process's peak
+per step) beside :func:`predicted_peak_bytes` (the planner's prediction per worker).
+DESIGN.md, "Measuring a run".
+"""
+
+from pipefisher.measure.flops import forward_flops, train_step_flops
+from pipefisher.measure.memory import PeakMemory, predicted_peak_bytes
+from pipefisher.measure.peak import GPU_PEAK_TFLOPS, Peak, cache_dir, measure_cpu_peak, mfu, resolve_peak, tflops
+
+__all__ = [
+    "GPU_PEAK_TFLOPS",
+    "Peak",
+    "PeakMemory",
+    "cache_dir",
+    "forward_flops",
+    "measure_cpu_peak",
+    "mfu",
+    "predicted_peak_bytes",
+    "resolve_peak",
+    "tflops",
+    "train_step_flops",
+]

@@ -1,0 +1,64 @@
+"""Model FLOPs of BERT pretraining, as PaLM's MFU counts them (Chowdhery et al. 2022, appendix B).
+
+[Note: model FLOPs]
+2 FLOPs per multiply-add of the model's matrix products, nothing else (T = B·S tokens)::
+
+    per encoder layer   Q, K, V, attention output   4 · 2·T·H·H
+                        FFN in, FFN out             2 · 2·T·H·F        (F = intermediate size)
+                        scores QKᵀ, probs·V         2 · 2·B·S·S·H      (all heads together)
+    pooler ([CLS] only)                             2·B·H·H
+    NSP classifier                                  2·B·H·2
+    MLM head at the P masked slots only             2·B·P·H·H + 2·B·P·H·V   (transform, decoder)
+
+Embedding lookups, biases, LayerNorm, softmax, GELU, dropout and the losses count 0. This is
+exactly what ``torch.utils.flop_counter.FlopCounterMode`` counts for ``BertStage`` (its
+mm/addmm/bmm; tests/test_measure.py checks every size). A training step is 3 × forward (the
+backward multiplies twice per forward product); recomputation re-runs forwards but adds no model
+FLOPs, so MFU does not reward it (hardware FLOPs would).
+"""
+
+from __future__ import annotations
+
+from pipefisher.model.config import BertConfig
+
+__all__ = ["forward_flops", "train_step_flops"]
+
+
+def forward_flops(bert: BertConfig, batch: int, seq_len: int, max_predictions: int) -> int:
+    """Model FLOPs of one forward pass ([Note: model FLOPs]).
+
+    Args:
+        bert: the architecture (H, L, F, V).
+        batch: B, sequences in the pass.
+        seq_len: S, tokens per sequence.
+        max_predictions: P, MLM slots per sequence (the head runs on all P, padding included).
+
+    Returns:
+        FLOPs (an exact integer).
+    """
+    if batch < 1 or seq_len < 1 or max_predictions < 0:
+        raise ValueError(f"batch={batch}, seq_len={seq_len}, max_predictions={max_predictions}: "
+                         "need batch ≥ 1, seq_len ≥ 1, max_predictions ≥ 0")
+    b, s, p = batch, seq_len, max_predictions
+    h, v = bert.hidden_size, bert.vocab_size
+    f = bert.intermediate_size or 4 * h
+    tokens = b * s
+    linears = 4 * 2 * tokens * h * h + 2 * 2 * tokens * h * f
+    attention = 2 * 2 * b * s * s * h
+    heads = 2 * b * h * h + 2 * b * h * 2 + 2 * b * p * h * h + 2 * b * p * h * v
+    return bert.num_layers * (linears + attention) + heads
+
+
+def train_step_flops(bert: BertConfig, global_batch: int, seq_len: int, max_predictions: int) -> int:
+    """Model FLOPs of one training step: 3 × ``forward_flops`` of the global batch.
+
+    Args:
+        bert: the architecture.
+        global_batch: sequences per optimizer step, over all micro-batches and data-parallel copies.
+        seq_len: S.
+        max_predictions: P.
+
+    Returns:
+        FLOPs of forward + backward; recomputation is not counted ([Note: model FLOPs]).
+    """
+    return 3 * forward_flops(bert, global_batch, seq_len, max_predictions)

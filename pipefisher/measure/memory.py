@@ -1,0 +1,89 @@
+"""Peak memory of this process per step, and the planner's prediction to set beside it.
+
+[Note: peak memory per step]
+CUDA: the caching allocator's ``max_memory_allocated`` since ``reset_peak_memory_stats`` (tensors
+only; the CUDA context and the cache's free blocks are not in it, nor in the prediction).
+CPU (Linux): the resident set's high-water mark ``VmHWM`` of /proc/self/status, reset to the
+current RSS by writing "5" to /proc/self/clear_refs (Linux ≥ 4.0). RSS includes the interpreter,
+libraries and freed-but-cached memory, so it reads above the prediction by a roughly constant
+amount. Where the reset is refused, the peak is over the process's lifetime (``kind`` says so);
+elsewhere ``resource.getrusage``'s ``ru_maxrss`` (lifetime).
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+
+import torch
+
+from pipefisher.planning.costs import RunShape
+from pipefisher.planning.memory import estimate_memory_per_worker
+from pipefisher.schedules import Schedule
+from pipefisher.schedules.kfac import Assignment
+
+__all__ = ["PeakMemory", "predicted_peak_bytes"]
+
+_CLEAR_REFS = "/proc/self/clear_refs"
+_STATUS = "/proc/self/status"
+
+
+class PeakMemory:
+    """Peak memory of this process since the last ``reset()`` ([Note: peak memory per step]).
+
+    Attributes:
+        device: the device measured.
+        kind: ``"cuda max_memory_allocated"``, ``"cpu peak RSS (per step)"`` or
+            ``"cpu peak RSS (process lifetime)"``.
+    """
+
+    def __init__(self, device: torch.device | str = "cpu") -> None:
+        self.device = torch.device(device)
+        if self.device.type == "cuda":
+            self.kind = "cuda max_memory_allocated"
+        elif sys.platform.startswith("linux"):
+            self.kind = "cpu peak RSS (per step)"
+        else:
+            self.kind = "cpu peak RSS (process lifetime)"
+
+    def reset(self) -> None:
+        """Start a new measurement window (a no-op where only the lifetime peak exists)."""
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+        elif self.kind == "cpu peak RSS (per step)":
+            try:
+                with open(_CLEAR_REFS, "w") as f:
+                    f.write("5")
+            except OSError:
+                self.kind = "cpu peak RSS (process lifetime)"
+
+    def read(self) -> int:
+        """Peak bytes since the last ``reset()`` (or over the process's lifetime, see ``kind``)."""
+        if self.device.type == "cuda":
+            return int(torch.cuda.max_memory_allocated(self.device))
+        if sys.platform.startswith("linux"):
+            with open(_STATUS) as f:
+                match = re.search(r"^VmHWM:\s+(\d+)\s+kB", f.read(), re.MULTILINE)
+            if match:
+                return int(match.group(1)) * 1024
+        import resource  # Unix only; absent on Windows
+
+        maxrss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        return int(maxrss if sys.platform == "darwin" else maxrss * 1024)  # bytes on macOS, kB elsewhere
+
+
+def predicted_peak_bytes(run: RunShape, optimizer: str, schedule: Schedule | None = None,
+                         assignment: Assignment | None = None) -> dict[int, float]:
+    """The planner's predicted peak memory of every worker (``estimate_memory_per_worker``'s totals).
+
+    Args:
+        run: the run's shape.
+        optimizer: ``nvlamb``, ``kfac`` or ``pipefisher``.
+        schedule: the run's schedule (built from ``run`` when None).
+        assignment: the K-FAC assignment, for the capture memory.
+
+    Returns:
+        Worker rank -> bytes.
+    """
+    per_worker = estimate_memory_per_worker(run, optimizer, schedule, assignment)
+    return {w: est.total for w, est in per_worker.items()}

@@ -1,0 +1,220 @@
+"""Build what a worker of a run holds, from the config alone: the schedule, the stage replicas,
+the process groups, the K-FAC plan, and the planner's view of the run (:class:`RunShape`).
+
+Every function here is a pure function of the config (and the rank), so every worker builds the
+same schedule and plan; only :func:`new_groups` talks to torch.distributed (every rank creates
+every group, in one order).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import random
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from pipefisher.config import TrainConfig
+from pipefisher.model import BertStage, partition_layers
+from pipefisher.planning.assign import plan_pipefisher
+from pipefisher.planning.costs import Hardware, RunShape, estimate_run_costs
+from pipefisher.runtime.kfac_work import StageKey
+from pipefisher.runtime.step_metrics import kfac_plan_label
+from pipefisher.schedules.ir import Schedule
+from pipefisher.schedules.kfac import Assignment, assignment_from_json, critical_path_assignment, kfac_layer_counts
+from pipefisher.schedules.kfac_baseline import on_critical_path
+from pipefisher.training import bert_config, resolve_device
+
+__all__ = ["CPU_HARDWARE", "schedule_for", "build_stage_modules", "new_groups", "tied_params", "norm_params",
+           "stage_slices", "encoder_layers_per_stage", "kfac_assignment", "kfac_plan_label", "describe_kfac",
+           "run_shape", "seed_worker_rngs", "check_world_size"]
+
+log = logging.getLogger(__name__)
+# A rough CPU core for start-up PipeFisher plans: fp32 matmul rate, loopback p2p, memory bandwidth.
+CPU_HARDWARE = Hardware(flops_per_s=3e10, p2p_bytes_per_s=2e9, memory_bytes_per_s=1e10)
+
+
+def schedule_for(cfg: TrainConfig) -> Schedule:
+    """The checked schedule of a run (pure function of the config; ``RunShape.build_schedule``)."""
+    return run_shape(cfg).build_schedule()
+
+
+def build_stage_modules(cfg: TrainConfig, schedule: Schedule, rank: int) -> dict[StageKey, BertStage]:
+    """The stage replicas ``rank`` holds, keyed by (pipe, stage); replicas of a stage are identical."""
+    bert = bert_config(cfg)
+    slices = stage_slices(cfg, schedule.num_stages)
+    modules: dict[StageKey, BertStage] = {}
+    for _dp, pipe, stage in schedule.placement.stages_of(rank):
+        first, last = slices[stage]
+        modules[(pipe, stage)] = BertStage(bert, first, last, seed=cfg.seed, recompute=cfg.recompute)
+    return modules
+
+
+def new_groups(schedule: Schedule, rank: int) -> tuple[dict[int, Any], Any]:
+    """Gradient groups per stage and the tied-weight group; every rank creates all, in one order."""
+    placement = schedule.placement
+    groups: dict[int, Any] = {}
+    for s in range(schedule.num_stages):
+        ranks = placement.replicas_of_stage(s)
+        g = dist.new_group(ranks) if len(ranks) > 1 else None
+        groups[s] = g if rank in ranks else None
+    tied_group = None
+    if schedule.num_stages > 1:
+        holders = sorted(set(placement.replicas_of_stage(0)) | set(placement.replicas_of_stage(schedule.num_stages - 1)))
+        g = dist.new_group(holders)
+        tied_group = g if rank in holders else None
+    return groups, tied_group
+
+
+def tied_params(modules: dict[StageKey, BertStage], num_stages: int) -> list[nn.Parameter]:
+    out = []
+    for (_, stage), m in sorted(modules.items()):
+        if stage in (0, num_stages - 1) and m.tied_parameter_name is not None:
+            out.append(m.get_parameter(m.tied_parameter_name))
+    return out
+
+
+def norm_params(modules: dict[StageKey, BertStage], schedule: Schedule, rank: int) -> list[nn.Parameter]:
+    """Parameters this rank counts in the global gradient norm: one replica of each stage
+    (data-parallel group 0, pipe 0) and the tied weight only on the first stage."""
+    mine = {(p, s) for dp, p, s in schedule.placement.stages_of(rank) if dp == 0 and p == 0}
+    params = []
+    for (pipe, stage), m in modules.items():
+        if (pipe, stage) not in mine:
+            continue
+        skip = m.tied_parameter_name if (stage == schedule.num_stages - 1 and stage != 0) else None
+        params += [p for n, p in m.named_parameters() if n != skip]
+    return params
+
+
+def stage_slices(cfg: TrainConfig, num_stages: int) -> list[tuple[int, int]]:
+    """The run's partition: (first, last) pipeline layer of each of ``num_stages`` stages (balanced
+    for the workers of a V on zb-v)."""
+    return partition_layers(bert_config(cfg), num_stages, seq_len=cfg.data.seq_len,
+                            max_predictions=cfg.data.max_predictions,
+                            layers_per_stage=cfg.pipeline.layers_per_stage, v_shape=cfg.pipeline.method == "zb-v")
+
+
+def encoder_layers_per_stage(cfg: TrainConfig, num_stages: int) -> list[int]:
+    """How many encoder layers each of the ``num_stages`` stages holds (the partition's choice)."""
+    num_layers = cfg.model.num_layers
+    return [sum(1 for j in range(first, last + 1) if 1 <= j <= num_layers) for first, last in stage_slices(cfg, num_stages)]
+
+
+def kfac_assignment(cfg: TrainConfig, schedule: Schedule) -> Assignment:
+    """Where K-FAC's work runs: after the flush (``kfac``), or in the bubbles (``pipefisher``, from
+    ``optimizer.schedule`` when given, else planned now from the built-in cost estimate).
+
+    ``kfac`` with ``optimizer.schedule`` runs that plan's work on the critical path
+    (:func:`~pipefisher.schedules.kfac_baseline.on_critical_path`)."""
+    o = cfg.optimizer
+    kfac_layers = kfac_layer_counts(schedule, encoder_layers_per_stage(cfg, schedule.num_stages))
+    if o.name == "kfac" and not o.schedule:
+        return critical_path_assignment(schedule, kfac_layers, o.curvature_interval, deferred=o.deferred_inverse,
+                                        curvature_micro_batches=o.curvature_micro_batches)
+    if o.schedule:
+        assignment = assignment_from_json(o.schedule)
+        base = assignment.phases[0]
+        found = (base.method, base.num_stages, base.num_micro_batches, base.dp_width)
+        wanted = (schedule.method, schedule.num_stages, schedule.num_micro_batches, schedule.dp_width)
+        if found != wanted:
+            raise ValueError(
+                f"optimizer.schedule={o.schedule}: planned for (method, stages, micro-batches, data-parallel) = "
+                f"{found}, but this run is {wanted}; re-plan with `python schedule.py from=<profile of this run>`"
+            )
+        if tuple(assignment.kfac_layers) != tuple(kfac_layers):
+            raise ValueError(
+                f"optimizer.schedule={o.schedule}: planned for K-FAC layers per stage {list(assignment.kfac_layers)}, "
+                f"but this run's stages hold {kfac_layers}; re-plan for this model and partition"
+            )
+        if assignment.curvature_micro_batches != o.curvature_micro_batches:
+            raise ValueError(
+                f"optimizer.schedule={o.schedule}: planned with curvature from {assignment.curvature_micro_batches or 'all'} "
+                f"micro-batch(es) per pipe, but optimizer.curvature_micro_batches={o.curvature_micro_batches}; set "
+                f"optimizer.curvature_micro_batches={assignment.curvature_micro_batches} or re-plan")
+        if o.max_staleness is not None and 2 * assignment.interval - 1 > o.max_staleness:
+            raise ValueError(
+                f"optimizer.schedule={o.schedule}: refresh interval k={assignment.interval} lets the curvature "
+                f"age reach {2 * assignment.interval - 1} steps > optimizer.max_staleness={o.max_staleness}; "
+                f"re-plan with a bound, or raise optimizer.max_staleness")
+        # kfac with a plan: the plan's work on the critical path (same interval and staleness).
+        return on_critical_path(assignment) if o.name == "kfac" else assignment
+    # No plan given: plan now from the built-in estimate of this kind of device (schedule.py from a
+    # profile of this run gives a plan from measured costs).
+    hw = Hardware() if resolve_device(cfg.device).type == "cuda" else CPU_HARDWARE
+    return plan_pipefisher(schedule, estimate_run_costs(run_shape(cfg), hw), kfac_layers,
+                           max_interval=o.max_interval, max_staleness=o.max_staleness,
+                           curvature_micro_batches=o.curvature_micro_batches,
+                           curvature_placement=o.curvature_placement)
+
+
+def describe_kfac(cfg: TrainConfig, assignment: Assignment) -> str:
+    """One paragraph for the start-up log: who runs K-FAC's work, k, the staleness bound, the plan's
+    lower bound k_min, and any fallback with its reason."""
+    k = assignment.interval
+    age = 2 * k - 1 if assignment.deferred else k - 1
+    subset = assignment.curvature_micro_batches
+    meta = assignment.metadata
+    parts = [f"K-FAC ({cfg.optimizer.name}): {kfac_plan_label(assignment)}; refresh every k={k} step(s), "
+             f"curvature from {f'{subset} micro-batch(es)' if subset else 'every micro-batch'} per pipe; "
+             f"inverses {'from the previous cycle' if assignment.deferred else 'used at once'}, "
+             f"curvature age <= {age} step(s)"
+             + (f" (optimizer.max_staleness={cfg.optimizer.max_staleness})" if cfg.optimizer.max_staleness else "")]
+    if "k_min" in meta:
+        parts.append(f"lower bound k_min={meta['k_min']} (work {meta['kfac_work_ns'] / 1e6:.1f} ms per refresh, "
+                     f"bubbles {meta['bubble_ns'] / 1e6:.1f} ms per step, summed over workers)")
+    if meta.get("choice"):
+        parts.append(str(meta["choice"]))
+    if meta.get("spilled_ns"):
+        parts.append(f"{meta['spilled_ns'] / 1e6:.1f} ms of K-FAC work per refresh runs on the critical path")
+    parts.append(f"update: {cfg.optimizer.kfac_update}, clip "
+                 f"{'before' if cfg.optimizer.clip_before_precondition else 'after'} preconditioning")
+    return "; ".join(parts)
+
+
+def run_shape(cfg: TrainConfig) -> RunShape:
+    """The planner's description of this run (model, pipeline, batch and sequence shape)."""
+    return RunShape(
+        bert=bert_config(cfg),
+        method=cfg.pipeline.method,
+        stages=cfg.stages,
+        num_micro_batches=cfg.num_micro_batches,
+        micro_batch_size=cfg.micro_batch_size,
+        dp_width=cfg.data_parallel,
+        num_virtual=cfg.pipeline.num_virtual,
+        seq_len=cfg.data.seq_len,
+        max_predictions=cfg.data.max_predictions,
+        layers_per_stage=tuple(encoder_layers_per_stage(cfg, cfg.stages * cfg.pipeline.num_virtual)),
+        recompute=cfg.recompute,
+        precision=cfg.precision,
+        order_costs=tuple(cfg.pipeline.order_costs) if cfg.pipeline.order_costs else None,
+        activation_memory=cfg.pipeline.activation_memory,
+    )
+
+
+def seed_worker_rngs(seed: int, rank: int) -> None:
+    """Seed this process's torch (CPU and CUDA), Python and numpy generators from (seed, rank).
+
+    Each worker gets its own stream, and a run is reproducible. The model's dropout does not draw
+    from them: its masks are keyed by (seed, step, micro-batch, site), whichever worker runs it
+    (``pipefisher.model.rng``); only code outside a ``dropout_key`` does.
+    """
+    digest = hashlib.sha256(f"pipefisher/worker-rng/{seed}/{rank}".encode()).digest()
+    value = int.from_bytes(digest[:8], "little") >> 1
+    torch.manual_seed(value)
+    random.seed(value)
+    np.random.seed(value % 2**32)
+
+
+def check_world_size(cfg: TrainConfig, world_size: int) -> None:
+    """Raise ValueError when ``world_size`` processes cannot run ``cfg``'s pipeline."""
+    if world_size != cfg.num_workers:
+        raise ValueError(
+            f"world size {world_size} does not fit stages={cfg.stages} x data_parallel="
+            f"{cfg.data_parallel} = {cfg.num_workers} workers; start {cfg.num_workers} processes"
+            " (e.g. SLURM tasks) or change stages/data_parallel"
+        )

@@ -1,0 +1,135 @@
+"""Held-out evaluation through the run's own pipeline ([Note: held-out evaluation] in
+``pipefisher.evaluation``).
+
+Every worker walks its list of the forward-only schedule (``schedules.evaluation.forward_only``:
+the training step's F, SEND_F and RECV_F in the same order, checked like every schedule) once per
+pass; a pass covers N micro-batches of each of the W data-parallel groups, and ``eval.batches``
+held-out micro-batches take ⌈batches / (N·W)⌉ passes. Held-out micro-batch ``p·N·W + r·N + j`` is
+micro-batch j of group r in pass p; the last pass leaves out the actions of micro-batches past
+``eval.batches`` on every worker alike (whole micro-batches go, so its sends and receives still
+pair up). The stages holding the heads add up the evaluation sums, and one all-reduce gives
+every worker the totals.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from pipefisher.config import TrainConfig
+from pipefisher.evaluation import eval_batch, eval_due, eval_figures, eval_source
+from pipefisher.model import EVAL_SUMS
+from pipefisher.runtime.executor import CommSpec, StageKey, sender_stage, message_tag
+from pipefisher.schedules import forward_only
+from pipefisher.schedules.ir import Action, ActionKind, Schedule
+from pipefisher.training import autocast_context
+
+__all__ = ["PipelineEvaluator", "pass_actions", "run_forward_pass"]
+
+
+def pass_actions(schedule: Schedule, rank: int, total: int, pass_index: int) -> list[Action]:
+    """Worker ``rank``'s forward-only actions of one pass, without the micro-batches past ``total``."""
+    n, w = schedule.num_micro_batches, schedule.dp_width
+    base = pass_index * n * w + schedule.placement.dp_group_of(rank) * n
+    return [a for a in schedule.actions[rank] if base + a.micro_batch < total]
+
+
+def run_forward_pass(actions: Sequence[Action], schedule: Schedule, modules: dict[StageKey, nn.Module],
+                     comm: CommSpec, get_batch: Callable[[int], dict[str, torch.Tensor]],
+                     autocast: Callable[[], Any], eager_recv: bool) -> torch.Tensor:
+    """Run one pass of forward-only ``actions`` (no grad; the modules in eval mode).
+
+    Returns:
+        The [6] evaluation sums of the micro-batches whose heads are on this worker (zeros elsewhere).
+    """
+    d, n = schedule.num_stages, schedule.num_micro_batches
+
+    def post(a: Action) -> tuple[torch.Tensor, dist.Work]:
+        buf = torch.empty(comm.shape, dtype=comm.dtype, device=comm.device)
+        tag = message_tag(a.kind, a.pipe, sender_stage(a), a.micro_batch, d, n)
+        return buf, dist.irecv(buf, src=a.peer, tag=tag)
+
+    recvs = {a: post(a) for a in actions if a.kind == ActionKind.RECV_F} if eager_recv else {}
+    received: dict[tuple[int, int, int], torch.Tensor] = {}
+    outputs: dict[tuple[int, int, int], torch.Tensor] = {}
+    batches: dict[int, dict[str, torch.Tensor]] = {}
+    sends: list[tuple[dist.Work, torch.Tensor]] = []
+    sums = torch.zeros(len(EVAL_SUMS), dtype=torch.float64, device=comm.device)
+    for a in actions:
+        key = (a.pipe, a.stage, a.micro_batch)
+        if a.kind == ActionKind.RECV_F:
+            buf, work = recvs.pop(a) if a in recvs else post(a)
+            work.wait()
+            received[key] = buf
+        elif a.kind == ActionKind.FORWARD:
+            x = received.pop(key, None)
+            if x is None and (a.pipe, a.stage - 1) in modules:  # the previous stage is here (zb-v's turn)
+                x = outputs.pop((a.pipe, a.stage - 1, a.micro_batch))
+            if a.micro_batch not in batches:
+                batches[a.micro_batch] = get_batch(a.micro_batch)
+            with autocast():
+                y = modules[(a.pipe, a.stage)].evaluate(x, batches[a.micro_batch])
+            if y.dim() == 1:  # the heads' sums
+                sums += y
+            else:
+                outputs[key] = y
+        elif a.kind == ActionKind.SEND_F:
+            y = outputs.pop(key).contiguous()
+            tag = message_tag(a.kind, a.pipe, sender_stage(a), a.micro_batch, d, n)
+            sends.append((dist.isend(y, dst=a.peer, tag=tag), y))
+        else:  # pragma: no cover - forward_only keeps nothing else
+            raise NotImplementedError(f"forward-only pass has no handler for {a}")
+    for work, _ in sends:
+        work.wait()
+    return sums
+
+
+class PipelineEvaluator:
+    """A worker's part of held-out evaluation (every worker holds one; :meth:`evaluate` is a collective).
+
+    Args:
+        worker: the :class:`~pipefisher.runtime.pipeline_worker.PipelineWorker`.
+    """
+
+    def __init__(self, cfg: TrainConfig, worker: Any) -> None:
+        self.cfg, self.worker = cfg, worker
+        self.schedule = forward_only(worker.schedule)
+        self.source = eval_source(cfg)
+        per_pass = self.schedule.num_micro_batches * self.schedule.dp_width
+        self.passes = -(-cfg.eval.batches // per_pass)
+        self.comm = CommSpec((cfg.micro_batch_size, cfg.data.seq_len, cfg.model.hidden_size), torch.float32,
+                             worker.device)  # real messages, also under comm_ablation
+        self.eager_recv = dist.get_backend() != "nccl"
+
+    def due(self, step: int) -> bool:
+        """Whether the run evaluates after ``step``."""
+        return eval_due(self.cfg, step)
+
+    def evaluate(self, step: int) -> dict[str, float]:
+        """Evaluate the current weights on the held-out micro-batches; every worker gets the figures."""
+        cfg, worker, s = self.cfg, self.worker, self.schedule
+        start = time.perf_counter()
+        modules = worker.modules
+        for m in modules.values():
+            m.eval()
+        n, w = s.num_micro_batches, s.dp_width
+        sums = torch.zeros(len(EVAL_SUMS), dtype=torch.float64, device=worker.device)
+        try:
+            with torch.no_grad():
+                for p in range(self.passes):
+                    base = p * n * w + s.placement.dp_group_of(worker.rank) * n
+                    actions = pass_actions(s, worker.rank, cfg.eval.batches, p)
+                    sums += run_forward_pass(actions, s, modules, self.comm,
+                                             lambda j, base=base: eval_batch(self.source, cfg, base + j, worker.device),
+                                             lambda: autocast_context(cfg, worker.device), self.eager_recv)
+        finally:
+            for m in modules.values():
+                m.train()
+        # Chimera's twins both hold the heads stage, each for its own pipe's micro-batches: a sum counts each once.
+        dist.all_reduce(sums)
+        return eval_figures(sums, time.perf_counter() - start)
