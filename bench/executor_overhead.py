@@ -2,7 +2,9 @@
 
     python bench/executor_overhead.py            # bert-mini, gpipe/1f1b/chimera, D=2 and D=4, N=8, B=4: ~2 min
     python bench/executor_overhead.py --quick    # B=2, fewer steps: ~30 s
-    python bench/executor_overhead.py --quick --stages 8   # rank 0's per-step bookkeeping at D=8
+    python bench/executor_overhead.py --quick --stages 8 --model bert-medium   # rank 0's bookkeeping at D=8
+    python bench/executor_overhead.py --simulation-cost   # the bookkeeping on simulated timelines: D=8, N=8/32,
+                                                          # NVLAMB and PipeFisher (no workers; seconds)
 
 The last table is rank 0's bookkeeping of a training step (``runtime.step_metrics.timeline_fields``
 on the gathered timeline, which every worker waits for): with the simulation (a logged step) and
@@ -116,6 +118,31 @@ def _run(rank: int, world: int, overrides: list[str], warmup: int, repeats: int)
     return figures if rank == 0 else None
 
 
+def simulation_cost() -> None:
+    """Rank 0's bookkeeping on a simulated step timeline (the built-in CPU cost estimate) of bert-medium
+    at D=8: the events a real step would gather, without running the workers."""
+    from pipefisher.planning.costs import estimate_run_costs
+    from pipefisher.runtime.build import CPU_HARDWARE, kfac_assignment, run_shape, schedule_for
+
+    rows = []
+    for optimizer in ("nvlamb", "pipefisher"):
+        for n in (8, 32):
+            cfg = h.compose(["model=bert-medium", "pipeline=1f1b", "stages=8", f"num_micro_batches={n}",
+                             f"optimizer={optimizer}"])
+            schedule = schedule_for(cfg)
+            plan = kfac_assignment(cfg, schedule) if optimizer != "nvlamb" else None
+            events = simulate(plan.phases[0] if plan else schedule, estimate_run_costs(run_shape(cfg), CPU_HARDWARE))
+            ms = {}
+            for simulated in (True, False):
+                t0 = time.perf_counter()
+                for _ in range(5):
+                    timeline_fields(events, schedule, 8, 0, simulated=simulated, assignment=plan, curvature_age=0)
+                ms[simulated] = 1e3 * (time.perf_counter() - t0) / 5
+            rows.append([optimizer, n, len(events), ms[True], ms[False]])
+    print(f"Rank 0's bookkeeping per step, bert-medium 1f1b D=8, on simulated timelines (ms; load {h.load()})")
+    print(h.table(["optimizer", "N", "events", "with simulation", "without"], rows))
+
+
 def main() -> None:
     load_before = h.load()
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -125,7 +152,12 @@ def main() -> None:
     parser.add_argument("--micro-batches", type=int, default=8, help="N (a multiple of every D)")
     parser.add_argument("--micro-batch-size", type=int, default=None, help="B (default 4, --quick 2)")
     parser.add_argument("--repeats", type=int, default=None, help="measured steps per method (default 8, --quick 3)")
+    parser.add_argument("--simulation-cost", action="store_true",
+                        help="only time rank 0's bookkeeping on simulated D=8 timelines (no workers)")
     args = parser.parse_args()
+    if args.simulation_cost:
+        simulation_cost()
+        return
     b = args.micro_batch_size or (2 if args.quick else 4)
     repeats = args.repeats or (3 if args.quick else 8)
     warmup = 1 if args.quick else 2

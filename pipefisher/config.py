@@ -224,7 +224,7 @@ class TrainConfig:
     precision: str = "fp32"  # fp32 or bf16 (autocast)
     recompute: bool = False  # recompute encoder-layer activations in the backward pass
     device: str = "auto"  # auto (cuda if available), cpu or cuda
-    log_every: int = 1  # progress-bar refresh and wandb logging interval in steps
+    log_every: int = 10  # wandb, progress-bar loss and the simulated utilization every n steps (and the last); metrics.jsonl gets every step
     progress: bool = True  # show a progress bar on rank 0
     comm_ablation: bool = False  # 1-byte messages instead of activations/gradients/all-reduces (timing only: the loss is meaningless)
     on_nonfinite: str = "stop"  # NaN/inf in loss or gradients: stop (naming the step) or skip (drop that step's update)

@@ -200,9 +200,12 @@ def train_single_process(
     from pipefisher.evaluation import eval_due, eval_source, evaluate_model  # they import this module
     from pipefisher.runtime.reporting import StepMeter, summary_line
 
+    from pipefisher.measure import current_bytes
+
     device = resolve_device(cfg.device)
     if device.type == "cpu":
         set_cpu_threads(1)
+    baseline = current_bytes(device)
     torch.manual_seed(cfg.seed)
     if model is None:
         model = build_full_model(bert_config(cfg), seed=cfg.seed, recompute=cfg.recompute)
@@ -212,7 +215,7 @@ def train_single_process(
     heldout = eval_source(cfg) if cfg.eval.every_steps > 0 else None
     plan = data_plan(cfg)
     timer = StepTimer(device)
-    meter = StepMeter(cfg, device=device, measure_peak=output_dir is not None)
+    meter = StepMeter(cfg, device=device, measure_peak=output_dir is not None, baseline_bytes=baseline)
     writer = MetricsWriter(Path(output_dir) / "metrics.jsonl") if output_dir is not None else None
     last: dict[str, Any] = {}
     rows: list[dict[str, Any]] = []
@@ -234,7 +237,7 @@ def train_single_process(
             optimizer.zero_grad(set_to_none=True)
             totals = (totals / cfg.num_micro_batches).tolist()
             step_time = timer.stop()
-            peak = meter.end_step()
+            peak, _ = meter.end_step()
             last = {
                 "step": step,
                 "loss": totals[0] + totals[1],
@@ -246,6 +249,7 @@ def train_single_process(
                 **meter.rates(step_time),
                 "peak_memory_bytes": peak,
                 "peak_memory_per_worker_bytes": [peak],
+                "memory_baseline_per_worker_bytes": [baseline],
             }
             if not math.isfinite(last["loss"]):
                 raise FloatingPointError(f"step {step}: loss is {last['loss']}; lower lr or check the data")

@@ -220,3 +220,10 @@ def test_predicted_peak_has_every_worker_and_its_max_is_the_planners_estimate(me
     most = estimate_memory(run, optimizer, schedule, assignment)
     assert max(predicted.values()) == most.total == predicted[most.worker]
     assert estimate_memory_per_worker(run, optimizer, schedule, assignment)[most.worker] == most
+
+
+def test_cpu_peak_measurement_draws_nothing_from_the_global_rng(cache):
+    """Rank 0 measures after a resume restored the RNG streams: the measurement must not move them."""
+    before = torch.get_rng_state()
+    measure_cpu_peak(torch.float32, threads=1, seconds=0.05, size=128)
+    assert torch.equal(torch.get_rng_state(), before)

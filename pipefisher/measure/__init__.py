@@ -7,7 +7,7 @@ DESIGN.md, "Measuring a run".
 """
 
 from pipefisher.measure.flops import forward_flops, train_step_flops
-from pipefisher.measure.memory import PeakMemory, predicted_peak_bytes
+from pipefisher.measure.memory import PeakMemory, current_bytes, predicted_peak_bytes
 from pipefisher.measure.peak import GPU_PEAK_TFLOPS, Peak, cache_dir, measure_cpu_peak, mfu, resolve_peak, tflops
 
 __all__ = [
@@ -15,6 +15,7 @@ __all__ = [
     "Peak",
     "PeakMemory",
     "cache_dir",
+    "current_bytes",
     "forward_flops",
     "measure_cpu_peak",
     "mfu",

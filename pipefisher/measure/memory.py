@@ -22,7 +22,7 @@ from pipefisher.planning.memory import estimate_memory_per_worker
 from pipefisher.schedules import Schedule
 from pipefisher.schedules.kfac import Assignment
 
-__all__ = ["PeakMemory", "predicted_peak_bytes"]
+__all__ = ["PeakMemory", "current_bytes", "predicted_peak_bytes"]
 
 _CLEAR_REFS = "/proc/self/clear_refs"
 _STATUS = "/proc/self/status"
@@ -87,3 +87,19 @@ def predicted_peak_bytes(run: RunShape, optimizer: str, schedule: Schedule | Non
     """
     per_worker = estimate_memory_per_worker(run, optimizer, schedule, assignment)
     return {w: est.total for w, est in per_worker.items()}
+
+
+def current_bytes(device: torch.device | str = "cpu") -> int:
+    """Memory this process holds now: CUDA ``memory_allocated``; CPU resident set size (VmRSS).
+
+    Taken before a worker builds its model, it is the baseline a peak RSS includes beyond what the
+    planner predicts (interpreter, torch, libraries)."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return int(torch.cuda.memory_allocated(device))
+    if sys.platform.startswith("linux"):
+        with open(_STATUS) as f:
+            match = re.search(r"^VmRSS:\s+(\d+)\s+kB", f.read(), re.MULTILINE)
+        if match:
+            return int(match.group(1)) * 1024
+    return 0

@@ -94,8 +94,9 @@ def _cpu_model() -> str:
 
 def _time_matmul(dtype: torch.dtype, size: int, seconds: float) -> float:
     """Best FLOP/s of ``size``-wide square matmuls repeated for about ``seconds`` (after a warm-up)."""
-    a = torch.randn(size, size).to(dtype)
-    b = torch.randn(size, size).to(dtype)
+    g = torch.Generator().manual_seed(0)  # its own: a run's RNG streams must not move (exact resume)
+    a = torch.randn(size, size, generator=g).to(dtype)
+    b = torch.randn(size, size, generator=g).to(dtype)
     out = torch.empty(size, size, dtype=dtype)
     torch.mm(a, b, out=out)  # warm-up: thread pool, packing buffers
     best = float("inf")

@@ -52,12 +52,14 @@ class StepMeter:
         worker: anything with ``device`` and, for the prediction, ``schedule`` and ``assignment``
             (a :class:`~pipefisher.runtime.pipeline_worker.PipelineWorker`); None in one process.
         device: the device (when ``worker`` is None).
-        measure_peak: resolve the peak (rank 0; it measures the CPU once per machine, cached).
+        measure_peak: resolve the peak (rank 0; it measures the CPU, about 0.5 s).
+        baseline_bytes: :func:`~pipefisher.measure.current_bytes` before the model was built.
     """
 
     def __init__(self, cfg: TrainConfig, worker: Any = None, device: torch.device | None = None,
-                 measure_peak: bool | None = None) -> None:
+                 measure_peak: bool | None = None, baseline_bytes: int = 0) -> None:
         self.device = worker.device if worker is not None else device
+        self.baseline_bytes = baseline_bytes  # this process's memory before it built its model
         rank = worker.rank if worker is not None else 0
         self.flops_per_step = train_step_flops(bert_config(cfg), cfg.global_batch_size, cfg.data.seq_len,
                                                cfg.data.max_predictions)
@@ -73,17 +75,18 @@ class StepMeter:
                 self.peak = Peak(one.flops_per_s * devices, one.source + (f" x {devices} devices" if devices > 1 else ""))
         self.memory = PeakMemory(self.device)
         self.predicted: dict[int, float] = {}
-        if worker is not None and rank == 0:
-            optimizer = cfg.optimizer.name
-            self.predicted = predicted_peak_bytes(run_shape(cfg), optimizer, worker.schedule, worker.assignment)
+        if rank == 0:
+            self.predicted = predicted_peak_bytes(run_shape(cfg), cfg.optimizer.name,
+                                                  worker.schedule if worker is not None else None,
+                                                  worker.assignment if worker is not None else None)
 
     def begin_step(self) -> None:
         """Restart the peak-memory watermark."""
         self.memory.reset()
 
-    def end_step(self) -> int:
-        """This process's peak memory since :meth:`begin_step`, in bytes."""
-        return self.memory.read()
+    def end_step(self) -> tuple[int, int]:
+        """This process's peak memory since :meth:`begin_step` and its baseline, in bytes."""
+        return self.memory.read(), self.baseline_bytes
 
     def rates(self, step_time_s: float) -> dict[str, float]:
         """``tflops`` and ``mfu`` of a step that took ``step_time_s`` ([Note: FLOPs, MFU and memory])."""
@@ -112,9 +115,11 @@ def summary_line(rows: Sequence[dict[str, Any]], meter: StepMeter) -> str:
     per_worker = [r.get("peak_memory_per_worker_bytes") for r in rows if r.get("peak_memory_per_worker_bytes")]
     if per_worker:
         peaks = [max(col) for col in zip(*per_worker)]
+        base = rows[-1].get("memory_baseline_per_worker_bytes") or [0] * len(peaks)
         shown = ", ".join(
-            f"w{w} {p / 1e6:.0f} MB" + (f" (predicted {meter.predicted[w] / 1e6:.0f})" if w in meter.predicted else "")
-            for w, p in enumerate(peaks))
+            f"w{w} {p / 1e6:.0f} MB" + (f" = {b / 1e6:.0f} before the model + {(p - b) / 1e6:.0f}" if b else "")
+            + (f" (predicted {meter.predicted[w] / 1e6:.0f})" if w in meter.predicted else "")
+            for w, (p, b) in enumerate(zip(peaks, base)))
         parts.append(f"peak memory ({meter.memory.kind}): {shown}")
     evals = [r for r in rows if "eval_mlm_loss" in r]
     if evals:
@@ -152,13 +157,16 @@ class StepReporter:
         """Whether ``step`` goes to wandb and gets the simulated figure (every ``log_every``, the last)."""
         return step % self.cfg.log_every == 0 or step == self.cfg.steps - 1
 
-    def step_fields(self, step: int, lr: float, events: list[Event], peaks: Sequence[int]) -> dict[str, Any]:
-        """The row fields rank 0 computes from the gathered timelines and peak memories."""
+    def step_fields(self, step: int, lr: float, events: list[Event],
+                    memory: Sequence[tuple[int, int]]) -> dict[str, Any]:
+        """The row fields rank 0 computes from the gathered timelines and (peak, baseline) memories."""
+        peaks = [peak for peak, _ in memory]
         w = self.worker
         row: dict[str, Any] = {"lr": lr, "step_time_s": None, "samples_per_s": None, "bookkeeping_s": None}
         row.update(timeline_fields(events, w.schedule, w.world_size, step, simulated=self.logged(step),
                                    assignment=w.assignment, curvature_age=w.curvature_age))
-        row.update(peak_memory_bytes=max(peaks), peak_memory_per_worker_bytes=list(peaks))
+        row.update(peak_memory_bytes=max(peaks), peak_memory_per_worker_bytes=peaks,
+                   memory_baseline_per_worker_bytes=[base for _, base in memory])
         return row
 
     def write(self, step: int, row: dict[str, Any]) -> None:

@@ -35,6 +35,7 @@ import torch.distributed as dist
 import torch
 
 from pipefisher.config import TrainConfig
+from pipefisher.measure import current_bytes
 from pipefisher.runtime import preemption
 from pipefisher.runtime.build import (CPU_HARDWARE, build_stage_modules, check_world_size, describe_kfac,
                                       encoder_layers_per_stage, kfac_assignment, run_shape, schedule_for,
@@ -126,6 +127,7 @@ def train_worker(cfg: TrainConfig, rank: int, world_size: int, device: torch.dev
         run had no step left.
     """
     output_dir = Path(output_dir)
+    baseline = current_bytes(device)  # interpreter, torch and libraries: what the planner does not predict
     worker = PipelineWorker(cfg, rank, world_size, device)
     if worker.watch_preemption:  # the handler is installed (run_worker); a requeued job resumes
         resume = preemption.resume_mode(cfg.resume, cfg.cluster.requeue)
@@ -138,7 +140,7 @@ def train_worker(cfg: TrainConfig, rank: int, world_size: int, device: torch.dev
     if cfg.comm_ablation and rank == 0:
         log.warning("comm_ablation=true: activations, gradients and all-reduces are 1-byte messages; "
                     "step times split compute from communication, but the loss and the model are meaningless")
-    meter = StepMeter(cfg, worker)  # FLOPs, MFU, this worker's peak memory
+    meter = StepMeter(cfg, worker, baseline_bytes=baseline)  # FLOPs, MFU, this worker's peak memory
     evaluator = PipelineEvaluator(cfg, worker) if cfg.eval.every_steps > 0 else None
     stopper = StopPolicy(cfg, worker, root)
     reporter = StepReporter(cfg, worker, output_dir, first, run_name=run_name, group=group, meter=meter) \
@@ -174,7 +176,7 @@ def train_worker(cfg: TrainConfig, rank: int, world_size: int, device: torch.dev
                 # rank 0's bookkeeping (gathering the timeline, simulating, metrics: bookkeeping_s), which
                 # every worker waits for at the next step; writing the row and wandb come after (µs to
                 # ms); evaluation and checkpoints are not in it.
-                last.update(reporter.step_fields(step, lr, events, [peak for _, peak in gathered]))
+                last.update(reporter.step_fields(step, lr, events, [memory for _, memory in gathered]))
                 step_time = timer.stop()
                 last.update(step_time_s=step_time, samples_per_s=cfg.global_batch_size / step_time,
                             bookkeeping_s=step_time - train_time, **meter.rates(step_time))
