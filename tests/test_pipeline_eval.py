@@ -21,7 +21,7 @@ from pipefisher.config import TrainConfig
 from pipefisher.evaluation import eval_source, evaluate_model
 from pipefisher.model import build_full_model, load_hf_state_dict, merge_stage_state_dicts
 from pipefisher.runtime.evaluation import PipelineEvaluator
-from pipefisher.runtime.state import capture_rng_state, optimizer_state
+from pipefisher.runtime.state import optimizer_state
 from pipefisher.runtime.worker import PipelineWorker
 from pipefisher.training import bert_config
 from tests.conftest import compose_train

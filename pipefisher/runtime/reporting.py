@@ -189,7 +189,7 @@ class StepReporter:
             if picture.suffix == ".png":
                 self.logger.log_image("timeline", str(picture))
 
-    def summarize(self, first: int) -> None:
+    def summarize(self) -> None:
         """Log the end-of-run summary of the steps this attempt trained."""
         if self.first >= self.cfg.steps:
             log.info("nothing to train: the checkpoint is at the last step (steps=%d)", self.cfg.steps)

@@ -190,7 +190,7 @@ def train_worker(cfg: TrainConfig, rank: int, world_size: int, device: torch.dev
         if reporter is not None and profiled:
             reporter.log_pictures(write_run_profile(cfg, profiled, world_size, output_dir, device, origins))
         if reporter is not None:
-            reporter.summarize(first)
+            reporter.summarize()
     finally:
         if reporter is not None:
             reporter.close()

@@ -1,0 +1,404 @@
+"""K-FAC refreshed every k steps (fresh and deferred), run through PipelineWorker, against an
+independent dense reference on the same tiny BERT, batches and weights (issue 28, item 0).
+
+Shape legend: T rows (tokens) of a step, I input and O output features of a layer, Ĩ = I + 1.
+
+The reference is written here from DESIGN.md "K-FAC for a Linear layer" and the documented scaling
+(``pipefisher.optim.kfac`` [Note: gradient scale], [Note: running average]), in float64, sharing no
+K-FAC code with ``pipefisher.optim``: per encoder Linear layer, from the layer inputs x and output
+gradients g its own hooks record,
+
+    A_batch = (1/T) Σ_t x̃_t x̃_tᵀ, x̃ = [x; 1]       B_batch = (1/T) Σ_t g̃_t g̃_tᵀ, g̃ = g · (T/N) / loss_scale
+    A ← A_batch at the first refresh, else decay·A + (1 − decay)·A_batch (B likewise)
+    π = sqrt((tr A / Ĩ) / (tr B / O)), λ_A = π·sqrt(λ), λ_B = sqrt(λ)/π
+    inverses torch.linalg.inv(A + λ_A I), torch.linalg.inv(B + λ_B I)
+    preconditioned [∇W | ∇b] = (B + λ_B I)⁻¹ [∇W | ∇b] (A + λ_A I)⁻¹
+
+(T/N: the rows of one micro-batch, whose loss is a mean over them; loss_scale = 1/N.) The refresh
+steps come from ASDL's own interval logic (``PreconditionedGradientMaker.do_update_curvature`` /
+``do_update_preconditioner`` with ``curvature_upd_interval = preconditioner_upd_interval = k``:
+steps 0, k, 2k, …). Fresh: a refresh's inverses precondition the step that computed it. Deferred
+(PipeFisher's numerics): inverses made in refresh cycle c precondition cycle c+1, and a layer's first
+inverses the steps after the step that made them. ASDL's K-FAC itself cannot be the reference on these
+layers: it keeps the bias apart (A is I×I, the bias gradient is multiplied by B⁻¹ only, π comes from
+the I×I block) and its moving average starts from zero (the first refresh is weighted by
+``ema_decay``); so ASDL checks the reference's per-refresh factors instead: ``asdl.no_centered_cov``
+on the same forward and backward gives Σ x xᵀ (the weight block of A) and Σ g gᵀ (B up to the scale).
+
+Compared at every step 0..2k: the running factors, the damping split, the inverses in use (and the
+pending deferred ones), the preconditioned gradients, the curvature age; and every weight after the
+run. One process (stages=1) for k = 1, 2, 3 fresh and k = 1, 2 deferred; two pipeline stages for k = 2
+fresh and deferred. The comparison can fail: a reference refreshing at t % k == 1, or with the other
+staleness (fresh for deferred, deferred for fresh; at k = 1 deferred means "curvature of the previous
+steps' batches only"), must not match.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import re
+import types
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import Tensor, nn
+from torch.testing import assert_close
+
+from pipefisher.config import TrainConfig
+from pipefisher.data import get_micro_batch
+from pipefisher.model import build_full_model
+from pipefisher.optim import global_grad_norm
+from pipefisher.training import bert_config, data_plan, data_source, make_optimizer
+from tests.conftest import compose_train
+
+torch.set_num_threads(1)
+
+F64 = torch.float64
+MODEL = ["model.num_layers=2", "model.hidden_size=32", "model.num_heads=2", "num_micro_batches=2", "lr=0.01"]
+#: The encoder Linear layers (written out here, not taken from pipefisher.optim).
+LINEAR = re.compile(r"encoder\.layer\.\d+\.(?:attention\.self\.(?:query|key|value)|attention\.output\.dense"
+                    r"|intermediate\.dense|output\.dense)$")
+RTOL = 1e-4  # float32 K-FAC against the float64 reference
+
+
+@dataclass(frozen=True)
+class Case:
+    k: int
+    deferred: bool
+    stages: int = 1
+
+    @property
+    def id(self) -> str:
+        return f"k{self.k}-{'deferred' if self.deferred else 'fresh'}-D{self.stages}"
+
+    @property
+    def steps(self) -> int:
+        return 2 * self.k + 1
+
+
+CASES = [Case(1, False), Case(2, False), Case(3, False), Case(1, True), Case(2, True),
+         Case(2, False, stages=2), Case(2, True, stages=2)]
+
+
+def _cfg(case: Case) -> TrainConfig:
+    return compose_train(MODEL + [f"stages={case.stages}", f"steps={case.steps}", "optimizer=kfac",
+                                  f"optimizer.curvature_interval={case.k}", f"optimizer.inverse_interval={case.k}",
+                                  f"optimizer.deferred_inverse={str(case.deferred).lower()}"])
+
+
+# --------------------------------------------------------------------------------------------
+# Ours: PipelineWorker, recording K-FAC's state just before each optimizer step
+# --------------------------------------------------------------------------------------------
+
+
+def _clone(t: Tensor | None) -> Tensor | None:
+    return None if t is None else t.detach().clone()
+
+
+def _worker(rank: int, cases: list[Case], out_dir: str) -> None:
+    from pipefisher.runtime.worker import PipelineWorker
+
+    torch.set_num_threads(1)
+    for i, case in enumerate(cases):
+        cfg = _cfg(case)
+        if rank >= cfg.num_workers:
+            continue
+        dist.init_process_group("gloo", init_method=f"file://{out_dir}/pg{i}", rank=rank,
+                                world_size=cfg.num_workers, timeout=datetime.timedelta(seconds=120))
+        try:
+            worker = PipelineWorker(cfg, rank, cfg.num_workers, torch.device("cpu"))
+            steps: list[dict[str, Any]] = []
+
+            def record(w: PipelineWorker = worker, out: list = steps) -> None:
+                layers = {}
+                for pre in w.kfac.pre.values():
+                    for name in pre.layer_names:
+                        layer = pre.layer(name)
+                        m = layer.module
+                        layers[name] = {
+                            "A": _clone(layer.a), "B": _clone(layer.b),
+                            "A_inv": _clone(layer.a_inv), "B_inv": _clone(layer.b_inv),
+                            "damping": torch.tensor(layer.damping, dtype=F64),
+                            "pending": None if layer.pending is None else tuple(_clone(t) for t in layer.pending[:2]),
+                            "preconditioned": layer.raw_grad_sq is not None,
+                            "grad_w": _clone(m.weight.grad), "grad_b": _clone(m.bias.grad),
+                        }
+                out.append({"layers": layers})
+
+            worker.before_optimizer_step.append(record)
+            for step in range(case.steps):
+                worker.train_step(step)
+                steps[step]["age"] = worker.curvature_age
+            params = {n: p.detach().clone() for m in worker.modules.values() for n, p in m.named_parameters()}
+            torch.save({"steps": steps, "params": params}, Path(out_dir) / f"case{i}_rank{rank}.pt")
+        finally:
+            dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def ours(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
+    """Per case id: {"steps": per step {"layers": {name: state}, "age"}, "params": {name: tensor}},
+    the stages' records merged (each layer and parameter lives on one stage)."""
+    out = tmp_path_factory.mktemp("kfac_interval")
+    world = max(c.stages for c in CASES)
+    mp.start_processes(_worker, args=(CASES, str(out)), nprocs=world, join=True, start_method="spawn")
+    merged = {}
+    for i, case in enumerate(CASES):
+        shards = [torch.load(out / f"case{i}_rank{r}.pt", weights_only=True) for r in range(case.stages)]
+        steps = [{"layers": {}, "age": None} for _ in range(case.steps)]
+        params: dict[str, Tensor] = {}
+        for shard in shards:
+            for t, rec in enumerate(shard["steps"]):
+                steps[t]["layers"].update(rec["layers"])
+                if rec["age"] is not None:  # all-reduced: the same on every rank
+                    steps[t]["age"] = rec["age"]
+            params.update(shard["params"])
+        merged[case.id] = {"steps": steps, "params": params}
+    return merged
+
+
+# --------------------------------------------------------------------------------------------
+# The dense reference
+# --------------------------------------------------------------------------------------------
+
+
+def _import_asdl() -> types.ModuleType | None:
+    try:
+        with warnings.catch_warnings():  # asdl 0.1a5 calls torch.jit.script at import
+            warnings.simplefilter("ignore", DeprecationWarning)
+            import asdl
+            import asdl.operations.operation  # noqa: F401
+            import asdl.precondition.prec_grad_maker  # noqa: F401
+    except Exception:  # noqa: BLE001 - any import failure means "not available"
+        return None
+    return asdl
+
+
+@contextlib.contextmanager
+def _asdl_cpu(asdl: types.ModuleType):
+    """asdl's NVTX ranges (torch.cuda.nvtx) as no-ops, for CPU-only torch."""
+    op = asdl.operations.operation
+    noop = types.SimpleNamespace(range=lambda *a, **k: contextlib.nullcontext(), range_push=lambda *a, **k: None,
+                                 range_pop=lambda: None)
+    saved, op.nvtx = op.nvtx, noop
+    try:
+        yield
+    finally:
+        op.nvtx = saved
+
+
+class _Layer:
+    """Reference state of one Linear layer (float64)."""
+
+    def __init__(self) -> None:
+        self.xs: list[Tensor] = []  # this step's inputs [T/N, I], one per micro-batch
+        self.gs: list[Tensor] = []  # this step's output gradients [T/N, O]
+        self.a: Tensor | None = None  # [Ĩ, Ĩ]
+        self.b: Tensor | None = None  # [O, O]
+        self.inv: tuple[Tensor, Tensor, Tensor] | None = None  # (A⁻¹, B⁻¹, [λ_A, λ_B]) in use
+        self.inv_step: int | None = None  # the refresh step the inverses in use were made at
+        self.made: list[tuple[int, tuple[Tensor, Tensor, Tensor]]] = []  # every refresh's inverses
+
+
+def _refresh_steps(case: Case, phase: int, asdl: types.ModuleType | None, model: nn.Module) -> list[int]:
+    """Steps that refresh factors and inverses: ASDL's interval logic (phase 0), or t % k == phase."""
+    steps = [t for t in range(case.steps) if t % case.k == phase]
+    if asdl is not None and phase == 0:
+        prec = asdl.precondition.prec_grad_maker
+        maker = prec.PreconditionedGradientMaker(model, prec.PreconditioningConfig(
+            curvature_upd_interval=case.k, preconditioner_upd_interval=case.k))
+        by_asdl = [t for t in range(case.steps) if maker.do_update_curvature(t)]
+        assert by_asdl == [t for t in range(case.steps) if maker.do_update_preconditioner(t)]
+        assert by_asdl == steps, f"ASDL refreshes at {by_asdl}, t % k == 0 at {steps}"
+    return steps
+
+
+def _in_use(case: Case, deferred: bool, phase: int, refreshes: list[int], t: int) -> int | None:
+    """The refresh whose inverses precondition step t (None: none yet)."""
+    if not deferred:
+        done = [r for r in refreshes if r <= t]
+        return max(done) if done else None
+    cycle = lambda s: (s - phase) // case.k  # noqa: E731
+    earlier = [r for r in refreshes if r < t]
+    if not earlier:
+        return None
+    older_cycle = [r for r in earlier if cycle(r) < cycle(t)]
+    return max(older_cycle) if older_cycle else min(earlier)  # a first refresh: used from the next step
+
+
+def reference(case: Case, *, phase: int = 0, deferred: bool | None = None,
+              asdl: types.ModuleType | None = None) -> dict[str, Any]:
+    """The dense reference run of ``case`` (``phase``/``deferred`` override the refresh rule).
+
+    Returns:
+        {"steps": per step {"layers": {name: {"A", "B", "A_inv", "B_inv", "damping", "grad_w",
+        "grad_b", "raw_w", "raw_b"}}, "age"}, "params": {name: tensor}, "asdl_checked": int}.
+    """
+    deferred = case.deferred if deferred is None else deferred
+    cfg = _cfg(case)
+    o = cfg.optimizer
+    model = build_full_model(bert_config(cfg), seed=cfg.seed)
+    model.train()
+    linears = {n: m for n, m in model.named_modules() if isinstance(m, nn.Linear) and LINEAR.search(n)}
+    assert len(linears) == 6 * cfg.model.num_layers
+    state = {n: _Layer() for n in linears}
+
+    def hook(name: str):
+        def forward_hook(module: nn.Module, inputs: tuple[Tensor, ...], output: Tensor) -> None:
+            x = inputs[0].detach()
+            state[name].xs.append(x.reshape(-1, x.shape[-1]).to(F64))
+            output.register_hook(lambda g: state[name].gs.append(g.detach().reshape(-1, g.shape[-1]).to(F64)))
+        return forward_hook
+
+    for name, m in linears.items():
+        m.register_forward_hook(hook(name))
+    source, plan = data_source(cfg), data_plan(cfg)
+    optimizer, scheduler = make_optimizer(cfg, list(model.named_parameters()), torch.device("cpu"))
+    n = cfg.num_micro_batches
+    loss_scale = 1.0 / n
+    refreshes = _refresh_steps(case, phase, asdl, model)
+    out: list[dict[str, Any]] = []
+    asdl_checked = 0
+    for t in range(case.steps):
+        for s in state.values():
+            s.xs.clear()
+            s.gs.clear()
+        refresh = t in refreshes
+        cov = contextlib.nullcontext()
+        if asdl is not None and refresh:
+            cov = asdl.no_centered_cov(model, [(m, "kron") for m in linears.values()])
+        with warnings.catch_warnings(), (_asdl_cpu(asdl) if asdl is not None else contextlib.nullcontext()):
+            warnings.filterwarnings("ignore", message=r".*non-full backward hook.*", category=FutureWarning)
+            with cov as cxt:
+                for j in range(n):
+                    losses = model(None, get_micro_batch(source, t, j, 0, **plan))
+                    (losses.sum() * loss_scale).backward()
+                krons = {name: cxt.cov_kron(m) for name, m in linears.items()} if cxt is not None else {}
+        raw_norm = global_grad_norm(model.parameters())
+        rec: dict[str, Any] = {}
+        for name, m in linears.items():
+            s = state[name]
+            assert len(s.xs) == len(s.gs) == n
+            if refresh:
+                x = torch.cat(s.xs)  # [T, I]
+                x1 = torch.cat([x, torch.ones(len(x), 1, dtype=F64)], dim=1)  # [T, Ĩ]
+                rows_mb = len(s.xs[0])  # T/N: the per-micro-batch loss is a mean over them
+                g = torch.cat(s.gs) * (rows_mb / loss_scale)  # [T, O] per-row gradients g̃
+                a_batch, b_batch = x1.T @ x1 / len(x1), g.T @ g / len(g)
+                if name in krons:  # ASDL: Σ x xᵀ (weight block) and Σ g gᵀ of the captured gradients
+                    scale = (rows_mb / loss_scale) ** 2
+                    assert_close(krons[name]["A"].to(F64) / len(x1), a_batch[:-1, :-1], rtol=RTOL,
+                                 atol=RTOL * float(a_batch.abs().max()))
+                    assert_close(krons[name]["B"].to(F64) * scale / len(g), b_batch, rtol=RTOL,
+                                 atol=RTOL * float(b_batch.abs().max()))
+                    asdl_checked += 1
+                if s.a is None:
+                    s.a, s.b = a_batch, b_batch
+                else:
+                    s.a = o.factor_decay * s.a + (1 - o.factor_decay) * a_batch
+                    s.b = o.factor_decay * s.b + (1 - o.factor_decay) * b_batch
+                pi = ((s.a.trace() / s.a.shape[0]) / (s.b.trace() / s.b.shape[0])).sqrt()
+                lam_a, lam_b = pi * o.damping ** 0.5, o.damping ** 0.5 / pi
+                a_inv = torch.linalg.inv(s.a + lam_a * torch.eye(s.a.shape[0], dtype=F64))
+                b_inv = torch.linalg.inv(s.b + lam_b * torch.eye(s.b.shape[0], dtype=F64))
+                s.made.append((t, (a_inv, b_inv, torch.stack([lam_a, lam_b]))))
+            use = _in_use(case, deferred, phase, refreshes, t)
+            s.inv_step = use
+            s.inv = None if use is None else dict(s.made)[use]
+            raw = torch.cat([m.weight.grad, m.bias.grad[:, None]], dim=1).to(F64)  # [O, Ĩ]
+            pre = raw if s.inv is None else s.inv[1] @ raw @ s.inv[0]  # [O, Ĩ]
+            with torch.no_grad():
+                m.weight.grad.copy_(pre[:, :-1])
+                m.bias.grad.copy_(pre[:, -1])
+            latest = s.made[-1][1] if s.made else None
+            rec[name] = {"A": s.a, "B": s.b, "A_inv": None if s.inv is None else s.inv[0],
+                         "B_inv": None if s.inv is None else s.inv[1], "damping": None if s.inv is None else s.inv[2],
+                         "pending": latest if deferred and latest is not None and s.made[-1][0] != use else None,
+                         "grad_w": pre[:, :-1], "grad_b": pre[:, -1], "raw_w": raw[:, :-1], "raw_b": raw[:, -1]}
+        uses = [state[nm].inv_step for nm in linears]
+        out.append({"layers": rec, "age": None if uses[0] is None else t - uses[0]})
+        optimizer.step(grad_norm=raw_norm if o.clip_before_precondition else None)
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+    return {"steps": out, "params": {nm: p.detach().clone() for nm, p in model.named_parameters()},
+            "asdl_checked": asdl_checked}
+
+
+# --------------------------------------------------------------------------------------------
+# The comparison
+# --------------------------------------------------------------------------------------------
+
+
+def _close(actual: Tensor | None, expected: Tensor | None, what: str) -> None:
+    """Equal to RTOL of the expected tensor's largest entry (or both missing)."""
+    if expected is None or actual is None:
+        assert actual is None and expected is None, f"{what}: ours {'set' if actual is not None else 'missing'}, " \
+                                                    f"reference {'set' if expected is not None else 'missing'}"
+        return
+    assert_close(actual.to(F64), expected, rtol=RTOL, atol=RTOL * float(expected.abs().max()),
+                 msg=lambda m: f"{what}: {m}")
+
+
+def compare(got: dict[str, Any], ref: dict[str, Any]) -> None:
+    """Raise AssertionError at the first difference between our run and the reference."""
+    assert len(got["steps"]) == len(ref["steps"])
+    for t, (g, r) in enumerate(zip(got["steps"], ref["steps"])):
+        assert g["age"] == r["age"], f"step {t}: curvature age ours {g['age']}, reference {r['age']}"
+        assert set(g["layers"]) == set(r["layers"]), f"step {t}: layers differ"
+        for name, mine in g["layers"].items():
+            theirs = r["layers"][name]
+            where = f"step {t} {name}"
+            for key in ("A", "B", "A_inv", "B_inv"):
+                _close(mine[key], theirs[key], f"{where} {key}")
+            if theirs["damping"] is not None:
+                _close(mine["damping"], theirs["damping"], f"{where} damping (λ_A, λ_B)")
+            pend, ref_pend = mine["pending"], theirs["pending"]
+            assert (pend is None) == (ref_pend is None), f"{where}: pending inverses ours {pend is not None}, " \
+                                                         f"reference {ref_pend is not None}"
+            if pend is not None:
+                _close(pend[0], ref_pend[0], f"{where} pending A_inv")
+                _close(pend[1], ref_pend[1], f"{where} pending B_inv")
+            assert mine["preconditioned"] == (theirs["A_inv"] is not None), f"{where}: preconditioned?"
+            # [∇W | ∇b] as one matrix: the key's bias gradient is rounding noise alone (softmax ignores
+            # a shift of every key by the same vector), so it is compared on the matrix's scale.
+            grad = torch.cat([mine["grad_w"], mine["grad_b"][:, None]], dim=1)  # [O, Ĩ]
+            _close(grad, torch.cat([theirs["grad_w"], theirs["grad_b"][:, None]], dim=1), f"{where} preconditioned [∇W | ∇b]")
+    word, decoder = "bert.embeddings.word_embeddings.weight", "cls.predictions.decoder.weight"
+    for name, value in got["params"].items():
+        expected = ref["params"][word if name == decoder else name]
+        assert_close(value, expected, rtol=RTOL, atol=1e-5, msg=lambda m, nm=name: f"weight {nm} after the run: {m}")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
+def test_interval_k_matches_dense_reference_at_every_step(case: Case, ours) -> None:
+    asdl = _import_asdl()
+    ref = reference(case, asdl=asdl)
+    compare(ours[case.id], ref)
+    refreshes = len(range(0, case.steps, case.k))
+    if asdl is not None:  # the reference's factors of every refresh equal ASDL's
+        assert ref["asdl_checked"] == refreshes * 6 * 2
+    preconditioned = [t for t, s in enumerate(ours[case.id]["steps"]) if s["age"] is not None]
+    # Fresh: every step is preconditioned; deferred: every step after step 0.
+    assert preconditioned == list(range(1 if case.deferred else 0, case.steps))
+    ages = [ours[case.id]["steps"][t]["age"] for t in preconditioned]
+    assert max(ages) == (2 * case.k - 1 if case.deferred else case.k - 1)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
+def test_reference_with_another_phase_or_staleness_does_not_match(case: Case, ours) -> None:
+    """The comparison has teeth: the wrong refresh phase (k > 1) and the other staleness fail it."""
+    wrong = [reference(case, deferred=not case.deferred)]
+    if case.k > 1:
+        wrong.append(reference(case, phase=1))
+    for ref in wrong:
+        with pytest.raises(AssertionError):
+            compare(ours[case.id], ref)
