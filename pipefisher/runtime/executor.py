@@ -124,6 +124,26 @@ class StepResult:
     events: list[Event] = field(default_factory=list)
 
 
+@dataclass
+class _StepState:
+    """What one step of one worker holds between its actions; tensors keyed by (pipe, stage, micro-batch)."""
+
+    step: int
+    get_batch: Callable[[int], dict[str, torch.Tensor]]
+    loss_sum: torch.Tensor  # [2] sum of (mlm, nsp) losses of the micro-batches whose heads are here
+    num_losses: int = 0
+    recvs: dict[Action, tuple[torch.Tensor, dist.Work]] = field(default_factory=dict)  # posted, not yet waited for
+    received: dict[tuple[ActionKind, int, int, int], torch.Tensor] = field(default_factory=dict)  # keyed by kind too
+    inputs: dict[tuple[int, int, int], torch.Tensor | None] = field(default_factory=dict)  # a forward's input
+    outputs: dict[tuple[int, int, int], torch.Tensor] = field(default_factory=dict)  # until its backward
+    grad_in: dict[tuple[int, int, int], torch.Tensor] = field(default_factory=dict)  # input gradients to send
+    deferred: dict[tuple[int, int, int], WeightGradStore] = field(default_factory=dict)  # an I's, until its W
+    batches: dict[int, dict[str, torch.Tensor]] = field(default_factory=dict)  # micro-batch -> batch
+    sends: list[tuple[dist.Work, torch.Tensor]] = field(default_factory=list)
+    syncs: dict[StageKey, tuple[dist.Work, torch.Tensor, list[nn.Parameter]]] = field(default_factory=dict)
+    grad_norm: torch.Tensor | None = None  # from STEP's wait
+
+
 class WorkerExecutor:
     """Runs one worker's actions of a :class:`Schedule` step by step.
 
@@ -185,6 +205,13 @@ class WorkerExecutor:
             key: [p for p in m.parameters() if p.requires_grad and id(p) not in tied_ids]
             for key, m in modules.items()
         }
+        K = ActionKind
+        self._handlers: dict[ActionKind, Callable[[Action, _StepState], None]] = {
+            K.RECV_F: self._receive, K.RECV_B: self._receive, K.FORWARD: self._forward, K.SEND_F: self._send,
+            K.BACKWARD: self._backward, K.BACKWARD_INPUT: self._backward, K.BACKWARD_WEIGHT: self._weight_gradients,
+            K.SEND_B: self._send, K.SYNC_GRAD: self._sync_grad, K.STEP: self._step,
+            **{kind: self._kfac_unit for kind in ActionKind if kind.is_kfac},
+        }
         # Zero-bubble schedules split backwards into I and W: [Note: deferred weight gradients].
         if any(a.kind == ActionKind.BACKWARD_WEIGHT for ph in self.phases for a in ph.actions[rank]):
             enable_split_backward(modules.values())
@@ -219,96 +246,26 @@ class WorkerExecutor:
         actions = self.phases[phase].actions[self.rank]
         if self.kfac is not None:
             self.kfac.begin_step(actions, phase, step)
-        marks: list[tuple[str, str, object, object]] = []  # (name, kind, start, end): Events after the step
-        recvs: dict[Action, tuple[torch.Tensor, dist.Work]] = {}
+        st = _StepState(step, get_batch, torch.zeros(2, device=self.comm.device))
         if self.eager_recv:
-            for a in actions:
-                if a.kind in (ActionKind.RECV_F, ActionKind.RECV_B):
-                    recvs[a] = self._post_recv(a)
-        inputs: dict[tuple[int, int, int], torch.Tensor | None] = {}
-        outputs: dict[tuple[int, int, int], torch.Tensor] = {}
-        grad_in: dict[tuple[int, int, int], torch.Tensor] = {}
-        received: dict[tuple[ActionKind, int, int, int], torch.Tensor] = {}
-        sends: list[tuple[dist.Work, torch.Tensor]] = []
-        syncs: dict[StageKey, tuple[dist.Work, torch.Tensor, list[nn.Parameter]]] = {}
-        deferred: dict[tuple[int, int, int], WeightGradStore] = {}  # an I's weight gradients, until its W
-        batches: dict[int, dict[str, torch.Tensor]] = {}
-        loss_sum = torch.zeros(2, device=self.comm.device)
-        num_losses = 0
-
+            st.recvs = {a: self._post_recv(a) for a in actions if a.kind in (ActionKind.RECV_F, ActionKind.RECV_B)}
+        marks: list[tuple[str, str, object, object]] = []  # (name, kind, start, end): Events after the step
         for a in actions:
             start = clock.mark()
-            key = (a.pipe, a.stage, a.micro_batch)
             k = a.kind
             if k in _WAITS_FOR:  # the wait first, as an event of its own: [Note: waits are not compute]
                 collective = _WAITS_FOR[k].value
                 with self._nvtx(collective if cuda else None):
-                    waited, grad_norm = self._wait_for_collectives(a, syncs, sends)
+                    waited, st.grad_norm = self._wait_for_collectives(a, st.syncs, st.sends)
                 if waited:
                     start, waited_until = clock.mark(settle=True), start
                     marks.append((str(a), collective, waited_until, start))
             if cuda:  # the same names in an nsys capture as in our timeline
                 torch.cuda.nvtx.range_push(str(a))
-            if k == ActionKind.RECV_F or k == ActionKind.RECV_B:
-                buf, work = recvs.pop(a) if a in recvs else self._post_recv(a)
-                work.wait()
-                received[(k, *key)] = buf
-            elif k == ActionKind.FORWARD:
-                module = self.modules[(a.pipe, a.stage)]
-                x = received.pop((ActionKind.RECV_F, *key), None)
-                if x is None and (a.pipe, a.stage - 1) in self.modules:  # the previous stage is here (zb-v's turn)
-                    x = outputs[(a.pipe, a.stage - 1, a.micro_batch)].detach()
-                if x is not None:
-                    x.requires_grad_(True)
-                if a.micro_batch not in batches:
-                    batches[a.micro_batch] = get_batch(a.micro_batch)
-                with self.autocast(), self._capture(a), dropout_key(step, self.micro_batch_offset + a.micro_batch):
-                    y = module(x, batches[a.micro_batch])
-                inputs[key] = x
-                outputs[key] = y
-                if y.dim() == 1:  # the heads' [mlm, nsp] losses
-                    loss_sum += y.detach().float()
-                    num_losses += 1
-            elif k == ActionKind.SEND_F:
-                y = self.comm.message(outputs[key].detach())
-                sends.append((dist.isend(y, dst=a.peer, tag=self._tag(a)), y))
-            elif k.is_input_backward:  # B, or a split backward's I (weight gradients deferred to W)
-                y = outputs.pop(key)
-                split = deferring(deferred.setdefault(key, [])) if k == ActionKind.BACKWARD_INPUT \
-                    else contextlib.nullcontext()
-                with split:
-                    if y.dim() == 1:
-                        (y.float().sum() * self.loss_scale).backward()
-                    else:
-                        g = received.pop((ActionKind.RECV_B, *key), None)
-                        if g is None:  # the next stage is on this worker: its input gradient
-                            g = grad_in.pop((a.pipe, a.stage + 1, a.micro_batch))
-                        torch.autograd.backward(y, g)
-                x = inputs.pop(key)
-                if x is not None:
-                    grad_in[key] = x.grad
-                if not any(m == a.micro_batch for (_, _, m) in outputs):
-                    batches.pop(a.micro_batch, None)
-            elif k == ActionKind.BACKWARD_WEIGHT:
-                apply_weight_grads(deferred.pop(key))
-            elif k == ActionKind.SEND_B:
-                g = self.comm.message(grad_in.pop(key))
-                sends.append((dist.isend(g, dst=a.peer, tag=self._tag(a)), g))
-            elif k == ActionKind.SYNC_GRAD:
-                group = self.grad_groups.get(a.stage)
-                if group is not None:
-                    params = self._sync_params[(a.pipe, a.stage)]
-                    if self.comm.ablate:
-                        flat, params = self.comm.message(None), []  # nothing is copied back
-                    else:
-                        flat = torch._utils._flatten_dense_tensors([_grad(p) for p in params])
-                    syncs[(a.pipe, a.stage)] = (dist.all_reduce(flat, group=group, async_op=True), flat, params)
-            elif k.is_kfac:  # PRECOND and INVERT find their all-reduces done (waited for above)
-                self.kfac.run(a)
-            elif k == ActionKind.STEP:
-                self.optimizer_step(grad_norm)
-            else:  # pragma: no cover - kinds added to the IR must be handled here
+            handler = self._handlers.get(k)
+            if handler is None:  # pragma: no cover - kinds added to the IR must be handled here
                 raise NotImplementedError(f"executor has no handler for {a}")
+            handler(a, st)
             # A compute's, a unit's, STEP's or a receive's GPU time is its own: [Note: timing on a GPU].
             end = clock.mark(settle=k.is_compute or k.is_kfac or k in (ActionKind.STEP, ActionKind.RECV_F,
                                                                      ActionKind.RECV_B))
@@ -316,14 +273,86 @@ class WorkerExecutor:
                 torch.cuda.nvtx.range_pop()
             marks.append((str(a), k.value, start, end))
 
-        for work, _ in sends:
+        for work, _ in st.sends:
             work.wait()
         if self.kfac is not None:
             self.kfac.end_step()
         clock.finish()
         events = [Event(self.rank, name, kind, clock.ns(s0), clock.ns(s1), step) for name, kind, s0, s1 in marks]
-        assert not outputs and not received and not deferred, f"worker {self.rank}: step {step} left work behind"
-        return StepResult(loss_sum=loss_sum, num_losses=num_losses, events=events)
+        assert not st.outputs and not st.received and not st.deferred, \
+            f"worker {self.rank}: step {step} left work behind"
+        return StepResult(loss_sum=st.loss_sum, num_losses=st.num_losses, events=events)
+
+    # -- one handler per action kind (self._handlers) -------------------------------------------
+
+    def _receive(self, a: Action, st: _StepState) -> None:
+        buf, work = st.recvs.pop(a) if a in st.recvs else self._post_recv(a)
+        work.wait()
+        st.received[(a.kind, a.pipe, a.stage, a.micro_batch)] = buf
+
+    def _forward(self, a: Action, st: _StepState) -> None:
+        key = (a.pipe, a.stage, a.micro_batch)
+        module = self.modules[(a.pipe, a.stage)]
+        x = st.received.pop((ActionKind.RECV_F, *key), None)
+        if x is None and (a.pipe, a.stage - 1) in self.modules:  # the previous stage is here (zb-v's turn)
+            x = st.outputs[(a.pipe, a.stage - 1, a.micro_batch)].detach()
+        if x is not None:
+            x.requires_grad_(True)
+        if a.micro_batch not in st.batches:
+            st.batches[a.micro_batch] = st.get_batch(a.micro_batch)
+        with self.autocast(), self._capture(a), dropout_key(st.step, self.micro_batch_offset + a.micro_batch):
+            y = module(x, st.batches[a.micro_batch])
+        st.inputs[key] = x
+        st.outputs[key] = y
+        if y.dim() == 1:  # the heads' [mlm, nsp] losses
+            st.loss_sum += y.detach().float()
+            st.num_losses += 1
+
+    def _send(self, a: Action, st: _StepState) -> None:
+        key = (a.pipe, a.stage, a.micro_batch)
+        tensor = st.outputs[key].detach() if a.kind == ActionKind.SEND_F else st.grad_in.pop(key)
+        message = self.comm.message(tensor)
+        st.sends.append((dist.isend(message, dst=a.peer, tag=self._tag(a)), message))
+
+    def _backward(self, a: Action, st: _StepState) -> None:
+        """B, or a split backward's I (weight gradients deferred to W: [Note: split backward])."""
+        key = (a.pipe, a.stage, a.micro_batch)
+        y = st.outputs.pop(key)
+        split = deferring(st.deferred.setdefault(key, [])) if a.kind == ActionKind.BACKWARD_INPUT \
+            else contextlib.nullcontext()
+        with split:
+            if y.dim() == 1:
+                (y.float().sum() * self.loss_scale).backward()
+            else:
+                g = st.received.pop((ActionKind.RECV_B, *key), None)
+                if g is None:  # the next stage is on this worker: its input gradient
+                    g = st.grad_in.pop((a.pipe, a.stage + 1, a.micro_batch))
+                torch.autograd.backward(y, g)
+        x = st.inputs.pop(key)
+        if x is not None:
+            st.grad_in[key] = x.grad
+        if not any(m == a.micro_batch for (_, _, m) in st.outputs):
+            st.batches.pop(a.micro_batch, None)
+
+    def _weight_gradients(self, a: Action, st: _StepState) -> None:
+        apply_weight_grads(st.deferred.pop((a.pipe, a.stage, a.micro_batch)))
+
+    def _sync_grad(self, a: Action, st: _StepState) -> None:
+        group = self.grad_groups.get(a.stage)
+        if group is None:
+            return
+        params = self._sync_params[(a.pipe, a.stage)]
+        if self.comm.ablate:
+            flat, params = self.comm.message(None), []  # nothing is copied back
+        else:
+            flat = torch._utils._flatten_dense_tensors([_grad(p) for p in params])
+        st.syncs[(a.pipe, a.stage)] = (dist.all_reduce(flat, group=group, async_op=True), flat, params)
+
+    def _kfac_unit(self, a: Action, st: _StepState) -> None:
+        self.kfac.run(a)  # PRECOND and INVERT find their all-reduces done (waited for in run_step)
+
+    def _step(self, a: Action, st: _StepState) -> None:
+        self.optimizer_step(st.grad_norm)
 
     def _capture(self, a: Action):
         return self.kfac.forward((a.pipe, a.stage), a.micro_batch) if self.kfac is not None else contextlib.nullcontext()
