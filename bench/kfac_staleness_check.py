@@ -15,19 +15,25 @@ data, weights, seed and batches:
     kfac-k2            refresh every 2 steps, used at once (curvature age 0-1)
     kfac-k2-deferred   refresh every 2 steps, used from the next cycle (PipeFisher's numerics, age 1-3)
 
+and, with ``--arms``, kfac-k2 and kfac-k2-deferred with ``optimizer.factor_decay=0.9025`` = 0.95²: the
+running average decays once per refresh, so at k = 2 and decay 0.95 it remembers twice as many steps
+as at k = 1; 0.95^k gives it k = 1's memory in steps (bench/README.md §10).
+
 [Note: k=1 with deferred inverses]
 ``KfacWork.begin_step`` promotes the pending inverses at the start of every phase-0 step, and at k=1
 every step is phase 0; the INVERT of step t (deferred) goes to ``pending``. So step t runs PRECOND with
 the inverses made at step t-1 from the running factors as they stood after step t-1's update: every
 batch up to t-1, none of step t. Step 0 is not preconditioned (no inverses yet). ``curvature_age`` is 1.
 
-    python bench/kfac_staleness_check.py                  # bert-mini, WikiText-2 train, 150 steps
+    python bench/kfac_staleness_check.py                  # bert-mini, WikiText-2 train, 120 steps: ~20 min
+    python bench/kfac_staleness_check.py --arms kfac-k2-decay0.9025,kfac-k2-deferred-decay0.9025
     python bench/kfac_staleness_check.py --model bert-tiny --steps 300
     python bench/kfac_staleness_check.py --dry-run        # the commands only
     python bench/kfac_staleness_check.py --synthetic      # no text needed (synthetic data)
 
 Every run is ``python train.py ... hydra.run.dir=<out>/<arm>`` in a subprocess, one at a time (the
-project's training path and its metrics.jsonl). The shards come from ``python -m pipefisher.data.prepare
+project's training path and its metrics.jsonl), pinned to one core (``--cpus``), with the learning-rate
+schedule of a ``--schedule-steps`` (1500) run, as issue 28's runs, stopped after ``--steps``. The shards come from ``python -m pipefisher.data.prepare
 --holdout-fraction 0.05`` (WordPiece vocabulary trained on the text; 5 % of the documents go to
 ``heldout/``, read by ``eval.every_steps``), cached under ``--cache-dir`` by a hash of the text, the
 options and prepare.py. The table gives the training MLM loss as a trailing 50-step mean (every batch
@@ -73,7 +79,13 @@ ARMS: dict[str, tuple[list[str], str]] = {
     "kfac-k1-prev": (_kfac(1, deferred=True), "batches 0..t-1 (one step old, t's batch excluded)"),
     "kfac-k2": (_kfac(2), "batches 0..2⌊t/2⌋ (age 0-1)"),
     "kfac-k2-deferred": (_kfac(2, deferred=True), "batches 0..2⌊t/2⌋-2 (age 1-3)"),
+    # Not in the default set (--arms): the running average's memory per step at k = 2 made that of k = 1.
+    "kfac-k2-decay0.9025": (_kfac(2) + ["optimizer.factor_decay=0.9025"],
+                            "as kfac-k2, factor_decay 0.95² (k=1's decay per step)"),
+    "kfac-k2-deferred-decay0.9025": (_kfac(2, deferred=True) + ["optimizer.factor_decay=0.9025"],
+                                     "as kfac-k2-deferred, factor_decay 0.95²"),
 }
+DEFAULT_ARMS = ("nvlamb", "kfac-k1", "kfac-k1-prev", "kfac-k2", "kfac-k2-deferred")
 
 
 def cache_key(text: Path, options: dict[str, Any]) -> str:
@@ -220,7 +232,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--text", type=Path, default=DEFAULT_TEXT, help="raw WikiText or sentence-per-line text")
     p.add_argument("--synthetic", action="store_true", help="synthetic data instead of --text")
     p.add_argument("--model", default="bert-mini")
-    p.add_argument("--steps", type=int, default=150)
+    p.add_argument("--steps", type=int, default=120)
     p.add_argument("--schedule-steps", type=int, default=1500,
                    help="the run's `steps` (length of the warm-up and decay schedule); the runs are stopped after "
                         "--steps. Default 1500, as issue 28's runs: the first --steps steps then see its early "
@@ -229,11 +241,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--micro-batch-size", type=int, default=8)
     p.add_argument("--num-micro-batches", type=int, default=4)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--eval-every", type=int, default=50)
-    p.add_argument("--eval-batches", type=int, default=8, help="held-out micro-batches per evaluation")
+    p.add_argument("--eval-every", type=int, default=40)
+    p.add_argument("--eval-batches", type=int, default=16, help="held-out micro-batches per evaluation")
     p.add_argument("--window", type=int, default=50, help="trailing mean of the training MLM loss")
     p.add_argument("--checkpoints", default="50,100,150,200,250,300", help="steps at which the table shows it")
-    p.add_argument("--arms", default=",".join(ARMS), help=f"subset of {','.join(ARMS)}")
+    p.add_argument("--arms", default=",".join(DEFAULT_ARMS), help=f"any of {','.join(ARMS)}")
     p.add_argument("--dupe-factor", type=int, default=1)
     p.add_argument("--vocab-size", type=int, default=8192)
     p.add_argument("--holdout-fraction", type=float, default=0.05)
