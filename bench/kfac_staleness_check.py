@@ -227,6 +227,23 @@ def table(summaries: dict[str, dict[str, Any]], checkpoints: Sequence[int], wind
     return "\n".join(lines)
 
 
+def paired_table(losses: dict[str, list[float]], steps: int, bin_steps: int = 10, bins: int = 5) -> str:
+    """Mean over each ``bin_steps``-step bin of the last ``bins`` bins of (arm's MLM − NVLAMB's MLM) at
+    the same step: every arm sees the same batches, so the batch-to-batch noise, which is larger than
+    these differences, cancels in the pairs."""
+    starts = [s for s in range(steps - bins * bin_steps, steps, bin_steps) if s >= 0]
+    head = ["arm"] + [f"steps {s}–{s + bin_steps - 1}" for s in starts]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    base = losses["nvlamb"]
+    for arm, values in losses.items():
+        if arm == "nvlamb":
+            continue
+        cells = [statistics.fmean(a - b for a, b in zip(values[s:s + bin_steps], base[s:s + bin_steps]))
+                 for s in starts]
+        lines.append("| " + " | ".join([arm] + [f"{c:+.3f}" for c in cells]) + " |")
+    return "\n".join(lines)
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--text", type=Path, default=DEFAULT_TEXT, help="raw WikiText or sentence-per-line text")
@@ -257,6 +274,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="taskset CPU list for train.py ('' = no pinning). train.py runs one intra-op thread per "
                         "core it may use; on a shared 2-core machine two threads contending with other processes "
                         "make a step many times slower (tests/conftest.py), so the default pins it to core 1")
+    p.add_argument("--reuse", action="store_true",
+                   help="an arm whose run in --out already logged --steps steps is read, not run again")
     p.add_argument("--dry-run", action="store_true", help="print the commands only")
     p.add_argument("--prepare-only", action="store_true", help="prepare (or find) the shards, then stop")
     return p
@@ -290,9 +309,15 @@ def main() -> None:
         checkpoints.append(args.steps)
     summaries: dict[str, dict[str, Any]] = {}
     start = time.monotonic()
+    losses: dict[str, list[float]] = {}
     for arm in arms:
-        rows = run_arm(arm, common, out, args.steps, args.timeout_s, pin)
+        done = out / arm / "metrics.jsonl"
+        if args.reuse and done.is_file() and len(records(out / arm)) >= args.steps:
+            rows = records(out / arm)[:args.steps]
+        else:
+            rows = run_arm(arm, common, out, args.steps, args.timeout_s, pin)
         summaries[arm] = summarize(rows, checkpoints, args.window)
+        losses[arm] = [math.nan if r.get("mlm_loss") is None else float(r["mlm_loss"]) for r in rows]
         last = summaries[arm]["train"].get(args.steps, math.nan)
         print(f"[{time.monotonic() - start:6.0f} s, {h.load()}] {arm}: {len(rows)} steps, train MLM "
               f"({args.window}-step mean) {last:.3f}, held-out {summaries[arm]['eval']}", flush=True)
@@ -301,6 +326,8 @@ def main() -> None:
     report = (f"{args.model}, one process, batch {args.micro_batch_size} x {args.num_micro_batches}, lr {args.lr:g} "
               f"(schedule of {args.schedule_steps or args.steps} steps), seed {args.seed}, {args.steps} steps; "
               f"{data_line}\n\n" + table(summaries, checkpoints, args.window))
+    if "nvlamb" in losses and len(losses) > 1:
+        report += "\n\nTraining MLM loss minus NVLAMB's at the same step, mean per bin:\n\n" + paired_table(losses, args.steps)
     (out / "table.md").write_text(report + "\n")
     print(report)
 

@@ -66,6 +66,7 @@ MODEL = ["model.num_layers=2", "model.hidden_size=32", "model.num_heads=2", "num
 LINEAR = re.compile(r"encoder\.layer\.\d+\.(?:attention\.self\.(?:query|key|value)|attention\.output\.dense"
                     r"|intermediate\.dense|output\.dense)$")
 RTOL = 1e-4  # float32 K-FAC against the float64 reference
+WORD, DECODER = "bert.embeddings.word_embeddings.weight", "cls.predictions.decoder.weight"  # tied
 
 
 @dataclass(frozen=True)
@@ -370,10 +371,29 @@ def compare(got: dict[str, Any], ref: dict[str, Any]) -> None:
             # a shift of every key by the same vector), so it is compared on the matrix's scale.
             grad = torch.cat([mine["grad_w"], mine["grad_b"][:, None]], dim=1)  # [O, Ĩ]
             _close(grad, torch.cat([theirs["grad_w"], theirs["grad_b"][:, None]], dim=1), f"{where} preconditioned [∇W | ∇b]")
-    word, decoder = "bert.embeddings.word_embeddings.weight", "cls.predictions.decoder.weight"
+    word, decoder = WORD, DECODER
     for name, value in got["params"].items():
         expected = ref["params"][word if name == decoder else name]
         assert_close(value, expected, rtol=RTOL, atol=1e-5, msg=lambda m, nm=name: f"weight {nm} after the run: {m}")
+
+
+def compare_preconditioned(got: dict[str, Any], ref: dict[str, Any]) -> int:
+    """Only the numbers: the preconditioned gradients at the steps both runs precondition (none of
+    the bookkeeping compare() checks first: ages, which inverses exist). Returns how many matched.
+
+    Raises:
+        AssertionError: at the first preconditioned gradient that differs.
+    """
+    matched = 0
+    for t, (g, r) in enumerate(zip(got["steps"], ref["steps"])):
+        for name, mine in g["layers"].items():
+            theirs = r["layers"][name]
+            if mine["preconditioned"] and theirs["A_inv"] is not None:
+                grad = torch.cat([mine["grad_w"], mine["grad_b"][:, None]], dim=1)  # [O, Ĩ]
+                _close(grad, torch.cat([theirs["grad_w"], theirs["grad_b"][:, None]], dim=1),
+                       f"step {t} {name} preconditioned [∇W | ∇b]")
+                matched += 1
+    return matched
 
 
 @pytest.mark.slow
@@ -395,10 +415,15 @@ def test_interval_k_matches_dense_reference_at_every_step(case: Case, ours) -> N
 @pytest.mark.slow
 @pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
 def test_reference_with_another_phase_or_staleness_does_not_match(case: Case, ours) -> None:
-    """The comparison has teeth: the wrong refresh phase (k > 1) and the other staleness fail it."""
+    """The comparison has teeth: the wrong refresh phase (k > 1) and the other staleness fail it, on
+    the bookkeeping (which step has inverses, the curvature age) and on the numbers alone (the
+    preconditioned gradients of the steps both precondition)."""
+    assert compare_preconditioned(ours[case.id], reference(case)) > 0
     wrong = [reference(case, deferred=not case.deferred)]
     if case.k > 1:
         wrong.append(reference(case, phase=1))
     for ref in wrong:
         with pytest.raises(AssertionError):
             compare(ours[case.id], ref)
+        with pytest.raises(AssertionError, match="preconditioned"):
+            compare_preconditioned(ours[case.id], ref)
