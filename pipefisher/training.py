@@ -198,7 +198,7 @@ def train_single_process(
     if cfg.stages != 1 or cfg.data_parallel != 1:
         raise ValueError("train_single_process runs stages=1, data_parallel=1 only")
     from pipefisher.evaluation import eval_due, eval_source, evaluate_model  # they import this module
-    from pipefisher.runtime.reporting import StepMeter, summary_line
+    from pipefisher.runtime.reporting import StepMeter, summary_fields, summary_line
 
     from pipefisher.measure import current_bytes
 
@@ -255,7 +255,7 @@ def train_single_process(
                 raise FloatingPointError(f"step {step}: loss is {last['loss']}; lower lr or check the data")
             if heldout is not None and eval_due(cfg, step):
                 last.update(evaluate_model(model, cfg, heldout, device, lambda: autocast_context(cfg, device)))
-            rows.append(last)
+            rows.append(summary_fields(last))
             if writer is not None:
                 writer.write(last)
             if wandb_logger is not None and (step % cfg.log_every == 0 or step == cfg.steps - 1 or "eval_mlm_loss" in last):

@@ -32,7 +32,7 @@ from pipefisher.timeline import Event
 from pipefisher.tracking import METRICS_FILE, MetricsWriter, WandbLogger
 from pipefisher.training import bert_config, progress_range
 
-__all__ = ["StepMeter", "StepReporter", "summary_line"]
+__all__ = ["StepMeter", "StepReporter", "summary_fields", "summary_line"]
 
 log = logging.getLogger(__name__)
 
@@ -95,6 +95,15 @@ class StepMeter:
         if self.peak is not None:
             out["mfu"] = achieved / self.peak.flops_per_s
         return out
+
+
+_SUMMARY_KEYS = ("step", "step_time_s", "samples_per_s", "tflops", "mfu", "peak_memory_per_worker_bytes",
+                 "memory_baseline_per_worker_bytes", "eval_mlm_loss", "eval_mlm_accuracy", "eval_nsp_accuracy")
+
+
+def summary_fields(row: dict[str, Any]) -> dict[str, Any]:
+    """What :func:`summary_line` reads of a row (a run keeps this much of every step, not the whole row)."""
+    return {k: row[k] for k in _SUMMARY_KEYS if k in row}
 
 
 def summary_line(rows: Sequence[dict[str, Any]], meter: StepMeter) -> str:
@@ -171,7 +180,7 @@ class StepReporter:
 
     def write(self, step: int, row: dict[str, Any]) -> None:
         """Append the step's row; wandb and the progress bar on logged steps and evaluations."""
-        self.rows.append(self.writer.write(row))
+        self.rows.append(summary_fields(self.writer.write(row)))
         has_eval = "eval_mlm_loss" in row
         if self.logged(step) or has_eval:
             self.logger.log(row, step=step)
