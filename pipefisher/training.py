@@ -215,7 +215,7 @@ def train_single_process(
     heldout = eval_source(cfg) if cfg.eval.every_steps > 0 else None
     plan = data_plan(cfg)
     timer = StepTimer(device)
-    meter = StepMeter(cfg, device=device, measure_peak=output_dir is not None, baseline_bytes=baseline)
+    meter = StepMeter(cfg, device=device, reports=output_dir is not None, baseline_bytes=baseline)
     writer = MetricsWriter(Path(output_dir) / "metrics.jsonl") if output_dir is not None else None
     last: dict[str, Any] = {}
     rows: list[dict[str, Any]] = []

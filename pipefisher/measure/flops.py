@@ -12,7 +12,8 @@
 
 Embedding lookups, biases, LayerNorm, softmax, GELU, dropout and the losses count 0. This is
 exactly what ``torch.utils.flop_counter.FlopCounterMode`` counts for ``BertStage`` (its
-mm/addmm/bmm; tests/test_measure.py checks every size). A training step is 3 × forward (the
+mm/addmm/bmm; tests/test_measure.py checks every size). The count is the partitioner's
+(``pipefisher.model.partition.layer_costs``) without its embeddings term. A training step is 3 × forward (the
 backward multiplies twice per forward product); recomputation re-runs forwards but adds no model
 FLOPs, so MFU does not reward it (hardware FLOPs would).
 """
@@ -20,6 +21,7 @@ FLOPs, so MFU does not reward it (hardware FLOPs would).
 from __future__ import annotations
 
 from pipefisher.model.config import BertConfig
+from pipefisher.model.partition import layer_costs
 
 __all__ = ["forward_flops", "train_step_flops"]
 
@@ -34,19 +36,14 @@ def forward_flops(bert: BertConfig, batch: int, seq_len: int, max_predictions: i
         max_predictions: P, MLM slots per sequence (the head runs on all P, padding included).
 
     Returns:
-        FLOPs (an exact integer).
+        FLOPs, rounded to an integer (exact while below 2**53).
     """
     if batch < 1 or seq_len < 1 or max_predictions < 0:
         raise ValueError(f"batch={batch}, seq_len={seq_len}, max_predictions={max_predictions}: "
                          "need batch ≥ 1, seq_len ≥ 1, max_predictions ≥ 0")
-    b, s, p = batch, seq_len, max_predictions
-    h, v = bert.hidden_size, bert.vocab_size
-    f = bert.intermediate_size or 4 * h
-    tokens = b * s
-    linears = 4 * 2 * tokens * h * h + 2 * 2 * tokens * h * f
-    attention = 2 * 2 * b * s * s * h
-    heads = 2 * b * h * h + 2 * b * h * 2 + 2 * b * p * h * h + 2 * b * p * h * v
-    return bert.num_layers * (linears + attention) + heads
+    # The partitioner's per-sequence count of the same products; its first entry (the embeddings'
+    # element-wise work) is no model FLOP.
+    return round(batch * sum(layer_costs(bert, seq_len, max_predictions)[1:]))
 
 
 def train_step_flops(bert: BertConfig, global_batch: int, seq_len: int, max_predictions: int) -> int:

@@ -61,11 +61,9 @@ class PeakMemory:
         """Peak bytes since the last ``reset()`` (or over the process's lifetime, see ``kind``)."""
         if self.device.type == "cuda":
             return int(torch.cuda.max_memory_allocated(self.device))
-        if sys.platform.startswith("linux"):
-            with open(_STATUS) as f:
-                match = re.search(r"^VmHWM:\s+(\d+)\s+kB", f.read(), re.MULTILINE)
-            if match:
-                return int(match.group(1)) * 1024
+        hwm = _status_bytes("VmHWM")
+        if hwm is not None:
+            return hwm
         import resource  # Unix only; absent on Windows
 
         maxrss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
@@ -97,9 +95,14 @@ def current_bytes(device: torch.device | str = "cpu") -> int:
     device = torch.device(device)
     if device.type == "cuda":
         return int(torch.cuda.memory_allocated(device))
-    if sys.platform.startswith("linux"):
-        with open(_STATUS) as f:
-            match = re.search(r"^VmRSS:\s+(\d+)\s+kB", f.read(), re.MULTILINE)
-        if match:
-            return int(match.group(1)) * 1024
-    return 0
+    rss = _status_bytes("VmRSS")
+    return 0 if rss is None else rss
+
+
+def _status_bytes(field: str) -> int | None:
+    """A ``kB`` field of ``/proc/self/status`` (``VmHWM``, ``VmRSS``) in bytes; None off Linux."""
+    if not sys.platform.startswith("linux"):
+        return None
+    with open(_STATUS) as f:
+        match = re.search(rf"^{field}:\s+(\d+)\s+kB", f.read(), re.MULTILINE)
+    return int(match.group(1)) * 1024 if match else None

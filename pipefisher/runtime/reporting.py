@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from pipefisher.config import TrainConfig
-from pipefisher.measure import Peak, PeakMemory, predicted_peak_bytes, resolve_peak, train_step_flops
+from pipefisher.measure import Peak, PeakMemory, mfu, predicted_peak_bytes, resolve_peak, tflops, train_step_flops
 from pipefisher.runtime.build import run_shape
 from pipefisher.runtime.step_metrics import timeline_fields
 from pipefisher.timeline import Event
@@ -52,19 +52,23 @@ class StepMeter:
         worker: anything with ``device`` and, for the prediction, ``schedule`` and ``assignment``
             (a :class:`~pipefisher.runtime.pipeline_worker.PipelineWorker`); None in one process.
         device: the device (when ``worker`` is None).
-        measure_peak: resolve the peak (rank 0; it measures the CPU, about 0.5 s).
+        reports: this meter's owner writes the summary (rank 0; one process with an output folder):
+            it resolves the peak (on CPU a measurement, about 0.5 s) and the planner's prediction.
+            Default: rank 0.
         baseline_bytes: :func:`~pipefisher.measure.current_bytes` before the model was built.
     """
 
     def __init__(self, cfg: TrainConfig, worker: Any = None, device: torch.device | None = None,
-                 measure_peak: bool | None = None, baseline_bytes: int = 0) -> None:
+                 reports: bool | None = None, baseline_bytes: int = 0) -> None:
         self.device = worker.device if worker is not None else device
         self.baseline_bytes = baseline_bytes  # this process's memory before it built its model
-        rank = worker.rank if worker is not None else 0
+        if reports is None:
+            reports = worker is None or worker.rank == 0
         self.flops_per_step = train_step_flops(bert_config(cfg), cfg.global_batch_size, cfg.data.seq_len,
                                                cfg.data.max_predictions)
         self.peak: Peak | None = None  # of all the run's devices
-        if measure_peak if measure_peak is not None else rank == 0:
+        self.predicted: dict[int, float] = {}  # the planner's bytes per worker
+        if reports:
             try:
                 one = resolve_peak(self.device, cfg.precision, cfg.hardware.peak_tflops,
                                    _threads_total(cfg, self.device))
@@ -73,12 +77,10 @@ class StepMeter:
             else:  # a GPU's peak is per device; the CPU's was taken for all the run's threads
                 devices = cfg.num_workers if self.device.type == "cuda" else 1
                 self.peak = Peak(one.flops_per_s * devices, one.source + (f" x {devices} devices" if devices > 1 else ""))
-        self.memory = PeakMemory(self.device)
-        self.predicted: dict[int, float] = {}
-        if rank == 0:
             self.predicted = predicted_peak_bytes(run_shape(cfg), cfg.optimizer.name,
                                                   worker.schedule if worker is not None else None,
                                                   worker.assignment if worker is not None else None)
+        self.memory = PeakMemory(self.device)
 
     def begin_step(self) -> None:
         """Restart the peak-memory watermark."""
@@ -90,10 +92,9 @@ class StepMeter:
 
     def rates(self, step_time_s: float) -> dict[str, float]:
         """``tflops`` and ``mfu`` of a step that took ``step_time_s`` ([Note: FLOPs, MFU and memory])."""
-        achieved = self.flops_per_step / step_time_s
-        out = {"tflops": achieved / 1e12}
+        out = {"tflops": tflops(self.flops_per_step, step_time_s)}
         if self.peak is not None:
-            out["mfu"] = achieved / self.peak.flops_per_s
+            out["mfu"] = mfu(self.flops_per_step, step_time_s, self.peak)
         return out
 
 
