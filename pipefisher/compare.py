@@ -50,7 +50,7 @@ import yaml
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
-from pipefisher.tracking.metrics import METRICS_FILE, read_metrics
+from pipefisher.tracking.metrics import EVAL_FIELDS, METRICS_FILE, read_metrics
 
 __all__ = ["Run", "Summary", "comparison_table", "load_sweep", "main", "plot_sweep", "run_label", "summarize",
            "varying_overrides"]
@@ -62,8 +62,6 @@ DEFAULT_LAST = 5
 #: Steps left out of the medians (see [Note: summary statistics]).
 _WARMUP_STEPS = 1
 _MISSING = "—"
-#: Fields an evaluation adds to the record of the step it follows.
-_EVAL_KEYS = ("eval_mlm_loss", "eval_mlm_accuracy", "eval_nsp_loss", "eval_nsp_accuracy", "eval_time_s")
 #: x-axis label of the plots over training time (``step_time_s`` does not include evaluations).
 _TIME_LABEL = "training time (s, sum of step_time_s; evaluation time excluded)"
 
@@ -349,7 +347,7 @@ def _median_after_warmup(run: Run, key: str, *, keep_lone_step: bool = False) ->
 
 def _last_eval(run: Run) -> Mapping[str, Any]:
     """The last record carrying evaluation fields (empty when the run never evaluated)."""
-    return next((rec for rec in reversed(run.records) if any(k in rec for k in _EVAL_KEYS)), {})
+    return next((rec for rec in reversed(run.records) if any(k in rec for k in EVAL_FIELDS)), {})
 
 
 def _recorded(rec: Mapping[str, Any], key: str) -> float | None:

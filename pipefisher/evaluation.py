@@ -23,6 +23,7 @@ the reference the pipeline tests compare with.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from typing import Any
 
@@ -31,10 +32,10 @@ import torch
 from pipefisher.config import TrainConfig
 from pipefisher.data.heldout import HeldoutSource, build_eval_source, check_eval_batches, eval_micro_batch
 from pipefisher.model import EVAL_SUMS, BertStage
+from pipefisher.tracking.metrics import EVAL_FIELDS
 
 __all__ = ["EVAL_FIELDS", "eval_due", "eval_source", "eval_batch", "eval_figures", "evaluate_model"]
 
-EVAL_FIELDS = ("eval_mlm_loss", "eval_mlm_accuracy", "eval_nsp_loss", "eval_nsp_accuracy", "eval_time_s")
 
 
 def eval_due(cfg: TrainConfig, step: int) -> bool:
@@ -90,7 +91,7 @@ def evaluate_model(model: BertStage, cfg: TrainConfig, source: HeldoutSource, de
         with torch.no_grad():
             for i in range(cfg.eval.batches):
                 batch = eval_batch(source, cfg, i, device)
-                with autocast() if autocast is not None else torch.autocast(device.type, enabled=False):
+                with autocast() if autocast is not None else contextlib.nullcontext():
                     sums += model.evaluate(None, batch)
     finally:
         model.train(was_training)

@@ -24,18 +24,23 @@ from torch import nn
 from pipefisher.config import TrainConfig
 from pipefisher.evaluation import eval_batch, eval_due, eval_figures, eval_source
 from pipefisher.model import EVAL_SUMS
-from pipefisher.runtime.executor import CommSpec, StageKey, sender_stage, message_tag
+from pipefisher.runtime.executor import CommSpec, StageKey, action_tag, post_recv
 from pipefisher.schedules import forward_only
 from pipefisher.schedules.ir import Action, ActionKind, Schedule
 from pipefisher.training import autocast_context
 
-__all__ = ["PipelineEvaluator", "pass_actions", "run_forward_pass"]
+__all__ = ["PipelineEvaluator", "pass_actions", "pass_base", "run_forward_pass"]
 
 
-def pass_actions(schedule: Schedule, rank: int, total: int, pass_index: int) -> list[Action]:
-    """Worker ``rank``'s forward-only actions of one pass, without the micro-batches past ``total``."""
-    n, w = schedule.num_micro_batches, schedule.dp_width
-    base = pass_index * n * w + schedule.placement.dp_group_of(rank) * n
+def pass_base(schedule: Schedule, rank: int, pass_index: int) -> int:
+    """The held-out index of worker ``rank``'s micro-batch 0 in pass ``pass_index``."""
+    n = schedule.num_micro_batches
+    return pass_index * n * schedule.dp_width + schedule.placement.dp_group_of(rank) * n
+
+
+def pass_actions(schedule: Schedule, rank: int, total: int, base: int) -> list[Action]:
+    """Worker ``rank``'s forward-only actions of the pass at ``base`` (:func:`pass_base`), without
+    the micro-batches past ``total``."""
     return [a for a in schedule.actions[rank] if base + a.micro_batch < total]
 
 
@@ -47,14 +52,7 @@ def run_forward_pass(actions: Sequence[Action], schedule: Schedule, modules: dic
     Returns:
         The [6] evaluation sums of the micro-batches whose heads are on this worker (zeros elsewhere).
     """
-    d, n = schedule.num_stages, schedule.num_micro_batches
-
-    def post(a: Action) -> tuple[torch.Tensor, dist.Work]:
-        buf = torch.empty(comm.shape, dtype=comm.dtype, device=comm.device)
-        tag = message_tag(a.kind, a.pipe, sender_stage(a), a.micro_batch, d, n)
-        return buf, dist.irecv(buf, src=a.peer, tag=tag)
-
-    recvs = {a: post(a) for a in actions if a.kind == ActionKind.RECV_F} if eager_recv else {}
+    recvs = {a: post_recv(a, comm, schedule) for a in actions if a.kind == ActionKind.RECV_F} if eager_recv else {}
     received: dict[tuple[int, int, int], torch.Tensor] = {}
     outputs: dict[tuple[int, int, int], torch.Tensor] = {}
     batches: dict[int, dict[str, torch.Tensor]] = {}
@@ -63,7 +61,7 @@ def run_forward_pass(actions: Sequence[Action], schedule: Schedule, modules: dic
     for a in actions:
         key = (a.pipe, a.stage, a.micro_batch)
         if a.kind == ActionKind.RECV_F:
-            buf, work = recvs.pop(a) if a in recvs else post(a)
+            buf, work = recvs.pop(a) if a in recvs else post_recv(a, comm, schedule)
             work.wait()
             received[key] = buf
         elif a.kind == ActionKind.FORWARD:
@@ -80,8 +78,7 @@ def run_forward_pass(actions: Sequence[Action], schedule: Schedule, modules: dic
                 outputs[key] = y
         elif a.kind == ActionKind.SEND_F:
             y = outputs.pop(key).contiguous()
-            tag = message_tag(a.kind, a.pipe, sender_stage(a), a.micro_batch, d, n)
-            sends.append((dist.isend(y, dst=a.peer, tag=tag), y))
+            sends.append((dist.isend(y, dst=a.peer, tag=action_tag(a, schedule)), y))
         else:  # pragma: no cover - forward_only keeps nothing else
             raise NotImplementedError(f"forward-only pass has no handler for {a}")
     for work, _ in sends:
@@ -117,13 +114,12 @@ class PipelineEvaluator:
         modules = worker.modules
         for m in modules.values():
             m.eval()
-        n, w = s.num_micro_batches, s.dp_width
         sums = torch.zeros(len(EVAL_SUMS), dtype=torch.float64, device=worker.device)
         try:
             with torch.no_grad():
                 for p in range(self.passes):
-                    base = p * n * w + s.placement.dp_group_of(worker.rank) * n
-                    actions = pass_actions(s, worker.rank, cfg.eval.batches, p)
+                    base = pass_base(s, worker.rank, p)
+                    actions = pass_actions(s, worker.rank, cfg.eval.batches, base)
                     sums += run_forward_pass(actions, s, modules, self.comm,
                                              lambda j, base=base: eval_batch(self.source, cfg, base + j, worker.device),
                                              lambda: autocast_context(cfg, worker.device), self.eager_recv)

@@ -76,7 +76,8 @@ from pipefisher.runtime.step_clock import StepClock
 from pipefisher.schedules.ir import Action, ActionKind, Schedule
 from pipefisher.timeline import Event
 
-__all__ = ["StageKey", "CommSpec", "StepResult", "WorkerExecutor", "message_tag"]
+__all__ = ["StageKey", "CommSpec", "StepResult", "WorkerExecutor", "action_tag", "message_tag", "post_recv",
+           "sender_stage"]
 
 # The collective each consuming action may wait for ([Note: waits are not compute]).
 _WAITS_FOR = {ActionKind.PRECOND: ActionKind.SYNC_GRAD, ActionKind.INVERT: ActionKind.SYNC_FACTOR,
@@ -93,6 +94,20 @@ def sender_stage(a: Action) -> int:
     if a.kind in (ActionKind.SEND_F, ActionKind.SEND_B):
         return a.stage
     return a.stage - 1 if a.kind == ActionKind.RECV_F else a.stage + 1
+
+
+def action_tag(a: Action, schedule: Schedule) -> int:
+    """The tag of SEND/RECV action ``a`` of ``schedule`` (:func:`message_tag`)."""
+    return message_tag(a.kind, a.pipe, sender_stage(a), a.micro_batch, schedule.num_stages, schedule.num_micro_batches)
+
+
+def post_recv(a: Action, comm: CommSpec, schedule: Schedule) -> tuple[torch.Tensor, dist.Work]:
+    """Post the receive of RECV action ``a``: the buffer its data lands in and the pending work."""
+    buf = torch.empty(comm.shape, dtype=comm.dtype, device=comm.device)
+    if comm.ablate:  # receive one byte, compute on zeros of the real shape
+        return buf.zero_(), dist.irecv(torch.empty(1, dtype=torch.uint8, device=comm.device),
+                                       src=a.peer, tag=action_tag(a, schedule))
+    return buf, dist.irecv(buf, src=a.peer, tag=action_tag(a, schedule))
 
 
 @dataclass(frozen=True)
@@ -218,17 +233,6 @@ class WorkerExecutor:
 
     # -- communication -------------------------------------------------------------------------
 
-    def _tag(self, a: Action) -> int:
-        s = self.schedule
-        return message_tag(a.kind, a.pipe, sender_stage(a), a.micro_batch, s.num_stages, s.num_micro_batches)
-
-    def _post_recv(self, a: Action) -> tuple[torch.Tensor, dist.Work]:
-        buf = torch.empty(self.comm.shape, dtype=self.comm.dtype, device=self.comm.device)
-        if self.comm.ablate:  # receive one byte, compute on zeros of the real shape
-            return buf.zero_(), dist.irecv(torch.empty(1, dtype=torch.uint8, device=self.comm.device),
-                                           src=a.peer, tag=self._tag(a))
-        return buf, dist.irecv(buf, src=a.peer, tag=self._tag(a))
-
     # -- the step ------------------------------------------------------------------------------
 
     def run_step(self, step: int, get_batch: Callable[[int], dict[str, torch.Tensor]]) -> StepResult:
@@ -248,7 +252,7 @@ class WorkerExecutor:
             self.kfac.begin_step(actions, phase, step)
         st = _StepState(step, get_batch, torch.zeros(2, device=self.comm.device))
         if self.eager_recv:
-            st.recvs = {a: self._post_recv(a) for a in actions if a.kind in (ActionKind.RECV_F, ActionKind.RECV_B)}
+            st.recvs = {a: post_recv(a, self.comm, self.schedule) for a in actions if a.kind in (ActionKind.RECV_F, ActionKind.RECV_B)}
         marks: list[tuple[str, str, object, object]] = []  # (name, kind, start, end): Events after the step
         for a in actions:
             start = clock.mark()
@@ -286,7 +290,7 @@ class WorkerExecutor:
     # -- one handler per action kind (self._handlers) -------------------------------------------
 
     def _receive(self, a: Action, st: _StepState) -> None:
-        buf, work = st.recvs.pop(a) if a in st.recvs else self._post_recv(a)
+        buf, work = st.recvs.pop(a) if a in st.recvs else post_recv(a, self.comm, self.schedule)
         work.wait()
         st.received[(a.kind, a.pipe, a.stage, a.micro_batch)] = buf
 
@@ -312,7 +316,7 @@ class WorkerExecutor:
         key = (a.pipe, a.stage, a.micro_batch)
         tensor = st.outputs[key].detach() if a.kind == ActionKind.SEND_F else st.grad_in.pop(key)
         message = self.comm.message(tensor)
-        st.sends.append((dist.isend(message, dst=a.peer, tag=self._tag(a)), message))
+        st.sends.append((dist.isend(message, dst=a.peer, tag=action_tag(a, self.schedule)), message))
 
     def _backward(self, a: Action, st: _StepState) -> None:
         """B, or a split backward's I (weight gradients deferred to W: [Note: split backward])."""

@@ -4,7 +4,7 @@ Entry points: :class:`MetricsWriter` / :func:`read_metrics` and :class:`WandbLog
 :func:`run_name_from_overrides`.
 """
 
-from pipefisher.tracking.metrics import METRICS_FILE, MetricsWriter, read_metrics, to_python
+from pipefisher.tracking.metrics import EVAL_FIELDS, METRICS_FILE, MetricsWriter, read_metrics, to_python
 from pipefisher.tracking.wandb_logger import (
     WANDB_MODES,
     WandbLogger,
@@ -13,6 +13,7 @@ from pipefisher.tracking.wandb_logger import (
 )
 
 __all__ = [
+    "EVAL_FIELDS",
     "METRICS_FILE",
     "MetricsWriter",
     "WANDB_MODES",

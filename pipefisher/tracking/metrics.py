@@ -17,12 +17,14 @@ from pathlib import Path
 from types import TracebackType
 from typing import IO, Any
 
-__all__ = ["METRICS_FILE", "MetricsWriter", "read_metrics", "to_python"]
+__all__ = ["EVAL_FIELDS", "METRICS_FILE", "MetricsWriter", "read_metrics", "to_python"]
 
 logger = logging.getLogger(__name__)
 
 #: File name used when a directory is given.
 METRICS_FILE = "metrics.jsonl"
+#: Fields a held-out evaluation adds to the row of the step it follows (``pipefisher.evaluation``).
+EVAL_FIELDS = ("eval_mlm_loss", "eval_mlm_accuracy", "eval_nsp_loss", "eval_nsp_accuracy", "eval_time_s")
 
 
 def _resolve(path: str | Path) -> Path:
