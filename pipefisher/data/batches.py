@@ -24,6 +24,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Protocol, runtime_checkable
 
+import numpy as np
 import torch
 
 __all__ = [
@@ -39,6 +40,7 @@ __all__ = [
     "check_batch",
     "get_micro_batch",
     "micro_batch_indices",
+    "stored_positions",
 ]
 
 # Special token ids as in bert-base-uncased's vocab.txt. `prepare` lays out a trained vocabulary
@@ -108,6 +110,18 @@ def _check_plan(
         )
     if not 0 <= dp_rank < dp_width:
         raise ValueError(f"dp_rank={dp_rank}: must be in [0, dp_width={dp_width})")
+
+
+def stored_positions(positions: Sequence[int], size: int) -> np.ndarray:
+    """``positions`` as an int64 array, checked to lie in ``[0, size)`` (a source's storage order).
+
+    Raises:
+        ValueError: a position outside ``[0, size)``.
+    """
+    pos = np.asarray(positions, dtype=np.int64).reshape(-1)
+    if pos.size and not (0 <= pos.min() and pos.max() < size):
+        raise ValueError(f"positions must lie in [0, {size}), got [{int(pos.min())}, {int(pos.max())}]")
+    return pos
 
 
 def micro_batch_indices(

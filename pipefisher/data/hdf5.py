@@ -36,7 +36,7 @@ import h5py
 import numpy as np
 import torch
 
-from pipefisher.data.batches import BATCH_KEYS, BERT_VOCAB_SIZE, DataError
+from pipefisher.data.batches import BATCH_KEYS, BERT_VOCAB_SIZE, DataError, stored_positions
 
 __all__ = ["NVIDIA_DTYPES", "SHARD_SUFFIXES", "Hdf5Source", "check_widths", "find_shards"]
 
@@ -375,10 +375,7 @@ class Hdf5Source:
             ValueError: a position outside ``[0, len(self))``.
             DataError: a shard loaded for the first time holds out-of-range values.
         """
-        pos = np.asarray(positions, dtype=np.int64).reshape(-1)
-        if pos.size and not (0 <= pos.min() and pos.max() < self._total):
-            raise ValueError(f"positions must lie in [0, {self._total}), got "
-                             f"[{int(pos.min())}, {int(pos.max())}]")
+        pos = stored_positions(positions, self._total)
         ends = np.cumsum(self._sizes)
         shard = np.searchsorted(ends, pos, side="right")
         return self._gather(shard, pos - (ends[shard] - self._sizes[shard]))

@@ -42,7 +42,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from pipefisher.data.batches import CLS_ID, MASK_ID, SEP_ID
+from pipefisher.data.batches import CLS_ID, MASK_ID, SEP_ID, stored_positions
 
 __all__ = ["CONTENT_START", "HELDOUT_FIRST_ID", "SyntheticSource"]
 
@@ -241,10 +241,7 @@ class SyntheticSource:
         Raises:
             ValueError: a position outside ``[0, len(self))``.
         """
-        pos = np.asarray(positions, dtype=np.int64).reshape(-1)
-        if pos.size and not (0 <= pos.min() and pos.max() < self.num_samples):
-            raise ValueError(f"positions must lie in [0, {self.num_samples}), got "
-                             f"[{int(pos.min())}, {int(pos.max())}]")
+        pos = stored_positions(positions, self.num_samples)
         return self._generate(pos + self.first_sample_id)
 
     def _generate(self, sample_ids: np.ndarray) -> dict[str, torch.Tensor]:

@@ -99,7 +99,7 @@ def check_schedule(schedule: Schedule, *, complete: bool = True, kfac: bool | No
                              "(a forward-only schedule has no K-FAC units)")
         _check_forward_only_kinds(schedule)
         _check_placement(schedule)
-        _check_forward_coverage(schedule)
+        _check_coverage(schedule, forward_only=True)
         _check_local_order(schedule)
         has_comm = any(a.kind.is_comm for acts in schedule.actions.values() for a in acts)
         if has_comm or complete:
@@ -185,12 +185,14 @@ def _compute_positions(schedule: Schedule) -> dict[tuple[int, Action], list[int]
     return pos
 
 
-def _check_coverage(schedule: Schedule) -> None:
+def _check_coverage(schedule: Schedule, forward_only: bool = False) -> None:
+    """One F per micro-batch per stage replica, and (unless ``forward_only``) one B or one I + W."""
+    rule = ("a forward-only schedule runs exactly one F per micro-batch per stage replica" if forward_only
+            else "each micro-batch gets exactly one F and one B (or one I and one W) per stage replica")
     pos = _compute_positions(schedule)
     for (w, a), where in pos.items():
         if len(where) > 1:
-            _fail(schedule, f"{a} appears {len(where)} times on worker {w}; each micro-batch gets "
-                            f"exactly one F and one B (or one I and one W) per stage replica", (w, where[1]))
+            _fail(schedule, f"{a} appears {len(where)} times on worker {w}; {rule}", (w, where[1]))
     for dp in range(schedule.dp_width):
         for j, pipe in enumerate(schedule.pipe_of_micro_batch):
             for s in range(schedule.num_stages):
@@ -198,17 +200,17 @@ def _check_coverage(schedule: Schedule) -> None:
                 f, b = Action(K.FORWARD, s, j, pipe), Action(K.BACKWARD, s, j, pipe)
                 i, wg = Action(K.BACKWARD_INPUT, s, j, pipe), Action(K.BACKWARD_WEIGHT, s, j, pipe)
                 if (w, f) not in pos:
-                    _fail(schedule, f"{f} is missing on worker {w} (data-parallel group {dp}); "
-                                    f"each micro-batch gets one F and one B per stage replica")
+                    _fail(schedule, f"{f} is missing on worker {w} (data-parallel group {dp}); {rule}")
+                if forward_only:
+                    continue
                 split = [x for x in (i, wg) if (w, x) in pos]
                 if (w, b) in pos and split:
                     _fail(schedule, f"{b} and {split[0]} both on worker {w}: a micro-batch's backward "
                                     f"is either one B or a split I + W", (w, pos[(w, split[0])][0]))
                 if (w, b) not in pos and len(split) < 2:
                     what = b if not split else (wg if split[0] == i else i)
-                    _fail(schedule, f"{what} is missing on worker {w} (data-parallel group {dp}); "
-                                    f"each micro-batch gets one F and one B (or one I and one W) per "
-                                    f"stage replica", (w, pos[(w, split[0])][0]) if split else None)
+                    _fail(schedule, f"{what} is missing on worker {w} (data-parallel group {dp}); {rule}",
+                          (w, pos[(w, split[0])][0]) if split else None)
 
 
 _FORWARD_ONLY_KINDS = (K.FORWARD, K.SEND_F, K.RECV_F)
@@ -222,21 +224,6 @@ def _check_forward_only_kinds(schedule: Schedule) -> None:
                         else "a backward message" if a.kind.is_comm else f"a {a.kind}")
                 _fail(schedule, f"{a} on worker {w} is {what}; a forward-only schedule holds only "
                                 f"F, SEND_F and RECV_F", (w, i))
-
-
-def _check_forward_coverage(schedule: Schedule) -> None:
-    pos = _compute_positions(schedule)
-    for (w, a), where in pos.items():
-        if len(where) > 1:
-            _fail(schedule, f"{a} appears {len(where)} times on worker {w}; a forward-only schedule "
-                            f"runs exactly one F per micro-batch per stage replica", (w, where[1]))
-    for dp in range(schedule.dp_width):
-        for j, pipe in enumerate(schedule.pipe_of_micro_batch):
-            for s in range(schedule.num_stages):
-                w, f = schedule.placement.worker_of(dp, pipe, s), Action(K.FORWARD, s, j, pipe)
-                if (w, f) not in pos:
-                    _fail(schedule, f"{f} is missing on worker {w} (data-parallel group {dp}); a "
-                                    f"forward-only schedule runs one F per micro-batch per stage replica")
 
 
 def _input_backward_at(pos: dict[tuple[int, Action], int], w: int, s: int, j: int, p: int) -> int:
