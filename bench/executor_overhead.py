@@ -91,13 +91,17 @@ def _analyse(events: list[Event], wall_s: float, schedule: Schedule) -> dict[str
     }
 
 
-def _bookkeeping_ms(events: list[Event], worker: PipelineWorker) -> dict[str, float]:
-    """Rank 0's row fields from the step's timeline, with and without the simulation (ms)."""
+def _bookkeeping_ms(events: list[Event], schedule: Schedule, num_workers: int, assignment=None,
+                    repeats: int = 1) -> dict[str, float]:
+    """Rank 0's row fields from a step's timeline (``timeline_fields``), with the simulation
+    (``keep_sim``) and without it (``keep``): ms, the mean of ``repeats`` calls."""
     out = {}
     for name, simulated in (("keep_sim", True), ("keep", False)):
         t0 = time.perf_counter()
-        timeline_fields(events, worker.schedule, worker.world_size, 0, simulated=simulated)
-        out[name] = 1e3 * (time.perf_counter() - t0)
+        for _ in range(repeats):
+            timeline_fields(events, schedule, num_workers, 0, simulated=simulated, assignment=assignment,
+                            curvature_age=0)
+        out[name] = 1e3 * (time.perf_counter() - t0) / repeats
     return out
 
 
@@ -114,7 +118,7 @@ def _run(rank: int, world: int, overrides: list[str], warmup: int, repeats: int)
             if rank == 0 and step >= warmup:
                 events = [e for evs in gathered for e in evs]
                 figures[m].append(_analyse(events, wall, workers[m].schedule))
-                figures[m][-1].update(_bookkeeping_ms(events, workers[m]))
+                figures[m][-1].update(_bookkeeping_ms(events, workers[m].schedule, world))
     return figures if rank == 0 else None
 
 
@@ -132,13 +136,8 @@ def simulation_cost() -> None:
             schedule = schedule_for(cfg)
             plan = kfac_assignment(cfg, schedule) if optimizer != "nvlamb" else None
             events = simulate(plan.phases[0] if plan else schedule, estimate_run_costs(run_shape(cfg), CPU_HARDWARE))
-            ms = {}
-            for simulated in (True, False):
-                t0 = time.perf_counter()
-                for _ in range(5):
-                    timeline_fields(events, schedule, 8, 0, simulated=simulated, assignment=plan, curvature_age=0)
-                ms[simulated] = 1e3 * (time.perf_counter() - t0) / 5
-            rows.append([optimizer, n, len(events), ms[True], ms[False]])
+            ms = _bookkeeping_ms(events, schedule, 8, plan, repeats=5)
+            rows.append([optimizer, n, len(events), ms["keep_sim"], ms["keep"]])
     print(f"Rank 0's bookkeeping per step, bert-medium 1f1b D=8, on simulated timelines (ms; load {h.load()})")
     print(h.table(["optimizer", "N", "events", "with simulation", "without"], rows))
 
