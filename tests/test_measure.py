@@ -220,3 +220,39 @@ def test_cpu_peak_measurement_draws_nothing_from_the_global_rng(cache):
     before = torch.get_rng_state()
     measure_cpu_peak(torch.float32, threads=1, seconds=0.05, size=128)
     assert torch.equal(torch.get_rng_state(), before)
+
+
+def test_a_gpu_runs_peak_counts_one_device_per_worker_a_cpus_is_already_the_runs():
+    from pipefisher.measure import run_peak
+
+    one = Peak(989.4e12, "table: NVIDIA H100 80GB HBM3 (bf16)")
+    assert run_peak(one, "cuda", 4) == Peak(4 * 989.4e12, "table: NVIDIA H100 80GB HBM3 (bf16) x 4 devices")
+    assert run_peak(one, "cuda", 1) == one
+    cpu = Peak(2e11, "measured: 2 threads fp32 matmul")
+    assert run_peak(cpu, "cpu", 2) == cpu
+
+
+def test_a_run_reports_tflops_mfu_memory_and_a_summary(tmp_path, caplog, cache):
+    """Every row carries tflops, mfu and peak memory; the summary names the peak's source, the
+    planner's prediction and the last held-out figures."""
+    import logging
+
+    from pipefisher.tracking import read_metrics
+    from pipefisher.training import train_single_process
+    from tests.conftest import compose_train
+
+    cfg = compose_train(["steps=2", "model.num_layers=1", "model.hidden_size=32", "model.num_heads=2",
+                         "model.vocab_size=128", "data.seq_len=16", "data.max_predictions=3", "data.num_samples=64",
+                         "eval.every_steps=2", "eval.batches=1", "hardware.peak_tflops=0.001"])
+    with caplog.at_level(logging.INFO, logger="pipefisher.training"):
+        train_single_process(cfg, tmp_path)
+    rows = read_metrics(tmp_path / "metrics.jsonl")
+    flops = train_step_flops(BertConfig(vocab_size=128, hidden_size=32, num_layers=1, num_heads=2,
+                                        intermediate_size=128), cfg.global_batch_size, 16, 3)
+    for r in rows:
+        assert r["tflops"] == pytest.approx(flops / r["step_time_s"] / 1e12)
+        assert r["mfu"] == pytest.approx(r["tflops"] / 0.001)
+        assert r["peak_memory_bytes"] == r["peak_memory_per_worker_bytes"][0] > 0
+    assert "eval_mlm_loss" in rows[1] and "eval_mlm_loss" not in rows[0]
+    (line,) = [r.getMessage() for r in caplog.records if r.getMessage().startswith("summary:")]
+    assert "(hardware.peak_tflops)" in line and "predicted" in line and "held-out at step 1" in line

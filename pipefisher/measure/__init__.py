@@ -8,7 +8,8 @@ DESIGN.md, "Measuring a run".
 
 from pipefisher.measure.flops import forward_flops, train_step_flops
 from pipefisher.measure.memory import PeakMemory, current_bytes, predicted_peak_bytes
-from pipefisher.measure.peak import GPU_PEAK_TFLOPS, Peak, cache_dir, measure_cpu_peak, mfu, resolve_peak, tflops
+from pipefisher.measure.peak import (GPU_PEAK_TFLOPS, Peak, cache_dir, measure_cpu_peak, mfu, resolve_peak, run_peak,
+                                     tflops)
 
 __all__ = [
     "GPU_PEAK_TFLOPS",
@@ -21,6 +22,7 @@ __all__ = [
     "mfu",
     "predicted_peak_bytes",
     "resolve_peak",
+    "run_peak",
     "tflops",
     "train_step_flops",
 ]

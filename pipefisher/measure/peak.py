@@ -41,7 +41,7 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["GPU_PEAK_TFLOPS", "Peak", "cache_dir", "measure_cpu_peak", "mfu", "resolve_peak", "tflops"]
+__all__ = ["GPU_PEAK_TFLOPS", "Peak", "cache_dir", "measure_cpu_peak", "mfu", "resolve_peak", "run_peak", "tflops"]
 
 log = logging.getLogger(__name__)
 
@@ -203,6 +203,13 @@ def resolve_peak(device: torch.device, precision: str, peak_tflops: float | None
     threads = min(threads_total or torch.get_num_threads(), os.cpu_count() or 1)
     rate = measure_cpu_peak(_DTYPES[precision], threads)
     return Peak(rate, f"measured: {threads} threads {precision} matmul")
+
+
+def run_peak(one: Peak, device_type: str, num_workers: int) -> Peak:
+    """The peak of a whole run from :func:`resolve_peak`'s: a GPU's is per device (one per worker);
+    the CPU's was measured for all the run's threads already."""
+    devices = num_workers if device_type == "cuda" else 1
+    return one if devices == 1 else Peak(one.flops_per_s * devices, f"{one.source} x {devices} devices")
 
 
 def tflops(model_flops_per_step: float, step_time_s: float) -> float:

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from pipefisher.config import TrainConfig
-from pipefisher.measure import Peak, PeakMemory, mfu, predicted_peak_bytes, resolve_peak, tflops, train_step_flops
+from pipefisher.measure import Peak, PeakMemory, mfu, predicted_peak_bytes, resolve_peak, run_peak, tflops, train_step_flops
 from pipefisher.runtime.build import run_shape
 from pipefisher.runtime.step_metrics import timeline_fields
 from pipefisher.timeline import Event
@@ -74,9 +74,8 @@ class StepMeter:
                                    _threads_total(cfg, self.device))
             except ValueError as err:  # a GPU the table lacks: no MFU, the rest is reported
                 log.warning("no MFU: %s", err)
-            else:  # a GPU's peak is per device; the CPU's was taken for all the run's threads
-                devices = cfg.num_workers if self.device.type == "cuda" else 1
-                self.peak = Peak(one.flops_per_s * devices, one.source + (f" x {devices} devices" if devices > 1 else ""))
+            else:
+                self.peak = run_peak(one, self.device.type, cfg.num_workers)
             self.predicted = predicted_peak_bytes(run_shape(cfg), cfg.optimizer.name,
                                                   worker.schedule if worker is not None else None,
                                                   worker.assignment if worker is not None else None)
