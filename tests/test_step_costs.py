@@ -1,0 +1,243 @@
+"""bench/step_costs.py: step cost per optimizer arm from a cost model, checked against closed forms."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import json
+import statistics
+import sys
+from pathlib import Path
+
+import pytest
+
+from pipefisher.model import BertConfig
+from pipefisher.planning.costs import RunShape
+from pipefisher.schedules import build_schedule
+from pipefisher.simulate import CostModel
+
+BENCH = Path(__file__).resolve().parents[1] / "bench"
+
+
+@pytest.fixture(scope="module")
+def sc():
+    """bench/step_costs.py as a module (it imports bench/_harness.py by name, as when run as a script)."""
+    sys.path.insert(0, str(BENCH))
+    try:
+        spec = importlib.util.spec_from_file_location("bench_step_costs", BENCH / "step_costs.py")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = module
+        spec.loader.exec_module(module)
+    finally:
+        sys.path.remove(str(BENCH))
+    return module
+
+
+# A D=2 stage with 6 K-FAC layers (one encoder layer); distinct per-layer costs, so a sum that
+# drops or repeats a layer fails.
+F, B, STEP, PRECOND = 100, 200, 10, 7
+CURV_A = (1, 2, 3, 4, 5, 6)
+CURV_B = (10, 20, 30, 40, 50, 60)
+INVERT = (100, 200, 300, 400, 500, 600)
+
+
+def _cost(d: int, *, sync_factor: int = 0, kfac: bool = True) -> CostModel:
+    rows = (lambda r: (tuple(r),) * d) if kfac else (lambda r: ((0,) * 6,) * d)
+    return CostModel(forward_ns=(F,) * d, backward_ns=(B,) * d, step_ns=STEP,
+                     curv_a_ns=rows(CURV_A), curv_b_ns=rows(CURV_B), invert_ns=rows(INVERT),
+                     sync_factor_ns=((sync_factor,) * 6,) * d, precond_ns=(PRECOND if kfac else 0,) * d)
+
+
+def _refresh(n: int) -> int:
+    """One worker's refresh of one 6-layer stage: curvature of n micro-batches, then the inversions."""
+    return n * (sum(CURV_A) + sum(CURV_B)) + sum(INVERT)
+
+
+# --- the estimator and nvlamb ---------------------------------------------------------------------
+
+@pytest.mark.parametrize("method", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("d,n", [(2, 2), (2, 4), (4, 4), (4, 8)])
+def test_nvlamb_step_is_the_flush_pipelines_closed_form(sc, method, d, n) -> None:
+    # GPipe/1F1B with equal stages and free messages: stage 0's last backward ends at
+    # (N + D - 1)(F + B); its STEP follows, and stage 0 starts the next step's F right after it.
+    schedule = build_schedule(method, d, n)
+    assert sc.steady_step_ns((schedule,), _cost(d)) == (n + d - 1) * (F + B) + STEP
+    with pytest.raises(ValueError, match="cycles"):
+        sc.steady_step_ns((schedule,), _cost(d), cycles=0)
+
+
+# --- critical-path K-FAC: closed forms --------------------------------------------------------------
+
+@pytest.mark.parametrize("method", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("sync_factor", [0, 50])
+def test_critical_path_kfac_adds_worker0s_refresh_once_per_cycle(sc, method, sync_factor) -> None:
+    """D=2, N=2, one replica per stage. Worker 0 ends each step last (its B1 at 3(F+B)), and the
+    critical-path refresh goes after that flush: CURV_A/B of both micro-batches of its 6 layers,
+    the 6 factor all-reduces issued together (each lasts sigma, concurrently; INVERT l waits for
+    its own, so only the first, sigma <= sigma + INVERT_0, is exposed), the 6 inversions, PRECOND,
+    STEP. Worker 1 runs the same refresh one B earlier and is free before worker 0's next F
+    reaches it. So the refresh step is T0 + PRECOND + c + sigma (c = _refresh(2)), the other K-1
+    steps of a cycle T0 + PRECOND, and the mean over a K-step cycle T0 + PRECOND + (c + sigma)/K."""
+    d, n = 2, 2
+    schedule = build_schedule(method, d, n)
+    t0 = (n + d - 1) * (F + B) + STEP
+    c = _refresh(n) + sync_factor
+    arms = sc.arm_step_costs(schedule, _cost(d, sync_factor=sync_factor), [6, 6], intervals=(1, 2, 3, 4, 8))
+    assert arms["nvlamb"]["step_s"] * 1e9 == pytest.approx(t0)
+    assert arms["nvlamb"]["k"] is None and arms["nvlamb"]["ratio_to_nvlamb"] == 1.0
+    for k in (1, 2, 3, 4, 8):
+        row = arms[f"kfac-k{k}"]
+        assert row["k"] == k
+        assert row["step_s"] * 1e9 == pytest.approx(t0 + PRECOND + c / k)
+        assert row["ratio_to_nvlamb"] == pytest.approx((t0 + PRECOND + c / k) / t0)
+
+
+def test_curvature_micro_batches_shrink_the_refresh_on_the_critical_path(sc) -> None:
+    d, n = 2, 4
+    schedule = build_schedule("gpipe", d, n)
+    t0 = (n + d - 1) * (F + B) + STEP
+    arms = sc.arm_step_costs(schedule, _cost(d), [6, 6], intervals=(1,), curvature_micro_batches=1)
+    assert arms["kfac-k1"]["step_s"] * 1e9 == pytest.approx(t0 + PRECOND + _refresh(1))
+
+
+# --- every arm without K-FAC work; PipeFisher's bounds ---------------------------------------------
+
+@pytest.mark.parametrize("method,d,n", [("gpipe", 2, 2), ("1f1b", 4, 8), ("chimera", 2, 4), ("chimera", 4, 4)])
+def test_without_kfac_work_every_arm_is_nvlamb(sc, method, d, n) -> None:
+    schedule = build_schedule(method, d, n)
+    cost = _cost(d, kfac=False)
+    arms = sc.arm_step_costs(schedule, cost, [6] * d)
+    assert set(arms) == {"nvlamb", "kfac-k1", "kfac-k2", "kfac-k4", "kfac-k8", "pipefisher"}
+    for arm, row in arms.items():
+        assert row["step_s"] == arms["nvlamb"]["step_s"], arm
+        assert row["ratio_to_nvlamb"] == 1.0
+
+
+@pytest.mark.parametrize("method,d,n", [("gpipe", 4, 4), ("1f1b", 4, 8), ("chimera", 4, 4), ("chimera", 4, 8)])
+def test_pipefisher_lies_between_nvlamb_and_critical_path_kfac_at_its_k(sc, method, d, n) -> None:
+    schedule = build_schedule(method, d, n)
+    cost = _cost(d, sync_factor=20)
+    arms = sc.arm_step_costs(schedule, cost, [6] * d, intervals=range(1, 9), max_interval=8)
+    pf = arms["pipefisher"]
+    assert 1 <= pf["k"] <= 8
+    assert arms["nvlamb"]["step_s"] <= pf["step_s"] <= arms[f"kfac-k{pf['k']}"]["step_s"] * (1 + 1e-9)
+    assert "k_min=" in pf["note"]
+
+
+# --- scaling to D stages --------------------------------------------------------------------------
+
+def _measured(num_layers: int, method: str = "chimera") -> RunShape:
+    bert = BertConfig(hidden_size=64, num_layers=num_layers, num_heads=2)
+    return RunShape(bert=bert, method=method, stages=2, num_micro_batches=4, micro_batch_size=8, seq_len=32,
+                    max_predictions=5)
+
+
+def _measured_cost(layers_per_stage: int) -> CostModel:
+    """Two measured stages with different costs (stage 1 holds the heads)."""
+    m = 6 * layers_per_stage
+
+    def table(base: int) -> tuple[tuple[int, ...], ...]:
+        return tuple(tuple(base * (s + 1) + layer for layer in range(m)) for s in range(2))
+
+    return CostModel(forward_ns=(100, 300), backward_ns=(200, 600), input_grad_ns=(90, 250),
+                     weight_grad_ns=(110, 350), p2p_ns=5, sync_ns=(20, 40), step_ns=1000,
+                     curv_a_ns=table(10), curv_b_ns=table(20), sync_factor_ns=table(3), invert_ns=table(50),
+                     precond_ns=(8, 12))
+
+
+@pytest.mark.parametrize("layers_per_stage", [1, 2])
+def test_scaling_gives_every_stage_the_measured_mean_per_encoder_layer(sc, layers_per_stage) -> None:
+    measured = _measured(2 * layers_per_stage)
+    cost = _measured_cost(layers_per_stage)
+    target = sc.simulated_run(measured, 8, "chimera", 8)
+    assert target.encoder_layers == [1] * 8 and target.num_micro_batches == 8
+    scaled = sc.scale_costs(cost, measured, target)
+    e = layers_per_stage  # encoder layers per measured stage
+    assert scaled.num_stages == 8 and scaled.kfac_layers == (6,) * 8
+    assert scaled.forward_ns == (round(200 / e),) * 8  # mean of 100 and 300, per encoder layer
+    assert scaled.backward_ns == (round(400 / e),) * 8
+    assert scaled.input_grad_ns == (round(170 / e),) * 8 and scaled.weight_grad_ns == (round(230 / e),) * 8
+    assert scaled.precond_ns == (round(10 / e),) * 8 and scaled.sync_ns == (round(30 / e),) * 8
+    assert scaled.p2p_ns == 5
+    assert scaled.step_ns == round(1000 / e)  # chimera -> chimera: a worker holds 2 stages on both sides
+    for name, base in (("curv_a_ns", 10), ("curv_b_ns", 20), ("sync_factor_ns", 3), ("invert_ns", 50)):
+        table = getattr(cost, name)
+        for pos in range(6):  # the same Linear (query, ..., output) in every measured encoder layer
+            values = [row[j] for row in table for j in range(pos, len(row), 6)]
+            assert all(row[pos] == round(statistics.fmean(values)) for row in getattr(scaled, name)), (name, pos)
+        # per-layer mean over both stages: base * 1.5 + the mean layer index at that position
+        assert getattr(scaled, name)[0][0] == round(base * 1.5 + 6 * (e - 1) / 2)
+
+
+def test_scaling_to_a_method_with_one_replica_drops_the_all_reduces_and_halves_the_step(sc) -> None:
+    measured = _measured(2)
+    scaled = sc.scale_costs(_measured_cost(1), measured, sc.simulated_run(measured, 4, "1f1b"))
+    assert scaled.sync_ns == (0,) * 4 and scaled.sync_factor_ns == ((0,) * 6,) * 4
+    assert scaled.step_ns == 500  # a 1F1B worker holds one stage, a measured chimera worker two
+    assert scaled.forward_ns == (200,) * 4
+
+
+def test_scaling_refuses_what_it_cannot_scale(sc) -> None:
+    measured = _measured(2)
+    with pytest.raises(ValueError, match="encoder layers"):
+        sc.scale_costs(_measured_cost(1), measured, dataclasses.replace(measured, stages=1))
+    no_kfac = CostModel(forward_ns=(1, 1), backward_ns=(1, 1))
+    with pytest.raises(ValueError, match="K-FAC"):
+        sc.scale_costs(no_kfac, measured, sc.simulated_run(measured, 4))
+    with pytest.raises(ValueError, match="--method"):
+        sc.simulated_run(measured, 4, "zb-v")
+
+
+def test_simulated_step_costs_simulate_the_scaled_uniform_pipeline(sc) -> None:
+    measured = _measured(2)
+    cost = _measured_cost(1)
+    got = sc.simulated_step_costs(cost, measured, 4, "gpipe", 4, intervals=(1, 2))
+    target = sc.simulated_run(measured, 4, "gpipe", 4)
+    want = sc.arm_step_costs(build_schedule("gpipe", 4, 4), sc.scale_costs(cost, measured, target), [6] * 4,
+                             intervals=(1, 2))
+    assert got == want
+    # and nvlamb's closed form: equal stages of F=200, B=400, STEP 500 (one stage per worker), and the
+    # 5 ns message crossed 2(D-1) times on the path from stage 0's first F to its last B
+    assert got["nvlamb"]["step_s"] * 1e9 == pytest.approx((4 + 4 - 1) * 600 + 2 * 3 * 5 + 500)
+    assert sc.simulated_run(measured, 4).num_micro_batches == 8  # default N = 2D
+
+
+def test_measured_step_costs_use_the_measured_run_unscaled(sc) -> None:
+    measured = _measured(2, "1f1b")
+    cost = dataclasses.replace(_measured_cost(1), sync_ns=(0, 0), sync_factor_ns=((0,) * 6,) * 2)
+    got = sc.measured_step_costs(cost, measured, intervals=(1,))
+    # 1F1B D=2 N=4 with unequal stages, messages 5 ns: stage 1 is the bottleneck; the measured
+    # simulation must keep that (the scaled one would average it away)
+    want = sc.arm_step_costs(build_schedule("1f1b", 2, 4), cost, [6, 6], intervals=(1,))
+    assert got == want
+    assert sc.measured_step_costs(cost, measured, micro_batches=2, intervals=(1,)) == \
+        sc.arm_step_costs(build_schedule("1f1b", 2, 2), cost, [6, 6], intervals=(1,))
+
+
+def test_profile_keys_and_default_masked_positions(sc) -> None:
+    assert sc.default_max_predictions(128) == 20 and sc.default_max_predictions(64) == 10
+    assert sc.default_max_predictions(512) == 80
+    keys = sc.profile_overrides("bert-tiny", 64, 32, overrides=["model.vocab_size=512"])
+    assert "optimizer=kfac" in keys and "stages=2" in keys and "data.max_predictions=10" in keys
+    assert keys[-1] == "model.vocab_size=512"  # the caller's keys last, so they win
+
+
+# --- a real profile ------------------------------------------------------------------------------
+
+@pytest.mark.slow
+def test_cli_profiles_a_tiny_run_and_prints_both_tables(sc, tmp_path, capsys) -> None:
+    out = tmp_path / "costs.json"
+    sc.main(["--model", "bert-tiny", "--seq-len", "16", "--micro-batch-size", "2", "--profile-steps", "3",
+             "--override", "model.vocab_size=512", "--profile-dir", str(tmp_path / "prof"), "--stages", "4",
+             "--micro-batches", "4", "--intervals", "1,2", "--max-interval", "2", "--json", str(out)])
+    text = capsys.readouterr().out
+    assert "Simulated: chimera, D=4, N=4" in text and "Simulated at the measured shape: chimera, D=2, N=4" in text
+    data = json.loads(out.read_text())
+    for table in ("simulated", "measured_shape"):
+        assert set(data[table]) == {"nvlamb", "kfac-k1", "kfac-k2", "pipefisher"}
+        assert data[table]["nvlamb"]["step_s"] > 0
+        assert data[table]["kfac-k1"]["step_s"] > data[table]["nvlamb"]["step_s"]
+    assert data["measured_run"]["bert"]["vocab_size"] == 512
+    # the profile is reusable
+    sc.main(["--profile", data["profile"], "--stages", "4", "--intervals", "1", "--max-interval", "1"])
+    assert "Simulated: chimera, D=4, N=8" in capsys.readouterr().out
