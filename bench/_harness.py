@@ -218,3 +218,61 @@ def main_guard(main: Callable[[], None]) -> None:
         traceback.print_exc()
         print(f"benchmark failed: {exc}", file=sys.stderr)
         sys.exit(1)
+
+
+# --------------------------------------------------------------------------------------------
+# Prepared text (convergence.py, kfac_staleness_check.py)
+# --------------------------------------------------------------------------------------------
+
+PREPARE_SOURCE = REPO / "pipefisher" / "data" / "prepare.py"
+
+
+def prepare_cache_key(paths: Sequence[Path], options: dict[str, Any]) -> str:
+    """Hash of the input files (text, an existing vocabulary), the preparation options and prepare.py:
+    a change to any of them prepares again."""
+    import hashlib
+
+    digest = hashlib.sha256()
+    for path in paths:
+        digest.update(Path(path).read_bytes())
+    digest.update(json.dumps(options, sort_keys=True).encode())
+    digest.update(PREPARE_SOURCE.read_bytes())
+    return digest.hexdigest()[:16]
+
+
+def prepare_command(text: Path, out: Path, options: dict[str, Any]) -> list[str]:
+    """``python -m pipefisher.data.prepare`` with ``options`` (keys are its flags without ``--``, ``_``
+    for ``-``; ``vocab``: an existing vocab.txt)."""
+    cmd = [sys.executable, "-m", "pipefisher.data.prepare", "--input", str(text), "--output-dir", str(out),
+           "--no-progress"]
+    for key, value in sorted(options.items()):
+        cmd += [f"--{key.replace('_', '-')}", str(value)]
+    return cmd
+
+
+def prepared_shards(text: Path, cache_dir: Path, options: dict[str, Any], dry_run: bool = False) -> tuple[Path, int]:
+    """(shard folder, vocabulary size) of ``text`` prepared with ``options``, from the cache under
+    ``cache_dir`` or made now (into a temporary folder renamed when complete, so an interrupted
+    preparation is never taken for a finished one)."""
+    import shlex
+    import shutil
+    import subprocess
+
+    inputs = [text] + ([Path(options["vocab"])] if options.get("vocab") else [])
+    final = Path(cache_dir) / f"{text.stem}-{prepare_cache_key(inputs, options)}"
+    if not (final / "prepare.json").is_file():
+        tmp = final.with_name(final.name + ".tmp")
+        cmd = prepare_command(text, tmp, options)
+        print("$ " + shlex.join(cmd), flush=True)
+        if dry_run:
+            return final, -1
+        shutil.rmtree(tmp, ignore_errors=True)
+        start = time.monotonic()
+        done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
+        if done.returncode:
+            raise RuntimeError(f"data preparation failed ({done.returncode}):\n{done.stdout}\n{done.stderr}")
+        print(f"prepared {text} -> {final} in {time.monotonic() - start:.0f} s", flush=True)
+        shutil.rmtree(final, ignore_errors=True)
+        tmp.rename(final)
+    info = json.loads((final / "prepare.json").read_text())
+    return final, int(info["vocab_size_actual"])

@@ -1,0 +1,358 @@
+"""The convergence study's pure parts: targets, steps to target, seed intervals, separation, the
+step-cost composition, hyper-parameter picks and the plan of runs (no training run here).
+
+``bench/convergence.py`` runs what :func:`plan_runs` asks for and reports with the rest;
+``tests/test_convergence_bench.py`` tests each piece against hand-computed cases.
+
+[Note: what a target means]
+A target is a held-out MLM loss (``eval_mlm_loss`` of the run's evaluations, the same held-out
+micro-batches for every run) below the unigram entropy of the held-out masked labels: ``H − d``
+for each drop ``d``. A run reaches it at the first evaluation at or below it; the step count is
+interpolated linearly between that evaluation and the one before (evaluations are ``every`` steps
+apart, so an unreached target is "not reached", never the run's length). No target is derived from
+any arm's own curve.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+# --- targets ----------------------------------------------------------------------------------
+
+
+def unigram_entropy(labels: np.ndarray) -> float:
+    """Entropy in nats of the empirical distribution of ``labels``: the held-out MLM loss of a
+    model that knew the held-out token frequencies and nothing else."""
+    counts = np.bincount(np.asarray(labels).ravel().astype(np.int64))
+    p = counts[counts > 0] / counts.sum()
+    return float(-(p * np.log(p)).sum())
+
+
+def unigram_cross_entropy(heldout: np.ndarray, train: np.ndarray, vocab_size: int, alpha: float = 0.5) -> float:
+    """Cross-entropy in nats of the held-out labels under the training labels' frequencies (add-``alpha``
+    smoothed): what a model that learned only the training unigram scores on held-out text."""
+    counts = np.bincount(np.asarray(train).ravel().astype(np.int64), minlength=vocab_size)[:vocab_size] + alpha
+    logp = np.log(counts / counts.sum())
+    return float(-logp[np.asarray(heldout).ravel().astype(np.int64)].mean())
+
+
+def masked_labels(shards: Sequence[Path]) -> np.ndarray:
+    """The masked-token labels of NVIDIA-format shards (positions > 0; position 0 is [CLS], padding)."""
+    import h5py
+
+    out = []
+    for path in shards:
+        with h5py.File(path, "r") as f:
+            ids, pos = np.asarray(f["masked_lm_ids"]), np.asarray(f["masked_lm_positions"])
+        out.append(ids[pos > 0])
+    return np.concatenate(out) if out else np.zeros(0, dtype=np.int64)
+
+
+def targets_below(unigram: float, drops: Sequence[float]) -> dict[str, float]:
+    """``{"H-0.5": H - 0.5, ...}`` for each drop in nats (positive, ascending order kept)."""
+    if any(not d > 0 for d in drops):
+        raise ValueError(f"target drops {list(drops)}: each must be a positive number of nats below the unigram entropy")
+    return {f"H-{d:g}": unigram - d for d in drops}
+
+
+# --- curves -----------------------------------------------------------------------------------
+
+
+def eval_curve(rows: Sequence[Mapping[str, Any]]) -> list[tuple[int, float]]:
+    """``(steps done, held-out MLM loss)`` of each evaluation in a run's step rows (``step`` counts from
+    0, so the evaluation after step ``s`` is at ``s + 1`` steps); a non-finite or missing loss is NaN."""
+    curve = []
+    for r in rows:
+        if "eval_mlm_loss" in r and "step" in r:
+            v = r["eval_mlm_loss"]
+            curve.append((int(r["step"]) + 1, math.nan if v is None else float(v)))
+    return sorted(curve)
+
+
+def steps_to_target(curve: Sequence[tuple[int, float]], target: float) -> float | None:
+    """Steps to the first evaluation at or below ``target``, interpolated linearly from the evaluation
+    before it (None when no evaluation reaches it; see [Note: what a target means])."""
+    prev: tuple[int, float] | None = None
+    for steps, loss in curve:
+        if math.isfinite(loss) and loss <= target:
+            if prev is None or not math.isfinite(prev[1]) or prev[1] <= target:
+                return float(steps)
+            frac = (prev[1] - target) / (prev[1] - loss)
+            return prev[0] + frac * (steps - prev[0])
+        prev = (steps, loss)
+    return None
+
+
+def final_loss(curve: Sequence[tuple[int, float]], last: int = 1) -> float:
+    """Mean held-out loss of the last ``last`` evaluations; ``inf`` when the run diverged (any NaN) or has none."""
+    if not curve or any(not math.isfinite(v) for _, v in curve):
+        return math.inf
+    return statistics.fmean(v for _, v in curve[-last:])
+
+
+def loss_at(curve: Sequence[tuple[int, float]], steps: int) -> float | None:
+    """The held-out loss evaluated after exactly ``steps`` steps, or None."""
+    return next((v for s, v in curve if s == steps), None)
+
+
+# --- seeds ------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Interval:
+    """Mean, standard deviation and range of one figure over seeds; ``missing`` seeds did not reach
+    the target (their value is unknown, above the run's length), so mean and range are then of the
+    seeds that did and the interval is open above."""
+
+    mean: float
+    sd: float
+    lo: float
+    hi: float
+    n: int
+    missing: int = 0
+
+    @property
+    def complete(self) -> bool:
+        return self.missing == 0 and self.n > 0
+
+    def scaled(self, factor: float) -> Interval:
+        """The interval of ``factor`` × the figure (e.g. steps × seconds per step)."""
+        return Interval(self.mean * factor, self.sd * factor, self.lo * factor, self.hi * factor, self.n, self.missing)
+
+    def text(self, fmt: str = "{:.0f}") -> str:
+        if self.n == 0:
+            return "not reached"
+        body = f"{fmt.format(self.mean)} ± {fmt.format(self.sd)} [{fmt.format(self.lo)}–{fmt.format(self.hi)}]"
+        return body + (f", {self.missing} of {self.n + self.missing} not reached" if self.missing else "")
+
+
+def seed_interval(values: Sequence[float | None]) -> Interval:
+    """:class:`Interval` of ``values`` (one per seed; None = target not reached by that seed)."""
+    got = [float(v) for v in values if v is not None]
+    missing = len(values) - len(got)
+    if not got:
+        return Interval(math.nan, math.nan, math.nan, math.nan, 0, missing)
+    sd = statistics.stdev(got) if len(got) > 1 else 0.0
+    return Interval(statistics.fmean(got), sd, min(got), max(got), len(got), missing)
+
+
+def separated(a: Interval, b: Interval) -> bool:
+    """Whether the seed ranges of ``a`` and ``b`` do not overlap. An interval with a seed that missed
+    the target is open above: it separates only as the larger one (``a`` missing, ``b`` complete and
+    ``b.hi < a.lo``) — and never with fewer than 2 seeds on either side."""
+    if a.n + a.missing < 2 or b.n + b.missing < 2:
+        return False
+    for low, high in ((a, b), (b, a)):
+        if low.complete and high.n > 0 and low.hi < high.lo:
+            return True
+        if low.complete and high.n == 0:
+            return True  # every seed of `high` missed what every seed of `low` reached
+    return False
+
+
+@dataclass(frozen=True)
+class Ratio:
+    """``a / b`` of two seed intervals: the ratio of the means and the range from the extremes."""
+
+    mean: float
+    lo: float
+    hi: float
+    established: bool  # the intervals separate (see `separated`)
+
+    def text(self) -> str:
+        if not math.isfinite(self.mean):
+            return "–"
+        verdict = "separated" if self.established else "not separated"
+        return f"{self.mean:.2f} [{self.lo:.2f}–{self.hi:.2f}] {verdict}"
+
+
+def ratio(a: Interval, b: Interval) -> Ratio:
+    """:class:`Ratio` of ``a`` to ``b`` (NaN when either has no seed that reached the target)."""
+    if a.n == 0 or b.n == 0 or b.mean <= 0 or b.lo <= 0:
+        return Ratio(math.nan, math.nan, math.nan, separated(a, b))
+    return Ratio(a.mean / b.mean, a.lo / b.hi, a.hi / b.lo, separated(a, b))
+
+
+# --- step costs -------------------------------------------------------------------------------
+
+
+def time_to_target(steps: Interval, step_s: float) -> Interval:
+    """Seconds to a target in one setting: steps to it (measured, per seed) × that setting's step cost
+    of the arm (one number: a measured median or a simulated step)."""
+    if not step_s > 0:
+        raise ValueError(f"step cost {step_s!r}: must be a positive number of seconds")
+    return steps.scaled(step_s)
+
+
+# --- picks ------------------------------------------------------------------------------------
+
+
+def pick(finals: Mapping[float, float]) -> tuple[float | None, bool]:
+    """``(value, at_edge)``: the grid value with the lowest final held-out loss (a diverged run, ``inf``
+    or NaN, is never picked; None when every run diverged) and whether it is the grid's smallest or
+    largest value (then the optimum is not bracketed)."""
+    finite = {v: f for v, f in finals.items() if math.isfinite(f)}
+    if not finite:
+        return None, True
+    best = min(finite, key=lambda v: (finite[v], v))
+    return best, best in (min(finals), max(finals))
+
+
+def beyond_edge(grid: Sequence[float], best: float, factor: float = 2.0) -> float:
+    """The next grid value past the edge ``best`` sits on (× or ÷ ``factor``)."""
+    return _round(max(grid) * factor if best == max(grid) else min(grid) / factor)
+
+
+def _round(value: float) -> float:
+    """``value`` to 12 significant digits: grid values reached by different products compare equal."""
+    return float(f"{value:.12g}")
+
+
+# --- the plan of runs -------------------------------------------------------------------------
+
+
+def kfac_interval(arm: str) -> int | None:
+    """K of ``kfac-kK`` / ``kfac-kK-deferred`` (None for other arms)."""
+    if not arm.startswith("kfac-k"):
+        return None
+    return int(arm[len("kfac-k"):].split("-")[0])
+
+
+def family(arm: str) -> str:
+    """The arm whose learning rate (and damping) an arm shares: every K-FAC arm uses kfac-k1's pick."""
+    return "kfac" if arm.startswith("kfac") else arm
+
+
+@dataclass(frozen=True)
+class Run:
+    """One training run of the study."""
+
+    batch: int
+    arm: str
+    lr: float
+    seed: int
+    damping: float | None = None  # K-FAC arms only
+
+    @property
+    def key(self) -> str:
+        damping = "" if self.damping is None else f"-d{self.damping:g}"
+        return f"b{self.batch}/{self.arm}/lr{self.lr:g}{damping}-s{self.seed}"
+
+
+@dataclass(frozen=True)
+class StudySpec:
+    """What the study runs. ``steps``: run length per global batch size (the lr schedule's length)."""
+
+    steps: Mapping[int, int]
+    lr_grid: Mapping[str, Sequence[float]]  # family -> initial grid
+    damping_grid: Sequence[float] = (1e-3,)  # K-FAC damping grid at kfac's picked lr; the first is the default
+    stale_arms: Sequence[str] = ()  # K-FAC arms run at kfac's pick, seed 0 (staleness curve)
+    final_arms: Sequence[str] = ()  # arms run with every seed at their family's pick
+    seeds: int = 3
+    max_extend: int = 2  # grid values added past an edge, per family and batch
+    factor: float = 2.0
+
+    def grid_for(self, fam: str) -> list[float]:
+        return list(self.lr_grid[fam])
+
+
+@dataclass
+class Picks:
+    """What :func:`plan_runs` decided from the results so far, per batch size."""
+
+    lr: dict[tuple[int, str], float] = field(default_factory=dict)  # (batch, family) -> lr
+    lr_edge: dict[tuple[int, str], bool] = field(default_factory=dict)
+    lr_finals: dict[tuple[int, str], dict[float, float]] = field(default_factory=dict)
+    damping: dict[int, float] = field(default_factory=dict)
+    damping_edge: dict[int, bool] = field(default_factory=dict)
+    damping_finals: dict[int, dict[float, float]] = field(default_factory=dict)
+
+
+def tune_grid(initial: Sequence[float], finals: Mapping[float, float], max_extend: int,
+              factor: float) -> tuple[list[float], list[float], float | None, bool]:
+    """``(values, missing, pick, at_edge)`` of a grid search: ``initial`` extended past the edge the best
+    value sits on, one value at a time, up to ``max_extend`` values; ``missing``: values without a
+    result yet (the pick is None until there are none)."""
+    values = list(initial)
+    for extended in range(max_extend + 1):
+        missing = [v for v in values if v not in finals]
+        if missing:
+            return values, missing, None, True
+        best, edge = pick({v: finals[v] for v in values})
+        if best is None or not edge or extended == max_extend or len(values) < 2:
+            return values, [], best, edge
+        values.append(beyond_edge(values, best, factor))
+    raise AssertionError("unreachable")
+
+
+def _grid_values(spec: StudySpec, name: str) -> list[float]:
+    """Every value a grid can reach: its initial values and ``max_extend`` steps past either edge."""
+    initial, factor = (spec.damping_grid, 10.0) if name == "damping" else (spec.grid_for(name), spec.factor)
+    lo, hi = min(initial), max(initial)
+    return sorted(set(initial) | {_round(lo / factor ** i) for i in range(1, spec.max_extend + 1)}
+                  | {_round(hi * factor ** i) for i in range(1, spec.max_extend + 1)})
+
+
+def plan_runs(spec: StudySpec, results: Mapping[str, float]) -> tuple[list[Run], Picks]:
+    """The runs the study still needs, given the final held-out losses of the runs done so far
+    (``results``: run key -> final loss, ``inf`` if diverged), and the picks made from them.
+
+    Order of decisions per batch size: each family's lr on its grid at seed 0 (grid extended past an
+    edge, up to ``max_extend`` values); K-FAC's damping at kfac-k1's lr; then the staleness arms at
+    kfac's pick, and every final arm with every seed at its family's pick (seed 0 is the tuning run
+    itself when the arm is the one tuned). Runs whose inputs are not decided yet are not listed.
+    """
+    todo: list[Run] = []
+    picks = Picks()
+    d0 = spec.damping_grid[0]
+    for batch in spec.steps:
+        for fam in spec.lr_grid:
+            arm = "kfac-k1" if fam == "kfac" else fam
+            damping = d0 if fam == "kfac" else None
+            finals = {r.lr: results[r.key] for r in (Run(batch, arm, v, 0, damping) for v in _grid_values(spec, fam))
+                      if r.key in results}
+            values, missing, best, edge = tune_grid(spec.grid_for(fam), finals, spec.max_extend, spec.factor)
+            todo += [Run(batch, arm, v, 0, damping) for v in missing]
+            picks.lr_finals[(batch, fam)] = {v: finals[v] for v in values if v in finals}
+            if best is not None:
+                picks.lr[(batch, fam)] = best
+                picks.lr_edge[(batch, fam)] = edge
+        kfac_lr = picks.lr.get((batch, "kfac"))
+        if kfac_lr is not None:
+            dfinals = {r.damping: results[r.key] for r in (Run(batch, "kfac-k1", kfac_lr, 0, d)
+                                                          for d in _grid_values(spec, "damping")) if r.key in results}
+            dvalues, dmissing, dbest, dedge = tune_grid(spec.damping_grid, dfinals, spec.max_extend, 10.0)
+            todo += [Run(batch, "kfac-k1", kfac_lr, 0, d) for d in dmissing]
+            picks.damping_finals[batch] = {d: dfinals[d] for d in dvalues if d in dfinals}
+            if dbest is not None:
+                picks.damping[batch] = dbest
+                picks.damping_edge[batch] = dedge
+        for arm in list(dict.fromkeys(list(spec.final_arms) + list(spec.stale_arms))):
+            fam = family(arm)
+            lr = picks.lr.get((batch, fam))
+            damping = picks.damping.get(batch) if fam == "kfac" else None
+            if lr is None or (fam == "kfac" and damping is None):
+                continue
+            seeds = range(spec.seeds) if arm in spec.final_arms else range(1)
+            for seed in seeds:
+                r = Run(batch, arm, lr, seed, damping)
+                if r.key not in results and r not in todo:
+                    todo.append(r)
+    return todo, picks
+
+
+def chosen_run(picks: Picks, batch: int, arm: str, seed: int) -> Run | None:
+    """The run of ``arm`` at its family's pick for ``seed`` (None while undecided)."""
+    fam = family(arm)
+    lr = picks.lr.get((batch, fam))
+    damping = picks.damping.get(batch) if fam == "kfac" else None
+    if lr is None or (fam == "kfac" and damping is None):
+        return None
+    return Run(batch, arm, lr, seed, damping)

@@ -1,0 +1,208 @@
+"""The convergence study's report: ``table.md``, ``results.json`` and the figures in the study's folder.
+
+Tables per global batch size: the tuning grids and picks; steps to each target per arm (mean ± sd
+[range] over seeds); time to each target per setting (steps × the arm's step cost there) with ratios
+against NVLAMB and against the best other arm, marked separated or not; the staleness arms' held-out
+loss at equal steps. Figures: held-out loss against step and against time (seed bands: the range
+over seeds), and the staleness cost.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import convergence_analysis as ca
+
+
+def pipefisher_arm(k: int) -> str:
+    """PipeFisher's numerics at interval k: K-FAC refreshing every k steps, inverses deferred a cycle."""
+    return f"kfac-k{k}-deferred"
+
+
+def _finals_text(finals: dict[float, float], best: float | None, edge: bool | None) -> str:
+    cells = [f"{v:g}: {'diverged' if not math.isfinite(f) else f'{f:.3f}'}" for v, f in sorted(finals.items())]
+    tail = "" if best is None else f" → **{best:g}**" + (" (at the grid's edge)" if edge else "")
+    return ", ".join(cells) + tail
+
+
+def seed_curves(results: dict[str, dict[str, Any]], picks: ca.Picks, spec: ca.StudySpec, batch: int,
+                arm: str) -> list[list[tuple[int, float]]]:
+    """The held-out curves of ``arm``'s finished runs at its pick, one per seed."""
+    curves = []
+    for seed in range(spec.seeds):
+        run = ca.chosen_run(picks, batch, arm, seed)
+        if run is not None and run.key in results and results[run.key]["status"] == "ok":
+            curves.append([tuple(p) for p in results[run.key]["curve"]])
+    return curves
+
+
+def steps_intervals(curves: list[list[tuple[int, float]]], targets: dict[str, float]) -> dict[str, ca.Interval]:
+    return {name: ca.seed_interval([ca.steps_to_target(c, t) for c in curves]) for name, t in targets.items()}
+
+
+def best_other(times: dict[str, ca.Interval], arm: str) -> str | None:
+    """The arm other than ``arm`` (and other than its PipeFisher twins) with the lowest mean time, among
+    arms whose every seed reached the target."""
+    others = {a: t for a, t in times.items() if a != arm and t.complete}
+    return min(others, key=lambda a: others[a].mean) if others else None
+
+
+def write(out: Path, args: argparse.Namespace, spec: ca.StudySpec, data: Any, results: dict[str, dict[str, Any]]) -> None:
+    """Write table.md, results.json and the figures of the study in ``out``."""
+    finals = {k: r["final"] for k, r in results.items()}
+    _, picks = ca.plan_runs(spec, finals)
+    unigram = data.unigram if data is not None else math.nan
+    drops = [float(d) for d in args.drops.split(",")]
+    targets = ca.targets_below(unigram, drops) if math.isfinite(unigram) else {}
+    costs: dict[str, dict[str, float]] = json.loads(args.step_costs.read_text()) if args.step_costs else {}
+    pf = {setting: pipefisher_arm(k) for setting, k in _ks(args).items()}
+    lines = [f"# Convergence study: {args.model}, seq {args.seq_len}, micro-batch {args.micro_batch_size}",
+             "",
+             (f"Held-out unigram entropy H = {unigram:.3f} nats (cross-entropy under the training frequencies "
+              f"{data.cross:.3f}); targets: " + ", ".join(f"{n} = {t:.3f}" for n, t in targets.items()))
+             if data is not None else "Synthetic data: no held-out text, no targets.",
+             f"Seeds per final arm: {spec.seeds}; K-FAC factor decay {args.decay_per_step} ** k; "
+             f"PipeFisher's interval per setting: {_ks(args)}.", ""]
+    report: dict[str, Any] = {"targets": targets, "unigram": unigram, "batches": {}}
+    for batch, steps in spec.steps.items():
+        lines += [f"## Global batch {batch} ({batch // args.micro_batch_size} × {args.micro_batch_size}), "
+                  f"{steps} steps", "", "Tuning at seed 0 (final held-out MLM loss per lr):", ""]
+        for fam in spec.lr_grid:
+            lines.append(f"- {fam}: " + _finals_text(picks.lr_finals.get((batch, fam), {}), picks.lr.get((batch, fam)),
+                                                     picks.lr_edge.get((batch, fam))))
+        if batch in picks.damping_finals:
+            lines.append("- kfac damping at its lr: " + _finals_text(picks.damping_finals[batch], picks.damping.get(batch),
+                                                                     picks.damping_edge.get(batch)))
+        arms = list(dict.fromkeys(spec.final_arms))
+        steps_by_arm = {a: steps_intervals(seed_curves(results, picks, spec, batch, a), targets) for a in arms}
+        lines += ["", "Steps to target (mean ± sd [range] over seeds):", "",
+                  "| arm | seeds | " + " | ".join(targets) + " |", "|---|---|" + "---|" * len(targets)]
+        for a in arms:
+            n = len(seed_curves(results, picks, spec, batch, a))
+            label = a + "".join(f" (PipeFisher {s})" for s, p in pf.items() if p == a)
+            lines.append(f"| {label} | {n} | " + " | ".join(steps_by_arm[a][t].text() for t in targets) + " |")
+        batch_report: dict[str, Any] = {"steps_to_target": {a: {t: vars(i) for t, i in v.items()}
+                                                            for a, v in steps_by_arm.items()}, "time": {}}
+        for setting, cost in costs.items():
+            priced = {a: cost[_cost_arm(a, pf, setting)] for a in arms if _cost_arm(a, pf, setting) in cost}
+            if not priced:
+                continue
+            lines += ["", f"Time to target, {setting} (steps × step cost; ratio [range], separated or not):", "",
+                      "| arm | step s | " + " | ".join(f"{t} s | ×nvlamb | ×best other" for t in targets) + " |",
+                      "|---|---|" + "---|---|---|" * len(targets)]
+            times = {t: {a: ca.time_to_target(steps_by_arm[a][t], s) for a, s in priced.items()
+                         if steps_by_arm[a][t].n > 0} for t in targets}
+            for a, s in priced.items():
+                cells = [a, f"{s:.3f}"]
+                for t in targets:
+                    ti = times[t].get(a)
+                    if ti is None:
+                        cells += ["not reached", "–", "–"]
+                        continue
+                    base = times[t].get("nvlamb")
+                    other = best_other({x: v for x, v in times[t].items() if x not in pf.values() or x == a}, a)
+                    cells += [ti.text(), ca.ratio(ti, base).text() if base else "–",
+                              f"{ca.ratio(ti, times[t][other]).text()} ({other})" if other else "–"]
+                lines.append("| " + " | ".join(cells) + " |")
+            batch_report["time"][setting] = {t: {a: vars(i) for a, i in v.items()} for t, v in times.items()}
+        stale = [a for a in dict.fromkeys(["kfac-k1"] + list(spec.stale_arms))]
+        marks = [m for m in (steps // 4, steps // 2, 3 * steps // 4, steps)]
+        lines += ["", "Staleness at seed 0: held-out loss after equal steps (k = refresh interval; deferred: inverses "
+                  "used from the next cycle on, PipeFisher's numerics):", "",
+                  "| arm | " + " | ".join(f"@{m}" for m in marks) + " |", "|---|" + "---|" * len(marks)]
+        for a in stale:
+            run = ca.chosen_run(picks, batch, a, 0)
+            r = results.get(run.key) if run is not None else None
+            if r is None:
+                continue
+            curve = [tuple(p) for p in r["curve"]]
+            lines.append(f"| {a} | " + " | ".join(_num(ca.loss_at(curve, m)) for m in marks) + " |")
+        report["batches"][str(batch)] = batch_report
+    (out / "table.md").write_text("\n".join(lines) + "\n")
+    (out / "results.json").write_text(json.dumps(report, indent=1, default=str) + "\n")
+    _figures(out, spec, picks, results, targets, costs, pf)
+    print("\n".join(lines))
+
+
+def _ks(args: argparse.Namespace) -> dict[str, int]:
+    out = {}
+    for item in args.pipefisher_k.split(","):
+        setting, _, k = item.rpartition(":")
+        out[setting] = int(k)
+    return out
+
+
+def _cost_arm(arm: str, pf: dict[str, str], setting: str) -> str:
+    """The step-cost entry of ``arm`` in ``setting``: PipeFisher's trajectory arm costs PipeFisher's step
+    there; another deferred arm costs what critical-path K-FAC at its interval costs."""
+    if pf.get(setting) == arm:
+        return "pipefisher"
+    return arm.removesuffix("-deferred")
+
+
+def _num(v: float | None) -> str:
+    return "" if v is None else f"{v:.3f}"
+
+
+def _figures(out: Path, spec: ca.StudySpec, picks: ca.Picks, results: dict[str, dict[str, Any]],
+             targets: dict[str, float], costs: dict[str, dict[str, float]], pf: dict[str, str]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    settings = [None] + list(costs)
+    for batch in spec.steps:
+        fig, axes = plt.subplots(1, len(settings), figsize=(6.2 * len(settings), 4.4), squeeze=False)
+        for ax, setting in zip(axes[0], settings):
+            for arm in dict.fromkeys(spec.final_arms):
+                curves = seed_curves(results, picks, spec, batch, arm)
+                if not curves:
+                    continue
+                n = min(len(c) for c in curves)
+                x = np.array([s for s, _ in curves[0][:n]], dtype=float)
+                if setting is not None:
+                    key = _cost_arm(arm, pf, setting)
+                    if key not in costs[setting]:
+                        continue
+                    x = x * costs[setting][key]
+                y = np.array([[v for _, v in c[:n]] for c in curves])
+                label = arm + "".join(f" = PipeFisher {s}" for s, p in pf.items() if p == arm)
+                line, = ax.plot(x, y.mean(0), lw=1.4, label=f"{label} ({len(curves)} seeds)")
+                ax.fill_between(x, y.min(0), y.max(0), color=line.get_color(), alpha=0.2)
+            for (name, t), color in zip(targets.items(), ("gray", "black", "silver")):
+                ax.axhline(t, color=color, ls="--", lw=0.8, label=f"target {name} = {t:.2f}")
+            ax.set_xlabel("step" if setting is None else f"seconds ({setting} step cost × steps)")
+            ax.set_ylabel("held-out MLM loss")
+            ax.set_title(f"batch {batch}" + ("" if setting is None else f", {setting}"))
+            if targets:
+                lo = min(targets.values()) - 0.15
+                ax.set_ylim(lo, lo + 1.0)
+            ax.legend(fontsize=7)
+        fig.tight_layout()
+        fig.savefig(out / f"heldout_b{batch}.png", dpi=110)
+        plt.close(fig)
+        fig, ax = plt.subplots(figsize=(6.2, 4.4))
+        for arm in dict.fromkeys(["kfac-k1"] + list(spec.stale_arms) + ["nvlamb"]):
+            run = ca.chosen_run(picks, batch, arm, 0)
+            if run is None or run.key not in results:
+                continue
+            c = results[run.key]["curve"]
+            ax.plot([s for s, _ in c], [v for _, v in c], lw=1.2, ls=":" if arm.endswith("deferred") else "-", label=arm)
+        for (name, t), color in zip(targets.items(), ("gray", "black", "silver")):
+            ax.axhline(t, color=color, ls="--", lw=0.8)
+        if targets:
+            lo = min(targets.values()) - 0.15
+            ax.set_ylim(lo, lo + 1.0)
+        ax.set_xlabel("step")
+        ax.set_ylabel("held-out MLM loss (seed 0)")
+        ax.set_title(f"staleness, batch {batch}")
+        ax.legend(fontsize=7)
+        fig.tight_layout()
+        fig.savefig(out / f"staleness_b{batch}.png", dpi=110)
+        plt.close(fig)
