@@ -111,6 +111,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--decay-per-step", type=float, default=0.95)
     p.add_argument("--drops", help="targets: held-out unigram entropy minus these nats")
     p.add_argument("--step-costs", type=Path, default=None, help="JSON {setting: {arm: seconds per step}}")
+    p.add_argument("--measure-d2", action="store_true",
+                   help="time every arm's real pipeline at D=2 (chimera) in rotated rounds into <out>/step_costs.json, "
+                        "then report; run it on a quiet machine")
+    p.add_argument("--timing-rounds", type=int, default=3)
+    p.add_argument("--timing-steps", type=int, default=40, help="steps per timing run (whole cycles after two)")
     p.add_argument("--timeout-s", type=float, default=7200.0, help="per run")
     return p
 
@@ -394,6 +399,63 @@ class Runner:
                       f"≥ {eta / 60:.0f} min left", flush=True)
 
 
+# --- step costs at D=2, measured ------------------------------------------------------------------
+
+#: arm -> train.py overrides of its real pipelined run (PipeFisher: its own plan from the built-in estimate)
+TIMED_ARMS = ("nvlamb", "adamw", "muon", "kfac-k1", "kfac-k2", "kfac-k4", "kfac-k8", "pipefisher")
+
+
+def timed_overrides(arm: str, decay_per_step: float) -> list[str]:
+    return ["optimizer=pipefisher"] if arm == "pipefisher" else arm_overrides(arm, decay_per_step)
+
+
+def cycle_mean_step_s(rows: list[dict[str, Any]]) -> tuple[float, int]:
+    """(mean step time over whole refresh cycles after the first two, cycle length k): a refresh every
+    k steps (``kfac_phase`` 0..k-1 on the rows) counts once per k steps; the first two cycles (warm-up,
+    and PipeFisher's cycle without inverses) are left out."""
+    phases = [r.get("kfac_phase") for r in rows]
+    k = 1 + max((p for p in phases if p is not None), default=0)
+    start = 2 * k
+    while start < len(rows) and phases[start] not in (None, 0):
+        start += 1
+    usable = (len(rows) - start) // k * k
+    if usable < k:
+        raise ValueError(f"{len(rows)} steps hold no whole refresh cycle of {k} after the first two")
+    return statistics.fmean(r["step_time_s"] for r in rows[start:start + usable]), k
+
+
+def measure_d2(args: argparse.Namespace, data: Data | None, out: Path, batch: int, rounds: int,
+               steps: int, arms: tuple[str, ...] = TIMED_ARMS) -> dict[str, float]:
+    """Seconds per step of each arm's real pipeline at D=2 (chimera, 4 micro-batches of batch/4), in
+    ``rounds`` rounds with the arms' order rotated every round; per arm the median over rounds of
+    :func:`cycle_mean_step_s`. Evaluation off; both workers unpinned (one per core)."""
+    per_arm: dict[str, list[float]] = {a: [] for a in arms}
+    for r in range(rounds):
+        for arm in arms[r % len(arms):] + arms[:r % len(arms)]:
+            run_dir = out / "timing" / f"round{r}" / arm
+            shutil.rmtree(run_dir, ignore_errors=True)
+            common = [o for o in common_overrides(args, data, batch, steps)
+                      if not o.startswith(("stages=", "micro_batch_size=", "num_micro_batches=", "eval."))]
+            cmd = [sys.executable, "train.py", *common, "stages=2", "pipeline=chimera",
+                   f"micro_batch_size={batch // 4}", "num_micro_batches=4", "eval.every_steps=0",
+                   *timed_overrides(arm, args.decay_per_step), f"hydra.run.dir={run_dir}"]
+            done = subprocess.run(cmd, cwd=h.REPO, capture_output=True, text=True, timeout=args.timeout_s)
+            if done.returncode:
+                raise RuntimeError(f"timing {arm}: train.py exited with {done.returncode}:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
+            mean, k = cycle_mean_step_s(step_rows(run_dir))
+            per_arm[arm].append(mean)
+            print(f"  timing round {r}: {arm} {mean * 1e3:.1f} ms/step (k={k}, {h.load()})", flush=True)
+    return {a: statistics.median(v) for a, v in per_arm.items()}
+
+
+def step_costs_file(out: Path, args: argparse.Namespace) -> Path | None:
+    """--step-costs, else the study's own step_costs.json when it exists."""
+    if args.step_costs:
+        return args.step_costs
+    own = out / "step_costs.json"
+    return own if own.is_file() else None
+
+
 def main() -> None:
     args = parse_args()
     spec = study_spec(args)
@@ -414,12 +476,20 @@ def main() -> None:
         print(f"held-out unigram entropy H = {data.unigram:.3f} nats; cross-entropy under the training "
               f"frequencies {data.cross:.3f}", flush=True)
     runner = Runner(args, data, spec, out)
-    if not args.report_only:
+    if not (args.report_only or args.measure_d2):
         try:
             runner.loop()
         except KeyboardInterrupt:  # Ctrl-C stops the runs; SIGTERM leaves them to the next --continue
             runner.stop_all()
             raise
+    if args.measure_d2:
+        path = out / "step_costs.json"
+        costs = json.loads(path.read_text()) if path.is_file() else {}
+        for batch in spec.steps:
+            costs[f"D=2 measured, batch {batch}"] = measure_d2(args, data, out, batch, args.timing_rounds,
+                                                               args.timing_steps)
+        path.write_text(json.dumps(costs, indent=1) + "\n")
+    args.step_costs = step_costs_file(out, args)
     import convergence_report
 
     convergence_report.write(out, args, spec, data, runner.results())

@@ -87,7 +87,7 @@ def write(out: Path, args: argparse.Namespace, spec: ca.StudySpec, data: Any, re
             lines.append(f"| {label} | {n} | " + " | ".join(steps_by_arm[a][t].text() for t in targets) + " |")
         batch_report: dict[str, Any] = {"steps_to_target": {a: {t: vars(i) for t, i in v.items()}
                                                             for a, v in steps_by_arm.items()}, "time": {}}
-        for setting, cost in costs.items():
+        for setting, cost in _settings(costs, batch).items():
             priced = {a: cost[_cost_arm(a, pf, setting)] for a in arms if _cost_arm(a, pf, setting) in cost}
             if not priced:
                 continue
@@ -139,9 +139,19 @@ def _ks(args: argparse.Namespace) -> dict[str, int]:
 def _cost_arm(arm: str, pf: dict[str, str], setting: str) -> str:
     """The step-cost entry of ``arm`` in ``setting``: PipeFisher's trajectory arm costs PipeFisher's step
     there; another deferred arm costs what critical-path K-FAC at its interval costs."""
-    if pf.get(setting) == arm:
+    if pf.get(setting.split()[0]) == arm or pf.get(setting) == arm:
         return "pipefisher"
     return arm.removesuffix("-deferred")
+
+
+def _settings(costs: dict[str, dict[str, float]], batch: int) -> dict[str, dict[str, float]]:
+    """The step-cost settings that apply to ``batch``: a setting named "..., batch N" only to batch N."""
+    out = {}
+    for name, cost in costs.items():
+        tail = name.rpartition("batch ")[2]
+        if "batch " not in name or (tail.isdigit() and int(tail) == batch):
+            out[name] = cost
+    return out
 
 
 def _num(v: float | None) -> str:
@@ -156,8 +166,8 @@ def _figures(out: Path, spec: ca.StudySpec, picks: ca.Picks, results: dict[str, 
     import matplotlib.pyplot as plt
     import numpy as np
 
-    settings = [None] + list(costs)
     for batch in spec.steps:
+        settings = [None] + list(_settings(costs, batch))
         fig, axes = plt.subplots(1, len(settings), figsize=(6.2 * len(settings), 4.4), squeeze=False)
         for ax, setting in zip(axes[0], settings):
             for arm in dict.fromkeys(spec.final_arms):

@@ -246,3 +246,23 @@ def test_report_prices_steps_per_setting_and_calls_separation(ca, cv, tmp_path: 
     # PipeFisher 123.2 s vs NVLAMB 155 s: ranges [121–125.4] and [150–160] separate
     assert "0.79 [0.76–0.84] separated" in table
     assert (tmp_path / "heldout_b32.png").is_file() and (tmp_path / "staleness_b32.png").is_file()
+
+
+def test_timed_step_is_the_mean_over_whole_refresh_cycles_after_the_first_two(cv) -> None:
+    rows = [{"kfac_phase": s % 2, "step_time_s": 3.0 if s % 2 == 0 else 1.0} for s in range(11)]
+    rows[0]["step_time_s"] = rows[2]["step_time_s"] = 50.0  # warm-up cycles: left out
+    assert cv.cycle_mean_step_s(rows) == (2.0, 2)  # steps 4..9: three whole cycles; step 10 starts a fourth
+    plain = [{"step_time_s": t} for t in (9.0, 9.0, 1.0, 2.0, 3.0)]
+    assert cv.cycle_mean_step_s(plain) == (2.0, 1)
+    with pytest.raises(ValueError, match="no whole refresh cycle"):
+        cv.cycle_mean_step_s(rows[:5])
+
+
+def test_a_step_cost_setting_named_for_a_batch_prices_that_batch_only() -> None:
+    report = _load("convergence_report")
+    costs = {"D=2 measured, batch 32": {"nvlamb": 1.0}, "D=8 simulated": {"nvlamb": 2.0}}
+    assert list(report._settings(costs, 32)) == ["D=2 measured, batch 32", "D=8 simulated"]
+    assert list(report._settings(costs, 256)) == ["D=8 simulated"]
+    pf = {"D=2": "kfac-k7-deferred"}
+    assert report._cost_arm("kfac-k7-deferred", pf, "D=2 measured, batch 32") == "pipefisher"
+    assert report._cost_arm("kfac-k2-deferred", pf, "D=2 measured, batch 32") == "kfac-k2"  # critical path at k
