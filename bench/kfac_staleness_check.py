@@ -44,7 +44,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import hashlib
 import json
 import math
 import os
@@ -63,7 +62,6 @@ import _harness as h
 from pipefisher.tracking.metrics import read_metrics
 
 DEFAULT_TEXT = h.REPO.parent / "shared" / "data" / "wikitext-2" / "train.txt"
-PREPARE_SOURCE = h.REPO / "pipefisher" / "data" / "prepare.py"
 SEQ_LEN, MAX_PREDICTIONS = 128, 20
 
 
@@ -88,46 +86,10 @@ ARMS: dict[str, tuple[list[str], str]] = {
 DEFAULT_ARMS = ("nvlamb", "kfac-k1", "kfac-k1-prev", "kfac-k2", "kfac-k2-deferred")
 
 
-def cache_key(text: Path, options: dict[str, Any]) -> str:
-    """Hash of the text, the preparation options and prepare.py (a change re-prepares)."""
-    digest = hashlib.sha256()
-    digest.update(text.read_bytes())
-    digest.update(json.dumps(options, sort_keys=True).encode())
-    digest.update(PREPARE_SOURCE.read_bytes())
-    return digest.hexdigest()[:16]
-
-
 def prepare_options(args: argparse.Namespace) -> dict[str, Any]:
+    """``python -m pipefisher.data.prepare`` flags of the shards (``_harness.prepared_shards``)."""
     return {"seq_len": SEQ_LEN, "max_predictions": MAX_PREDICTIONS, "dupe_factor": args.dupe_factor,
             "vocab_size": args.vocab_size, "holdout_fraction": args.holdout_fraction, "seed": args.data_seed}
-
-
-def prepare_command(text: Path, out: Path, o: dict[str, Any]) -> list[str]:
-    return [sys.executable, "-m", "pipefisher.data.prepare", "--input", str(text), "--output-dir", str(out),
-            "--seq-len", str(o["seq_len"]), "--max-predictions", str(o["max_predictions"]),
-            "--dupe-factor", str(o["dupe_factor"]), "--vocab-size", str(o["vocab_size"]),
-            "--holdout-fraction", str(o["holdout_fraction"]), "--seed", str(o["seed"]), "--no-progress"]
-
-
-def prepare_data(text: Path, cache_dir: Path, options: dict[str, Any], dry_run: bool = False) -> tuple[Path, int]:
-    """(shard folder, vocabulary size) of ``text``, from the cache or made by prepare."""
-    final = cache_dir / f"{text.stem}-{cache_key(text, options)}"
-    if not (final / "prepare.json").is_file():
-        tmp = final.with_name(final.name + ".tmp")
-        cmd = prepare_command(text, tmp, options)
-        print("$ " + shlex.join(cmd), flush=True)
-        if dry_run:
-            return final, -1
-        shutil.rmtree(tmp, ignore_errors=True)
-        start = time.monotonic()
-        done = subprocess.run(cmd, cwd=h.REPO, capture_output=True, text=True)
-        if done.returncode:
-            raise RuntimeError(f"data preparation failed ({done.returncode}):\n{done.stdout}\n{done.stderr}")
-        print(f"prepared {text} -> {final} in {time.monotonic() - start:.0f} s", flush=True)
-        shutil.rmtree(final, ignore_errors=True)
-        tmp.rename(final)
-    info = json.loads((final / "prepare.json").read_text())
-    return final, int(info["vocab_size_actual"])
 
 
 def common_overrides(args: argparse.Namespace, data: tuple[Path, int] | None) -> list[str]:
@@ -291,7 +253,7 @@ def main() -> None:
     if not args.synthetic:
         text = args.text.resolve()
         if text.is_file():
-            data = prepare_data(text, args.cache_dir.resolve(), prepare_options(args), args.dry_run)
+            data = h.prepared_shards(text, args.cache_dir.resolve(), prepare_options(args), args.dry_run)
         else:
             print(f"{text}: not found; synthetic data instead", flush=True)
     if args.prepare_only:
