@@ -349,6 +349,11 @@ class _FakeFusedLAMB(NVLAMB):
         # Own norm only, like apex; an infinite threshold means no clip (norm > inf is false).
         return super().step(closure)
 
+    def zero_grad(self):  # apex's signature: no set_to_none (it uses the constructor's set_grad_none)
+        for group in self.param_groups:
+            for p in group["params"]:
+                p.grad = None
+
 
 @pytest.fixture
 def fake_apex(monkeypatch):
@@ -373,6 +378,16 @@ def test_build_optimizer_uses_apex_on_cuda_and_honours_external_grad_norm(fake_a
         assert fused.defaults["max_grad_norm"] == 0.5  # threshold restored after the step
     for p, q in zip(a.parameters(), b.parameters()):
         assert_close(p, q)
+
+
+@pytest.mark.parametrize("set_to_none", [True, False])
+def test_apex_optimizer_takes_the_runtimes_zero_grad_call(fake_apex, set_to_none):
+    model = _model()
+    fused = build_optimizer("nvlamb", model.named_parameters(), 0.05, 0.01, 0.5, "cuda")
+    _backward(model, 0)
+    fused.zero_grad(set_to_none=set_to_none)  # the worker's call; apex's own zero_grad() takes no argument
+    for p in model.parameters():
+        assert (p.grad is None) if set_to_none else bool((p.grad == 0).all())
 
 
 def test_build_optimizer_ignores_apex_on_cpu(fake_apex):

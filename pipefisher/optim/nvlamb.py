@@ -444,6 +444,18 @@ def _apex_fused_lamb_class() -> type[torch.optim.Optimizer] | None:
                 self.defaults["max_grad_norm"] = self.clip_threshold
             return loss
 
+        def zero_grad(self, set_to_none: bool = True) -> None:
+            """torch's ``zero_grad(set_to_none)``: apex's ``FusedLAMB.zero_grad()`` takes no argument
+            (it follows its constructor's ``set_grad_none``), and the runtime passes one."""
+            for group in self.param_groups:
+                for p in group["params"]:
+                    if p.grad is None:
+                        continue
+                    if set_to_none:
+                        p.grad = None
+                    else:
+                        p.grad.detach_().zero_()
+
     return _FusedLAMBGlobalNorm
 
 

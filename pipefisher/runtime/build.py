@@ -27,7 +27,7 @@ from pipefisher.runtime.step_metrics import kfac_plan_label
 from pipefisher.schedules.ir import Schedule
 from pipefisher.schedules.kfac import Assignment, assignment_from_json, critical_path_assignment, kfac_layer_counts
 from pipefisher.schedules.kfac_baseline import on_critical_path
-from pipefisher.training import bert_config, resolve_device
+from pipefisher.training import bert_config
 
 __all__ = ["CPU_HARDWARE", "schedule_for", "build_stage_modules", "new_groups", "tied_params", "norm_params",
            "stage_slices", "encoder_layers_per_stage", "kfac_assignment", "kfac_plan_label", "describe_kfac",
@@ -105,6 +105,12 @@ def encoder_layers_per_stage(cfg: TrainConfig, num_stages: int) -> list[int]:
     return [sum(1 for j in range(first, last + 1) if 1 <= j <= num_layers) for first, last in stage_slices(cfg, num_stages)]
 
 
+def device_type(name: str) -> str:
+    """``"cuda"`` or ``"cpu"``: the kind of device ``resolve_device(name)`` gives, without choosing a GPU
+    (``resolve_device`` calls ``torch.cuda.set_device``; a worker calls it once, with its local rank)."""
+    return "cpu" if name == "cpu" or (name == "auto" and not torch.cuda.is_available()) else "cuda"
+
+
 def kfac_assignment(cfg: TrainConfig, schedule: Schedule) -> Assignment:
     """Where K-FAC's work runs: after the flush (``kfac``), or in the bubbles (``pipefisher``, from
     ``optimizer.schedule`` when given, else planned now from the built-in cost estimate).
@@ -145,7 +151,7 @@ def kfac_assignment(cfg: TrainConfig, schedule: Schedule) -> Assignment:
         return on_critical_path(assignment) if o.name == "kfac" else assignment
     # No plan given: plan now from the built-in estimate of this kind of device (schedule.py from a
     # profile of this run gives a plan from measured costs).
-    hw = Hardware() if resolve_device(cfg.device).type == "cuda" else CPU_HARDWARE
+    hw = Hardware() if device_type(cfg.device) == "cuda" else CPU_HARDWARE
     return plan_pipefisher(schedule, estimate_run_costs(run_shape(cfg), hw), kfac_layers,
                            max_interval=o.max_interval, max_staleness=o.max_staleness,
                            curvature_micro_batches=o.curvature_micro_batches,
