@@ -44,7 +44,7 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 PIPELINE_METHODS = ("gpipe", "1f1b", "chimera", "interleaved", "zb-h1", "zb-v")
-OPTIMIZERS = ("nvlamb", "kfac", "pipefisher")
+OPTIMIZERS = ("nvlamb", "kfac", "pipefisher", "adamw", "muon")
 DATA_KINDS = ("synthetic", "hdf5")
 PRECISIONS = ("fp32", "bf16")
 WANDB_MODES = ("offline", "online", "disabled")
@@ -90,7 +90,7 @@ class PipelineConfig:
 class OptimizerConfig:
     """Optimizer; the base learning rate is the top-level key ``lr``."""
 
-    name: str = "nvlamb"  # one of nvlamb, kfac, pipefisher
+    name: str = "nvlamb"  # one of nvlamb, kfac, pipefisher, adamw (torch AdamW), muon (torch Muon on encoder matrices + AdamW)
     weight_decay: float = 0.01  # decoupled weight decay (none on bias and LayerNorm)
     beta1: float = 0.9  # Adam first-moment decay
     beta2: float = 0.999  # Adam second-moment decay
@@ -113,6 +113,7 @@ class OptimizerConfig:
     kfac_lr: Optional[float] = None  # kfac_update=momentum: peak lr of the K-FAC layers; None = lr
     kfac_max_grad_norm: float = 100.0  # kfac_update=momentum: clip of the K-FAC layers' preconditioned gradient norm; <= 0 disables
     clip_before_precondition: bool = True  # take the global-norm clip from the gradient before K-FAC preconditions it
+    muon_momentum: float = 0.95  # muon: Nesterov momentum of the Muon half (torch's default)
 
 
 @dataclass
@@ -445,8 +446,20 @@ def validate(cfg: TrainConfig) -> None:
                   f"set optimizer.inverse_interval to the same value")
     if o.schedule and not os.path.exists(o.schedule):
         _fail("optimizer.schedule", o.schedule, "no such file; write one with `python schedule.py from=profile.sqlite`")
-    if o.name == "nvlamb" and o.schedule:
+    if o.name in ("nvlamb", "adamw", "muon") and o.schedule:
         log.warning("optimizer.schedule is only used by optimizer=pipefisher (and kfac, as its baseline)")
+    if o.name in ("adamw", "muon"):
+        for name, beta in (("optimizer.beta1", o.beta1), ("optimizer.beta2", o.beta2)):
+            if not 0.0 <= beta < 1.0:
+                _fail(name, beta, "an Adam moment decay must lie in [0, 1), e.g. 0.9 (beta1) or 0.999 (beta2)")
+        if not o.eps >= 0.0:
+            _fail("optimizer.eps", o.eps, "must be >= 0, e.g. optimizer.eps=1e-6")
+        if not o.weight_decay >= 0.0:
+            _fail("optimizer.weight_decay", o.weight_decay, "must be >= 0 (0 turns weight decay off)")
+    if o.name == "muon" and not 0.0 <= o.muon_momentum < 1.0:
+        _fail("optimizer.muon_momentum", o.muon_momentum, "must lie in [0, 1), e.g. 0.95 (torch's default)")
+    if o.name != "muon" and o.muon_momentum != OptimizerConfig.muon_momentum:
+        log.warning("optimizer.muon_momentum has no effect unless optimizer=muon")
     _validate_checkpoint(cfg)
     if cfg.data.kind == "hdf5":
         if not cfg.data.path:

@@ -32,7 +32,13 @@ from pipefisher.config import TrainConfig
 from pipefisher.data import build_source, get_micro_batch
 from pipefisher.model import BertConfig, BertStage, build_full_model
 from pipefisher.model.rng import dropout_key
-from pipefisher.optim import ENCODER_LINEAR_PATTERN, build_optimizer, make_lr_scheduler, param_groups
+from pipefisher.optim import (
+    BASELINE_OPTIMIZERS,
+    ENCODER_LINEAR_PATTERN,
+    build_baseline_optimizer,
+    build_optimizer,
+    make_lr_scheduler,
+)
 from pipefisher.tracking import MetricsWriter, WandbLogger
 
 __all__ = [
@@ -114,16 +120,38 @@ def is_kfac_parameter(name: str) -> bool:
     return leaf in ("weight", "bias") and re.search(ENCODER_LINEAR_PATTERN, module) is not None
 
 
-def make_optimizer(cfg: TrainConfig, named_params: list[tuple[str, torch.nn.Parameter]], device: torch.device):
+def make_optimizer(cfg: TrainConfig, named_params: list[tuple[str, torch.nn.Parameter]],
+                   device: torch.device) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
     """Optimizer and LR scheduler for the parameters one worker updates.
 
+    ``optimizer=adamw`` / ``muon``: torch's AdamW, or torch's Muon on the encoder's Linear weights
+    with AdamW for the rest (``pipefisher.optim.baselines``), clipped by the global norm like NVLAMB.
     With K-FAC and ``optimizer.kfac_update=momentum`` the K-FAC layers' parameters are updated by
     the momentum rule (``pipefisher.optim.nvlamb`` [Note: the momentum rule]) at ``optimizer.kfac_lr``
-    under the same warm-up and decay; the rest by NVLAMB.
+    under the same warm-up and decay; the rest by NVLAMB. Every group follows the same schedule.
     """
     o = cfg.optimizer
+    if o.name in BASELINE_OPTIMIZERS:
+        opt = build_baseline_optimizer(o.name, named_params, lr=cfg.lr, weight_decay=o.weight_decay,
+                                       max_grad_norm=o.max_grad_norm, betas=(o.beta1, o.beta2), eps=o.eps,
+                                       muon_momentum=o.muon_momentum)
+    else:
+        opt = _nvlamb(cfg, named_params, device)
+    sched = make_lr_scheduler(
+        opt,
+        warmup_steps=int(o.warmup_proportion * cfg.steps),
+        total_steps=cfg.steps,
+        power=o.poly_power,
+    )
+    return opt, sched
+
+
+def _nvlamb(cfg: TrainConfig, named_params: list[tuple[str, torch.nn.Parameter]],
+            device: torch.device) -> torch.optim.Optimizer:
+    """NVLAMB (optimizer=nvlamb, and the base of kfac / pipefisher), with the momentum rule's groups."""
+    o = cfg.optimizer
     momentum = o.name in ("kfac", "pipefisher") and o.kfac_update == "momentum"
-    opt = build_optimizer(
+    return build_optimizer(
         "nvlamb",
         named_params,
         lr=cfg.lr,
@@ -136,13 +164,6 @@ def make_optimizer(cfg: TrainConfig, named_params: list[tuple[str, torch.nn.Para
         momentum_options={"lr": o.kfac_lr if o.kfac_lr is not None else cfg.lr,
                           "max_grad_norm": o.kfac_max_grad_norm} if momentum else None,
     )
-    sched = make_lr_scheduler(
-        opt,
-        warmup_steps=int(o.warmup_proportion * cfg.steps),
-        total_steps=cfg.steps,
-        power=o.poly_power,
-    )
-    return opt, sched
 
 
 @dataclass

@@ -76,7 +76,7 @@ def predicted_peak_bytes(run: RunShape, optimizer: str, schedule: Schedule | Non
 
     Args:
         run: the run's shape.
-        optimizer: ``nvlamb``, ``kfac`` or ``pipefisher``.
+        optimizer: ``nvlamb``, ``kfac``, ``pipefisher``, ``adamw`` or ``muon``.
         schedule: the run's schedule (built from ``run`` when None).
         assignment: the K-FAC assignment, for the capture memory.
 

@@ -1,10 +1,12 @@
 """Optimizers: NVLAMB (global-norm clipped LAMB), its learning-rate schedule, the back-end choice,
-and K-FAC for Linear layers as schedulable work units.
+K-FAC for Linear layers as schedulable work units, and the AdamW and Muon baselines.
 
 Entry points: :func:`build_optimizer` (name → optimizer taking ``step(grad_norm=...)``),
+:func:`build_baseline_optimizer` (``adamw``, ``muon``: torch's, with the same ``step``),
 :func:`make_lr_scheduler`, :class:`KFACPreconditioner` (work units) and :class:`KFAC` (one process).
 """
 
+from pipefisher.optim.baselines import BASELINE_OPTIMIZERS, build_baseline_optimizer, is_muon_parameter
 from pipefisher.optim.kfac import ENCODER_LINEAR_PATTERN, KFACPreconditioner, select_linears
 from pipefisher.optim.kfac_driver import KFAC
 from pipefisher.optim.lr_schedule import make_lr_scheduler, warmup_poly_lr
@@ -18,13 +20,16 @@ from pipefisher.optim.nvlamb import (
 )
 
 __all__ = [
+    "BASELINE_OPTIMIZERS",
     "ENCODER_LINEAR_PATTERN",
     "KFAC",
     "KFACPreconditioner",
     "NVLAMB",
     "OPTIMIZERS",
+    "build_baseline_optimizer",
     "build_optimizer",
     "global_grad_norm",
+    "is_muon_parameter",
     "is_no_decay",
     "make_lr_scheduler",
     "param_groups",

@@ -228,7 +228,7 @@ _PARTS = {
 def _measured_lines(profile: Profile, measured: StepSplit, predicted: StepSplit) -> list[str]:
     """Two lines: the profile's utilization beside the predicted "before", and where they differ."""
     optimizer = profile.metadata.get("config", {}).get("optimizer", {}).get("name", "nvlamb")
-    kfac = f"; the profiled run (optimizer={optimizer}) did K-FAC work, counted busy" if optimizer != "nvlamb" else ""
+    kfac = f"; the profiled run (optimizer={optimizer}) did K-FAC work, counted busy" if optimizer in ("kfac", "pipefisher") else ""
     pairs = {part: (getattr(measured, f"{part}_ns"), getattr(predicted, f"{part}_ns")) for part in _PARTS}
     split = ", ".join(f"{_PARTS[part][0]} {m / 1e6:.1f} vs {p / 1e6:.1f}" for part, (m, p) in pairs.items())
     worst = max(pairs, key=lambda part: pairs[part][0] - pairs[part][1])

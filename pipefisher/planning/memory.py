@@ -3,7 +3,8 @@
 [Note: memory model] (bytes per worker; ``estimate_memory`` gives the one that needs the most)::
 
     weights, gradients   4 per parameter of every stage replica the worker holds (fp32 master)
-    optimizer state      NVLAMB: 2 moments, 8 per parameter; K-FAC adds per Linear layer the two
+    optimizer state      NVLAMB, AdamW: 2 moments, 8 per parameter (Muon: 4, one moment, for the
+                         encoder's Linear weights); K-FAC adds per Linear layer the two
                          factors and their inverses, 4·((in+1)² + out²) each set: 2 sets for kfac,
                          3 for PipeFisher (deferred: the inverses in use and the ones being built)
     activations          peak in-flight micro-batches of the schedule (``peak_activations``) × the
@@ -101,30 +102,33 @@ def estimate_memory_per_worker(run: RunShape, optimizer: str, schedule: Schedule
 
     Args:
         run: the run's shape.
-        optimizer: ``nvlamb``, ``kfac`` or ``pipefisher``.
+        optimizer: ``nvlamb``, ``kfac``, ``pipefisher``, ``adamw`` or ``muon``.
         schedule: the run's schedule (built from ``run`` when None).
         assignment: the K-FAC assignment, for the capture memory (none counted when None).
 
     Returns:
         Worker rank -> its estimate, one entry per worker of the schedule.
     """
-    if optimizer not in ("nvlamb", "kfac", "pipefisher"):
-        raise ValueError(f"optimizer={optimizer!r}: choose nvlamb, kfac or pipefisher")
+    if optimizer not in ("nvlamb", "kfac", "pipefisher", "adamw", "muon"):
+        raise ValueError(f"optimizer={optimizer!r}: choose nvlamb, kfac, pipefisher, adamw or muon")
     schedule = schedule or run.build_schedule()
     params = stage_parameters(run.bert, run.partition)
     encoder = run.encoder_layers
     peaks = peak_activations(schedule)
-    factor_sets = {"nvlamb": 0, "kfac": 2, "pipefisher": 3}[optimizer]
+    factor_sets = {"kfac": 2, "pipefisher": 3}.get(optimizer, 0)
     out: dict[int, MemoryEstimate] = {}
     for w in sorted(schedule.actions):
         stages = [s for (_, _, s) in schedule.placement.stages_of(w)]
         p = sum(params[s] for s in stages)
         factors = sum(4.0 * ((i + 1) ** 2 + o * o) for s in stages for i, o in kfac_linear_dims(run.bert, encoder[s]))
         act = peaks[w] * max(_activation_bytes(run, encoder[s], s == 0) for s in stages)
+        moments = 8.0 * p
+        if optimizer == "muon":  # one moment for the encoder's Linear weights
+            moments -= 4.0 * sum(i * o for s in stages for i, o in kfac_linear_dims(run.bert, encoder[s]))
         captures = 0.0
-        if assignment is not None and optimizer != "nvlamb":
+        if assignment is not None and optimizer in ("kfac", "pipefisher"):
             captures = max(_capture_peak(ph, w, run, list(assignment.kfac_layers)) for ph in assignment.phases)
-        out[w] = MemoryEstimate(w, 4.0 * p, 4.0 * p, 8.0 * p + factor_sets * factors, act, captures)
+        out[w] = MemoryEstimate(w, 4.0 * p, 4.0 * p, moments + factor_sets * factors, act, captures)
     return out
 
 

@@ -1,0 +1,245 @@
+"""Baseline optimizers: torch's AdamW, and torch's Muon on the encoder's matrices with AdamW beside it.
+
+Both take ``step(closure=None, *, grad_norm=None)`` like :class:`~pipefisher.optim.nvlamb.NVLAMB`
+and first scale every ``.grad`` in place by ``max_grad_norm / max(‖G‖, max_grad_norm)``, ‖G‖ being
+the global norm the runtime computes over all pipeline stages (``nvlamb`` [Note: the global norm];
+``None``: the norm of this optimizer's own gradients, right for one process). The update itself is
+torch's, unchanged.
+
+[Note: Muon with AdamW]
+Muon (Jordan et al., 2024) orthogonalizes the momentum of a 2-D weight by a Newton–Schulz
+iteration; it is meant for hidden layers' matrices only, so, as its authors use it, the encoder's
+Linear weights (query, key, value, attention output, FFN in and out: the K-FAC layers' weights,
+:data:`~pipefisher.optim.ENCODER_LINEAR_PATTERN`) go to ``torch.optim.Muon`` (Nesterov momentum)
+and everything else (embeddings, LayerNorms, biases, pooler, heads) to ``torch.optim.AdamW``.
+Muon runs with ``adjust_lr_fn="match_rms_adamw"``, Moonshot's rule (Liu et al., 2025, "Muon is
+Scalable for LLM Training"): a matrix of shape A×B steps with lr·0.2·sqrt(max(A, B)), which gives
+its update the RMS of an AdamW update, so one ``lr`` (and one weight decay) serves both halves.
+
+:class:`MuonAdamW` is one ``torch.optim.Optimizer`` whose ``param_groups`` list *is* the two inner
+optimizers' group dicts (Muon's first), so a scheduler built over it (``make_lr_scheduler``) sets
+the lr that both inner optimizers read. Its ``state_dict()`` has torch's layout, the Muon
+parameters numbered first; ``load_state_dict()`` splits it back and relinks the groups.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from pipefisher.optim.kfac import ENCODER_LINEAR_PATTERN
+from pipefisher.optim.nvlamb import _clip_grads_in_place, _unique, global_grad_norm, param_groups
+
+__all__ = [
+    "BASELINE_OPTIMIZERS",
+    "GlobalNormAdamW",
+    "MuonAdamW",
+    "build_baseline_optimizer",
+    "clip_by_global_norm",
+    "is_muon_parameter",
+]
+
+#: Names accepted by :func:`build_baseline_optimizer`.
+BASELINE_OPTIMIZERS: tuple[str, ...] = ("adamw", "muon")
+
+
+def clip_by_global_norm(groups: Iterable[dict[str, Any]], grad_norm: Tensor | float | None,
+                        max_grad_norm: float) -> None:
+    """Scale the ``.grad`` of every parameter in ``groups`` by the global clip coefficient.
+
+    As ``_GlobalNormSGD`` does: ``grad_norm`` None takes the norm over these parameters (each
+    tensor once); ``max_grad_norm <= 0`` or ``inf`` disables the clip (then no norm is computed).
+    """
+    if not 0.0 < max_grad_norm < math.inf:
+        return
+    with torch.no_grad():
+        params = _unique(p for g in groups for p in g["params"])
+        if grad_norm is None:
+            grad_norm = global_grad_norm(params)
+        _clip_grads_in_place(params, grad_norm, max_grad_norm)
+
+
+def _closure_loss(closure: Callable[[], Tensor] | None) -> Tensor | None:
+    if closure is None:
+        return None
+    with torch.enable_grad():
+        return closure()
+
+
+class GlobalNormAdamW(torch.optim.AdamW):
+    """``torch.optim.AdamW`` that takes ``step(grad_norm=...)`` and clips by the global norm first.
+
+    Args:
+        params: parameters or groups (:func:`~pipefisher.optim.param_groups`: no decay on bias and
+            LayerNorm).
+        lr, betas, eps, weight_decay: AdamW's (decoupled decay; a group's own value wins).
+        max_grad_norm: global-norm clip threshold; ``<= 0`` disables it.
+    """
+
+    def __init__(self, params: Any, lr: float, betas: tuple[float, float], eps: float, weight_decay: float,
+                 max_grad_norm: float) -> None:
+        super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+        self.max_grad_norm = float(max_grad_norm)
+
+    def step(  # type: ignore[override]
+        self, closure: Callable[[], Tensor] | None = None, *, grad_norm: Tensor | float | None = None
+    ) -> Tensor | None:
+        """AdamW step after clipping ``.grad`` in place by ``grad_norm`` (computed here when None)."""
+        loss = _closure_loss(closure)
+        clip_by_global_norm(self.param_groups, grad_norm, self.max_grad_norm)
+        super().step()
+        return loss
+
+
+class MuonAdamW(torch.optim.Optimizer):
+    """``torch.optim.Muon`` for 2-D hidden weights and ``torch.optim.AdamW`` for the rest, as one
+    optimizer (see [Note: Muon with AdamW]).
+
+    ``param_groups`` is the inner optimizers' groups (Muon's first), shared, so an lr scheduler over
+    this object drives both; ``state`` stays empty (the moments live in ``.muon.state`` and
+    ``.adamw.state``; ``state_dict()`` holds both).
+
+    Args:
+        muon_params: 2-D weights for Muon (may be empty: a stage without encoder layers).
+        adamw_groups: groups for AdamW (may hold no parameters).
+        lr: the one peak rate (Muon scales it per matrix by ``match_rms_adamw``).
+        betas, eps: AdamW's.
+        weight_decay: decoupled decay of the Muon weights and AdamW's default (groups may override).
+        muon_momentum: Muon's Nesterov momentum.
+        max_grad_norm: global-norm clip threshold over both halves; ``<= 0`` disables it.
+
+    Raises:
+        ValueError: no parameters at all, a Muon parameter that is not 2-D, or a torch without Muon.
+    """
+
+    def __init__(self, muon_params: Iterable[nn.Parameter], adamw_groups: Iterable[dict[str, Any]], *,
+                 lr: float, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-6,
+                 weight_decay: float = 0.01, muon_momentum: float = 0.95, max_grad_norm: float = 1.0) -> None:
+        muon_params = list(muon_params)
+        adamw_groups = [g for g in adamw_groups if g["params"]]
+        if not muon_params and not adamw_groups:
+            raise ValueError("MuonAdamW: no trainable parameters were given")
+        if muon_params and not hasattr(torch.optim, "Muon"):
+            raise ValueError(f"optimizer=muon needs torch.optim.Muon (torch >= 2.9), this is torch "
+                             f"{torch.__version__}; upgrade torch or use optimizer=adamw")
+        for p in muon_params:
+            if p.ndim != 2:
+                raise ValueError(f"MuonAdamW: Muon takes 2-D weights only, got a tensor of shape {tuple(p.shape)}")
+        self.muon = torch.optim.Muon(muon_params, lr=lr, weight_decay=weight_decay, momentum=muon_momentum,
+                                     nesterov=True, adjust_lr_fn="match_rms_adamw") if muon_params else None
+        self.adamw = (torch.optim.AdamW(adamw_groups, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+                      if adamw_groups else None)
+        super().__init__([p for opt in self._inner() for g in opt.param_groups for p in g["params"]], {"lr": lr})
+        self.max_grad_norm = float(max_grad_norm)
+        self._link()
+
+    def _inner(self) -> list[torch.optim.Optimizer]:
+        return [opt for opt in (self.muon, self.adamw) if opt is not None]
+
+    def _link(self) -> None:
+        """Make ``param_groups`` the inner optimizers' group dicts (after construction and loading)."""
+        self.param_groups = [g for opt in self._inner() for g in opt.param_groups]
+
+    def step(  # type: ignore[override]
+        self, closure: Callable[[], Tensor] | None = None, *, grad_norm: Tensor | float | None = None
+    ) -> Tensor | None:
+        """Clip every ``.grad`` by ``grad_norm`` (computed over both halves when None), then step
+        Muon and AdamW."""
+        loss = _closure_loss(closure)
+        clip_by_global_norm(self.param_groups, grad_norm, self.max_grad_norm)
+        for opt in self._inner():
+            opt.step()
+        return loss
+
+    def state_dict(self) -> dict[str, Any]:  # type: ignore[override]
+        """Both inner optimizers' state in torch's layout: parameters numbered Muon's first."""
+        state: dict[int, Any] = {}
+        groups: list[dict[str, Any]] = []
+        offset = 0
+        for opt in self._inner():
+            sd = opt.state_dict()
+            state.update({offset + i: s for i, s in sd["state"].items()})
+            groups += [{**g, "params": [offset + i for i in g["params"]]} for g in sd["param_groups"]]
+            offset += sum(len(g["params"]) for g in sd["param_groups"])
+        return {"state": state, "param_groups": groups}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:  # type: ignore[override]
+        """Load :meth:`state_dict` output of a MuonAdamW over the same parameters.
+
+        Raises:
+            ValueError: the saved groups do not match this optimizer's.
+        """
+        saved = list(state_dict["param_groups"])
+        inner = self._inner()
+        if len(saved) != sum(len(opt.param_groups) for opt in inner):
+            raise ValueError(f"MuonAdamW.load_state_dict: {len(saved)} saved parameter groups, this optimizer has "
+                             f"{[len(opt.param_groups) for opt in inner]} (Muon, AdamW)")
+        for opt in inner:
+            mine, saved = saved[:len(opt.param_groups)], saved[len(opt.param_groups):]
+            ids = {i for g in mine for i in g["params"]}
+            offset = min(ids, default=0)
+            opt.load_state_dict({
+                "state": {i - offset: s for i, s in state_dict["state"].items() if i in ids},
+                "param_groups": [{**g, "params": [i - offset for i in g["params"]]} for g in mine],
+            })
+        self._link()
+
+
+def is_muon_parameter(name: str) -> bool:
+    """Whether the parameter called ``name`` is an encoder Linear layer's weight (the K-FAC layers'
+    weights, :data:`~pipefisher.optim.ENCODER_LINEAR_PATTERN`); prefixes such as ``"0.1."`` are allowed."""
+    module, _, leaf = name.rpartition(".")
+    return leaf == "weight" and re.search(ENCODER_LINEAR_PATTERN, module) is not None
+
+
+def build_baseline_optimizer(
+    name: str,
+    named_parameters: Iterable[tuple[str, nn.Parameter]],
+    *,
+    lr: float,
+    weight_decay: float,
+    max_grad_norm: float,
+    betas: tuple[float, float] = (0.9, 0.999),
+    eps: float = 1e-6,
+    muon_momentum: float = 0.95,
+) -> torch.optim.Optimizer:
+    """Build ``adamw`` (:class:`GlobalNormAdamW`) or ``muon`` (:class:`MuonAdamW`) over one stage's
+    parameters, with NVLAMB's groups (:func:`~pipefisher.optim.param_groups`: no decay on bias and
+    LayerNorm) for AdamW.
+
+    Args:
+        name: ``"adamw"`` or ``"muon"``.
+        named_parameters: ``(name, parameter)`` pairs of this stage; a tensor reached under several
+            names counts once, by its first name; ``requires_grad=False`` ones are left out.
+        lr: peak learning rate (the schedule multiplies it).
+        weight_decay: decoupled weight decay of the decayed parameters (and of Muon's).
+        max_grad_norm: global-norm clip threshold; ``<= 0`` disables clipping.
+        betas, eps: AdamW's.
+        muon_momentum: Muon's momentum (``muon`` only).
+
+    Raises:
+        ValueError: unknown ``name``, or no trainable parameters.
+    """
+    key = name.lower()
+    if key not in BASELINE_OPTIMIZERS:
+        raise ValueError(f"unknown optimizer {name!r}; choose one of: {', '.join(BASELINE_OPTIMIZERS)}")
+    named: list[tuple[str, nn.Parameter]] = []
+    seen: set[int] = set()
+    for n, p in named_parameters:
+        if p.requires_grad and id(p) not in seen:
+            seen.add(id(p))
+            named.append((n, p))
+    if not named:
+        raise ValueError("build_baseline_optimizer: no trainable parameters were given")
+    if key == "adamw":
+        return GlobalNormAdamW(param_groups(named, weight_decay), lr=lr, betas=betas, eps=eps,
+                               weight_decay=weight_decay, max_grad_norm=max_grad_norm)
+    muon = [p for n, p in named if is_muon_parameter(n)]
+    rest = param_groups([(n, p) for n, p in named if not is_muon_parameter(n)], weight_decay)
+    return MuonAdamW(muon, rest, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
+                     muon_momentum=muon_momentum, max_grad_norm=max_grad_norm)
