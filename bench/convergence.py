@@ -64,7 +64,7 @@ def arm_overrides(arm: str, decay_per_step: float) -> list[str]:
         raise ValueError(f"unknown arm {arm!r}: nvlamb, adamw, muon, kfac-kK or kfac-kK-deferred")
     return ["optimizer=kfac", f"optimizer.curvature_interval={k}", f"optimizer.inverse_interval={k}",
             f"optimizer.deferred_inverse={str(arm.endswith('-deferred')).lower()}",
-            f"optimizer.factor_decay={decay_per_step ** k:.6g}"]
+            f"optimizer.factor_decay={decay_per_step ** k:.6g}", "optimizer.factor_decay_per=refresh"]
 
 
 QUICK = {"model": "bert-tiny", "batches": "32", "steps": "120", "eval_every": 20, "eval_batches": 8, "seeds": 2,

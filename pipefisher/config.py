@@ -44,6 +44,7 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 PIPELINE_METHODS = ("gpipe", "1f1b", "chimera", "interleaved", "zb-h1", "zb-v")
+FACTOR_DECAY_UNITS = ("step", "refresh")  # optimizer.factor_decay_per
 OPTIMIZERS = ("nvlamb", "kfac", "pipefisher", "adamw", "muon")
 DATA_KINDS = ("synthetic", "hdf5")
 PRECISIONS = ("fp32", "bf16")
@@ -101,7 +102,8 @@ class OptimizerConfig:
     damping: float = 1e-3  # K-FAC damping λ (kfac, pipefisher)
     curvature_interval: int = 1  # kfac: refresh factors and inverses every k steps (pipefisher: the plan picks k)
     inverse_interval: int = 1  # kfac: must equal curvature_interval (kept for clarity in configs)
-    factor_decay: float = 0.95  # K-FAC running-average decay of the factors
+    factor_decay: float = 0.95  # K-FAC running-average decay of the factors (per step, or per refresh: factor_decay_per)
+    factor_decay_per: str = "step"  # step: a refresh every k steps decays by factor_decay**k (the average spans the same steps at any k); refresh: by factor_decay
     deferred_inverse: bool = False  # kfac: use inverses from the next refresh cycle on, as pipefisher does
     schedule: Optional[str] = None  # pipefisher: work-assignment JSON from schedule.py (kfac: run it on the critical path)
     inverse_dtype: str = "float32"  # K-FAC inversion precision: float32 (as ASDL), float64, or auto (float64 up to 1024 wide)
@@ -420,6 +422,7 @@ def validate(cfg: TrainConfig) -> None:
             _fail("optimizer.damping", o.damping, "K-FAC damping must be positive, e.g. optimizer.damping=1e-3")
         if not 0.0 <= o.factor_decay < 1.0:
             _fail("optimizer.factor_decay", o.factor_decay, "must lie in [0, 1); 0 uses only the latest refresh")
+        _check_choice("optimizer.factor_decay_per", o.factor_decay_per, FACTOR_DECAY_UNITS)
         if o.curvature_micro_batches < 0 or o.curvature_micro_batches > cfg.num_micro_batches:
             _fail("optimizer.curvature_micro_batches", o.curvature_micro_batches,
                   f"must lie in [0, num_micro_batches={cfg.num_micro_batches}] (0 = every micro-batch)")

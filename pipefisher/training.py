@@ -105,6 +105,16 @@ def resolve_device(name: str, local_rank: int = 0) -> torch.device:
     return torch.device("cuda", index)
 
 
+def refresh_decay(factor_decay: float, per: str, interval: int) -> float:
+    """The running-average decay applied at each K-FAC refresh: ``factor_decay ** interval`` when
+    ``factor_decay_per`` is ``"step"`` (a refresh every k steps then forgets as fast per step as a
+    refresh every step; bench/README.md §10 measured that 0.95 per refresh at k=2 loses K-FAC's gain
+    and 0.95² keeps it), ``factor_decay`` when it is ``"refresh"`` (ASDL's and kfac-pytorch's rule)."""
+    if per not in ("step", "refresh"):
+        raise ValueError(f"optimizer.factor_decay_per={per!r}: choose step or refresh")
+    return factor_decay ** interval if per == "step" else factor_decay
+
+
 def set_cpu_threads(num_processes: int) -> int:
     """Give this process ``cores // processes`` intra-op threads (at least 1); returns the count."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)

@@ -94,3 +94,13 @@ def test_slurm_cluster_selects_the_submitit_launcher() -> None:
     cfg = compose_dict(["cluster=slurm"], with_hydra=True)
     assert cfg.cluster.name == "slurm"
     assert "SlurmLauncher" in cfg.hydra.launcher._target_
+
+
+def test_factor_decay_per_step_scales_the_decay_of_a_refresh_every_k_steps() -> None:
+    from pipefisher.training import refresh_decay
+
+    assert refresh_decay(0.95, "step", 1) == 0.95
+    assert refresh_decay(0.95, "step", 4) == pytest.approx(0.95 ** 4)
+    assert refresh_decay(0.95, "refresh", 4) == 0.95
+    with pytest.raises(Exception, match="factor_decay_per"):
+        compose_train(["optimizer=kfac", "optimizer.factor_decay_per=cycle"])

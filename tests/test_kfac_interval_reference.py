@@ -9,7 +9,8 @@ K-FAC code with ``pipefisher.optim``: per encoder Linear layer, from the layer i
 gradients g its own hooks record,
 
     A_batch = (1/T) Σ_t x̃_t x̃_tᵀ, x̃ = [x; 1]       B_batch = (1/T) Σ_t g̃_t g̃_tᵀ, g̃ = g · (T/N) / loss_scale
-    A ← A_batch at the first refresh, else decay·A + (1 − decay)·A_batch (B likewise)
+    A ← A_batch at the first refresh, else decay·A + (1 − decay)·A_batch (B likewise), with
+    decay = factor_decay^k (``optimizer.factor_decay_per=step``, the default) or factor_decay (``refresh``)
     π = sqrt((tr A / Ĩ) / (tr B / O)), λ_A = π·sqrt(λ), λ_B = sqrt(λ)/π
     inverses torch.linalg.inv(A + λ_A I), torch.linalg.inv(B + λ_B I)
     preconditioned [∇W | ∇b] = (B + λ_B I)⁻¹ [∇W | ∇b] (A + λ_A I)⁻¹
@@ -74,10 +75,12 @@ class Case:
     k: int
     deferred: bool
     stages: int = 1
+    decay_per: str = "step"
 
     @property
     def id(self) -> str:
-        return f"k{self.k}-{'deferred' if self.deferred else 'fresh'}-D{self.stages}"
+        tail = "" if self.decay_per == "step" else f"-decay-per-{self.decay_per}"
+        return f"k{self.k}-{'deferred' if self.deferred else 'fresh'}-D{self.stages}{tail}"
 
     @property
     def steps(self) -> int:
@@ -85,13 +88,14 @@ class Case:
 
 
 CASES = [Case(1, False), Case(2, False), Case(3, False), Case(1, True), Case(2, True),
-         Case(2, False, stages=2), Case(2, True, stages=2)]
+         Case(2, False, stages=2), Case(2, True, stages=2), Case(2, True, decay_per="refresh")]
 
 
 def _cfg(case: Case) -> TrainConfig:
     return compose_train(MODEL + [f"stages={case.stages}", f"steps={case.steps}", "optimizer=kfac",
                                   f"optimizer.curvature_interval={case.k}", f"optimizer.inverse_interval={case.k}",
-                                  f"optimizer.deferred_inverse={str(case.deferred).lower()}"])
+                                  f"optimizer.deferred_inverse={str(case.deferred).lower()}",
+                                  f"optimizer.factor_decay_per={case.decay_per}"])
 
 
 # --------------------------------------------------------------------------------------------
@@ -235,7 +239,7 @@ def _in_use(case: Case, deferred: bool, phase: int, refreshes: list[int], t: int
 
 
 def reference(case: Case, *, phase: int = 0, deferred: bool | None = None,
-              asdl: types.ModuleType | None = None) -> dict[str, Any]:
+              asdl: types.ModuleType | None = None, decay_per: str | None = None) -> dict[str, Any]:
     """The dense reference run of ``case`` (``phase``/``deferred`` override the refresh rule).
 
     Returns:
@@ -245,6 +249,7 @@ def reference(case: Case, *, phase: int = 0, deferred: bool | None = None,
     deferred = case.deferred if deferred is None else deferred
     cfg = _cfg(case)
     o = cfg.optimizer
+    decay = o.factor_decay ** case.k if (decay_per or case.decay_per) == "step" else o.factor_decay
     model = build_full_model(bert_config(cfg), seed=cfg.seed)
     model.train()
     linears = {n: m for n, m in model.named_modules() if isinstance(m, nn.Linear) and LINEAR.search(n)}
@@ -303,8 +308,8 @@ def reference(case: Case, *, phase: int = 0, deferred: bool | None = None,
                 if s.a is None:
                     s.a, s.b = a_batch, b_batch
                 else:
-                    s.a = o.factor_decay * s.a + (1 - o.factor_decay) * a_batch
-                    s.b = o.factor_decay * s.b + (1 - o.factor_decay) * b_batch
+                    s.a = decay * s.a + (1 - decay) * a_batch
+                    s.b = decay * s.b + (1 - decay) * b_batch
                 pi = ((s.a.trace() / s.a.shape[0]) / (s.b.trace() / s.b.shape[0])).sqrt()
                 lam_a, lam_b = pi * o.damping ** 0.5, o.damping ** 0.5 / pi
                 a_inv = torch.linalg.inv(s.a + lam_a * torch.eye(s.a.shape[0], dtype=F64))
@@ -422,6 +427,7 @@ def test_reference_with_another_phase_or_staleness_does_not_match(case: Case, ou
     wrong = [reference(case, deferred=not case.deferred)]
     if case.k > 1:
         wrong.append(reference(case, phase=1))
+        wrong.append(reference(case, decay_per="refresh" if case.decay_per == "step" else "step"))
     for ref in wrong:
         with pytest.raises(AssertionError):
             compare(ours[case.id], ref)

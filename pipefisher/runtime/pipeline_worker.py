@@ -30,7 +30,7 @@ from pipefisher.runtime.kfac_work import KfacWork
 from pipefisher.runtime.state import (capture_rng_state, kfac_state, load_kfac_state, load_module_states,
                                       load_optimizer_state, module_key, optimizer_state, restore_rng_state, to_cpu)
 from pipefisher.schedules.kfac import Assignment
-from pipefisher.training import autocast_context, data_plan, data_source, make_optimizer
+from pipefisher.training import autocast_context, data_plan, data_source, make_optimizer, refresh_decay
 
 __all__ = ["PipelineWorker"]
 
@@ -65,8 +65,9 @@ class PipelineWorker:
         if cfg.optimizer.name in ("kfac", "pipefisher"):
             self.assignment = kfac_assignment(cfg, self.schedule)
             o = cfg.optimizer
+            decay = refresh_decay(o.factor_decay, o.factor_decay_per, self.assignment.interval)
             preconditioners = {
-                key: KFACPreconditioner(m, damping=o.damping, factor_decay=o.factor_decay, loss_scale=loss_scale,
+                key: KFACPreconditioner(m, damping=o.damping, factor_decay=decay, loss_scale=loss_scale,
                                         inverse_dtype=o.inverse_dtype)
                 for key, m in self.modules.items()
             }
