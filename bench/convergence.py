@@ -23,8 +23,10 @@ What it does (bench/README.md §7 has the choices and the figures):
   used at once) and ``kfac-kK-deferred`` (inverses used from the next cycle on: PipeFisher's
   numerics at interval K). ``pipefisher`` is ``kfac-kP-deferred`` with P the interval PipeFisher's
   planner picks in the setting (``--pipefisher-k``). Every K-FAC arm's factor decay is
-  ``--decay-per-step`` ** K, so the running average remembers the same number of steps whatever K
-  (bench/README.md §10).
+  ``--decay-per-step`` ** K per refresh, so the running average remembers the same number of steps
+  whatever K (bench/README.md §10; train.py's default ``optimizer.factor_decay_per=step`` does the same,
+  the arms spell it out per refresh). PipeFisher's k per setting (default D=2:7, D=8:5) is what its
+  planner picks at batch 32: the built-in estimate at D=2, ``bench/step_costs.py`` at D=8.
 - Step costs (``--step-costs FILE``, JSON ``{setting: {arm: seconds}}``): a setting is a placement
   (``D=2 measured``: paired rounds of the real pipeline; ``D=8 simulated``: bench/step_costs.py).
   Time to target = steps to target × the arm's step cost in that setting.
@@ -106,7 +108,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--stale", help="K-FAC arms run at kfac's pick with seed 0 (staleness curve)")
     p.add_argument("--final", default=None, help="arms run with every seed (default: the families' arms, "
                                                    "kfac-k1, and pipefisher)")
-    p.add_argument("--pipefisher-k", default="D=2:6,D=8:2",
+    p.add_argument("--pipefisher-k", default="D=2:7,D=8:5",
                    help="setting:k of PipeFisher's plan per setting (bench/step_costs.py prints it)")
     p.add_argument("--decay-per-step", type=float, default=0.95)
     p.add_argument("--drops", help="targets: held-out unigram entropy minus these nats")

@@ -128,7 +128,7 @@ class Interval:
 
     def text(self, fmt: str = "{:.0f}") -> str:
         if self.n == 0:
-            return "not reached"
+            return "not reached" if self.missing else "no run yet"
         body = f"{fmt.format(self.mean)} ± {fmt.format(self.sd)} [{fmt.format(self.lo)}–{fmt.format(self.hi)}]"
         return body + (f", {self.missing} of {self.n + self.missing} not reached" if self.missing else "")
 

@@ -121,6 +121,15 @@ def write(out: Path, args: argparse.Namespace, spec: ca.StudySpec, data: Any, re
                 continue
             curve = [tuple(p) for p in r["curve"]]
             lines.append(f"| {a} | " + " | ".join(_num(ca.loss_at(curve, m)) for m in marks) + " |")
+        lines += ["", "Every finished run (the tuning runs included): final held-out loss and steps to each target:", "",
+                  "| run | final | " + " | ".join(targets) + " |", "|---|---|" + "---|" * len(targets)]
+        for key, r in sorted(results.items()):
+            if r["batch"] != batch:
+                continue
+            curve = [tuple(p) for p in r["curve"]]
+            reached = [ca.steps_to_target(curve, t) for t in targets.values()]
+            lines.append(f"| {key} | {r['final']:.3f} | " + " | ".join("not reached" if s is None else f"{s:.0f}"
+                                                                       for s in reached) + " |")
         report["batches"][str(batch)] = batch_report
     (out / "table.md").write_text("\n".join(lines) + "\n")
     (out / "results.json").write_text(json.dumps(report, indent=1, default=str) + "\n")
