@@ -14,6 +14,9 @@ What it does (bench/README.md §7 has the choices and the figures):
   (``data.eval_path``). Without the text, synthetic data (the targets then mean little).
 - Targets: the unigram entropy H of the held-out masked labels minus ``--drops`` nats
   (``convergence_analysis`` [Note: what a target means]); nothing depends on any arm's curve.
+- Tuning: a grid picks the value whose run reaches the hardest target in the fewest steps (a run that
+  misses it ranks behind, by its final loss; ``tuning_score``), since time to target is what the study
+  compares.
 - Runs: ``train.py`` at one process (``stages=1``; every pipeline method and PipeFisher's plan give
   the same trajectory as one process, tested), each pinned to one core, ``--jobs`` at a time, in
   ``<out>/runs/<batch>/<arm>/<lr>...``; a run that finished keeps its ``result.json`` and is not run
@@ -220,6 +223,13 @@ def common_overrides(args: argparse.Namespace, data: Data | None, batch: int, st
     return out
 
 
+def hardest_target(args: argparse.Namespace, data: Data | None) -> float | None:
+    """The lowest target (H minus the largest drop): the grids pick the lr that reaches it first."""
+    if data is None or not math.isfinite(data.unigram):
+        return None
+    return min(ca.targets_below(data.unigram, [float(d) for d in args.drops.split(",")]).values())
+
+
 def run_command(args: argparse.Namespace, data: Data | None, spec: ca.StudySpec, run: ca.Run, run_dir: Path) -> list[str]:
     cmd = [sys.executable, "train.py", *common_overrides(args, data, run.batch, spec.steps[run.batch]),
            *arm_overrides(run.arm, args.decay_per_step), f"lr={run.lr:g}", f"seed={run.seed}"]
@@ -282,9 +292,14 @@ class Runner:
         self.cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
         self.running: dict[str, _Flight] = {}
         self.start = time.monotonic()
+        self.target = hardest_target(args, data)
 
     def run_dir(self, run: ca.Run) -> Path:
         return self.out / "runs" / run.key
+
+    def scores(self, results: dict[str, dict[str, Any]]) -> dict[str, float]:
+        """Each run's :func:`tuning_score` against the study's hardest target."""
+        return {k: ca.tuning_score([tuple(p) for p in r["curve"]], self.target) for k, r in results.items()}
 
     def results(self) -> dict[str, dict[str, Any]]:
         found = {}
@@ -382,7 +397,7 @@ class Runner:
         """Run until :func:`plan_runs` asks for nothing more, printing progress after each run."""
         while True:
             results = self.results()
-            todo, _ = ca.plan_runs(self.spec, {k: r["final"] for k, r in results.items()})
+            todo, _ = ca.plan_runs(self.spec, self.scores(results))
             waiting = [r for r in todo if r.key not in self.running and not self.adopt(r)]
             while waiting and len(self.running) < self.args.jobs:
                 run = waiting.pop(0)
@@ -393,7 +408,7 @@ class Runner:
             time.sleep(2.0)
             for r in self.reap():
                 results = self.results()
-                todo, _ = ca.plan_runs(self.spec, {k: v["final"] for k, v in results.items()})
+                todo, _ = ca.plan_runs(self.spec, self.scores(results))
                 eta = self.eta_s([t for t in todo if t.key not in self.running], results)
                 print(f"[{(time.monotonic() - self.start) / 60:5.1f} min, {h.load()}] {r['key']}: {r['status']}, "
                       f"final held-out {r['final']:.3f}, {r['wall_s'] / 60:.1f} min; {len(results)} done, "

@@ -102,6 +102,20 @@ def loss_at(curve: Sequence[tuple[int, float]], steps: int) -> float | None:
     return next((v for s, v in curve if s == steps), None)
 
 
+UNREACHED = 1e6  # tuning score of a run that missed the target: UNREACHED + its final loss
+
+
+def tuning_score(curve: Sequence[tuple[int, float]], target: float | None) -> float:
+    """What a grid minimizes: steps to ``target`` (the study's hardest), else ``UNREACHED`` + the final
+    held-out loss (a run that missed ranks behind every run that reached it, by its loss), ``inf`` if
+    the run diverged. Without a target (synthetic data): the final loss."""
+    final = final_loss(curve)
+    if target is None or not math.isfinite(final):
+        return final
+    steps = steps_to_target(curve, target)
+    return steps if steps is not None else UNREACHED + final
+
+
 # --- seeds ------------------------------------------------------------------------------------
 
 

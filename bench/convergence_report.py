@@ -23,8 +23,19 @@ def pipefisher_arm(k: int) -> str:
     return f"kfac-k{k}-deferred"
 
 
-def _finals_text(finals: dict[float, float], best: float | None, edge: bool | None) -> str:
-    cells = [f"{v:g}: {'diverged' if not math.isfinite(f) else f'{f:.3f}'}" for v, f in sorted(finals.items())]
+def _score_text(score: float, by_steps: bool) -> str:
+    """A tuning score as text: steps to the hardest target, or the final loss (no target, or missed)."""
+    if not math.isfinite(score):
+        return "diverged"
+    if not by_steps:
+        return f"final {score:.3f}"
+    if score >= ca.UNREACHED:
+        return f"missed (final {score - ca.UNREACHED:.3f})"
+    return f"{score:.0f} steps"
+
+
+def _finals_text(finals: dict[float, float], best: float | None, edge: bool | None, by_steps: bool) -> str:
+    cells = [f"{v:g}: {_score_text(f, by_steps)}" for v, f in sorted(finals.items())]
     tail = "" if best is None else f" → **{best:g}**" + (" (at the grid's edge)" if edge else "")
     return ", ".join(cells) + tail
 
@@ -53,11 +64,12 @@ def best_other(times: dict[str, ca.Interval], arm: str) -> str | None:
 
 def write(out: Path, args: argparse.Namespace, spec: ca.StudySpec, data: Any, results: dict[str, dict[str, Any]]) -> None:
     """Write table.md, results.json and the figures of the study in ``out``."""
-    finals = {k: r["final"] for k, r in results.items()}
-    _, picks = ca.plan_runs(spec, finals)
     unigram = data.unigram if data is not None else math.nan
     drops = [float(d) for d in args.drops.split(",")]
     targets = ca.targets_below(unigram, drops) if math.isfinite(unigram) else {}
+    hardest = min(targets.values()) if targets else None
+    scores = {k: ca.tuning_score([tuple(p) for p in r["curve"]], hardest) for k, r in results.items()}
+    _, picks = ca.plan_runs(spec, scores)
     costs: dict[str, dict[str, float]] = json.loads(args.step_costs.read_text()) if args.step_costs else {}
     pf = {setting: pipefisher_arm(k) for setting, k in _ks(args).items()}
     lines = [f"# Convergence study: {args.model}, seq {args.seq_len}, micro-batch {args.micro_batch_size}",
@@ -70,13 +82,14 @@ def write(out: Path, args: argparse.Namespace, spec: ca.StudySpec, data: Any, re
     report: dict[str, Any] = {"targets": targets, "unigram": unigram, "batches": {}}
     for batch, steps in spec.steps.items():
         lines += [f"## Global batch {batch} ({batch // args.micro_batch_size} × {args.micro_batch_size}), "
-                  f"{steps} steps", "", "Tuning at seed 0 (final held-out MLM loss per lr):", ""]
+                  f"{steps} steps", "", "Tuning at seed 0 (per value: steps to the hardest target; a run that missed it ranks behind, by its "
+                  "final held-out loss):", ""]
         for fam in spec.lr_grid:
             lines.append(f"- {fam}: " + _finals_text(picks.lr_finals.get((batch, fam), {}), picks.lr.get((batch, fam)),
-                                                     picks.lr_edge.get((batch, fam))))
+                                                     picks.lr_edge.get((batch, fam)), bool(targets)))
         if batch in picks.damping_finals:
             lines.append("- kfac damping at its lr: " + _finals_text(picks.damping_finals[batch], picks.damping.get(batch),
-                                                                     picks.damping_edge.get(batch)))
+                                                                     picks.damping_edge.get(batch), bool(targets)))
         arms = list(dict.fromkeys(spec.final_arms))
         steps_by_arm = {a: steps_intervals(seed_curves(results, picks, spec, batch, a), targets) for a in arms}
         lines += ["", "Steps to target (mean ± sd [range] over seeds):", "",

@@ -266,3 +266,16 @@ def test_a_step_cost_setting_named_for_a_batch_prices_that_batch_only() -> None:
     pf = {"D=2": "kfac-k7-deferred"}
     assert report._cost_arm("kfac-k7-deferred", pf, "D=2 measured, batch 32") == "pipefisher"
     assert report._cost_arm("kfac-k2-deferred", pf, "D=2 measured, batch 32") == "kfac-k2"  # critical path at k
+
+
+def test_tuning_score_ranks_by_steps_to_the_hardest_target_then_by_final_loss(ca) -> None:
+    fast = [(50, 7.0), (100, 6.0), (150, 5.9)]
+    slow = [(50, 7.0), (100, 6.5), (150, 5.8)]
+    missed_low, missed_high = [(50, 7.0), (150, 6.1)], [(50, 7.0), (150, 6.3)]
+    target = 6.0
+    scores = [ca.tuning_score(c, target) for c in (fast, slow, missed_low, missed_high)]
+    assert scores[0] == 100.0 and scores[1] == pytest.approx(100 + 50 * 0.5 / 0.7)  # 6.5 -> 5.8 crosses 6.0
+    assert scores[0] < scores[1] < scores[2] < scores[3]  # a lower final loss does not beat reaching sooner
+    assert ca.tuning_score([(50, math.nan)], target) == math.inf
+    assert ca.tuning_score(slow, None) == 5.8  # no target: the final loss
+    assert ca.pick({1e-3: scores[1], 2e-3: scores[0], 4e-3: scores[2]}) == (2e-3, False)
