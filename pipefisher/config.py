@@ -46,6 +46,7 @@ log = logging.getLogger(__name__)
 PIPELINE_METHODS = ("gpipe", "1f1b", "chimera", "interleaved", "zb-h1", "zb-v")
 FACTOR_DECAY_UNITS = ("step", "refresh")  # optimizer.factor_decay_per
 OPTIMIZERS = ("nvlamb", "kfac", "pipefisher", "adamw", "muon")
+KFAC_OPTIMIZERS = ("kfac", "pipefisher")  # the optimizers that run K-FAC work (preconditioners, a refresh plan)
 DATA_KINDS = ("synthetic", "hdf5")
 PRECISIONS = ("fp32", "bf16")
 WANDB_MODES = ("offline", "online", "disabled")
@@ -417,7 +418,7 @@ def validate(cfg: TrainConfig) -> None:
                   f"model.num_layers={m.num_layers}")
 
     o = cfg.optimizer
-    if o.name in ("kfac", "pipefisher"):
+    if o.name in KFAC_OPTIMIZERS:
         if o.damping <= 0:
             _fail("optimizer.damping", o.damping, "K-FAC damping must be positive, e.g. optimizer.damping=1e-3")
         if not 0.0 <= o.factor_decay < 1.0:

@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from pipefisher.config import TrainConfig
+from pipefisher.config import FACTOR_DECAY_UNITS, KFAC_OPTIMIZERS, TrainConfig
 from pipefisher.data import build_source, get_micro_batch
 from pipefisher.model import BertConfig, BertStage, build_full_model
 from pipefisher.model.rng import dropout_key
@@ -96,9 +96,16 @@ def data_plan(cfg: TrainConfig) -> dict[str, int]:
     }
 
 
+def device_type(name: str) -> str:
+    """``"cuda"`` or ``"cpu"``: the kind of device :func:`resolve_device` gives for ``name``, without
+    choosing a GPU (``resolve_device`` calls ``torch.cuda.set_device``; a worker calls it once, with its
+    local rank)."""
+    return "cpu" if name == "cpu" or (name == "auto" and not torch.cuda.is_available()) else "cuda"
+
+
 def resolve_device(name: str, local_rank: int = 0) -> torch.device:
     """``auto`` → the local CUDA device when one is visible, else CPU."""
-    if name == "cpu" or (name == "auto" and not torch.cuda.is_available()):
+    if device_type(name) == "cpu":
         return torch.device("cpu")
     index = local_rank % max(1, torch.cuda.device_count())
     torch.cuda.set_device(index)
@@ -110,8 +117,8 @@ def refresh_decay(factor_decay: float, per: str, interval: int) -> float:
     ``factor_decay_per`` is ``"step"`` (a refresh every k steps then forgets as fast per step as a
     refresh every step; bench/README.md §10 measured that 0.95 per refresh at k=2 loses K-FAC's gain
     and 0.95² keeps it), ``factor_decay`` when it is ``"refresh"`` (ASDL's and kfac-pytorch's rule)."""
-    if per not in ("step", "refresh"):
-        raise ValueError(f"optimizer.factor_decay_per={per!r}: choose step or refresh")
+    if per not in FACTOR_DECAY_UNITS:
+        raise ValueError(f"optimizer.factor_decay_per={per!r}: choose one of {', '.join(FACTOR_DECAY_UNITS)}")
     return factor_decay ** interval if per == "step" else factor_decay
 
 
@@ -160,7 +167,7 @@ def _nvlamb(cfg: TrainConfig, named_params: list[tuple[str, torch.nn.Parameter]]
             device: torch.device) -> torch.optim.Optimizer:
     """NVLAMB (optimizer=nvlamb, and the base of kfac / pipefisher), with the momentum rule's groups."""
     o = cfg.optimizer
-    momentum = o.name in ("kfac", "pipefisher") and o.kfac_update == "momentum"
+    momentum = o.name in KFAC_OPTIMIZERS and o.kfac_update == "momentum"
     return build_optimizer(
         "nvlamb",
         named_params,

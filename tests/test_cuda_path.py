@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pipefisher.runtime.build import device_type, kfac_assignment, schedule_for
+from pipefisher.runtime.build import kfac_assignment, schedule_for
+from pipefisher.training import device_type
 from tests.conftest import compose_train
 
 

@@ -43,7 +43,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from pipefisher.config import TrainConfig
+from pipefisher.config import KFAC_OPTIMIZERS, TrainConfig
 from pipefisher.launch.slurm import report_lost_tasks, slurm_task_env
 from pipefisher.runtime import preemption
 from pipefisher.runtime.checkpoint import (check_compatible, checkpoint_root, find_latest, resolve_resume,
@@ -108,7 +108,7 @@ def check_resume(cfg: TrainConfig, output_dir: str | os.PathLike, schedule: Sche
     folder = resolve_resume(dataclasses.replace(cfg, resume=resume), checkpoint_root(cfg, output_dir))
     if folder is None:
         return
-    interval = kfac_assignment(cfg, schedule).interval if cfg.optimizer.name in ("kfac", "pipefisher") else None
+    interval = kfac_assignment(cfg, schedule).interval if cfg.optimizer.name in KFAC_OPTIMIZERS else None
     check_compatible(verify_checkpoint(folder), cfg, cfg.num_workers, interval, folder)
 
 
@@ -149,7 +149,7 @@ def launch_workers(cfg: TrainConfig, output_dir: str | os.PathLike, run_name: st
     line that continues this run from its latest checkpoint), when given.
     """
     schedule = schedule_for(cfg)  # build and check the schedule before any process starts
-    if cfg.optimizer.schedule and cfg.optimizer.name in ("kfac", "pipefisher"):
+    if cfg.optimizer.schedule and cfg.optimizer.name in KFAC_OPTIMIZERS:
         kfac_assignment(cfg, schedule)  # a plan made for another run fails here, not in the workers
     env = _env_world()
     if env is not None:
@@ -342,7 +342,7 @@ def run_training(cfg: TrainConfig, output_dir: str | os.PathLike, overrides: lis
     # Profiles need the executor's timeline, K-FAC runs as schedule actions in the executor, and
     # checkpoints and resume are the pipeline worker's (pipefisher.runtime.checkpoint).
     # In a SLURM job, the workers also handle preemption (checkpoint and requeue).
-    if (cfg.num_workers > 1 or cfg.profile.enabled or cfg.optimizer.name in ("kfac", "pipefisher")
+    if (cfg.num_workers > 1 or cfg.profile.enabled or cfg.optimizer.name in KFAC_OPTIMIZERS
             or cfg.checkpoint.enabled or cfg.resume != "none"
             or preemption.watching(cfg.cluster.requeue)):
         result = launch_workers(cfg, output_dir, run_name=run_name, group=group, resume_command=resume_command)

@@ -21,7 +21,7 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
-from pipefisher.config import ModelConfig, refuse_unknown_keys
+from pipefisher.config import KFAC_OPTIMIZERS, ModelConfig, refuse_unknown_keys
 from pipefisher.model.config import BertConfig
 from pipefisher.planning.config import ScheduleConfig, register_schedule_configs, to_schedule_config
 from pipefisher.planning.costs import Hardware, RunShape, costs_from_profile, estimate_run_costs
@@ -228,7 +228,7 @@ _PARTS = {
 def _measured_lines(profile: Profile, measured: StepSplit, predicted: StepSplit) -> list[str]:
     """Two lines: the profile's utilization beside the predicted "before", and where they differ."""
     optimizer = profile.metadata.get("config", {}).get("optimizer", {}).get("name", "nvlamb")
-    kfac = f"; the profiled run (optimizer={optimizer}) did K-FAC work, counted busy" if optimizer in ("kfac", "pipefisher") else ""
+    kfac = f"; the profiled run (optimizer={optimizer}) did K-FAC work, counted busy" if optimizer in KFAC_OPTIMIZERS else ""
     pairs = {part: (getattr(measured, f"{part}_ns"), getattr(predicted, f"{part}_ns")) for part in _PARTS}
     split = ", ".join(f"{_PARTS[part][0]} {m / 1e6:.1f} vs {p / 1e6:.1f}" for part, (m, p) in pairs.items())
     worst = max(pairs, key=lambda part: pairs[part][0] - pairs[part][1])

@@ -25,6 +25,7 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import dataclass
 
+from pipefisher.config import KFAC_OPTIMIZERS, OPTIMIZERS
 from pipefisher.planning.costs import RunShape, kfac_linear_dims, stage_parameters
 from pipefisher.schedules import ActionKind, Schedule
 from pipefisher.schedules.kfac import Assignment
@@ -109,8 +110,8 @@ def estimate_memory_per_worker(run: RunShape, optimizer: str, schedule: Schedule
     Returns:
         Worker rank -> its estimate, one entry per worker of the schedule.
     """
-    if optimizer not in ("nvlamb", "kfac", "pipefisher", "adamw", "muon"):
-        raise ValueError(f"optimizer={optimizer!r}: choose nvlamb, kfac, pipefisher, adamw or muon")
+    if optimizer not in OPTIMIZERS:
+        raise ValueError(f"optimizer={optimizer!r}: choose one of {', '.join(OPTIMIZERS)}")
     schedule = schedule or run.build_schedule()
     params = stage_parameters(run.bert, run.partition)
     encoder = run.encoder_layers
@@ -126,7 +127,7 @@ def estimate_memory_per_worker(run: RunShape, optimizer: str, schedule: Schedule
         if optimizer == "muon":  # one moment for the encoder's Linear weights
             moments -= 4.0 * sum(i * o for s in stages for i, o in kfac_linear_dims(run.bert, encoder[s]))
         captures = 0.0
-        if assignment is not None and optimizer in ("kfac", "pipefisher"):
+        if assignment is not None and optimizer in KFAC_OPTIMIZERS:
             captures = max(_capture_peak(ph, w, run, list(assignment.kfac_layers)) for ph in assignment.phases)
         out[w] = MemoryEstimate(w, 4.0 * p, 4.0 * p, moments + factor_sets * factors, act, captures)
     return out

@@ -27,7 +27,7 @@ from pipefisher.runtime.step_metrics import kfac_plan_label
 from pipefisher.schedules.ir import Schedule
 from pipefisher.schedules.kfac import Assignment, assignment_from_json, critical_path_assignment, kfac_layer_counts
 from pipefisher.schedules.kfac_baseline import on_critical_path
-from pipefisher.training import bert_config
+from pipefisher.training import bert_config, device_type
 
 __all__ = ["CPU_HARDWARE", "schedule_for", "build_stage_modules", "new_groups", "tied_params", "norm_params",
            "stage_slices", "encoder_layers_per_stage", "kfac_assignment", "kfac_plan_label", "describe_kfac",
@@ -103,12 +103,6 @@ def encoder_layers_per_stage(cfg: TrainConfig, num_stages: int) -> list[int]:
     """How many encoder layers each of the ``num_stages`` stages holds (the partition's choice)."""
     num_layers = cfg.model.num_layers
     return [sum(1 for j in range(first, last + 1) if 1 <= j <= num_layers) for first, last in stage_slices(cfg, num_stages)]
-
-
-def device_type(name: str) -> str:
-    """``"cuda"`` or ``"cpu"``: the kind of device ``resolve_device(name)`` gives, without choosing a GPU
-    (``resolve_device`` calls ``torch.cuda.set_device``; a worker calls it once, with its local rank)."""
-    return "cpu" if name == "cpu" or (name == "auto" and not torch.cuda.is_available()) else "cuda"
 
 
 def kfac_assignment(cfg: TrainConfig, schedule: Schedule) -> Assignment:

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from pipefisher.config import TrainConfig
+from pipefisher.config import KFAC_OPTIMIZERS, TrainConfig
 from pipefisher.data import get_micro_batch
 from pipefisher.optim import KFACPreconditioner
 from pipefisher.profiling.nvtx import mark_rank
@@ -62,7 +62,7 @@ class PipelineWorker:
         loss_scale = 1.0 / (cfg.num_micro_batches * cfg.data_parallel)
         self.assignment: Assignment | None = None
         self.kfac: KfacWork | None = None
-        if cfg.optimizer.name in ("kfac", "pipefisher"):
+        if cfg.optimizer.name in KFAC_OPTIMIZERS:
             self.assignment = kfac_assignment(cfg, self.schedule)
             o = cfg.optimizer
             decay = refresh_decay(o.factor_decay, o.factor_decay_per, self.assignment.interval)
