@@ -221,7 +221,26 @@ def main_guard(main: Callable[[], None]) -> None:
 
 
 # --------------------------------------------------------------------------------------------
-# Prepared text (convergence.py, kfac_staleness_check.py)
+# train.py runs and their text (convergence.py, kfac_staleness_check.py)
+# --------------------------------------------------------------------------------------------
+
+
+def step_rows(run_dir: Path) -> list[dict[str, Any]]:
+    """The step rows of a run's ``metrics.jsonl``, one per step in order (an evaluation that came as
+    its own record of a step is merged into that step's row); empty when there is no file yet."""
+    from pipefisher.tracking.metrics import read_metrics
+
+    path = Path(run_dir) / "metrics.jsonl"
+    by_step: dict[int, dict[str, Any]] = {}
+    if path.is_file():
+        for r in read_metrics(path):
+            if "step" in r:
+                by_step.setdefault(int(r["step"]), {}).update(r)
+    return [by_step[s] for s in sorted(by_step)]
+
+
+# --------------------------------------------------------------------------------------------
+# Prepared text
 # --------------------------------------------------------------------------------------------
 
 PREPARE_SOURCE = REPO / "pipefisher" / "data" / "prepare.py"

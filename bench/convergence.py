@@ -55,7 +55,6 @@ from typing import Any
 
 import _harness as h
 import convergence_analysis as ca
-from pipefisher.tracking.metrics import read_metrics
 
 TEXT_DIR = h.REPO.parent / "shared" / "data" / "wikitext-2"
 
@@ -138,17 +137,6 @@ def _floats(text: str) -> list[float]:
     return [float(x) for x in text.split(",") if x]
 
 
-def pipefisher_ks(text: str) -> dict[str, int]:
-    """``"D=2:6,D=8:2"`` -> ``{"D=2": 6, "D=8": 2}``."""
-    out = {}
-    for item in text.split(","):
-        setting, _, k = item.rpartition(":")
-        if not setting or not k.isdigit() or int(k) < 1:
-            raise SystemExit(f"--pipefisher-k {text!r}: give setting:k pairs such as D=2:6,D=8:2")
-        out[setting] = int(k)
-    return out
-
-
 def study_spec(args: argparse.Namespace) -> ca.StudySpec:
     """The :class:`StudySpec` of the arguments (final arms include PipeFisher's arm of every setting)."""
     batches = [int(b) for b in args.batches.split(",")]
@@ -167,7 +155,11 @@ def study_spec(args: argparse.Namespace) -> ca.StudySpec:
     else:
         final = [("kfac-k1" if f == "kfac" else f) for f in families]
         if "kfac" in families:
-            final += sorted({f"kfac-k{k}-deferred" for k in pipefisher_ks(args.pipefisher_k).values()})
+            try:
+                ks = ca.pipefisher_ks(args.pipefisher_k)
+            except ValueError as e:
+                raise SystemExit(str(e)) from None
+            final += sorted({ca.pipefisher_arm(k) for k in ks.values()})
     stale = [a for a in args.stale.split(",") if a] if "kfac" in families else []
     for arm in stale + final:
         arm_overrides(arm, args.decay_per_step)  # unknown arms fail here, before any run
@@ -211,12 +203,17 @@ def prepare(args: argparse.Namespace) -> Data | None:
     return Data(train, heldout, vocab, ca.unigram_entropy(held), ca.unigram_cross_entropy(held, seen, vocab))
 
 
-def common_overrides(args: argparse.Namespace, data: Data | None, batch: int, steps: int) -> list[str]:
-    """train.py overrides every run at ``batch`` shares."""
-    out = [f"model={args.model}", "stages=1", f"micro_batch_size={args.micro_batch_size}",
-           f"num_micro_batches={batch // args.micro_batch_size}", f"steps={steps}",
+def common_overrides(args: argparse.Namespace, data: Data | None, batch: int, steps: int, *, stages: int = 1,
+                     num_micro_batches: int | None = None, evaluate: bool = True) -> list[str]:
+    """train.py overrides every run at ``batch`` shares: one process, micro-batches of
+    ``--micro-batch-size`` by default (``num_micro_batches`` splits ``batch`` otherwise), with the
+    held-out evaluation (``evaluate``)."""
+    n = num_micro_batches or batch // args.micro_batch_size
+    out = [f"model={args.model}", f"stages={stages}", f"micro_batch_size={batch // n}",
+           f"num_micro_batches={n}", f"steps={steps}",
            f"data.seq_len={args.seq_len}", f"data.max_predictions={args.max_predictions}",
-           f"eval.every_steps={args.eval_every}", f"eval.batches={args.eval_batches}",
+           *((f"eval.every_steps={args.eval_every}", f"eval.batches={args.eval_batches}") if evaluate
+             else ("eval.every_steps=0",)),
            "device=cpu", "progress=false", "wandb.mode=disabled", "log_every=50"]
     if data is not None:
         out += ["data=hdf5", f"data.path={data.train}", f"data.eval_path={data.heldout}", f"model.vocab_size={data.vocab}"]
@@ -239,17 +236,6 @@ def run_command(args: argparse.Namespace, data: Data | None, spec: ca.StudySpec,
 
 
 # --- runs -------------------------------------------------------------------------------------
-
-
-def step_rows(run_dir: Path) -> list[dict[str, Any]]:
-    """The step rows of a run's metrics.jsonl, one per step (an evaluation's record merged into its step's)."""
-    path = run_dir / "metrics.jsonl"
-    by_step: dict[int, dict[str, Any]] = {}
-    if path.is_file():
-        for r in read_metrics(path):
-            if "step" in r:
-                by_step.setdefault(int(r["step"]), {}).update(r)
-    return [by_step[s] for s in sorted(by_step)]
 
 
 def summarize_run(run: ca.Run, rows: list[dict[str, Any]], status: str, wall_s: float) -> dict[str, Any]:
@@ -299,7 +285,7 @@ class Runner:
 
     def scores(self, results: dict[str, dict[str, Any]]) -> dict[str, float]:
         """Each run's :func:`tuning_score` against the study's hardest target."""
-        return {k: ca.tuning_score([tuple(p) for p in r["curve"]], self.target) for k, r in results.items()}
+        return {k: ca.tuning_score(r["curve"], self.target) for k, r in results.items()}
 
     def results(self) -> dict[str, dict[str, Any]]:
         found = {}
@@ -354,7 +340,7 @@ class Runner:
                     f.proc.wait()
             del self.running[key]
             run_dir = self.run_dir(f.run)
-            rows = step_rows(run_dir)
+            rows = h.step_rows(run_dir)
             text = (run_dir / "train.log").read_text(errors="replace")
             code = f.proc.returncode if f.proc is not None else None
             if code in (0, None) and len(rows) >= self.spec.steps[f.run.batch] and "Traceback" not in text:
@@ -394,9 +380,10 @@ class Runner:
         return left / max(1, self.args.jobs)
 
     def loop(self) -> None:
-        """Run until :func:`plan_runs` asks for nothing more, printing progress after each run."""
+        """Run until :func:`plan_runs` asks for nothing more, printing progress after each run. The plan
+        is made again only when a run has ended (its result is what can change it)."""
+        results = self.results()
         while True:
-            results = self.results()
             todo, _ = ca.plan_runs(self.spec, self.scores(results))
             waiting = [r for r in todo if r.key not in self.running and not self.adopt(r)]
             while waiting and len(self.running) < self.args.jobs:
@@ -405,11 +392,14 @@ class Runner:
                 self.launch(run)
             if not self.running:
                 return
-            time.sleep(2.0)
-            for r in self.reap():
-                results = self.results()
-                todo, _ = ca.plan_runs(self.spec, self.scores(results))
-                eta = self.eta_s([t for t in todo if t.key not in self.running], results)
+            finished = self.reap()
+            while not finished:
+                time.sleep(2.0)
+                finished = self.reap()
+            results.update((r["key"], r) for r in finished)
+            todo, _ = ca.plan_runs(self.spec, self.scores(results))
+            eta = self.eta_s([t for t in todo if t.key not in self.running], results)
+            for r in finished:
                 print(f"[{(time.monotonic() - self.start) / 60:5.1f} min, {h.load()}] {r['key']}: {r['status']}, "
                       f"final held-out {r['final']:.3f}, {r['wall_s'] / 60:.1f} min; {len(results)} done, "
                       f"{len(self.running)} running, {len(todo) - len(self.running)} known to come, "
@@ -451,15 +441,13 @@ def measure_d2(args: argparse.Namespace, data: Data | None, out: Path, batch: in
         for arm in arms[r % len(arms):] + arms[:r % len(arms)]:
             run_dir = out / "timing" / f"round{r}" / arm
             shutil.rmtree(run_dir, ignore_errors=True)
-            common = [o for o in common_overrides(args, data, batch, steps)
-                      if not o.startswith(("stages=", "micro_batch_size=", "num_micro_batches=", "eval."))]
-            cmd = [sys.executable, "train.py", *common, "stages=2", "pipeline=chimera",
-                   f"micro_batch_size={batch // 4}", "num_micro_batches=4", "eval.every_steps=0",
+            common = common_overrides(args, data, batch, steps, stages=2, num_micro_batches=4, evaluate=False)
+            cmd = [sys.executable, "train.py", *common, "pipeline=chimera",
                    *timed_overrides(arm, args.decay_per_step), f"hydra.run.dir={run_dir}"]
             done = subprocess.run(cmd, cwd=h.REPO, capture_output=True, text=True, timeout=args.timeout_s)
             if done.returncode:
                 raise RuntimeError(f"timing {arm}: train.py exited with {done.returncode}:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
-            mean, k = cycle_mean_step_s(step_rows(run_dir))
+            mean, k = cycle_mean_step_s(h.step_rows(run_dir))
             per_arm[arm].append(mean)
             print(f"  timing round {r}: {arm} {mean * 1e3:.1f} ms/step (k={k}, {h.load()})", flush=True)
     return {a: statistics.median(v) for a, v in per_arm.items()}

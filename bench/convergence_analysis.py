@@ -239,6 +239,23 @@ def kfac_interval(arm: str) -> int | None:
     return int(arm[len("kfac-k"):].split("-")[0])
 
 
+def pipefisher_arm(k: int) -> str:
+    """The arm that stands in for PipeFisher's numerics at interval k: K-FAC refreshing every k steps,
+    inverses deferred a cycle."""
+    return f"kfac-k{k}-deferred"
+
+
+def pipefisher_ks(text: str) -> dict[str, int]:
+    """``"D=2:7,D=8:5"`` -> ``{"D=2": 7, "D=8": 5}``: PipeFisher's planned interval per setting."""
+    out = {}
+    for item in text.split(","):
+        setting, _, k = item.rpartition(":")
+        if not setting or not k.isdigit() or int(k) < 1:
+            raise ValueError(f"--pipefisher-k {text!r}: give setting:k pairs such as D=2:7,D=8:5")
+        out[setting] = int(k)
+    return out
+
+
 def family(arm: str) -> str:
     """The arm whose learning rate (and damping) an arm shares: every K-FAC arm uses kfac-k1's pick."""
     return "kfac" if arm.startswith("kfac") else arm

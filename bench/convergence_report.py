@@ -18,11 +18,6 @@ from typing import Any
 import convergence_analysis as ca
 
 
-def pipefisher_arm(k: int) -> str:
-    """PipeFisher's numerics at interval k: K-FAC refreshing every k steps, inverses deferred a cycle."""
-    return f"kfac-k{k}-deferred"
-
-
 def _score_text(score: float, by_steps: bool) -> str:
     """A tuning score as text: steps to the hardest target, or the final loss (no target, or missed)."""
     if not math.isfinite(score):
@@ -47,7 +42,7 @@ def seed_curves(results: dict[str, dict[str, Any]], picks: ca.Picks, spec: ca.St
     for seed in range(spec.seeds):
         run = ca.chosen_run(picks, batch, arm, seed)
         if run is not None and run.key in results and results[run.key]["status"] == "ok":
-            curves.append([tuple(p) for p in results[run.key]["curve"]])
+            curves.append(results[run.key]["curve"])
     return curves
 
 
@@ -68,18 +63,21 @@ def write(out: Path, args: argparse.Namespace, spec: ca.StudySpec, data: Any, re
     drops = [float(d) for d in args.drops.split(",")]
     targets = ca.targets_below(unigram, drops) if math.isfinite(unigram) else {}
     hardest = min(targets.values()) if targets else None
-    scores = {k: ca.tuning_score([tuple(p) for p in r["curve"]], hardest) for k, r in results.items()}
+    scores = {k: ca.tuning_score(r["curve"], hardest) for k, r in results.items()}
     _, picks = ca.plan_runs(spec, scores)
     costs: dict[str, dict[str, float]] = json.loads(args.step_costs.read_text()) if args.step_costs else {}
-    pf = {setting: pipefisher_arm(k) for setting, k in _ks(args).items()}
+    ks = ca.pipefisher_ks(args.pipefisher_k)
+    pf = {setting: ca.pipefisher_arm(k) for setting, k in ks.items()}
     lines = [f"# Convergence study: {args.model}, seq {args.seq_len}, micro-batch {args.micro_batch_size}",
              "",
              (f"Held-out unigram entropy H = {unigram:.3f} nats (cross-entropy under the training frequencies "
               f"{data.cross:.3f}); targets: " + ", ".join(f"{n} = {t:.3f}" for n, t in targets.items()))
              if data is not None else "Synthetic data: no held-out text, no targets.",
              f"Seeds per final arm: {spec.seeds}; K-FAC factor decay {args.decay_per_step} ** k; "
-             f"PipeFisher's interval per setting: {_ks(args)}.", ""]
+             f"PipeFisher's interval per setting: {ks}.", ""]
     report: dict[str, Any] = {"targets": targets, "unigram": unigram, "batches": {}}
+    arms = list(dict.fromkeys(spec.final_arms))
+    curves = {b: {a: seed_curves(results, picks, spec, b, a) for a in arms} for b in spec.steps}
     for batch, steps in spec.steps.items():
         lines += [f"## Global batch {batch} ({batch // args.micro_batch_size} × {args.micro_batch_size}), "
                   f"{steps} steps", "", "Tuning at seed 0 (per value: steps to the hardest target; a run that missed it ranks behind, by its "
@@ -90,14 +88,12 @@ def write(out: Path, args: argparse.Namespace, spec: ca.StudySpec, data: Any, re
         if batch in picks.damping_finals:
             lines.append("- kfac damping at its lr: " + _finals_text(picks.damping_finals[batch], picks.damping.get(batch),
                                                                      picks.damping_edge.get(batch), bool(targets)))
-        arms = list(dict.fromkeys(spec.final_arms))
-        steps_by_arm = {a: steps_intervals(seed_curves(results, picks, spec, batch, a), targets) for a in arms}
+        steps_by_arm = {a: steps_intervals(curves[batch][a], targets) for a in arms}
         lines += ["", "Steps to target (mean ± sd [range] over seeds):", "",
                   "| arm | seeds | " + " | ".join(targets) + " |", "|---|---|" + "---|" * len(targets)]
         for a in arms:
-            n = len(seed_curves(results, picks, spec, batch, a))
             label = a + "".join(f" (PipeFisher {s})" for s, p in pf.items() if p == a)
-            lines.append(f"| {label} | {n} | " + " | ".join(steps_by_arm[a][t].text() for t in targets) + " |")
+            lines.append(f"| {label} | {len(curves[batch][a])} | " + " | ".join(steps_by_arm[a][t].text() for t in targets) + " |")
         batch_report: dict[str, Any] = {"steps_to_target": {a: {t: vars(i) for t, i in v.items()}
                                                             for a, v in steps_by_arm.items()}, "time": {}}
         for setting, cost in _settings(costs, batch).items():
@@ -122,8 +118,8 @@ def write(out: Path, args: argparse.Namespace, spec: ca.StudySpec, data: Any, re
                               f"{ca.ratio(ti, times[t][other]).text()} ({other})" if other else "–"]
                 lines.append("| " + " | ".join(cells) + " |")
             batch_report["time"][setting] = {t: {a: vars(i) for a, i in v.items()} for t, v in times.items()}
-        stale = [a for a in dict.fromkeys(["kfac-k1"] + list(spec.stale_arms))]
-        marks = [m for m in (steps // 4, steps // 2, 3 * steps // 4, steps)]
+        stale = list(dict.fromkeys(["kfac-k1"] + list(spec.stale_arms)))
+        marks = [steps // 4, steps // 2, 3 * steps // 4, steps]
         lines += ["", "Staleness at seed 0: held-out loss after equal steps (k = refresh interval; deferred: inverses "
                   "used from the next cycle on, PipeFisher's numerics):", "",
                   "| arm | " + " | ".join(f"@{m}" for m in marks) + " |", "|---|" + "---|" * len(marks)]
@@ -132,30 +128,20 @@ def write(out: Path, args: argparse.Namespace, spec: ca.StudySpec, data: Any, re
             r = results.get(run.key) if run is not None else None
             if r is None:
                 continue
-            curve = [tuple(p) for p in r["curve"]]
-            lines.append(f"| {a} | " + " | ".join(_num(ca.loss_at(curve, m)) for m in marks) + " |")
+            lines.append(f"| {a} | " + " | ".join(_num(ca.loss_at(r["curve"], m)) for m in marks) + " |")
         lines += ["", "Every finished run (the tuning runs included): final held-out loss and steps to each target:", "",
                   "| run | final | " + " | ".join(targets) + " |", "|---|---|" + "---|" * len(targets)]
         for key, r in sorted(results.items()):
             if r["batch"] != batch:
                 continue
-            curve = [tuple(p) for p in r["curve"]]
-            reached = [ca.steps_to_target(curve, t) for t in targets.values()]
+            reached = [ca.steps_to_target(r["curve"], t) for t in targets.values()]
             lines.append(f"| {key} | {r['final']:.3f} | " + " | ".join("not reached" if s is None else f"{s:.0f}"
                                                                        for s in reached) + " |")
         report["batches"][str(batch)] = batch_report
     (out / "table.md").write_text("\n".join(lines) + "\n")
     (out / "results.json").write_text(json.dumps(report, indent=1, default=str) + "\n")
-    _figures(out, spec, picks, results, targets, costs, pf)
+    _figures(out, spec, picks, results, curves, targets, costs, pf)
     print("\n".join(lines))
-
-
-def _ks(args: argparse.Namespace) -> dict[str, int]:
-    out = {}
-    for item in args.pipefisher_k.split(","):
-        setting, _, k = item.rpartition(":")
-        out[setting] = int(k)
-    return out
 
 
 def _cost_arm(arm: str, pf: dict[str, str], setting: str) -> str:
@@ -181,6 +167,7 @@ def _num(v: float | None) -> str:
 
 
 def _figures(out: Path, spec: ca.StudySpec, picks: ca.Picks, results: dict[str, dict[str, Any]],
+             curves_by_batch: dict[int, dict[str, list]],
              targets: dict[str, float], costs: dict[str, dict[str, float]], pf: dict[str, str]) -> None:
     import matplotlib
 
@@ -193,7 +180,7 @@ def _figures(out: Path, spec: ca.StudySpec, picks: ca.Picks, results: dict[str, 
         fig, axes = plt.subplots(1, len(settings), figsize=(6.2 * len(settings), 4.4), squeeze=False)
         for ax, setting in zip(axes[0], settings):
             for arm in dict.fromkeys(spec.final_arms):
-                curves = seed_curves(results, picks, spec, batch, arm)
+                curves = curves_by_batch[batch][arm]
                 if not curves:
                     continue
                 n = min(len(c) for c in curves)

@@ -59,7 +59,6 @@ from pathlib import Path
 from typing import Any
 
 import _harness as h
-from pipefisher.tracking.metrics import read_metrics
 
 DEFAULT_TEXT = h.REPO.parent / "shared" / "data" / "wikitext-2" / "train.txt"
 SEQ_LEN, MAX_PREDICTIONS = 128, 20
@@ -129,7 +128,7 @@ def run_arm(arm: str, common: Sequence[str], out: Path, steps: int, timeout_s: f
             while proc.poll() is None:
                 if time.monotonic() - start > timeout_s:
                     raise RuntimeError(f"{arm}: timed out after {timeout_s:.0f} s")
-                if (run_dir / "metrics.jsonl").is_file() and len(records(run_dir)) >= steps:
+                if len(h.step_rows(run_dir)) >= steps:
                     stopped = True
                     break
                 time.sleep(0.5)
@@ -137,20 +136,11 @@ def run_arm(arm: str, common: Sequence[str], out: Path, steps: int, timeout_s: f
             if proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGKILL)  # its own session: train.py and its worker
                 proc.wait()
-    rows = records(run_dir)
+    rows = h.step_rows(run_dir)
     if len(rows) < steps or (not stopped and proc.returncode):
         tail = "\n".join(log_path.read_text(errors="replace").splitlines()[-30:])
         raise RuntimeError(f"{arm}: train.py exited with {proc.returncode} after {len(rows)} steps:\n{tail}")
     return rows[:steps]
-
-
-def records(run_dir: Path) -> list[dict[str, Any]]:
-    """The step rows of ``run_dir``'s metrics.jsonl, one per step, in order."""
-    rows = [r for r in read_metrics(run_dir / "metrics.jsonl") if "step" in r]
-    by_step: dict[int, dict[str, Any]] = {}
-    for r in rows:  # an eval row may come as its own record of a step: merge them
-        by_step.setdefault(int(r["step"]), {}).update(r)
-    return [by_step[s] for s in sorted(by_step)]
 
 
 def trailing_mean(values: Sequence[float], end: int, window: int) -> float:
@@ -274,8 +264,8 @@ def main() -> None:
     losses: dict[str, list[float]] = {}
     for arm in arms:
         done = out / arm / "metrics.jsonl"
-        if args.reuse and done.is_file() and len(records(out / arm)) >= args.steps:
-            rows = records(out / arm)[:args.steps]
+        if args.reuse and done.is_file() and len(h.step_rows(out / arm)) >= args.steps:
+            rows = h.step_rows(out / arm)[:args.steps]
         else:
             rows = run_arm(arm, common, out, args.steps, args.timeout_s, pin)
         summaries[arm] = summarize(rows, checkpoints, args.window)

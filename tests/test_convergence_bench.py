@@ -194,15 +194,17 @@ def test_arm_overrides_scale_the_factor_decay_per_step_and_defer_inverses(cv) ->
         cv.arm_overrides("kfac-k2-later", 0.95)
 
 
-def test_spec_of_the_arguments_adds_pipefisher_arms_and_refuses_bad_batches(cv) -> None:
+def test_spec_of_the_arguments_adds_pipefisher_arms_and_refuses_bad_batches(cv, ca) -> None:
     args = cv.parse_args(["--quick", "--pipefisher-k", "D=2:7,D=8:2"])
     spec = cv.study_spec(args)
     assert "kfac-k7-deferred" in spec.final_arms and "kfac-k2-deferred" in spec.final_arms
     assert spec.steps == {32: 120}
     with pytest.raises(SystemExit, match="multiple"):
         cv.study_spec(cv.parse_args(["--quick", "--batches", "48"]))
+    with pytest.raises(ValueError, match="setting:k"):
+        ca.pipefisher_ks("D=2")
     with pytest.raises(SystemExit, match="setting:k"):
-        cv.pipefisher_ks("D=2")
+        cv.study_spec(cv.parse_args(["--quick", "--pipefisher-k", "D=2"]))
 
 
 def test_run_command_sets_accumulation_lr_seed_and_damping(cv, ca, tmp_path: Path) -> None:
@@ -211,6 +213,9 @@ def test_run_command_sets_accumulation_lr_seed_and_damping(cv, ca, tmp_path: Pat
     cmd = cv.run_command(args, None, spec, ca.Run(128, "kfac-k1", 0.02, 1, 1e-3), tmp_path)
     assert "num_micro_batches=4" in cmd and "micro_batch_size=32" in cmd and "lr=0.02" in cmd
     assert "seed=1" in cmd and "optimizer.damping=0.001" in cmd and cmd[-1] == f"hydra.run.dir={tmp_path}"
+    timed = cv.common_overrides(args, None, 32, 40, stages=2, num_micro_batches=4, evaluate=False)
+    assert {"stages=2", "micro_batch_size=8", "num_micro_batches=4", "eval.every_steps=0"} <= set(timed)
+    assert not any(o.startswith("eval.batches") for o in timed)
 
 
 # --- the report -----------------------------------------------------------------------------------
