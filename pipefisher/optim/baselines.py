@@ -24,7 +24,6 @@ parameters numbered first; ``load_state_dict()`` splits it back and relinks the 
 
 from __future__ import annotations
 
-import math
 import re
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -33,7 +32,7 @@ import torch
 from torch import Tensor, nn
 
 from pipefisher.optim.kfac import ENCODER_LINEAR_PATTERN
-from pipefisher.optim.nvlamb import _clip_grads_in_place, _unique, global_grad_norm, param_groups
+from pipefisher.optim.nvlamb import _closure_loss, clip_by_global_norm, param_groups
 
 __all__ = [
     "BASELINE_OPTIMIZERS",
@@ -46,29 +45,6 @@ __all__ = [
 
 #: Names accepted by :func:`build_baseline_optimizer`.
 BASELINE_OPTIMIZERS: tuple[str, ...] = ("adamw", "muon")
-
-
-def clip_by_global_norm(groups: Iterable[dict[str, Any]], grad_norm: Tensor | float | None,
-                        max_grad_norm: float) -> None:
-    """Scale the ``.grad`` of every parameter in ``groups`` by the global clip coefficient.
-
-    As ``_GlobalNormSGD`` does: ``grad_norm`` None takes the norm over these parameters (each
-    tensor once); ``max_grad_norm <= 0`` or ``inf`` disables the clip (then no norm is computed).
-    """
-    if not 0.0 < max_grad_norm < math.inf:
-        return
-    with torch.no_grad():
-        params = _unique(p for g in groups for p in g["params"])
-        if grad_norm is None:
-            grad_norm = global_grad_norm(params)
-        _clip_grads_in_place(params, grad_norm, max_grad_norm)
-
-
-def _closure_loss(closure: Callable[[], Tensor] | None) -> Tensor | None:
-    if closure is None:
-        return None
-    with torch.enable_grad():
-        return closure()
 
 
 class GlobalNormAdamW(torch.optim.AdamW):

@@ -379,6 +379,29 @@ class NVLAMB(torch.optim.Optimizer):
 # --------------------------------------------------------------------------------------------
 
 
+def clip_by_global_norm(groups: Iterable[dict[str, Any]], grad_norm: Tensor | float | None,
+                        max_grad_norm: float) -> None:
+    """Scale the ``.grad`` of every parameter in ``groups`` by the global clip coefficient.
+
+    ``grad_norm`` None takes the norm over these parameters (each
+    tensor once); ``max_grad_norm <= 0`` or ``inf`` disables the clip (then no norm is computed).
+    """
+    if not 0.0 < max_grad_norm < math.inf:
+        return
+    with torch.no_grad():
+        params = _unique(p for g in groups for p in g["params"])
+        if grad_norm is None:
+            grad_norm = global_grad_norm(params)
+        _clip_grads_in_place(params, grad_norm, max_grad_norm)
+
+
+def _closure_loss(closure: Callable[[], Tensor] | None) -> Tensor | None:
+    if closure is None:
+        return None
+    with torch.enable_grad():
+        return closure()
+
+
 class _GlobalNormSGD(torch.optim.SGD):
     """torch SGD that takes ``step(grad_norm=...)`` like NVLAMB and clips by the global norm.
 
@@ -393,16 +416,8 @@ class _GlobalNormSGD(torch.optim.SGD):
         self, closure: Callable[[], Tensor] | None = None, *, grad_norm: Tensor | float | None = None
     ) -> Tensor | None:
         """SGD step after clipping the gradients by ``grad_norm`` (computed here when ``None``)."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        if self.max_grad_norm > 0.0:
-            with torch.no_grad():
-                params = _unique(p for g in self.param_groups for p in g["params"])
-                if grad_norm is None:
-                    grad_norm = global_grad_norm(params)
-                _clip_grads_in_place(params, grad_norm, self.max_grad_norm)
+        loss = _closure_loss(closure)
+        clip_by_global_norm(self.param_groups, grad_norm, self.max_grad_norm)
         super().step()
         return loss
 
@@ -430,10 +445,7 @@ def _apex_fused_lamb_class() -> type[torch.optim.Optimizer] | None:
         ) -> Tensor | None:
             if grad_norm is None or math.isinf(self.clip_threshold):
                 return super().step(closure)
-            loss = None
-            if closure is not None:
-                with torch.enable_grad():
-                    loss = closure()
+            loss = _closure_loss(closure)
             with torch.no_grad():
                 params = _unique(p for g in self.param_groups for p in g["params"])
                 _clip_grads_in_place(params, grad_norm, self.clip_threshold)
