@@ -2,11 +2,21 @@
 
 from __future__ import annotations
 
+import itertools
+import json
+import os
+import socket
+from pathlib import Path
+
 import pytest
 import torch
+import torch.multiprocessing as mp
 
 from pipefisher.runtime.build import kfac_assignment, schedule_for
 from pipefisher.training import device_type
+from pipefisher.config import TrainConfig
+from pipefisher.tracking import read_metrics
+from tests import cuda_standin
 from tests.conftest import compose_train
 
 
@@ -36,3 +46,84 @@ def test_device_type_follows_the_device_setting(four_gpus, monkeypatch) -> None:
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert device_type("auto") == "cpu"
     assert four_gpus == []
+
+
+# --------------------------------------------------------------------------------------------
+# A whole worker lifecycle on a stand-in node of 4 GPUs (tests/cuda_standin.py)
+# --------------------------------------------------------------------------------------------
+
+LIFECYCLE = ["optimizer=pipefisher", "pipeline=1f1b", "stages=4", "num_micro_batches=4", "device=auto",
+             "model.num_layers=4", "model.hidden_size=32", "model.num_heads=2", "model.vocab_size=128",
+             "data.seq_len=16", "data.max_predictions=3", "steps=4", "checkpoint.every_steps=1",
+             "cluster.worker_timeout_s=120"]
+PREEMPT_AFTER = 1  # rank 0 gets SLURM's warning during step 1: all stop, save and requeue after it
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _lifecycle_worker(local_rank: int, cfg: TrainConfig, out_dir: str, ports: list[int]) -> None:
+    """One worker of a SLURM job on a node of 4 stand-in GPUs: train, get preempted after step 1
+    (checkpoint, requeue), then run as the requeued job (resume) to the end."""
+    torch.set_num_threads(1)
+    from pipefisher.runtime import preemption
+    from pipefisher.runtime.worker import run_worker
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", SLURM_JOB_ID="4242")
+    requeued: list[str] = []
+    preemption._requeue = requeued.append  # scontrol's stand-in: record instead of requeueing
+    polls = itertools.count()
+    preemption.requested = lambda: local_rank == 0 and next(polls) >= PREEMPT_AFTER
+    results = []
+    with cuda_standin.install(4) as cuda:
+        for attempt, port in enumerate(ports):
+            os.environ.update(MASTER_PORT=str(port), SLURM_RESTART_COUNT=str(attempt))
+            if attempt:
+                preemption.requested = lambda: False
+            result = run_worker(cfg, local_rank, 4, out_dir, local_rank=local_rank, local_world_size=4,
+                                requeue_here=True)
+            results.append({k: result.get(k) for k in ("step", "preempted")})
+    Path(out_dir, f"standin_rank{local_rank}.json").write_text(json.dumps(
+        {"calls": cuda.calls, "backends": cuda.backends, "requeued": requeued, "results": results}))
+
+
+@pytest.fixture(scope="module")
+def standin_lifecycle(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[int, dict]]:
+    """Ranks 0..3 of one node through build, PipeFisher planning, steps, checkpoints, preemption
+    with requeue, and the requeued job's resume; per rank what its stand-in recorded."""
+    out = tmp_path_factory.mktemp("standin")
+    with cuda_standin.install(4):  # device=auto composes to a CUDA run only where CUDA is visible
+        cfg = compose_train(LIFECYCLE)
+    mp.start_processes(_lifecycle_worker, args=(cfg, str(out), [_free_port(), _free_port()]), nprocs=4,
+                       join=True, start_method="spawn")
+    return out, {r: json.loads((out / f"standin_rank{r}.json").read_text()) for r in range(4)}
+
+
+def test_every_local_rank_touches_only_its_own_gpu_through_a_whole_lifecycle(standin_lifecycle) -> None:
+    """Defect 1 and its consequences: each rank's set_device, tensors, stream events, syncs, memory
+    statistics, generator state and NCCL object collectives all target cuda:<local rank>."""
+    _, ranks = standin_lifecycle
+    for rank, seen in ranks.items():
+        calls = [tuple(c) for c in seen["calls"]]
+        assert [d for what, d in calls if what == "set_device"] == [rank, rank]  # once per attempt
+        assert {d for _, d in calls} == {rank}, sorted({c for c in calls if c[1] != rank})
+        assert seen["backends"] == ["nccl", "nccl"]
+        kinds = {what for what, _ in calls}
+        for kind in ("tensor:_parse_to", "event.record", "stream.synchronize", "synchronize",
+                     "max_memory_allocated", "get_rng_state", "set_rng_state",
+                     "dist.gather_object", "dist.all_gather_object", "dist.broadcast_object_list", "dist.barrier"):
+            assert kind in kinds, f"rank {rank} never made a {kind} call: the lifecycle missed a path"
+
+
+def test_standin_lifecycle_checkpoints_requeues_and_resumes(standin_lifecycle) -> None:
+    out, ranks = standin_lifecycle
+    for seen in ranks.values():  # stopped after step 1; the requeued attempt ran steps 2 and 3
+        assert seen["results"] == [{"step": 1, "preempted": True}, {"step": 3, "preempted": None}]
+    assert len(ranks[0]["requeued"]) == 1 and "after step 1" in ranks[0]["requeued"][0]
+    assert all(not ranks[r]["requeued"] for r in (1, 2, 3))
+    rows = read_metrics(out / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [0, 1, 2, 3]
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step_2", "step_3"]  # keep_last=2
