@@ -35,8 +35,10 @@ __all__ = [
     "TrainConfig",
     "check_override_keys",
     "refuse_unknown_keys",
+    "micro_batch_rule",
     "num_micro_batches_for",
     "register_configs",
+    "resolve_batch",
     "to_train_config",
     "validate",
 ]
@@ -220,8 +222,9 @@ class TrainConfig:
 
     stages: int = 1  # pipeline stages D (1 = single process)
     data_parallel: int = 1  # data-parallel width W (W pipelines, or W Chimera pairs)
-    micro_batch_size: int = 16  # sequences per micro-batch
-    num_micro_batches: Any = "auto"  # micro-batches per step N (an int), or auto: from the method and stages (num_micro_batches_for)
+    global_batch_size: Any = "auto"  # sequences per optimizer step over all micro-batches and replicas, or auto (resolve_batch)
+    micro_batch_size: Any = "auto"  # sequences per micro-batch, or auto: global_batch_size / (num_micro_batches x data_parallel)
+    num_micro_batches: Any = "auto"  # micro-batches per step N (an int), or auto (resolve_batch)
     steps: int = 100  # optimizer steps
     seed: int = 0  # seed of weights and data order
     lr: float = 1e-3  # peak learning rate
@@ -234,14 +237,11 @@ class TrainConfig:
     on_nonfinite: str = "stop"  # NaN/inf in loss or gradients: stop (naming the step) or skip (drop that step's update)
     max_skipped_steps: int = 10  # on_nonfinite=skip: most skipped steps in a row; one more stops the run
     resume: str = "none"  # none, auto (latest complete checkpoint in checkpoint.dir, if any) or a checkpoint path
+    init_from: Optional[str] = None  # start from these weights only (new optimizer and schedule): a run folder, its final/, a step_<n> checkpoint or an export; NVIDIA's phase 2
+    save_final: bool = True  # write the trained weights to <run>/final/ (config.json, model.safetensors, vocab.txt: Hugging Face's layout)
 
     def __post_init__(self) -> None:
         validate(self)
-
-    @property
-    def global_batch_size(self) -> int:
-        """Sequences per optimizer step over all micro-batches and data-parallel replicas."""
-        return self.micro_batch_size * self.num_micro_batches * self.data_parallel
 
     @property
     def num_workers(self) -> int:
@@ -279,19 +279,102 @@ def num_micro_batches_for(method: str, stages: int) -> int:
     return max(1, stages) * (2 if method == "zb-v" else 1)
 
 
-def _resolve_auto(cfg: TrainConfig) -> None:
-    """Replace ``num_micro_batches=auto`` by its value; refuse anything else that is not an int."""
-    n = cfg.num_micro_batches
-    if isinstance(n, str) and n.strip().lower() == "auto":
-        cfg.num_micro_batches = num_micro_batches_for(cfg.pipeline.method, cfg.stages)
-        if cfg.stages > 1:
-            log.info("num_micro_batches=auto: %d for pipeline=%s with stages=%d", cfg.num_micro_batches,
-                     cfg.pipeline.method, cfg.stages)
-    elif isinstance(n, bool) or not isinstance(n, int):
-        if isinstance(n, str) and n.strip().lstrip("+").isdigit():
-            cfg.num_micro_batches = int(n)
+DEFAULT_GLOBAL_BATCH = 16  # global_batch_size=auto without a micro_batch_size: sequences per step
+
+
+def _as_count(name: str, value: Any, what: str) -> int | None:
+    """``auto`` -> None; a whole number (int or digit string) -> int; anything else fails naming ``name``."""
+    if isinstance(value, str) and value.strip().lower() == "auto":
+        return None
+    if isinstance(value, str) and value.strip().lstrip("+").isdigit():
+        return int(value)
+    if isinstance(value, bool) or not isinstance(value, int):
+        _fail(name, value, f"give a whole number of {what}, or {name}=auto")
+    return value
+
+
+def micro_batch_rule(method: str, stages: int) -> tuple[int, str] | None:
+    """What a method needs of N at ``stages`` > 1: (m, why) for "a multiple of m" or (-m, why) for "at least m"."""
+    if stages < 2:
+        return None
+    if method in ("chimera", "interleaved"):
+        return stages, f"{method} needs a multiple of stages={stages}"
+    if method == "zb-v":
+        return -2 * stages, f"zb-v needs at least 2 x stages = {2 * stages} micro-batches to fill its V"
+    return None
+
+
+def _accepts(method: str, stages: int, n: int) -> bool:
+    rule = micro_batch_rule(method, stages)
+    if rule is None:
+        return True
+    m, _ = rule
+    return n % m == 0 if m > 0 else n >= -m
+
+
+def resolve_batch(cfg: TrainConfig) -> None:
+    """Fix ``global_batch_size`` (G), ``micro_batch_size`` (m) and ``num_micro_batches`` (N), with
+    G = m x N x data_parallel, replacing each ``auto``:
+
+    - N=auto is the method's smallest N (``num_micro_batches_for``), except that given G and m it is
+      G / (m x data_parallel);
+    - m=auto is G / (N x data_parallel);
+    - G=auto is m x N x data_parallel when m is given, else ``DEFAULT_GLOBAL_BATCH`` (16).
+
+    So by default every method and stage count trains on the same 16 sequences per step (as
+    Megatron's ``--global-batch-size`` fixes the batch and derives the micro-batch count).
+
+    Raises:
+        ConfigError: when the three cannot agree, naming the field and values that would.
+    """
+    w = cfg.data_parallel
+    if isinstance(w, bool) or not isinstance(w, int) or w < 1:
+        _fail("data_parallel", w, "must be at least 1")
+    g = _as_count("global_batch_size", cfg.global_batch_size, "sequences per optimizer step")
+    m = _as_count("micro_batch_size", cfg.micro_batch_size, "sequences per micro-batch")
+    n = _as_count("num_micro_batches", cfg.num_micro_batches, "micro-batches per step")
+    method, stages = cfg.pipeline.method, cfg.stages
+    for name, v in (("global_batch_size", g), ("micro_batch_size", m), ("num_micro_batches", n)):
+        if v is not None and v < 1:
+            _fail(name, v, "must be at least 1")
+    derived_n = n is None and g is not None and m is not None
+    if n is None:
+        if derived_n:
+            if g % (m * w):
+                _fail("global_batch_size", g, f"must be a multiple of micro_batch_size x data_parallel = {m * w}; "
+                      f"use global_batch_size={max(1, g // (m * w)) * m * w} or micro_batch_size=auto")
+            n = g // (m * w)
+            if not _accepts(method, stages, n):
+                _, why = micro_batch_rule(method, stages)  # type: ignore[misc]
+                _fail("global_batch_size", g, f"gives num_micro_batches={n} micro-batches of micro_batch_size={m} "
+                      f"x data_parallel={w}, but {why}; use global_batch_size={_nearest_ok(method, stages, n) * m * w} "
+                      f"or a smaller micro_batch_size")
         else:
-            _fail("num_micro_batches", n, "give a whole number of micro-batches per step, or num_micro_batches=auto")
+            n = num_micro_batches_for(method, stages)
+        if stages > 1:
+            log.info("num_micro_batches=auto: %d for pipeline=%s with stages=%d", n, method, stages)
+    if m is None:
+        shown: Any = g if g is not None else f"auto ({DEFAULT_GLOBAL_BATCH})"
+        g = DEFAULT_GLOBAL_BATCH if g is None else g
+        if g % (n * w):
+            _fail("global_batch_size", shown, f"must be a multiple of num_micro_batches x data_parallel = {n} x {w} "
+                  f"= {n * w} to split into equal micro-batches; use global_batch_size={-(-g // (n * w)) * n * w} "
+                  f"or give micro_batch_size")
+        m = g // (n * w)
+    elif g is None:
+        g = m * n * w
+    elif g != m * n * w:
+        _fail("global_batch_size", g, f"disagrees with micro_batch_size x num_micro_batches x data_parallel = "
+              f"{m} x {n} x {w} = {m * n * w}; set one of the three to auto (or global_batch_size={m * n * w})")
+    cfg.global_batch_size, cfg.micro_batch_size, cfg.num_micro_batches = g, m, n
+
+
+def _nearest_ok(method: str, stages: int, n: int) -> int:
+    """The smallest micro-batch count >= n that ``method`` accepts at ``stages``."""
+    k = max(1, n)
+    while not _accepts(method, stages, k):
+        k += 1
+    return k
 
 
 def _check_cluster(cfg: TrainConfig) -> None:
@@ -308,13 +391,13 @@ def _check_cluster(cfg: TrainConfig) -> None:
 
 
 def validate(cfg: TrainConfig) -> None:
-    """Cross-field checks of a run's configuration (``num_micro_batches=auto`` is resolved first).
+    """Cross-field checks of a run's configuration (the batch's ``auto`` values are resolved first: resolve_batch).
 
     Raises:
         ConfigError: naming the field, its value and the fix, for the first problem found.
     """
     _check_choice("pipeline.method", cfg.pipeline.method, PIPELINE_METHODS)
-    _resolve_auto(cfg)
+    resolve_batch(cfg)
     m = cfg.model
     _check_positive(
         cfg,
@@ -530,6 +613,9 @@ def _validate_checkpoint(cfg: TrainConfig) -> None:
         _fail("resume", cfg.resume,
               "no such checkpoint; give a step_<n> directory holding manifest.json or a checkpoint directory, "
               "or use resume=auto (latest complete checkpoint in checkpoint.dir) or resume=none")
+    if cfg.init_from is not None and not os.path.exists(cfg.init_from):
+        _fail("init_from", cfg.init_from, "no such folder; give a run folder, its final/ folder, a step_<n> "
+              "checkpoint or an export folder")
     if c.dir is not None and not c.enabled and cfg.resume != "auto" and c.on_stop_after_s < 0:
         log.warning("checkpoint.dir is set but has no effect: set checkpoint.every_steps, "
                     "checkpoint.every_minutes or checkpoint.on_stop_after_s>=0 to write checkpoints, "

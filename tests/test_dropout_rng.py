@@ -68,7 +68,7 @@ def _reference(num_micro_batches: int, tmp: Path) -> dict:
     losses, parameters after the last step; and the first step's gradients from a plain loop under
     the same keys."""
     cfg = _single(_cfg("gpipe-D2-N2"))
-    cfg = dataclasses.replace(cfg, num_micro_batches=num_micro_batches)
+    cfg = dataclasses.replace(cfg, num_micro_batches=num_micro_batches, global_batch_size="auto")
     model = build_full_model(bert_config(cfg), seed=cfg.seed).train()
     source, plan = data_source(cfg), data_plan(cfg)
     for j in range(num_micro_batches):

@@ -74,6 +74,54 @@ def test_num_micro_batches_other_than_a_number_or_auto_is_refused(value) -> None
         TrainConfig(num_micro_batches=value)
 
 
+# --- global_batch_size: equal batches across methods (issue 24) --------------------------------------
+
+METHOD_SHAPES = [("gpipe", 1, 1), ("1f1b", 2, 1), ("zb-h1", 2, 1), ("zb-v", 2, 1), ("chimera", 4, 1),
+                 ("interleaved", 2, 1), ("1f1b", 2, 2), ("chimera", 2, 2)]
+
+
+def _shape(method: str, stages: int, data_parallel: int, *extra: str) -> TrainConfig:
+    virtual = 2 if method in ("interleaved", "zb-v") else 1
+    return compose_train([f"pipeline={method}", f"stages={stages}", f"data_parallel={data_parallel}",
+                          f"model.num_layers={max(2, virtual * stages)}", *extra], tiny=False)
+
+
+@pytest.mark.parametrize("method, stages, data_parallel", METHOD_SHAPES)
+def test_default_batch_is_16_sequences_for_every_method(method, stages, data_parallel) -> None:
+    cfg = _shape(method, stages, data_parallel)
+    assert cfg.global_batch_size == 16
+    assert cfg.micro_batch_size * cfg.num_micro_batches * data_parallel == 16
+    assert cfg.num_micro_batches == num_micro_batches_for(method, stages)  # the method's smallest N
+
+
+@pytest.mark.parametrize("method, stages, data_parallel", METHOD_SHAPES)
+def test_a_given_global_batch_is_the_same_for_every_method(method, stages, data_parallel) -> None:
+    cfg = _shape(method, stages, data_parallel, "global_batch_size=64")
+    assert (cfg.global_batch_size, cfg.micro_batch_size * cfg.num_micro_batches * data_parallel) == (64, 64)
+
+
+def test_global_batch_and_micro_batch_give_the_micro_batch_count() -> None:
+    cfg = _shape("1f1b", 2, 1, "global_batch_size=64", "micro_batch_size=8")
+    assert (cfg.micro_batch_size, cfg.num_micro_batches) == (8, 8)
+    cfg = _shape("gpipe", 1, 1, "micro_batch_size=32")  # global_batch_size=auto follows a given micro-batch
+    assert (cfg.global_batch_size, cfg.num_micro_batches) == (32, 1)
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["pipeline=chimera", "stages=4", "global_batch_size=48", "micro_batch_size=16"],
+     r"global_batch_size=48: gives num_micro_batches=3 .* chimera needs a multiple of stages=4; use global_batch_size=64"),
+    (["num_micro_batches=3"], r"global_batch_size='auto \(16\)': must be a multiple of .* = 3 .*use global_batch_size=18"),
+    (["global_batch_size=32", "micro_batch_size=4", "num_micro_batches=4"],
+     r"global_batch_size=32: disagrees with micro_batch_size x num_micro_batches x data_parallel = 4 x 4 x 1 = 16"),
+    (["global_batch_size=40", "micro_batch_size=16"], r"global_batch_size=40: must be a multiple of .* = 16; use global_batch_size=32"),
+    (["global_batch_size=0"], r"global_batch_size=0: must be at least 1"),
+    (["global_batch_size=many"], r"global_batch_size='many': give a whole number"),
+])
+def test_batch_sizes_that_cannot_agree_are_refused_naming_the_fix(overrides, message) -> None:
+    with pytest.raises(ConfigError, match=message):
+        compose_train(["model.num_layers=4", *overrides], tiny=False)
+
+
 def test_chimera_refusal_offers_auto() -> None:
     with pytest.raises(ConfigError, match=r"chimera needs a multiple of stages=4; use num_micro_batches=4 \(or auto\)"):
         compose_train(["pipeline=chimera", "stages=4", "model.num_layers=4", "num_micro_batches=2"])

@@ -34,12 +34,13 @@ import logging
 import os
 import platform
 import socket
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
+from pipefisher.atomic import write_text_atomic
 
 __all__ = ["GPU_PEAK_TFLOPS", "Peak", "cache_dir", "measure_cpu_peak", "mfu", "resolve_peak", "run_peak", "tflops"]
 
@@ -144,11 +145,7 @@ def measure_cpu_peak(dtype: torch.dtype = torch.float32, threads: int | None = N
         return rate
     cache[key] = rate
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=_CACHE_FILE, suffix=".tmp")
-        with os.fdopen(fd, "w") as f:
-            json.dump(cache, f, indent=1, sort_keys=True)
-        os.replace(tmp, path)  # atomic: concurrent workers never read half a file
+        write_text_atomic(path, json.dumps(cache, indent=1, sort_keys=True))  # concurrent workers never read half a file
     except OSError as err:
         log.warning("could not cache the CPU peak in %s: %s", path, err)
     return rate

@@ -48,11 +48,11 @@ import json
 import logging
 import os
 import sqlite3
-import tempfile
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from pipefisher.atomic import temp_beside
 from pipefisher.profiling.nsys import (
     NVTX_MARK,
     NVTX_PUSH_POP_RANGE,
@@ -227,9 +227,8 @@ def write_profile(path: str | Path, events: Sequence[Event], *, metadata: Mappin
     rows = _nsys_rows(events, workers, ranks, tids, origins)
 
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    fd, tmp = temp_beside(path)
     os.close(fd)
-    tmp = Path(tmp_name)
     try:
         conn = sqlite3.connect(tmp)
         try:

@@ -13,12 +13,11 @@ workers' origins are known ([Note: clocks per host]), then shifted so the first 
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from pipefisher.atomic import write_text_atomic
 from pipefisher.profiling.origin import WorkerOrigin
 from pipefisher.timeline import Event
 
@@ -71,13 +70,4 @@ def write_trace_json(path: str | Path, events: Sequence[Event], *, ranks: Mappin
     path = Path(path)
     doc = {"traceEvents": trace_events(events, ranks=ranks, origins=origins), "displayTimeUnit": "ms",
            "otherData": {"producer": "pipefisher", **{k: v for k, v in (metadata or {}).items()}}}
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(doc, f, separators=(",", ":"))
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return path
+    return write_text_atomic(path, json.dumps(doc, separators=(",", ":")))

@@ -10,7 +10,6 @@ import logging
 import os
 import re
 import shutil
-import tempfile
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass
@@ -20,6 +19,7 @@ from typing import IO, Any
 import torch
 import torch.distributed as dist
 
+from pipefisher.atomic import temp_beside
 from pipefisher.config import ConfigError, TrainConfig
 
 __all__ = ['CHECKPOINT_FORMAT', 'MANIFEST', 'MATCHING_FIELDS', 'CheckpointError', 'ShardInfo', 'atomic_write', 'check_compatible', 'checkpoint_root', 'config_fields', 'config_hash', 'find_latest', 'list_checkpoints', 'load_shard', 'prune_checkpoints', 'save_checkpoint', 'shard_name', 'step_dir', 'verify_checkpoint', 'write_manifest', 'write_shard']
@@ -105,7 +105,7 @@ def atomic_write(path: str | os.PathLike, write: Callable[[IO[bytes]], None]) ->
         The file's name, size and sha256.
     """
     path = Path(path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    fd, tmp = temp_beside(path)
     try:
         with os.fdopen(fd, "w+b") as f:
             write(f)

@@ -40,13 +40,13 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, NoReturn
 
+from pipefisher.atomic import write_text_atomic
 from pipefisher.schedules.checks import ScheduleError, check_schedule
 from pipefisher.schedules.generators import get_generator
 from pipefisher.schedules.ir import Action, ActionKind, Schedule
@@ -426,16 +426,7 @@ def assignment_to_json(a: Assignment, path: str | os.PathLike) -> Path:
     except (TypeError, ValueError) as exc:
         raise ValueError(f"assignment metadata cannot be written as JSON ({exc}); keep it to numbers, "
                          f"strings, lists and dicts") from exc
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text + "\n")
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return path
+    return write_text_atomic(path, text + "\n")
 
 
 _REGENERATE = "regenerate it with `python schedule.py` (from=<profile.sqlite> or model/pipeline keys)"
