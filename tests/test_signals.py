@@ -118,7 +118,19 @@ def _restore_handlers():
 
 
 @pytest.mark.usefixtures("_restore_handlers")
-def test_interrupt_signals_are_recorded_and_a_second_one_says_stop_now() -> None:
+@pytest.mark.parametrize("inherited", [signal.default_int_handler, signal.SIG_IGN],
+                         ids=["sigint-default", "sigint-ignored"])
+def test_interrupt_signals_are_recorded_and_a_second_one_says_stop_now(inherited) -> None:
+    # Whatever SIGINT's disposition was when the process started (SIG_IGN under nohup, a script's
+    # background job, some CI runners), install() records it and uninstall() puts that back.
+    saved = signal.signal(signal.SIGINT, inherited)
+    try:
+        _record_then_restore(inherited)
+    finally:
+        signal.signal(signal.SIGINT, saved)
+
+
+def _record_then_restore(inherited) -> None:
     preemption.install(preemption.INTERRUPT_SIGNALS)
     assert not preemption.interrupted() and preemption.received() is None
     os.kill(os.getpid(), signal.SIGTERM)
@@ -129,7 +141,7 @@ def test_interrupt_signals_are_recorded_and_a_second_one_says_stop_now() -> None
     assert preemption.repeated() and preemption.received() == signal.SIGTERM
     assert preemption.exit_code(signal.SIGINT) == 130
     preemption.uninstall()
-    assert not preemption.interrupted() and signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    assert not preemption.interrupted() and signal.getsignal(signal.SIGINT) is inherited
 
 
 def test_a_worker_started_meanwhile_ignores_sigint_until_it_records_it() -> None:
