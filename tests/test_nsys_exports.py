@@ -109,6 +109,7 @@ TRUE_COST = CostModel(forward_ns=(1_100_000, 1_400_000, 1_600_000, 1_900_000),
                       backward_ns=(2_300_000, 2_800_000, 3_300_000, 3_900_000), p2p_ns=40_000, step_ns=300_000)
 WARM_COST = replace(TRUE_COST, forward_ns=tuple(4 * f for f in TRUE_COST.forward_ns))  # cudnn autotune, allocator
 WINDOW_NS = 88_000  # a launch window: the CPU range ends when its kernels are queued
+START_NS = 2_000_000  # the first step starts 2 ms into the capture (a range before 0 began before it)
 
 
 def gpu_truth(method: str = "gpipe", steps: int = 3) -> list[Event]:
@@ -118,7 +119,8 @@ def gpu_truth(method: str = "gpipe", steps: int = 3) -> list[Event]:
     gap = 500_000
     rest = simulate(schedule, TRUE_COST, steps=steps - 1)
     shift = max(e.end_ns for e in warm) + gap - min(e.start_ns for e in rest)
-    return warm + [replace(e, start_ns=e.start_ns + shift, end_ns=e.end_ns + shift, step=e.step + 1) for e in rest]
+    events = warm + [replace(e, start_ns=e.start_ns + shift, end_ns=e.end_ns + shift, step=e.step + 1) for e in rest]
+    return [replace(e, start_ns=e.start_ns + START_NS, end_ns=e.end_ns + START_NS) for e in events]
 
 
 @dataclass
@@ -315,6 +317,8 @@ def test_6_a_1f1b_profile_is_read_as_1f1b(tmp_path: Path) -> None:
 def test_7_per_rank_exports_combine_on_one_clock(truth: list[Event], exports: dict[str, Path],
                                                  tmp_path: Path) -> None:
     shifts = (0, 3_000_000_011, 7_000_000_003, 11_000_000_007)  # each capture started at its own time
+    lead = 12_000_000_000  # the run starts after every capture did (a range before a capture marks a partial step)
+    truth = [replace(e, start_ns=e.start_ns + lead, end_ns=e.end_ns + lead) for e in truth]
     files = [record(truth, Run(rank_shift_ns=shifts), ranks=[r]).write(tmp_path / f"gpu{r}.sqlite")
              for r in (2, 0, 3, 1)]
     combined = read_nsys(str(tmp_path / "gpu*.sqlite"))

@@ -8,47 +8,45 @@ This module knows the Nsight Systems layout; ``pipefisher.profiling.sqlite`` wri
   mark, times in ns. The name is in ``text`` or, for registered strings, in ``StringIds.value``
   through ``textId``. Only ranges (eventType 59 = NvtxPushPopRange, 60 = NvtxStartEndRange) whose
   name parses as one of our action names (``0F2``, ``3B5@1``, ``STEP``, …, see
-  ``pipefisher.schedules.ir``) become events; other ranges are ignored and counted in a log line.
-  A mark ``rank=N`` (eventType 34) names its process's rank (``pipefisher.profiling.nvtx``).
+  ``pipefisher.schedules.ir``), or that a name map reads as one (``ranges=``, see
+  ``pipefisher.profiling.range_names``), become events; other ranges are ignored and counted in a
+  log line. A mark ``rank=N`` (eventType 34) names its process's rank (``pipefisher.profiling.nvtx``).
 - ``CUPTI_ACTIVITY_KIND_RUNTIME`` / ``CUPTI_ACTIVITY_KIND_KERNEL``: GPU spans
   (``pipefisher.profiling.nsys_gpu``), used when ``gpu=True``, or with ``gpu="auto"`` when the
   export has kernels.
-- ``TARGET_INFO_SESSION_START_TIME(utcEpochNs, …)``: the UTC time of a capture's timestamp 0, to
-  put several per-rank exports on one clock.
+- ``TARGET_INFO_SESSION_START_TIME(utcEpochNs, …)``, ``ANALYSIS_DETAILS`` and the export's
+  metadata: the capture's window and clock (``pipefisher.profiling.nsys_capture``), to find ranges
+  the capture cut off and to put several per-rank exports on one clock.
 
 [Note: globalTid]
 Nsight Systems serializes a thread as ``globalTid = (hw << 48) | (pid << 24) | tid`` (24 bits
 each for pid and tid); a kernel's ``globalPid`` is the launching process's ``globalTid`` with the
 tid bits zero.
 
-[Note: steps of an nsys export]
-Workers come from [Note: ranks of an nsys export] (``nsys_ranks``). An action's step is the
-number of ``STEP`` ranges its worker ended before the action started (0 when none was recorded;
-ties at one instant are broken by record order). A range named like an action that encloses
-another action range of its thread (a user's ``STEP`` around a whole iteration) is not an action:
-it is dropped from the events, and its ends count steps only where the worker recorded no
-optimizer ``STEP`` range (issue 15, item 8). Steps below ``warmup_steps`` are dropped, as
-``profile.py`` drops them from its own profiles (item 4); so is every step from the first one with
-an action range that never ended (end NULL: the capture stopped inside it).
+Steps follow [Note: steps of an nsys export] and [Note: partial steps] (``nsys_steps``); steps
+below ``warmup_steps`` are dropped, as ``profile.py`` drops them from its own profiles (issue 15,
+item 4).
 """
 
 from __future__ import annotations
 
-import bisect
 import glob
 import logging
 import re
 import sqlite3
-from collections import defaultdict
+from collections import Counter, defaultdict
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
+from pipefisher.profiling.nsys_capture import Capture, read_capture
 from pipefisher.profiling.nsys_gpu import TID_MASK, gpu_spans, has_kernels, process_key
 from pipefisher.profiling.nsys_ranks import RangeOrigin, assign_workers
+from pipefisher.profiling.nsys_steps import ActionRange, delimiters, enclosing, partial_steps, steps_of
 from pipefisher.profiling.nvtx import RANK_MARK_RE
+from pipefisher.profiling.range_names import OURS, MappedName, RangeNames, action_name, compile_patterns, match_name
 from pipefisher.profiling.types import Profile, ProfileError, WorkerInfo
-from pipefisher.schedules.ir import Action
+from pipefisher.schedules.ir import Action, ActionKind
 from pipefisher.timeline import Event
 
 __all__ = [
@@ -76,6 +74,7 @@ NVTX_PUSH_POP_RANGE = 59
 NVTX_START_END_RANGE = 60
 NVTX_RANGE_EVENT_TYPES: tuple[int, ...] = (NVTX_PUSH_POP_RANGE, NVTX_START_END_RANGE)
 GpuArg = bool | str  # True, False or "auto"
+Key = tuple[int, int]  # (file index, NVTX_EVENTS rowid)
 
 # Action kinds the K-FAC passes will add to the IR. Names with these kinds are recognized already,
 # so profiles recorded by a newer executor still read; once ``ActionKind`` has them,
@@ -180,30 +179,18 @@ def resolve_gpu(conn: sqlite3.Connection, gpu: GpuArg) -> bool:
     return has_kernels(conn) if value == "auto" else value == "true"
 
 
-@dataclass(frozen=True)
-class _Range:
-    """One NVTX range that names an action (``end`` None: it never ended)."""
-
-    key: tuple[int, int]  # (file index, NVTX_EVENTS rowid)
-    name: str
-    kind: str
-    start: int
-    end: int | None
-    global_tid: int
-    prefix_worker: int | None
-
-
 @dataclass
 class _File:
     """What one export holds for us."""
 
     path: Path
-    ranges: list[_Range]
-    ignored: int
+    ranges: list[ActionRange]
+    mapped: dict[Key, MappedName]  # ranges read through a name map: their names wait for the worker
+    ignored: Counter[str]  # names of NVTX ranges not read as actions
     marks: dict[int, int]  # process_key -> rank
-    utc_epoch_ns: int | None
+    capture: Capture
     gpu: bool
-    spans: dict[tuple[int, int], tuple[int, int]]
+    spans: dict[Key, tuple[int, int]]
 
 
 def _name_sql(conn: sqlite3.Connection, cols: set[str]) -> tuple[str, str]:
@@ -232,7 +219,32 @@ def _check_names(conn: sqlite3.Connection, cols: set[str], path: Path) -> None:
                            f"incomplete; {_REEXPORT}")
 
 
-def _read_file(path: Path, index: int, gpu: GpuArg) -> _File:
+def _action_of(name: str, names: RangeNames, patterns: list[re.Pattern[str]]
+               ) -> tuple[str, str, int | None, MappedName | None] | None:
+    """``(name, kind, prefix worker, mapped)`` of a range name, or None when it names no action."""
+    if names.name == OURS and not patterns:
+        m = _PREFIX_RE.match(name)
+        bare = name[m.end():] if m else name
+        parsed = parse_action_name(bare)
+        return None if parsed is None else (bare, parsed[0], int(m["worker"]) if m else None, None)
+    mapped = match_name(name, names, patterns)
+    return None if mapped is None else (name, mapped.kind, None, mapped)
+
+
+def _cut_off(rows: list[ActionRange], capture: Capture) -> set[Key]:
+    """Ranges that end at the capture's end: still open when it stopped ([Note: the capture window])."""
+    if capture.end_ns is not None:
+        return {r.key for r in rows if r.end is not None and r.end >= capture.end_ns}
+    if capture.latest_end_ns is None:
+        return set()
+    last = [r for r in rows if r.end == capture.latest_end_ns]
+    # Without ANALYSIS_DETAILS the capture's end is the latest end of anything recorded; the STEP
+    # that closes a whole capture may end there too, so only a cut action proves the stop.
+    return set() if all(r.kind == "STEP" for r in last) else {r.key for r in last}
+
+
+def _read_file(path: Path, index: int, gpu: GpuArg, names: RangeNames) -> _File:
+    patterns = compile_patterns(names)
     conn = open_database(path)
     try:
         cols = table_columns(conn, "NVTX_EVENTS")
@@ -249,7 +261,9 @@ def _read_file(path: Path, index: int, gpu: GpuArg) -> _File:
         rows = conn.execute(
             f"SELECT n.rowid, {name_sql}, n.start, n.end, n.globalTid, {etype} FROM NVTX_EVENTS AS n {join} "
             f"ORDER BY n.start, n.rowid").fetchall()
-        ranges, marks, ignored = [], {}, 0
+        capture = read_capture(conn, path) if not table_columns(conn, "PIPEFISHER_WORKERS") else \
+            Capture(None, None, None, read_capture(conn, path).utc_epoch_ns)  # ours: whole actions only
+        ranges, mapped, marks, ignored = [], {}, {}, Counter()
         for row, name, start, end, gtid, event_type in rows:
             name = (name or "").strip()
             mark = RANK_MARK_RE.match(name)
@@ -258,20 +272,20 @@ def _read_file(path: Path, index: int, gpu: GpuArg) -> _File:
                 continue
             if event_type is not None and event_type not in NVTX_RANGE_EVENT_TYPES:
                 continue
-            m = _PREFIX_RE.match(name)
-            bare = name[m.end():] if m else name
-            parsed = parse_action_name(bare)
-            if parsed is None or (end is not None and end < start):
-                ignored += 1
+            found = _action_of(name, names, patterns)
+            if found is None or (end is not None and end < start):
+                ignored[name] += 1
                 continue
-            ranges.append(_Range((index, row), bare, parsed[0], int(start), None if end is None else int(end),
-                                 int(gtid or 0), int(m["worker"]) if m else None))
-        utc = None
-        if table_columns(conn, "TARGET_INFO_SESSION_START_TIME") >= {"utcEpochNs"}:
-            got = conn.execute("SELECT utcEpochNs FROM TARGET_INFO_SESSION_START_TIME LIMIT 1").fetchone()
-            utc = int(got[0]) if got and got[0] is not None else None
+            action, kind, prefix, spec = found
+            early = capture.start_ns is not None and start < capture.start_ns
+            ranges.append(ActionRange((index, row), action, kind, int(start), None if end is None else int(end),
+                                      int(gtid or 0), prefix, early))
+            if spec is not None:
+                mapped[(index, row)] = spec
+        cut = _cut_off(ranges, capture)
+        ranges = [replace(r, end=None) if r.key in cut else r for r in ranges]
         use_gpu = resolve_gpu(conn, gpu)
-        spans: dict[tuple[int, int], tuple[int, int]] = {}
+        spans: dict[Key, tuple[int, int]] = {}
         if use_gpu:
             closed = [(r.key[1], r.global_tid, r.start, r.end) for r in ranges if r.end is not None]
             spans = {(index, row): span for row, span in gpu_spans(conn, closed, path).items()}
@@ -279,85 +293,84 @@ def _read_file(path: Path, index: int, gpu: GpuArg) -> _File:
         raise damaged(path, exc) from None
     finally:
         conn.close()
-    return _File(path, ranges, ignored, marks, utc, use_gpu, spans)
-
-
-def _enclosing(ranges: Sequence[_Range]) -> set[tuple[int, int]]:
-    """Keys of ranges that enclose another action range of their thread (not actions themselves)."""
-    out = set()
-    by_thread: dict[tuple[int, int], list[_Range]] = defaultdict(list)
-    for r in ranges:
-        by_thread[(r.key[0], r.global_tid)].append(r)
-    for rs in by_thread.values():
-        rs.sort(key=lambda r: (r.start, -(r.end or r.start)))
-        starts = [r.start for r in rs]
-        for r in rs:
-            length = r.end - r.start
-            i = bisect.bisect_left(starts, r.start)
-            while i < len(rs) and rs[i].start <= r.end:
-                o = rs[i]
-                if o is not r and 0 < o.end - o.start < length and o.end <= r.end:
-                    out.add(r.key)
-                    break
-                i += 1
-    return out
-
-
-def _steps(ranges: Sequence[_Range], worker_of: dict[tuple[int, int], int],
-           delimiters: Sequence[_Range]) -> dict[tuple[int, int], int]:
-    """``{key: step}``: the worker's step delimiters that ended before the range started.
-
-    A delimiter counts for a range only if it also comes first in (start, end, key) order, so that
-    a zero-length range recorded just before a zero-length STEP at the same instant stays in its step.
-    """
-    def order(r: _Range) -> tuple[int, int, tuple[int, int]]:
-        return (r.start, r.end if r.end is not None else r.start, r.key)
-
-    steps: dict[int, list[_Range]] = defaultdict(list)
-    for r in delimiters:
-        steps[worker_of[r.key]].append(r)
-    ends: dict[int, list[int]] = {}
-    for w, rs in steps.items():
-        rs.sort(key=lambda r: (r.end, order(r)))
-        ends[w] = [r.end for r in rs]
-    out = {}
-    for r in ranges:
-        w = worker_of[r.key]
-        n = bisect.bisect_right(ends.get(w, []), r.start)
-        while n and order(steps[w][n - 1]) >= order(r):  # ties at r.start that come after r
-            n -= 1
-        out[r.key] = n
-    return out
-
-
-def _delimiters(ranges: Sequence[_Range], enclosing: set[tuple[int, int]],
-                worker_of: dict[tuple[int, int], int]) -> list[_Range]:
-    """Per worker: its optimizer STEP ranges, or its enclosing STEP ranges if it has none."""
-    chosen: dict[int, list[_Range]] = defaultdict(list)
-    enclosing_steps: dict[int, list[_Range]] = defaultdict(list)
-    for r in ranges:
-        if r.kind == "STEP" and r.end is not None:
-            (enclosing_steps if r.key in enclosing else chosen)[worker_of[r.key]].append(r)
-    return [r for w in set(chosen) | set(enclosing_steps) for r in (chosen.get(w) or enclosing_steps[w])]
+    return _File(path, ranges, mapped, ignored, marks, capture, use_gpu, spans)
 
 
 def _clock_offsets(files: Sequence[_File]) -> tuple[list[int], list[str]]:
-    """Per file, ns to add to put it on the first capture's clock (TARGET_INFO_SESSION_START_TIME)."""
+    """Per file, ns to add to put it on the first capture's clock (TARGET_INFO_SESSION_START_TIME),
+    none for exports already moved to one ([Note: exported clocks] in ``nsys_capture``)."""
     if len(files) == 1:
         return [0], []
-    utc = [f.utc_epoch_ns for f in files]
+    moved = [f.capture.shifted for f in files]
+    if all(moved):
+        return [0] * len(files), []
+    if any(moved):
+        a = next(f.path for f in files if f.capture.shifted)
+        b = next(f.path for f in files if not f.capture.shifted)
+        raise ProfileError(f"{a} was exported with --ts-normalize or --ts-shift (META_DATA_EXPORT."
+                           f"EXPORT_PARAM_TIME_*) and {b} without, so their clocks differ; export every rank "
+                           f"the same way, e.g. 'nsys export --type sqlite --ts-normalize true' for each")
+    utc = [f.capture.utc_epoch_ns for f in files]
     if any(u is None for u in utc):
-        lacking = [str(f.path) for f in files if f.utc_epoch_ns is None][:3]
+        lacking = [str(f.path) for f in files if f.capture.utc_epoch_ns is None][:3]
         note = (f"{', '.join(lacking)}: no TARGET_INFO_SESSION_START_TIME, so the exports' clocks are taken as one; "
-                f"export with a current nsys")
+                f"export with a current nsys, or with --ts-normalize true")
         log.warning("%s", note)
         return [0] * len(files), [note]
     base = min(utc)  # type: ignore[type-var]
     return [u - base for u in utc], []  # type: ignore[operator]
 
 
+def _named(files: Sequence[_File], worker_of: dict[Key, int], names: RangeNames) -> list[_File]:
+    """Files with the names of mapped ranges in our grammar, their stage taken from the worker
+    ([Note: stages of mapped names] in ``range_names``)."""
+    if not any(f.mapped for f in files):
+        return list(files)
+    num_workers = len(set(worker_of.values()))
+    out = []
+    for f in files:
+        rs = [replace(r, name=action_name(f.mapped[r.key], worker_of[r.key], num_workers, names.chunk_stages))
+              if r.key in f.mapped else r for r in f.ranges]
+        out.append(replace(f, ranges=_full_backwards(rs, f.mapped, worker_of)))
+    return out
+
+
+def _full_backwards(ranges: list[ActionRange], mapped: dict[Key, MappedName],
+                    worker_of: dict[Key, int]) -> list[ActionRange]:
+    """A mapped ``I`` with no ``W`` of its worker, stage and micro-batch before the next such ``I``
+    is a full backward ``B`` (Megatron's combined backward has the split one's name)."""
+    by_key: dict[tuple[int, int | None, int | None, int], list[ActionRange]] = defaultdict(list)
+    for r in ranges:
+        if r.key in mapped and r.kind in ("I", "W"):
+            a = Action.from_str(r.name)
+            by_key[(worker_of[r.key], a.stage, a.micro_batch, a.pipe)].append(r)
+    full = set()
+    for rs in by_key.values():
+        rs.sort(key=lambda r: (r.start, r.key))
+        full |= {r.key for i, r in enumerate(rs) if r.kind == "I" and (i + 1 == len(rs) or rs[i + 1].kind != "W")}
+    return [replace(r, kind="B", name=str(replace(Action.from_str(r.name), kind=ActionKind.BACKWARD)))
+            if r.key in full else r for r in ranges]
+
+
+def _no_actions(where: str, files: Sequence[_File], names: RangeNames, open_: int) -> ProfileError:
+    """The error for a capture with no finished range named like an action: the names it did find."""
+    ignored = sum((f.ignored for f in files), Counter())
+    top = ", ".join(f"{n!r} ×{c}" for n, c in ignored.most_common(5)) or "none"
+    grammar = "'0F2', '3B5@1', 'STEP', …" if names.name == OURS else f"the ranges={names.name} patterns"
+    if open_:
+        fix = "capture whole steps (let the run finish the profiled steps)"
+    else:
+        fix = ("for a run of this repository's executor, profile it under 'nsys profile --trace=nvtx,cuda'; for "
+               "another runtime's names, map them with ranges= (ranges=megatron_zb for Megatron's zero-bubble "
+               "fork, or your own file in conf/ranges/)")
+    return ProfileError(
+        f"{where}: table NVTX_EVENTS has no {'finished ' if open_ else ''}range named like an action ({grammar}; "
+        f"{sum(ignored.values())} other range(s), most frequent: {top}"
+        f"{f'; {open_} never ended' if open_ else ''}); {fix}")
+
+
 def read_nsys(paths: str | Path | Sequence[str | Path], *, gpu: GpuArg = "auto",
-              warmup_steps: int = 0) -> Profile:
+              warmup_steps: int = 0, names: RangeNames | None = None) -> Profile:
     """Read the action ranges of one Nsight Systems SQLite export, or of one export per rank.
 
     Args:
@@ -366,55 +379,53 @@ def read_nsys(paths: str | Path | Sequence[str | Path], *, gpu: GpuArg = "auto",
         gpu: True: an event spans its action's kernels, [first kernel start, last kernel end],
             instead of its CPU range (an action that launched no kernel keeps its CPU range);
             ``"auto"``: True for an export with CUDA kernels; False: CPU ranges.
-        warmup_steps: steps to drop from the start ([Note: steps of an nsys export]).
+        warmup_steps: steps to drop from the start ([Note: steps of an nsys export]); the first
+            step the capture touches is step 0, partial or not.
+        names: how range names map to actions (``pipefisher.profiling.range_names``); None: ours.
 
     Returns:
         A :class:`Profile` with ``source="nsys"``, events sorted by start time; workers from
-        [Note: ranks of an nsys export], steps from [Note: steps of an nsys export]; several
-        exports are put on one clock by their session start times.
+        [Note: ranks of an nsys export], steps from [Note: steps of an nsys export] less
+        [Note: partial steps]; several exports are put on one clock by their session start
+        times unless exported on one already ([Note: exported clocks]).
 
     Raises:
         ProfileError: a missing, empty, damaged or non-SQLite file, no NVTX_EVENTS table, names
-            lost with StringIds, no range named like an action, nothing left after the warm-up or
-            after unfinished steps, or (``gpu=True``) no CUPTI kernel/runtime tables.
+            lost with StringIds, no range named like an action (the message lists the names
+            found), nothing left after the warm-up or the partial steps, exports on mixed clocks,
+            or (``gpu=True``) no CUPTI kernel/runtime tables.
+        ValueError: a name map that does not compile.
     """
+    names = names or RangeNames()
     files_in = expand_paths(paths)
-    files = [_read_file(p, i, gpu) for i, p in enumerate(files_in)]
+    files = [_read_file(p, i, gpu, names) for i, p in enumerate(files_in)]
     where = str(files_in[0]) if len(files_in) == 1 else f"{len(files_in)} exports ({files_in[0]}, …)"
     ranges = [r for f in files for r in f.ranges]
-    closed = [r for r in ranges if r.end is not None]
-    ignored = sum(f.ignored for f in files)
-    if not closed:
-        open_ = len(ranges)
-        raise ProfileError(
-            f"{where}: table NVTX_EVENTS has no {'finished ' if open_ else ''}range named like an action "
-            f"('0F2', '3B5@1', 'STEP', …; {ignored} other range(s){f', {open_} never ended' if open_ else ''}); "
-            + ("capture whole steps (let the run finish the profiled steps)" if open_ else
-               "run the executor with NVTX ranges enabled under 'nsys profile --trace=nvtx,cuda'"))
+    if not any(r.end is not None for r in ranges):
+        raise _no_actions(where, files, names, len(ranges))
     marks = {(i, key): rank for i, f in enumerate(files) for key, rank in f.marks.items()}
     worker_of, workers, notes = assign_workers(
         {r.key: RangeOrigin(r.key[0], r.global_tid, r.prefix_worker) for r in ranges}, marks, files_in)
-    enclosing = _enclosing(closed)
-    step_of = _steps(ranges, worker_of, _delimiters(closed, enclosing, worker_of))
-    if enclosing:
-        names = sorted({r.name for r in closed if r.key in enclosing})
+    files = _named(files, worker_of, names)
+    ranges = [r for f in files for r in f.ranges]
+    brackets = enclosing(ranges)
+    steps = delimiters(ranges, brackets, worker_of)
+    step_of = steps_of(ranges, worker_of, steps)
+    if brackets:
+        found = sorted({r.name for r in ranges if r.key in brackets})
         log.info("%s: %d range(s) named like an action (%s) enclose other actions: read as step brackets, "
-                 "not actions", where, len(enclosing), ", ".join(names[:3]))
-    unfinished = [step_of[r.key] for r in ranges if r.end is None]
-    last_step = min(unfinished) if unfinished else None
-    if last_step is not None:
-        notes.append(f"{len(unfinished)} action range(s) never ended (the capture stopped inside step "
-                     f"{last_step}): steps from {last_step} on are dropped")
+                 "not actions", where, len(brackets), ", ".join(found[:3]))
+    partial = partial_steps(ranges, step_of, worker_of, steps, brackets)
+    if partial.dropped:
+        notes.append(partial.describe())
         log.warning("%s: %s", where, notes[-1])
     offsets, clock_notes = _clock_offsets(files)
     notes += clock_notes
     events, no_kernel = [], 0
     for f_index, f in enumerate(files):
         for r in f.ranges:
-            if r.end is None or r.key in enclosing:
-                continue
             step = step_of[r.key]
-            if step < warmup_steps or (last_step is not None and step >= last_step):
+            if r.end is None or r.key in brackets or r.early or step < warmup_steps or step in partial.dropped:
                 continue
             span = f.spans.get(r.key)
             if f.gpu and span is None:
@@ -423,14 +434,19 @@ def read_nsys(paths: str | Path | Sequence[str | Path], *, gpu: GpuArg = "auto",
             off = offsets[f_index]
             events.append(Event(worker_of[r.key], r.name, r.kind, start + off, end + off, step))
     if not events:
-        steps = len({step_of[r.key] for r in closed})
-        if last_step is not None and last_step <= warmup_steps:
-            why = (f"no complete step is left ({len(unfinished)} action range(s) never ended: NVTX_EVENTS.end "
-                   f"is NULL); capture whole steps (let the run finish the profiled steps)")
+        whole = partial.num_steps - len(partial.dropped)
+        if whole <= 0 or all(s < warmup_steps for s in range(partial.num_steps) if s not in partial.dropped):
+            if whole <= 0:
+                why = (f"no complete step is left ({partial.describe()}); capture whole steps (let the run "
+                       f"finish the profiled steps)")
+            else:
+                why = (f"warmup_steps={warmup_steps} skips every step of the {partial.num_steps} it holds (steps "
+                       f"are counted by STEP ranges){f'; {partial.describe()}' if partial.dropped else ''}; "
+                       f"profile more steps or pass warmup_steps=0")
         else:
-            why = (f"warmup_steps={warmup_steps} skips every step of the {steps} it holds (steps are counted "
-                   f"by STEP ranges); profile more steps or pass warmup_steps=0")
+            why = "no action range is left"
         raise ProfileError(f"{where}: {why}")
+    ignored = sum(sum(f.ignored.values()) for f in files)
     if ignored:
         log.info("%s: ignored %d NVTX range(s) not named like an action", where, ignored)
     if no_kernel:
