@@ -5,8 +5,6 @@ from __future__ import annotations
 import copy
 import io
 import math
-import sys
-import types
 
 import pytest
 import torch
@@ -21,6 +19,9 @@ from pipefisher.optim import (
     param_groups,
     warmup_poly_lr,
 )
+from pipefisher.optim.nvlamb import steps_per_group, steps_per_parameter
+from pipefisher.runtime.state import load_optimizer_state
+from tests import apex_standin
 
 # --------------------------------------------------------------------------------------------
 # A small model with biases and LayerNorm, and the independent reference
@@ -334,42 +335,17 @@ def test_build_optimizer_sgd_accepts_grad_norm_and_clips():
         assert_close(p, b - 0.1 * g * (0.5 / 5.0))
 
 
-class _FakeFusedLAMB(NVLAMB):
-    """Stands in for apex's FusedLAMB: apex's signature, ``step(closure)`` only, clip threshold
-    read from ``defaults["max_grad_norm"]`` at step time as apex does."""
-
-    def __init__(self, params, lr=1e-3, bias_correction=True, betas=(0.9, 0.999), eps=1e-6,
-                 weight_decay=0.01, amsgrad=False, adam_w_mode=True, grad_averaging=True,
-                 set_grad_none=True, max_grad_norm=1.0, use_nvlamb=False):
-        super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
-                         max_grad_norm=max_grad_norm, bias_correction=bias_correction,
-                         use_nvlamb=use_nvlamb)
-
-    def step(self, closure=None):
-        # Own norm only, like apex; an infinite threshold means no clip (norm > inf is false).
-        return super().step(closure)
-
-    def zero_grad(self):  # apex's signature: no set_to_none (it uses the constructor's set_grad_none)
-        for group in self.param_groups:
-            for p in group["params"]:
-                p.grad = None
-
-
 @pytest.fixture
 def fake_apex(monkeypatch):
-    apex = types.ModuleType("apex")
-    optimizers = types.ModuleType("apex.optimizers")
-    optimizers.FusedLAMB = _FakeFusedLAMB
-    apex.optimizers = optimizers
-    monkeypatch.setitem(sys.modules, "apex", apex)
-    monkeypatch.setitem(sys.modules, "apex.optimizers", optimizers)
+    """apex's FusedLAMB stood in (tests/apex_standin.py: its signatures, state layout and update rule)."""
+    return apex_standin.install(monkeypatch)
 
 
 def test_build_optimizer_uses_apex_on_cuda_and_honours_external_grad_norm(fake_apex):
     a, b = _model(), _model()
     fused = build_optimizer("nvlamb", a.named_parameters(), 0.05, 0.01, 0.5, "cuda")
     ours = build_optimizer("nvlamb", b.named_parameters(), 0.05, 0.01, 0.5, "cpu")
-    assert isinstance(fused, _FakeFusedLAMB) and type(ours) is NVLAMB
+    assert isinstance(fused, fake_apex) and type(ours) is NVLAMB
     for s in range(3):
         _backward(a, s)
         _backward(b, s)
@@ -393,6 +369,74 @@ def test_apex_optimizer_takes_the_runtimes_zero_grad_call(fake_apex, set_to_none
 def test_build_optimizer_ignores_apex_on_cpu(fake_apex):
     opt = build_optimizer("nvlamb", _model().named_parameters(), 0.1, 0.01, 1.0, "cpu")
     assert type(opt) is NVLAMB
+
+
+def test_apex_standin_matches_nvlamb_and_keeps_apexs_state_layout(fake_apex):
+    """The stand-in's own clip (no external norm) and update equal NVLAMB's; its step counts are per group."""
+    a, b = _model(), _model()
+    fused = build_optimizer("nvlamb", a.named_parameters(), 0.05, 0.01, 0.5, "cuda")
+    ours = build_optimizer("nvlamb", b.named_parameters(), 0.05, 0.01, 0.5, "cpu")
+    for s in range(3):
+        _backward(a, s, scale=10.0)
+        _backward(b, s, scale=10.0)
+        fused.step()
+        ours.step()
+    for p, q in zip(a.parameters(), b.parameters()):
+        assert_close(p, q)
+    saved = fused.state_dict()
+    assert [g["step"] for g in saved["param_groups"]] == [3, 3]
+    assert all(set(st) == {"exp_avg", "exp_avg_sq"} for st in saved["state"].values())
+
+
+def _saved_and_continued(first: str, then: str, monkeypatch) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Two steps on back end ``first``, its checkpoint (torch.save, weights_only load) resumed on back
+    end ``then`` as the runtime resumes (``load_optimizer_state``) for two more steps; and the same four steps on ``first`` alone. Returns both
+    parameter lists. Back ends: ``apex`` (the stand-in, device cuda) or ``nvlamb``."""
+    def build(model: nn.Module, backend: str) -> torch.optim.Optimizer:
+        with monkeypatch.context() as m:
+            if backend == "apex":
+                apex_standin.install(m)
+            return build_optimizer("nvlamb", model.named_parameters(), 0.05, 0.01, 0.5,
+                                   "cuda" if backend == "apex" else "cpu")
+
+    straight, moved = _model(), _model()
+    opt_straight, opt_first = build(straight, first), build(moved, first)
+    for s in range(2):
+        for model, opt in ((straight, opt_straight), (moved, opt_first)):
+            _backward(model, s, scale=10.0)
+            opt.step()
+    buf = io.BytesIO()
+    torch.save(opt_first.state_dict(), buf)  # the runtime's checkpoint holds optimizer.state_dict()
+    buf.seek(0)
+    opt_then = build(moved, then)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(opt_then, lambda step: 1.0)
+    saved = torch.load(buf, weights_only=True)
+    load_optimizer_state(opt_then, scheduler, {"optimizer": saved, "scheduler": scheduler.state_dict()})
+    for s in range(2, 4):
+        for model, opt in ((straight, opt_straight), (moved, opt_then)):
+            _backward(model, s, scale=10.0)
+            opt.step()
+    return list(straight.parameters()), list(moved.parameters())
+
+
+@pytest.mark.parametrize(("first", "then"), [("apex", "nvlamb"), ("nvlamb", "apex")])
+def test_checkpoint_of_one_back_end_continues_on_the_other(first, then, monkeypatch):
+    """[Note: step counts of apex and NVLAMB]: apex's checkpoint resumed without apex failed with
+    KeyError 'step'; NVLAMB's resumed with apex restarted the bias correction at step 1."""
+    straight, moved = _saved_and_continued(first, then, monkeypatch)
+    for p, q in zip(straight, moved):
+        assert_close(q, p)
+
+
+def test_nvlamb_checkpoint_gives_apex_the_largest_step_count_of_a_group():
+    w, v = nn.Parameter(torch.ones(2)), nn.Parameter(torch.ones(2))
+    opt = NVLAMB([{"params": [w, v]}], lr=0.1)
+    opt.state[w].update(step=5, exp_avg=torch.zeros(2))
+    opt.state[v].update(step=3, exp_avg=torch.zeros(2))  # had no gradient at two steps
+    steps_per_group(opt)
+    assert opt.param_groups[0]["step"] == 5 and "step" not in opt.state[w] and "step" not in opt.state[v]
+    steps_per_parameter(opt)
+    assert "step" not in opt.param_groups[0] and opt.state[w]["step"] == opt.state[v]["step"] == 5
 
 
 # --------------------------------------------------------------------------------------------

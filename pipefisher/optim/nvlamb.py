@@ -52,6 +52,8 @@ __all__ = [
     "global_grad_norm",
     "is_no_decay",
     "param_groups",
+    "steps_per_group",
+    "steps_per_parameter",
 ]
 
 logger = logging.getLogger(__name__)
@@ -190,6 +192,36 @@ def param_groups(
 # --------------------------------------------------------------------------------------------
 
 
+# [Note: step counts of apex and NVLAMB] apex's FusedLAMB counts steps per parameter group
+# (``group["step"]``; a parameter's state holds only ``exp_avg``/``exp_avg_sq``), NVLAMB and torch's
+# optimizers per parameter (``state[p]["step"]``). A checkpoint written by one back end is resumed by
+# the other when apex is installed on one machine and not the other, or moves between CUDA and CPU
+# (apex is CUDA only): each back end's ``load_state_dict`` converts the other's layout, so the bias
+# correction goes on from the saved count instead of failing (KeyError 'step') or restarting at 1.
+
+
+def steps_per_parameter(optimizer: torch.optim.Optimizer) -> None:
+    """apex's layout → NVLAMB's: each parameter with moments gets its group's ``step``; the group's goes."""
+    for group in optimizer.param_groups:
+        step = group.pop("step", None)
+        if step is None:
+            continue
+        for p in group["params"]:
+            state = optimizer.state.get(p)
+            if state and "step" not in state:
+                state["step"] = int(step)
+
+
+def steps_per_group(optimizer: torch.optim.Optimizer) -> None:
+    """NVLAMB's layout → apex's: a group's ``step`` is the largest count of its parameters (a
+    parameter that had no gradient at some step counts fewer); the parameters' counts go."""
+    for group in optimizer.param_groups:
+        counts = [int(optimizer.state[p].pop("step")) for p in group["params"]
+                  if "step" in optimizer.state.get(p, {})]
+        if counts and "step" not in group:
+            group["step"] = max(counts)
+
+
 class NVLAMB(torch.optim.Optimizer):
     """LAMB with global-norm clipping and decoupled weight decay (apex ``FusedLAMB`` semantics).
 
@@ -247,6 +279,11 @@ class NVLAMB(torch.optim.Optimizer):
         for group in self.param_groups:
             if group.get("rule", "lamb") not in ("lamb", "momentum"):
                 raise ValueError(f"NVLAMB: parameter group rule={group['rule']!r}; use lamb or momentum")
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """torch's ``load_state_dict``; also takes apex FusedLAMB's layout ([Note: step counts of apex and NVLAMB])."""
+        super().load_state_dict(state_dict)
+        steps_per_parameter(self)
 
     def step(  # type: ignore[override]
         self,
@@ -455,6 +492,11 @@ def _apex_fused_lamb_class() -> type[torch.optim.Optimizer] | None:
             finally:
                 self.defaults["max_grad_norm"] = self.clip_threshold
             return loss
+
+        def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+            """apex's ``load_state_dict``; also takes NVLAMB's layout ([Note: step counts of apex and NVLAMB])."""
+            super().load_state_dict(state_dict)
+            steps_per_group(self)
 
         def zero_grad(self, set_to_none: bool = True) -> None:
             """torch's ``zero_grad(set_to_none)``: apex's ``FusedLAMB.zero_grad()`` takes no argument
