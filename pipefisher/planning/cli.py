@@ -264,8 +264,12 @@ def plan_run(cfg: ScheduleConfig, out_dir: str | Path, requested: Collection[str
     profile: Profile | None = None
     if cfg.from_:
         path = Path(cfg.from_)
-        profile = read_profile(cfg.from_, gpu=cfg.gpu, warmup_steps=cfg.warmup_steps)
+        profile = read_profile(cfg.from_, gpu=cfg.gpu, warmup_steps=cfg.warmup_steps, names=cfg.ranges)
         notes += profile.notes
+        if profile.source != "nsys" and cfg.ranges.name != "ours":
+            notes.append(f"ranges={cfg.ranges.name} has no effect: {cfg.from_} was written by profile.py, whose "
+                         f"events carry their actions")
+            log.warning("%s", notes[-1])
         if profile.source == "nsys":
             seen = {e.worker for e in profile.events}
             missing = sorted(set(range(max(seen) + 1)) - seen)

@@ -18,6 +18,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.nodes import AnyNode, BooleanNode, FloatNode, IntegerNode, StringNode
 
 from pipefisher.config import ConfigError, DataConfig, ModelConfig, PipelineConfig, register_configs
+from pipefisher.profiling.range_names import RangeNames
 
 __all__ = ["ScheduleConfig", "WhatIfConfig", "register_schedule_configs", "schedule_schema_node",
            "to_schedule_config"]
@@ -60,6 +61,7 @@ class ScheduleConfig:
     kfac_interval: int = 1  # refresh interval of the kfac (critical path) baseline in the summary
     gpu: str = "auto"  # profile times: auto = kernel time when the profile has CUDA kernels (nsys --trace=cuda); true; false = CPU ranges
     warmup_steps: int = 1  # steps dropped from the start of an nsys export (profile.py's own profiles dropped theirs already)
+    ranges: RangeNames = field(default_factory=RangeNames)  # how an nsys export's range names map to actions (group `ranges`: ours, megatron_zb)
     plot: bool = True  # write the predicted timeline (timeline.pdf/png)
     whatif: bool = False  # rank configurations instead of planning one
     devices: int = 16  # whatif: devices to use
@@ -117,8 +119,10 @@ def schedule_schema_node() -> DictConfig:
 
 
 def register_schedule_configs() -> None:
-    """Register ``schedule_schema`` (and train.py's group schemas, which its defaults use)."""
+    """Register ``schedule_schema``, the ``ranges`` group's schema, and train.py's group schemas,
+    which its defaults use."""
     register_configs()
+    ConfigStore.instance().store(group="ranges", name="ranges_schema", node=RangeNames)
     ConfigStore.instance().store(name="schedule_schema", node=schedule_schema_node())
 
 
@@ -131,4 +135,5 @@ def to_schedule_config(cfg: DictConfig) -> ScheduleConfig:
     data["pipeline"] = PipelineConfig(**data["pipeline"])
     data["data"] = DataConfig(**data["data"])
     data["search"] = WhatIfConfig(**data["search"])
+    data["ranges"] = RangeNames(**data["ranges"])
     return ScheduleConfig(**data)

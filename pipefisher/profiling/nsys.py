@@ -44,7 +44,7 @@ from pipefisher.profiling.nsys_gpu import TID_MASK, gpu_spans, has_kernels, proc
 from pipefisher.profiling.nsys_ranks import RangeOrigin, assign_workers
 from pipefisher.profiling.nsys_steps import ActionRange, delimiters, enclosing, partial_steps, steps_of
 from pipefisher.profiling.nvtx import RANK_MARK_RE
-from pipefisher.profiling.range_names import OURS, MappedName, RangeNames, action_name, compile_patterns, match_name
+from pipefisher.profiling.range_names import MappedName, RangeNames, action_name, compile_patterns, match_name
 from pipefisher.profiling.types import Profile, ProfileError, WorkerInfo
 from pipefisher.schedules.ir import Action, ActionKind
 from pipefisher.timeline import Event
@@ -222,7 +222,7 @@ def _check_names(conn: sqlite3.Connection, cols: set[str], path: Path) -> None:
 def _action_of(name: str, names: RangeNames, patterns: list[re.Pattern[str]]
                ) -> tuple[str, str, int | None, MappedName | None] | None:
     """``(name, kind, prefix worker, mapped)`` of a range name, or None when it names no action."""
-    if names.name == OURS and not patterns:
+    if not patterns:  # our grammar
         m = _PREFIX_RE.match(name)
         bare = name[m.end():] if m else name
         parsed = parse_action_name(bare)
@@ -356,7 +356,7 @@ def _no_actions(where: str, files: Sequence[_File], names: RangeNames, open_: in
     """The error for a capture with no finished range named like an action: the names it did find."""
     ignored = sum((f.ignored for f in files), Counter())
     top = ", ".join(f"{n!r} ×{c}" for n, c in ignored.most_common(5)) or "none"
-    grammar = "'0F2', '3B5@1', 'STEP', …" if names.name == OURS else f"the ranges={names.name} patterns"
+    grammar = f"the ranges={names.name} patterns" if names.patterns else "'0F2', '3B5@1', 'STEP', …"
     if open_:
         fix = "capture whole steps (let the run finish the profiled steps)"
     else:

@@ -69,6 +69,7 @@ from pipefisher.profiling.nsys import (
 from pipefisher.profiling.nsys_gpu import TID_MASK
 from pipefisher.profiling.nvtx import rank_mark_text
 from pipefisher.profiling.origin import WorkerOrigin
+from pipefisher.profiling.range_names import RangeNames
 from pipefisher.profiling.types import Profile, ProfileError, WorkerInfo
 from pipefisher.timeline import Event, is_wait
 
@@ -301,7 +302,7 @@ def _read_ours(conn: sqlite3.Connection, path: Path, gpu: GpuArg) -> Profile:
 
 
 def read_profile(path: str | Path | Sequence[str | Path], *, gpu: GpuArg = "auto",
-                 warmup_steps: int = 0) -> Profile:
+                 warmup_steps: int = 0, names: RangeNames | None = None) -> Profile:
     """Read a ``profile.sqlite`` written by :func:`write_profile`, or real nsys exports.
 
     Args:
@@ -310,6 +311,7 @@ def read_profile(path: str | Path | Sequence[str | Path], *, gpu: GpuArg = "auto
             has CUDA kernels); see :func:`pipefisher.profiling.nsys.read_nsys`.
         warmup_steps: steps to drop from the start of an nsys export (our files hold only the
             steps after ``profile.warmup_steps`` already, so it does not apply to them).
+        names: how an nsys export's range names map to actions (``range_names``); None: ours.
 
     Returns:
         For our files, exactly the events written (same order), the metadata, the worker map and
@@ -330,4 +332,4 @@ def read_profile(path: str | Path | Sequence[str | Path], *, gpu: GpuArg = "auto
             raise damaged(paths[0], exc) from None
         finally:
             conn.close()
-    return read_nsys(paths, gpu=gpu, warmup_steps=warmup_steps)
+    return read_nsys(paths, gpu=gpu, warmup_steps=warmup_steps, names=names)
