@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from pipefisher.config import FACTOR_DECAY_UNITS, KFAC_OPTIMIZERS, TrainConfig
+from pipefisher.config import FACTOR_DECAY_UNITS, KFAC_OPTIMIZERS, ConfigError, TrainConfig
 from pipefisher.data import build_source, get_micro_batch
 from pipefisher.model import BertConfig, BertStage, build_full_model
 from pipefisher.model.rng import dropout_key
@@ -47,6 +47,7 @@ __all__ = [
     "data_source",
     "data_plan",
     "resolve_device",
+    "check_local_gpus",
     "set_cpu_threads",
     "make_optimizer",
     "is_kfac_parameter",
@@ -103,13 +104,31 @@ def device_type(name: str) -> str:
     return "cpu" if name == "cpu" or (name == "auto" and not torch.cuda.is_available()) else "cuda"
 
 
+def check_local_gpus(name: str, local_workers: int) -> None:
+    """Refuse more workers on this machine than GPUs it shows: each worker needs a GPU of its own.
+
+    Raises:
+        ConfigError: naming the counts and the fix (no-op for a CPU run).
+    """
+    count = torch.cuda.device_count() if device_type(name) == "cuda" else local_workers
+    if local_workers > count:
+        raise ConfigError(f"device={name}: {local_workers} workers on this node but {count} GPU(s) visible; each "
+                          "worker needs its own GPU: run at most that many workers per node (stages*data_parallel, "
+                          "or more cluster.nodes), or device=cpu")
+
+
 def resolve_device(name: str, local_rank: int = 0) -> torch.device:
-    """``auto`` → the local CUDA device when one is visible, else CPU."""
+    """``auto`` → the local CUDA device when one is visible, else CPU; a worker's GPU is
+    ``cuda:<local_rank>`` (set as the current device).
+
+    Raises:
+        ConfigError: ``local_rank`` has no GPU of its own (two ranks would share one).
+    """
     if device_type(name) == "cpu":
         return torch.device("cpu")
-    index = local_rank % max(1, torch.cuda.device_count())
-    torch.cuda.set_device(index)
-    return torch.device("cuda", index)
+    check_local_gpus(name, local_rank + 1)
+    torch.cuda.set_device(local_rank)
+    return torch.device("cuda", local_rank)
 
 
 def refresh_decay(factor_decay: float, per: str, interval: int) -> float:

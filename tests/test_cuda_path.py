@@ -6,18 +6,25 @@ import itertools
 import json
 import os
 import socket
+import subprocess
+import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 import torch.multiprocessing as mp
 
 from pipefisher.runtime.build import kfac_assignment, schedule_for
-from pipefisher.training import device_type
-from pipefisher.config import TrainConfig
+from pipefisher.training import device_type, resolve_device
+from pipefisher.config import ConfigError, TrainConfig
+from pipefisher.launch import launch_workers
+from pipefisher.launch import local as local_launch
+from pipefisher.launch.gpus import GpuRequestError, check_gpu_request
+from pipefisher.runtime.worker import run_worker
 from pipefisher.tracking import read_metrics
 from tests import cuda_standin
-from tests.conftest import compose_train
+from tests.conftest import REPO, compose_train
 
 
 @pytest.fixture
@@ -127,3 +134,75 @@ def test_standin_lifecycle_checkpoints_requeues_and_resumes(standin_lifecycle) -
     rows = read_metrics(out / "metrics.jsonl")
     assert [r["step"] for r in rows] == [0, 1, 2, 3]
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step_2", "step_3"]  # keep_last=2
+
+
+# --------------------------------------------------------------------------------------------
+# Refusals before any worker starts, each one line naming the fix
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def two_gpus():
+    """A node of 2 stand-in GPUs."""
+    with cuda_standin.install(2) as cuda:
+        yield cuda
+
+
+def test_more_local_workers_than_gpus_is_refused_before_any_process_starts(two_gpus, tmp_path, monkeypatch) -> None:
+    """Was: ``local_rank % device_count`` put ranks 2 and 3 on GPUs 0 and 1 beside ranks 0 and 1."""
+    cfg = compose_train(["stages=4", "num_micro_batches=4", "model.num_layers=4", "device=auto"])
+    started: list[Any] = []
+    monkeypatch.setattr(local_launch, "_run_local_workers", lambda *a: started.append(a))
+    with pytest.raises(ConfigError, match=r"device=auto: 4 workers on this node but 2 GPU\(s\) visible.*device=cpu"):
+        launch_workers(cfg, tmp_path)
+    assert started == [] and two_gpus.calls == []
+
+
+def test_a_worker_without_a_gpu_of_its_own_refuses_before_joining(two_gpus, tmp_path) -> None:
+    """torchrun/SLURM workers: every worker of an overfull node refuses (not only ranks >= GPUs),
+    before the process group; ``resolve_device`` never maps two ranks to one GPU."""
+    cfg = compose_train(["stages=4", "num_micro_batches=4", "model.num_layers=4", "device=cuda"])
+    with pytest.raises(ConfigError, match="4 workers on this node but 2 GPU"):
+        run_worker(cfg, rank=0, world_size=4, output_dir=tmp_path, local_rank=0, local_world_size=4)
+    with pytest.raises(ConfigError, match="3 workers on this node but 2 GPU"):
+        resolve_device("cuda", local_rank=2)
+    assert two_gpus.backends == [] and two_gpus.calls == []
+    assert resolve_device("auto", local_rank=1) == torch.device("cuda", 1)
+    assert two_gpus.calls == [("set_device", 1)]
+
+
+def test_device_cuda_without_cuda_is_refused_when_the_config_is_composed(monkeypatch) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ConfigError, match=r"^device='cuda': no CUDA device is visible; use device=cpu or device=auto$"):
+        compose_train(["device=cuda"])
+    assert compose_train(["device=auto"]).device == "auto"  # auto falls back to the CPU, as documented
+
+
+@pytest.mark.parametrize(("device", "gpus", "tasks", "refused"), [
+    ("auto", None, 2, "without hydra.launcher.gpus_per_node.*gpus_per_node=2 .*or device=cpu"),
+    ("cuda", None, 4, "without hydra.launcher.gpus_per_node.*gpus_per_node=4 "),
+    ("auto", 2, 4, r"gpus_per_node=2 is fewer than the 4 workers per node.*gpus_per_node=4"),
+    ("auto", 4, 4, None),
+    ("cuda", 8, 4, None),
+    ("cpu", None, 4, None),
+])
+def test_slurm_gpu_request_gives_each_worker_a_gpu(device, gpus, tasks, refused) -> None:
+    if refused is None:
+        check_gpu_request(device, gpus, tasks)
+    else:
+        with pytest.raises(GpuRequestError, match=refused):
+            check_gpu_request(device, gpus, tasks)
+
+
+def test_slurm_run_with_device_auto_and_no_gpu_request_is_refused_before_submitting(tmp_path) -> None:
+    """The real command: one line on stderr, status 1, nothing submitted (no .submitit folder). (A
+    partition no cluster has: were the check to let it through, sbatch refuses it.)"""
+    sweep = tmp_path / "sweep"
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "train.py"), "-m", "cluster=slurm", "stages=2", "steps=1", "wandb.mode=disabled",
+         "cluster.partition=pf-no-such-partition", f"hydra.sweep.dir={sweep}"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and "hydra.launcher.gpus_per_node=2" in lines[0] and "device=cpu" in lines[0], proc.stderr
+    assert not (sweep / ".submitit").exists()

@@ -216,7 +216,7 @@ def test_sweep_runs_as_slurm_job_array_of_two_worker_pipelines(tmp_path: Path) -
     require_slurm()
     sweep = tmp_path / "sweep"
     cmd = [sys.executable, str(REPO / "train.py"), "-m", "cluster=slurm", "model=bert-tiny", "stages=2",
-           "pipeline=gpipe,chimera", "steps=3", "progress=false", "wandb.mode=offline", "data.seq_len=32",
+           "pipeline=gpipe,chimera", "steps=3", "progress=false", "wandb.mode=offline", "data.seq_len=32", "device=cpu",
            "micro_batch_size=2", "num_micro_batches=2", "hydra.launcher.timeout_min=5", f"hydra.sweep.dir={sweep}"]
     try:
         res = subprocess.run(cmd, cwd=tmp_path, env=SUB_ENV, capture_output=True, text=True, timeout=240)
@@ -260,7 +260,7 @@ def test_sweep_runs_as_slurm_job_array_of_two_worker_pipelines(tmp_path: Path) -
 
 PREEMPT_STEPS = 30
 PREEMPT_RUN = ["model=bert-tiny", "stages=2", "pipeline=1f1b", f"steps={PREEMPT_STEPS}", "progress=false",
-               "data.seq_len=32", "micro_batch_size=2", "num_micro_batches=2", "wandb.mode=offline"]
+               "data.seq_len=32", "micro_batch_size=2", "num_micro_batches=2", "wandb.mode=offline", "device=cpu"]
 
 
 @pytest.fixture(scope="module")

@@ -52,7 +52,7 @@ from pipefisher.runtime.preemption import INTERRUPT_SIGNALS, PREEMPTED_EXIT_CODE
 from pipefisher.runtime.worker import kfac_assignment, run_worker, schedule_for
 from pipefisher.schedules.ir import Schedule
 from pipefisher.tracking import WandbLogger, read_metrics, run_name_from_overrides
-from pipefisher.training import train_single_process
+from pipefisher.training import check_local_gpus, train_single_process
 
 __all__ = ["run_training", "launch_workers", "check_resume", "WorkerFailed", "STOP_GRACE_S"]
 
@@ -168,6 +168,7 @@ def launch_workers(cfg: TrainConfig, output_dir: str | os.PathLike, run_name: st
         if result.get("preempted"):  # checkpointed, and worker 0 requeued the job
             sys.exit(PREEMPTED_EXIT_CODE)
         return result
+    check_local_gpus(cfg.device, cfg.num_workers)  # one GPU per local worker, before any process starts
     watch = preemption.watching(cfg.cluster.requeue)
     # Signals are recorded and passed on; the workers act on them at a step's end. SLURM's warning
     # signal (watch) ends in a requeue, SIGINT/SIGTERM in an exit: see [Note: Ctrl-C and SIGTERM to the launcher].

@@ -49,7 +49,7 @@ from pipefisher.runtime.run_profile import gather_origins, write_run_profile
 from pipefisher.runtime.step_metrics import kfac_plan_label
 from pipefisher.runtime.stopping import StopPolicy, requeue_from_rank0
 from pipefisher.timeline import Event
-from pipefisher.training import StepTimer, resolve_device, set_cpu_threads
+from pipefisher.training import StepTimer, check_local_gpus, resolve_device, set_cpu_threads
 
 __all__ = ["run_worker", "train_worker", "PipelineWorker", "schedule_for", "run_shape", "kfac_assignment",
            "kfac_plan_label", "describe_kfac", "build_stage_modules", "gather_origins", "write_run_profile",
@@ -80,6 +80,7 @@ def run_worker(
     check_world_size(cfg, world_size)
     if preemption.watching(cfg.cluster.requeue):
         preemption.install()  # from now on SLURM's warning signal is recorded, not fatal
+    check_local_gpus(cfg.device, local_world_size or 1)  # every worker of the node refuses, not only the extra ones
     device = resolve_device(cfg.device, local_rank)
     if device.type == "cpu":
         set_cpu_threads(local_world_size or world_size)
