@@ -24,7 +24,6 @@ import logging
 import os
 import re
 import shlex
-import shutil
 import sys
 from collections.abc import Callable
 from dataclasses import fields, is_dataclass
@@ -37,7 +36,8 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.errors import CompactHydraException
 from omegaconf import DictConfig, OmegaConf
 
-from pipefisher.config import TrainConfig, refuse_unknown_keys, register_configs, to_train_config
+from pipefisher.config import KFAC_OPTIMIZERS, TrainConfig, refuse_unknown_keys, register_configs, to_train_config
+from pipefisher.run_folder import clean_up_failed_run
 
 __all__ = ["train_main", "profile_main", "UserError", "user_message"]
 
@@ -83,53 +83,19 @@ def user_message(err: BaseException) -> str | None:
     return None
 
 
-def _hydra_only(run_dir: Path, job_name: str, overrides: list[str]) -> bool:
-    """Whether ``run_dir`` holds nothing but what Hydra wrote before this task ran.
-
-    Its ``.hydra/overrides.yaml`` must be this run's: another run may share the folder (one given
-    as ``hydra.run.dir``), and its files must stay.
-    """
-    if not run_dir.is_dir() or not {p.name for p in run_dir.iterdir()} <= {".hydra", f"{job_name}.log"}:
-        return False
-    try:
-        return list(OmegaConf.load(run_dir / ".hydra" / "overrides.yaml")) == overrides
-    except Exception:  # noqa: BLE001  (missing or half-written: not provably ours)
-        return False
-
-
-def _clean_up_failed_run(message: str) -> None:
-    """Remove the failed run's directory if the run wrote nothing into it, else log ``message`` there."""
-    hc = HydraConfig.get()
-    run_dir = Path(hc.runtime.output_dir)
-    if _hydra_only(run_dir, hc.job.name, list(hc.overrides.task)):
-        for handler in logging.getLogger().handlers:  # the job's log file lives in the folder
-            if isinstance(handler, logging.FileHandler) and Path(handler.baseFilename).parent == run_dir:
-                handler.close()
-        shutil.rmtree(run_dir, ignore_errors=True)
-        # And the date folder of `outputs/<date>/<time>` when it is now empty: only below the
-        # working directory, where Hydra made it (a folder the user named stays).
-        parent, cwd = run_dir.parent.resolve(), Path.cwd().resolve()
-        if cwd in parent.parents and parent.parent != cwd and not any(parent.iterdir()):
-            parent.rmdir()
-        return
-    record = log.makeRecord(log.name, logging.ERROR, __file__, 0, "run failed: %s", (message,), None)
-    for handler in logging.getLogger().handlers:  # the file only: stderr gets it from Hydra
-        if isinstance(handler, logging.FileHandler):
-            handler.handle(record)
-
-
 def _reported(task: Callable[[DictConfig], Any]) -> Callable[[DictConfig], Any]:
     """Wrap a Hydra task so that user-fixable errors end in one message (see the Note)."""
 
     @functools.wraps(task)
     def wrapper(dcfg: DictConfig) -> Any:
         try:
+            _refuse_schema_choices()
             return task(dcfg)
         except Exception as err:
             message = user_message(err)
             if message is None:
                 raise
-            _clean_up_failed_run(message)
+            clean_up_failed_run(message)
             if os.environ.get("HYDRA_FULL_ERROR") == "1":
                 raise
             raise UserError(f"{_program()}: {message}") from err
@@ -137,8 +103,35 @@ def _reported(task: Callable[[DictConfig], Any]) -> Callable[[DictConfig], Any]:
     return wrapper
 
 
+def _refuse_schema_choices() -> None:
+    """``model=model_schema`` (a schema that Hydra lists among a group's options) is no model: refuse it."""
+    from pipefisher.config import ConfigError
+
+    for group, choice in HydraConfig.get().runtime.choices.items():
+        if isinstance(choice, str) and choice == f"{group}_schema":
+            folder = _CONF / group
+            options = sorted(p.stem for p in folder.glob("*.yaml")) if folder.is_dir() else []
+            raise ConfigError(f"{group}={choice}: that is the schema the {group} options extend, not one of them; "
+                              f"choose one of {', '.join(options)}")
+
+
 def _program() -> str:
     return os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else "train.py"
+
+
+def _check_schedule_file(cfg: TrainConfig) -> None:
+    """Read ``optimizer.schedule`` (an assignment.json of schedule.py) before any worker starts."""
+    if cfg.optimizer.name in KFAC_OPTIMIZERS and cfg.optimizer.schedule:
+        from pipefisher.config import ConfigError
+        from pipefisher.schedules.kfac import assignment_from_json  # no torch
+
+        try:
+            assignment_from_json(cfg.optimizer.schedule)
+        except OSError as exc:
+            raise ConfigError(f"optimizer.schedule={cfg.optimizer.schedule}: cannot be read ({exc.strerror}); give "
+                              f"the assignment.json that schedule.py wrote") from None
+        except ValueError as exc:
+            raise ConfigError(f"optimizer.schedule={exc}") from None
 
 
 def _check_data(cfg: TrainConfig) -> None:
@@ -164,6 +157,7 @@ def _run(dcfg: DictConfig) -> float:
              if cfg.num_workers > 1 else "one process", cfg.stages, cfg.global_batch_size, cfg.micro_batch_size,
              cfg.num_micro_batches, cfg.data_parallel, f"optimizer={cfg.optimizer.name}", cfg.steps,
              _shown(hc.runtime.output_dir))
+    _check_schedule_file(cfg)
     _check_data(cfg)
     from pipefisher.launch import run_training  # imports torch: only after the config is valid
 

@@ -16,7 +16,8 @@ import pytest
 import torch.distributed as dist
 from torch.multiprocessing.spawn import ProcessRaisedException
 
-from pipefisher.cli import _hydra_only, user_message
+from pipefisher.cli import user_message
+from pipefisher.run_folder import _hydra_only
 from pipefisher.config import ConfigError, check_override_keys
 from pipefisher.data.prepare import main as prepare_main
 from pipefisher.model.config import BertConfig
@@ -52,6 +53,21 @@ def test_config_error_prints_one_message_exits_nonzero_and_leaves_no_run_dir(tmp
     _assert_one_message(proc, "train.py: stages=50: exceeds model.num_layers=2", "a deeper model")
     assert not run_dir.exists()
     assert tmp_path.exists()  # a folder the user named is never removed
+
+
+@pytest.mark.parametrize("args, expected", [
+    (["train.py", "model=model_schema", *TINY[1:]],
+     "model=model_schema: that is the schema the model options extend, not one of them; choose one of bert-base"),
+    (["train.py", "optimizer=pipefisher", "optimizer.schedule=/etc/passwd", *TINY],
+     "train.py: optimizer.schedule=/etc/passwd: not a JSON file"),
+    (["schedule.py", "from=/etc/passwd"], "schedule.py: /etc/passwd: not an SQLite database"),
+    (["finetune.py", "task=mnli"], "finetune.py: task.data_dir=None: task=mnli reads files"),
+], ids=["schema-as-model", "schedule-not-json", "profile-not-sqlite", "finetune-without-data"])
+def test_bad_input_of_each_program_prints_one_message_and_leaves_no_folder(args, expected, tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    proc = _script([*args, f"hydra.run.dir={run_dir}"])
+    _assert_one_message(proc, expected)
+    assert not run_dir.exists(), sorted(p.name for p in run_dir.rglob("*"))
 
 
 def test_hydra_full_error_keeps_the_traceback(tmp_path: Path) -> None:
@@ -229,8 +245,9 @@ def test_whatif_logs_progress_per_group(caplog) -> None:
 # --- item 9: small things ------------------------------------------------------------------------------
 
 
-def test_runs_folder_is_ignored_by_git() -> None:
-    proc = subprocess.run(["git", "check-ignore", "-q", "runs/bert/checkpoints/step_1/manifest.json"], cwd=REPO)
+@pytest.mark.parametrize("path", ["runs/bert/checkpoints/step_1/manifest.json", "data/wikitext-2/train.txt"])
+def test_runs_and_data_folders_are_ignored_by_git(path: str) -> None:
+    proc = subprocess.run(["git", "check-ignore", "-q", path], cwd=REPO)
     assert proc.returncode == 0
 
 

@@ -11,6 +11,7 @@ from omegaconf import DictConfig
 from pipefisher.data.batches import DataError
 from pipefisher.finetune.config import register_finetune_configs, to_finetune_config
 from pipefisher.finetune.loop import run_finetune
+from pipefisher.run_folder import clean_up_failed_run
 
 __all__ = ["finetune_main"]
 
@@ -30,6 +31,7 @@ def finetune_main(dcfg: DictConfig) -> float:
         result = run_finetune(cfg, hc.runtime.output_dir, overrides=list(hc.overrides.task),
                               sweep_dir=hc.sweep.dir if hc.mode.name == "MULTIRUN" else None)
     except (DataError, ValueError) as exc:  # ConfigError and FinetuneDataError are ValueErrors
+        clean_up_failed_run(str(exc))  # a refused command leaves no folder behind
         raise SystemExit(f"finetune.py: {exc}") from None
     for split, record in result.final.items():
         scores = {k: round(record[k], 4) for k in ("accuracy", "exact_match", "f1") if k in record}

@@ -29,6 +29,7 @@ from pipefisher.planning.infer import ProfiledShape, infer_shape
 from pipefisher.planning.predict import Comparison, StepSplit, compare_optimizers, predict_schedule, split_steps
 from pipefisher.planning.whatif import format_candidates, what_if
 from pipefisher.profiling import OVERSUBSCRIBED_NOTE, Profile, plot_timeline, read_profile
+from pipefisher.run_folder import clean_up_failed_run
 from pipefisher.schedules import GENERATORS
 from pipefisher.schedules.kfac import assignment_to_json
 
@@ -442,5 +443,6 @@ def _schedule(dcfg: DictConfig) -> None:
         else:
             text = plan_run(cfg, hc.runtime.output_dir, _override_keys(hc.overrides.task)).summary
     except ValueError as exc:  # ConfigError, ProfileError, ScheduleError are ValueErrors
+        clean_up_failed_run(str(exc))  # a refused command leaves no folder behind
         raise SystemExit(f"schedule.py: {exc}") from None
     print(text)
