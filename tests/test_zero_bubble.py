@@ -203,6 +203,43 @@ def test_i_then_w_gives_the_gradients_of_one_backward(recompute: bool) -> None:
         torch.testing.assert_close(q.grad, p.grad, rtol=1e-5, atol=1e-7, msg=lambda m, n=name: f"{n}: {m}")
 
 
+def _qkv_inputs_filed(precision: str) -> tuple[list[torch.Tensor], dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """One I (under bf16 autocast or in fp32) of a one-layer BERT: the x operands filed for layer 0's
+    query, key and value, and the weight gradients of I + W and of a plain backward (same autocast)."""
+    config = BertConfig(num_layers=1, hidden_size=32, num_heads=2, vocab_size=600, hidden_dropout=0.0,
+                        attention_dropout=0.0)
+    plain = build_full_model(config, seed=3)
+    split = copy.deepcopy(plain)
+    enable_split_backward([split])
+    batch = SyntheticSource(seq_len=16, max_predictions=3, vocab_size=600, seed=0).get_samples(range(4))
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16")
+    with autocast:
+        loss = plain(None, batch).sum()
+    loss.backward()
+    with deferring([]) as store, autocast:
+        loss = split(None, batch).sum()
+    with deferring(store):
+        loss.backward()
+    attention = split.bert.encoder.layer["0"].attention.self
+    qkv = {id(attention.query.weight), id(attention.key.weight), id(attention.value.weight)}
+    xs = [x for param, _, x in store if id(param) in qkv]
+    apply_weight_grads(store)
+    grads = {n: p.grad for n, p in split.named_parameters()}
+    return xs, grads, {n: p.grad for n, p in plain.named_parameters()}
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_shared_qkv_input_is_filed_once_and_w_equals_a_plain_backward(precision: str) -> None:
+    """Defect 3 (issue 25): under bf16 the store held a bf16 copy of the shared Q/K/V input per layer
+    (3 distinct storages); it holds the forward's saved input, one fp32 storage, and casts in W."""
+    xs, split_grads, plain_grads = _qkv_inputs_filed(precision)
+    assert len(xs) == 3
+    assert len({x.untyped_storage().data_ptr() for x in xs}) == 1
+    assert {x.dtype for x in xs} == {torch.float32}  # as the forward saved it: no copy under autocast
+    for name, grad in plain_grads.items():  # cast-then-multiply in W is what autocast's backward does
+        torch.testing.assert_close(split_grads[name], grad, rtol=1e-5, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
+
+
 # -- zb-v's order: costs and memory --------------------------------------------------------------
 
 

@@ -14,10 +14,16 @@ under ``torch.no_grad``) the function computes the weight gradient at once, so o
 B for some micro-batches and I + W for others.
 
 The operands W keeps are the ones K-FAC's curvature needs too (the A factor from x, the B factor
-from g), so curvature next to W costs no activation memory beyond what W holds anyway.
+from g), so curvature next to W costs no activation memory beyond what W holds anyway. What W holds
+is the layer's input *as saved by the forward* (its storage, not a copy): Q, K and V read one hidden
+state, so a layer's three entries share one storage. Under recompute (activation checkpointing) the
+inputs are those of B's recomputed forward, which W keeps alive from I until W, where a full B would
+free them at its end: there W's store is activation memory that recompute would otherwise save.
 
 Autocast: the product runs in the dtype of the output gradient (the forward's compute dtype) and
-the result is cast to the parameter's dtype, as autocast's cast-then-linear backward does.
+the result is cast to the parameter's dtype, as autocast's cast-then-linear backward does. The cast
+of x to that dtype happens in W, one product at a time (issue 25: casting when filing stored a bf16
+copy of the shared Q/K/V input once per layer, three copies beside the fp32 input K-FAC keeps).
 
 Shared weights: the MLM decoder's weight is tied to the word embeddings; its deferred product is
 added to the same ``.grad`` the embedding lookup's gradient went to (or to the stage's own copy,
@@ -37,7 +43,8 @@ from torch import Tensor, nn
 __all__ = ["WeightGradStore", "enable_split_backward", "deferring", "apply_weight_grads"]
 
 WeightGradStore = list[tuple[nn.Parameter, Tensor, Tensor]]
-"""Deferred weight gradients of one (stage, micro-batch): (weight, g [T, out], x [T, in])."""
+"""Deferred weight gradients of one (stage, micro-batch): (weight, g [T, out], x [T, in]); x in the
+dtype the forward saved it in (fp32 under bf16 autocast), g in the compute dtype."""
 
 # The store filed into while an I runs. A module global, not a thread-local: on CUDA the autograd
 # engine runs backward functions on its own device threads.
@@ -66,9 +73,9 @@ class _DeferrableLinear(torch.autograd.Function):
         if ctx.has_bias and ctx.needs_input_grad[2]:
             grad_b = g2.sum(0)
         if ctx.needs_input_grad[1]:
-            x2 = x.reshape(-1, x.shape[-1]).to(dtype)
+            x2 = x.reshape(-1, x.shape[-1])  # a view: filed as the forward saved it, cast in W
             if _ACTIVE is None:
-                grad_w = g2.t().mm(x2).to(weight.dtype)
+                grad_w = g2.t().mm(x2.to(dtype)).to(weight.dtype)
             else:
                 _ACTIVE.append((ctx.param, g2, x2))
         return grad_x, grad_w, grad_b
@@ -115,7 +122,7 @@ def deferring(store: WeightGradStore) -> Iterator[WeightGradStore]:
 def apply_weight_grads(store: WeightGradStore) -> None:
     """Run the deferred products of one ``I`` and accumulate them into ``.grad`` (the ``W``)."""
     for param, g2, x2 in store:
-        grad = g2.t().mm(x2).to(param.dtype)
+        grad = g2.t().mm(x2.to(g2.dtype)).to(param.dtype)  # the forward's compute dtype, as a full B
         if param.grad is None:
             param.grad = grad
         else:
