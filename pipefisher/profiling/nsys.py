@@ -307,7 +307,7 @@ def _clock_offsets(files: Sequence[_File]) -> tuple[list[int], list[str]]:
     if any(moved):
         a = next(f.path for f in files if f.capture.shifted)
         b = next(f.path for f in files if not f.capture.shifted)
-        raise ProfileError(f"{a} was exported with --ts-normalize or --ts-shift (META_DATA_EXPORT."
+        raise ProfileError(f"{a} was exported with --ts-normalize or --ts-shift (its export metadata's "
                            f"EXPORT_PARAM_TIME_*) and {b} without, so their clocks differ; export every rank "
                            f"the same way, e.g. 'nsys export --type sqlite --ts-normalize true' for each")
     utc = [f.capture.utc_epoch_ns for f in files]
