@@ -610,3 +610,33 @@ def test_factors_match_asdl_empirical_fisher_kron(monkeypatch: pytest.MonkeyPatc
     _refresh(pre, "lin", range(1))
     assert_close(pre.layer("lin").a[:I_DIM, :I_DIM], kron.A)
     assert_close(pre.layer("lin").b, kron.B)
+
+
+class _HostReads(torch.overrides.TorchFunctionMode):
+    """Counts reads of a tensor's value into Python (each one a device-to-host sync on a GPU)."""
+
+    READS = {torch.Tensor.__float__, torch.Tensor.__int__, torch.Tensor.__bool__, torch.Tensor.item,
+             torch.Tensor.tolist}
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        self.count += func in self.READS
+        return func(*args, **(kwargs or {}))
+
+
+def test_an_inversion_reads_the_device_once_for_the_damping_and_once_per_cholesky() -> None:
+    """Issue 25: the two traces of the factored damping are read together (was two reads); each
+    Cholesky's ``info`` is one read (the retry needs it); nothing else is read."""
+    gen = torch.Generator().manual_seed(0)
+    x, g = torch.randn(64, 9, generator=gen), torch.randn(64, 5, generator=gen)
+    a, b = x.t() @ x / 64, g.t() @ g / 64
+    with _HostReads() as reads:
+        lam_a, lam_b = factored_damping(a, b, 0.01)
+    assert reads.count == 1 and lam_a * lam_b == pytest.approx(0.01)
+    with _HostReads() as reads:
+        damped_inverse(a, lam_a)
+        damped_inverse(b, lam_b)
+    assert reads.count == 2

@@ -160,8 +160,9 @@ def factored_damping(a: Tensor, b: Tensor, damping: float) -> tuple[float, float
     Returns:
         ``(λ_A, λ_B)`` as Python floats, λ_A·λ_B = λ.
     """
-    mean_eig_a = float(torch.trace(a)) / a.shape[0]
-    mean_eig_b = float(torch.trace(b)) / b.shape[0]
+    # One device-to-host read for both traces (issue 25: each float() is a sync on a GPU).
+    trace_a, trace_b = torch.stack([torch.trace(a).double(), torch.trace(b).double()]).tolist()
+    mean_eig_a, mean_eig_b = trace_a / a.shape[0], trace_b / b.shape[0]
     pi = 1.0
     if mean_eig_a > 0 and mean_eig_b > 0 and math.isfinite(mean_eig_a) and math.isfinite(mean_eig_b):
         pi = math.sqrt(mean_eig_a / mean_eig_b)

@@ -194,7 +194,7 @@ class KfacWork:
         """
         layer = pre.layer(name)
         estimates = pre.factor_tensors(name)
-        if all(bool(torch.isfinite(t).all()) for t in estimates):
+        if bool(torch.stack([torch.isfinite(t).all() for t in estimates]).all()):  # one sync for both factors
             return False
         log.warning("K-FAC layer %s: non-finite curvature this refresh; the factors keep their previous values", name)
         for t, running in zip(estimates, (layer.a, layer.b)):
