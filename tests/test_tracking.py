@@ -115,6 +115,14 @@ def test_run_name_from_overrides_sorted_and_without_hydra_keys():
     assert run_name_from_overrides([]) == "default"
 
 
+def test_run_name_keeps_what_a_run_trains_and_only_a_path_s_last_part():
+    overrides = ["data.path=/scratch/alice/bert/wiki_shards/", "progress=false", "wandb.mode=offline",
+                 "log_every=1", "resume=auto", "optimizer.schedule=/home/alice/out/assignment.json", "stages=2"]
+    assert run_name_from_overrides(overrides) == "data.path=wiki_shards,optimizer.schedule=assignment.json,stages=2"
+    long = run_name_from_overrides([f"model.k{i:03d}=1" for i in range(40)])
+    assert len(long) == 128 and long.endswith("…") and long.startswith("model.k000=1,model.k001=1")
+
+
 def test_resolve_mode_env_overrides_config_but_cannot_enable_a_disabled_run(monkeypatch):
     monkeypatch.setenv("WANDB_MODE", "online")
     assert resolve_mode("offline") == "online"
@@ -158,6 +166,17 @@ def test_wandb_logger_offline_writes_an_offline_run_dir(tmp_path):
     runs = list((out / "wandb").glob("offline-run-*"))
     assert len(runs) == 1, list((out / "wandb").iterdir())
     assert list(runs[0].glob("run-*.wandb")), "no offline run file"
+
+
+def test_an_offline_run_prints_two_lines_of_ours_and_none_of_wandb(tmp_path, capfd, caplog):
+    caplog.set_level("INFO", logger="pipefisher.tracking.wandb_logger")
+    with WandbLogger({"stages": 1}, project="pipefisher-test", name="steps=2", mode="offline", dir=tmp_path) as wb:
+        wb.log({"loss": 1.0}, step=0)
+    printed = capfd.readouterr()
+    assert "wandb:" not in printed.out + printed.err, printed.out + printed.err  # was ~30 lines per run
+    ours = [r.getMessage() for r in caplog.records if r.name == "pipefisher.tracking.wandb_logger"]
+    assert len(ours) == 2 and ours[0].startswith("wandb: offline run 'steps=2' in ")
+    assert ours[1].startswith("wandb: upload this run with `wandb sync ") and str(tmp_path) in ours[1]
 
 
 def test_wandb_logger_disabled_creates_nothing_and_never_imports_wandb(tmp_path):

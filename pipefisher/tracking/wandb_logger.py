@@ -31,12 +31,20 @@ logger = logging.getLogger(__name__)
 WANDB_MODES: tuple[str, ...] = ("online", "offline", "disabled")
 
 
+#: Keys that say how a run is watched, not what it trains: left out of run names.
+UNNAMED_KEYS: tuple[str, ...] = ("progress", "log_every", "resume")
+#: The longest run name (wandb shows names up to 128 characters).
+MAX_NAME = 128
+
+
 def run_name_from_overrides(overrides: Sequence[str], *, exclude: Sequence[str] = ()) -> str:
     """A run name from Hydra command-line overrides, e.g. ``"pipeline=chimera,stages=4"``.
 
     Like Hydra's ``hydra.job.override_dirname``: overrides sorted by key and joined with commas,
     so the same choices give the same name in any order. Leading ``+``, ``++`` and ``~`` are
-    dropped; ``hydra.*`` keys and keys in ``exclude`` are left out.
+    dropped; ``hydra.*``, ``wandb.*``, :data:`UNNAMED_KEYS` and keys in ``exclude`` are left
+    out; a path keeps its last part (``data.path=/scratch/u/wiki`` -> ``data.path=wiki``); a
+    name longer than :data:`MAX_NAME` is cut there, ending in ``…``.
 
     Args:
         overrides: the overrides as typed, e.g. ``HydraConfig.get().overrides.task``.
@@ -50,11 +58,15 @@ def run_name_from_overrides(overrides: Sequence[str], *, exclude: Sequence[str] 
         item = raw.strip().lstrip("+~")
         if not item:
             continue
-        key = item.split("=", 1)[0].strip()
-        if key == "hydra" or key.startswith("hydra.") or key in exclude:
+        key, _, value = item.partition("=")
+        key = key.strip()
+        if key.split(".")[0] in ("hydra", "wandb") or key in UNNAMED_KEYS or key in exclude:
             continue
-        parts.append((key, item))
-    return ",".join(item for _, item in sorted(parts)) or "default"
+        if "/" in value:
+            value = Path(value.rstrip("/")).name or value
+        parts.append((key, f"{key}={value}" if _ else key))
+    name = ",".join(item for _, item in sorted(parts)) or "default"
+    return name if len(name) <= MAX_NAME else name[:MAX_NAME - 1] + "…"
 
 
 def resolve_mode(mode: str, *, enabled: bool = True) -> str:
@@ -147,7 +159,9 @@ class WandbLogger:
             dir=str(dir) if dir is not None else None,
             tags=list(tags) if tags else None,
             reinit="finish_previous",
+            settings=wandb.Settings(silent=True),  # our lines below, not wandb's banner and summary table
         )
+        self._offline_dir = str(Path(self._run.dir).parent) if self.mode == "offline" else None
         logger.info("wandb: %s run %r in %s", self.mode, name, self._run.dir)
 
     @property
@@ -194,8 +208,13 @@ class WandbLogger:
     def finish(self) -> None:
         """Close the run (writes its summary); safe to call twice."""
         if self._run is not None:
+            url = None if self._offline_dir else getattr(self._run, "url", None)
             self._run.finish()
             self._run = None
+            if self._offline_dir:
+                logger.info("wandb: upload this run with `wandb sync %s`", self._offline_dir)
+            elif url:
+                logger.info("wandb: %s", url)
 
     def __enter__(self) -> WandbLogger:
         return self
