@@ -5,9 +5,11 @@ from __future__ import annotations
 import itertools
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +22,7 @@ from pipefisher.training import device_type, resolve_device
 from pipefisher.config import ConfigError, TrainConfig
 from pipefisher.launch import launch_workers
 from pipefisher.launch import local as local_launch
-from pipefisher.launch.gpus import GpuRequestError, check_gpu_request
+from pipefisher.launch.gpus import GpuRequestError, check_gpu_request, signal_delay_note
 from pipefisher.runtime.worker import run_worker
 from pipefisher.tracking import read_metrics
 from tests import cuda_standin
@@ -206,3 +208,44 @@ def test_slurm_run_with_device_auto_and_no_gpu_request_is_refused_before_submitt
     lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
     assert len(lines) == 1 and "hydra.launcher.gpus_per_node=2" in lines[0] and "device=cpu" in lines[0], proc.stderr
     assert not (sweep / ".submitit").exists()
+
+
+# --------------------------------------------------------------------------------------------
+# A dead worker is noticed by the launcher, whatever its peers wait in (NCCL kernels included)
+# --------------------------------------------------------------------------------------------
+
+
+def _dies_or_waits(index: int) -> None:
+    """Worker 0 is killed after 1 s; worker 1 waits forever and notices nothing (as a survivor
+    blocked in an NCCL kernel does: no process group, no connection to close)."""
+    if index == 0:
+        time.sleep(1.0)
+        os.kill(os.getpid(), signal.SIGKILL)
+    time.sleep(3600)
+
+
+def test_launcher_notices_a_killed_worker_by_its_exit_not_by_its_peers() -> None:
+    context = mp.start_processes(_dies_or_waits, nprocs=2, join=False, start_method="spawn")
+    start = time.monotonic()
+    try:
+        with pytest.raises(mp.ProcessExitedException, match="process 0 terminated with signal SIGKILL"):
+            local_launch._wait_for_workers(context, grace_s=5.0)
+        assert time.monotonic() - start < 30  # the spawn and 1 s; worker_timeout_s (600 s) plays no part
+    finally:
+        local_launch._kill_workers(context)
+    assert not any(p.is_alive() for p in context.processes)
+
+
+@pytest.mark.parametrize(("device", "optimizer", "hidden", "delay", "warned"), [
+    ("cpu", "pipefisher", 768, 120, True),
+    ("cpu", "kfac", 1024, 300, True),
+    ("cpu", "kfac", 768, 900, False),  # long enough
+    ("cpu", "nvlamb", 768, 120, False),  # no inversions
+    ("cpu", "kfac", 128, 120, False),  # bert-tiny: seconds per step
+    ("cuda", "pipefisher", 768, 120, False),  # on a GPU a step takes seconds
+])
+def test_signal_delay_shorter_than_a_cpu_kfac_step_is_warned(device, optimizer, hidden, delay, warned) -> None:
+    note = signal_delay_note(device, optimizer, hidden, delay)
+    assert (note is not None) == warned
+    if warned:
+        assert f"signal_delay_s={delay}" in note and "raise hydra.launcher.signal_delay_s" in note

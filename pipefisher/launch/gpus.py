@@ -9,6 +9,7 @@ the node, every worker checks again before it joins the process group
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 from typing import Any
@@ -16,9 +17,11 @@ from typing import Any
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
-from pipefisher.config import ConfigError
+from pipefisher.config import KFAC_OPTIMIZERS, ConfigError
 
-__all__ = ["GpuRequestError", "CheckGpuRequest", "check_gpu_request"]
+__all__ = ["GpuRequestError", "CheckGpuRequest", "check_gpu_request", "signal_delay_note"]
+
+log = logging.getLogger(__name__)
 
 
 class GpuRequestError(ConfigError):
@@ -50,9 +53,24 @@ def check_gpu_request(device: str, gpus_per_node: int | None, tasks_per_node: in
             "more nodes (cluster.nodes)")
 
 
+def signal_delay_note(device: str, optimizer: str, hidden_size: int, signal_delay_s: int) -> str | None:
+    """A warning when SLURM's notice before the time limit may not cover the step in progress and
+    the checkpoint after it: K-FAC on the CPU with a bert-base-sized model (H >= 768) takes minutes (issue 25)
+    per step there (inverting 768 x 768 and 3072 x 3072 factors per layer), on a GPU seconds.
+
+    Returns:
+        The warning's text, or None.
+    """
+    if device != "cpu" or optimizer not in KFAC_OPTIMIZERS or hidden_size < 768 or signal_delay_s >= 600:
+        return None
+    return (f"hydra.launcher.signal_delay_s={signal_delay_s} with optimizer={optimizer} on CPU at hidden_size="
+            f"{hidden_size}: one step can take longer than that, so the step in progress and the checkpoint after it "
+            "may not finish before SLURM's time limit; raise hydra.launcher.signal_delay_s (e.g. 900)")
+
+
 class CheckGpuRequest(Callback):
-    """Hydra callback (listed in ``conf/cluster/slurm.yaml``): :func:`check_gpu_request` at the start of
-    a ``-m`` sweep, before the launcher submits anything. A sweep over ``device`` is checked with
+    """Hydra callback (listed in ``conf/cluster/slurm.yaml``): :func:`check_gpu_request` (and
+    :func:`signal_delay_note`'s warning) at the start of a ``-m`` sweep, before the launcher submits anything. A sweep over ``device`` is checked with
     its base value. Hydra turns a callback's exception into a warning and goes on, so the refusal
     leaves through ``SystemExit``: the message alone on stderr, status 1."""
 
@@ -63,3 +81,7 @@ class CheckGpuRequest(Callback):
         except GpuRequestError as err:
             program = os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else "train.py"
             raise SystemExit(f"{program}: {err}") from None
+        note = signal_delay_note(str(config.device), str(config.optimizer.name), int(config.model.hidden_size),
+                                 int(launcher.get("signal_delay_s") or 0))
+        if note:
+            log.warning("%s", note)
