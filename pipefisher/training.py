@@ -30,7 +30,9 @@ import torch
 
 from pipefisher.config import FACTOR_DECAY_UNITS, KFAC_OPTIMIZERS, ConfigError, TrainConfig
 from pipefisher.data import build_source, get_micro_batch
-from pipefisher.model import BertConfig, BertStage, build_full_model
+from pipefisher.data.hdf5 import vocab_file_near
+from pipefisher.model import BertConfig, BertStage, build_full_model, merge_stage_state_dicts
+from pipefisher.model.hf_format import write_model_folder
 from pipefisher.model.rng import dropout_key
 from pipefisher.optim import (
     BASELINE_OPTIMIZERS,
@@ -54,9 +56,13 @@ __all__ = [
     "StepTimer",
     "autocast_context",
     "progress_range",
+    "save_final_weights",
+    "FINAL_DIR",
 ]
 
 log = logging.getLogger(__name__)
+
+FINAL_DIR = "final"  # <run>/final/: the weights after the last step (save_final_weights)
 
 
 def bert_config(cfg: TrainConfig) -> BertConfig:
@@ -73,6 +79,28 @@ def bert_config(cfg: TrainConfig) -> BertConfig:
         hidden_dropout=m.hidden_dropout,
         attention_dropout=m.attention_dropout,
     )
+
+
+def save_final_weights(cfg: TrainConfig, state_dicts: list[dict[str, torch.Tensor]], output_dir: str | os.PathLike,
+                       step: int) -> Path:
+    """Write the trained model to ``<output_dir>/final/`` in Hugging Face's layout
+    (``pipefisher.model.hf_format``): the stages' state dicts merged, the architecture, and the
+    ``vocab.txt`` beside the run's hdf5 shards when there is one.
+
+    Args:
+        state_dicts: one state dict per stage (any order), or the full model's.
+        step: the last step trained (0-based, as metrics.jsonl counts).
+
+    Returns:
+        The folder.
+    """
+    vocab = vocab_file_near(cfg.data.path) if cfg.data.kind == "hdf5" and cfg.data.path else None
+    meta = {"trained_steps": step + 1, "seq_len": cfg.data.seq_len, "max_predictions": cfg.data.max_predictions}
+    folder = write_model_folder(Path(output_dir) / FINAL_DIR, merge_stage_state_dicts(state_dicts), bert_config(cfg),
+                                vocab=vocab, meta=meta)
+    log.info("final weights (after %d steps) in %s: config.json, model.safetensors%s; export or fine-tune from "
+             "this run folder", step + 1, folder, ", vocab.txt" if vocab else "")
+    return folder
 
 
 def data_source(cfg: TrainConfig):
@@ -326,4 +354,6 @@ def train_single_process(
             bar.close()
     if output_dir is not None:
         log.info("%s", summary_line(rows, meter))
+        if cfg.save_final and last:
+            save_final_weights(cfg, [model.state_dict()], output_dir, last["step"])
     return last

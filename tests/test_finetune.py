@@ -35,7 +35,8 @@ from pipefisher.finetune.encoding import _windows
 from pipefisher.finetune.toy import toy_words, write_toy_vocab
 from pipefisher.model import BertConfig, BertStage, merge_stage_state_dicts
 from pipefisher.tracking import read_metrics
-from tests.conftest import CONF_DIR, REPO
+from pipefisher.runtime.checkpoint import write_manifest, write_shard
+from tests.conftest import CONF_DIR, REPO, compose_train
 
 QUIET = ["wandb.mode=disabled", "progress=false", "device=cpu", "save_model=false"]
 # A smaller encoder than bert-tiny where the test is about plumbing, not learning.
@@ -287,14 +288,18 @@ def test_finetuning_from_per_stage_checkpoints_loads_the_saved_encoder(tmp_path:
     merged_file = tmp_path / "merged.pt"
     torch.save(saved, merged_file)
 
-    # A pretraining checkpoint folder: Chimera-like worker shards, each with a replica of both pipes.
+    # A pretraining checkpoint folder: Chimera-like worker shards, each with a replica of both pipes,
+    # and the manifest that marks it complete.
     shards = tmp_path / "checkpoints" / "step_3"
     shards.mkdir(parents=True)
     sd0, sd1 = stages[0].state_dict(), stages[1].state_dict()
-    torch.save({"step": 3, "modules": {"0.0": sd0, "1.1": sd1}}, shards / "worker_0.pt")
-    torch.save({"step": 3, "modules": {"0.1": sd1, "1.0": sd0}}, shards / "worker_1.pt")
+    infos = [write_shard(shards, 0, {"step": 3, "modules": {"0.0": sd0, "1.1": sd1}}),
+             write_shard(shards, 1, {"step": 3, "modules": {"0.1": sd1, "1.0": sd0}})]
+    pretraining = compose_train(["pipeline=chimera", "stages=2", "model.vocab_size=200", *NARROW], tiny=False)
+    write_manifest(shards, 3, pretraining, 2, infos)
+    shard_files = [str(shards / "worker_0.pt"), str(shards / "worker_1.pt")]
 
-    for checkpoint in ([str(f) for f in files], [str(merged_file)], [str(shards)]):
+    for checkpoint in ([str(f) for f in files], [str(merged_file)], [str(shards)], shard_files):
         listed = ",".join(checkpoint)
         cfg = compose_finetune(["task=toy", "steps=3", "task.toy.num_train=64", "task.toy.num_dev=32", *NARROW,
                                 f"init.checkpoint=[{listed}]"])

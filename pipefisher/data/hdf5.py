@@ -27,6 +27,7 @@ below S, 0/1 flags) are checked, with vectorized min/max, when a shard is first 
 from __future__ import annotations
 
 import logging
+import os
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -38,7 +39,7 @@ import torch
 
 from pipefisher.data.batches import BATCH_KEYS, BERT_VOCAB_SIZE, DataError, stored_positions
 
-__all__ = ["NVIDIA_DTYPES", "SHARD_SUFFIXES", "Hdf5Source", "check_widths", "find_shards"]
+__all__ = ["NVIDIA_DTYPES", "SHARD_SUFFIXES", "Hdf5Source", "check_widths", "find_shards", "vocab_file_near"]
 
 log = logging.getLogger(__name__)
 
@@ -192,9 +193,17 @@ def _check_values(
         )
 
 
-def _vocab_size_near(path: Path) -> int | None:
+def vocab_file_near(path: str | os.PathLike) -> Path | None:
+    """The ``vocab.txt`` beside hdf5 shards (in ``path`` when it is a folder, else in its folder), as
+    `pipefisher-prepare` writes it; None when there is none."""
+    path = Path(path)
     vocab = (path if path.is_dir() else path.parent) / "vocab.txt"
-    if not vocab.is_file():
+    return vocab if vocab.is_file() else None
+
+
+def _vocab_size_near(path: Path) -> int | None:
+    vocab = vocab_file_near(path)
+    if vocab is None:
         return None
     with vocab.open(encoding="utf-8") as f:
         return sum(1 for _ in f)

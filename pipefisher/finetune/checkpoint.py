@@ -1,21 +1,28 @@
-"""Initial weights for fine-tuning: our pretraining checkpoints or a Hugging Face state dict.
+"""Initial weights for fine-tuning: our pretraining runs and checkpoints, or a Hugging Face state dict.
 
-Accepted (``init.checkpoint``), every file read with ``torch.load(weights_only=True)``:
+Accepted (``init.checkpoint``), every file read with ``torch.load(weights_only=True)`` or safetensors:
 
+* a folder, alone: a pretraining run folder (its ``final/`` weights, else its newest checkpoint),
+  its ``final/``, a checkpoint's ``step_<n>`` folder (verified against its manifest; the stage
+  shards of any pipeline method merged) or an export / HF model folder (``config.json`` +
+  ``model.safetensors``): :func:`~pipefisher.runtime.saved_weights.read_saved_weights`;
 * one file per pipeline stage (each a ``BertStage.state_dict()``), merged with
   :func:`~pipefisher.model.merge_stage_state_dicts` (which also checks the tied word-embedding /
   decoder copies agree);
-* a pretraining checkpoint's worker shards (``worker_<r>.pt``, or their ``step_<n>`` folder),
-  whose ``"modules"`` entry maps ``"<pipe>.<stage>"`` to a stage replica's state dict: one
-  replica of each stage (the lowest pipe index: replicas are equal) is merged as above;
-* one merged state dict, or a Hugging Face ``BertForPreTraining`` / ``BertForSequenceClassification``
-  state dict (``bert.``-prefixed names), or a ``BertModel`` one (no prefix: ``embeddings.*``,
-  ``encoder.*``, ``pooler.*``).
+* a pretraining checkpoint's worker shard files (``worker_<r>.pt``), whose ``"modules"`` entry maps
+  ``"<pipe>.<stage>"`` to a stage replica's state dict: one replica of each stage (the lowest pipe
+  index: replicas are equal) is merged as above;
+* one merged state dict (``.pt`` or ``.safetensors``), or a Hugging Face ``BertForPreTraining`` /
+  ``BertForSequenceClassification`` state dict (``bert.``-prefixed names), or a ``BertModel`` one
+  (no prefix: ``embeddings.*``, ``encoder.*``, ``pooler.*``).
 
 A file may also hold the state dict under ``"model"`` or ``"state_dict"``, and a ``module.``
 prefix (DistributedDataParallel) is dropped. Only ``bert.*`` weights are used: the task head
 always starts fresh. The model's vocabulary size is taken from the checkpoint; its depth and
-width must match ``model`` (the error says which group to pick).
+width must match ``model`` (the error says which group to pick). Every ``bert.*`` weight of the
+model must be in the checkpoint under its name and shape, and every ``bert.*`` name of the
+checkpoint must be one of the model's: otherwise the run is refused, naming the keys (issue 24:
+a checkpoint that silently half-loads trains from noise). The log says how many tensors it took.
 """
 
 from __future__ import annotations
@@ -27,11 +34,14 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors.torch import load_file
 from torch import Tensor
 
 from pipefisher.config import ConfigError
 from pipefisher.finetune.heads import FinetuneModel
 from pipefisher.model import WORD_EMBEDDINGS_NAME, load_hf_state_dict, merge_stage_state_dicts
+from pipefisher.runtime.checkpoint_io import CheckpointError
+from pipefisher.runtime.saved_weights import read_saved_weights
 
 __all__ = ["checkpoint_layers", "load_checkpoint", "load_encoder_weights"]
 
@@ -40,6 +50,7 @@ log = logging.getLogger(__name__)
 _BERT_MODEL_ROOTS = ("embeddings.", "encoder.", "pooler.")
 _LAYER = re.compile(r"^bert\.encoder\.layer\.(\d+)\.")
 _POOLER = ("bert.pooler.dense.weight", "bert.pooler.dense.bias")
+_IGNORED_BUFFERS = ("position_ids", "token_type_ids")  # HF's embedding buffers: not weights
 _REPLICA = re.compile(r"^(\d+)\.(\d+)$")
 
 
@@ -55,9 +66,11 @@ def _check_tensors(path: Path, obj: Any) -> dict[str, Tensor]:
 def _read_state_dicts(path: Path) -> list[tuple[tuple[int, int] | None, dict[str, Tensor]]]:
     """The state dicts in one file: ``[(None, sd)]``, or ``[((pipe, stage), sd), ...]`` for a worker shard."""
     try:
-        obj = torch.load(path, map_location="cpu", weights_only=True)
+        obj = load_file(str(path)) if path.suffix == ".safetensors" else torch.load(path, map_location="cpu",
+                                                                                 weights_only=True)
     except Exception as err:  # noqa: BLE001 - torch raises several types; the message says which file
-        raise ConfigError(f"init.checkpoint: {path} cannot be read as a weights-only torch file: {err}") from None
+        raise ConfigError(f"init.checkpoint: {path} cannot be read as a weights-only torch or safetensors file: "
+                          f"{err}") from None
     modules = obj.get("modules") if isinstance(obj, Mapping) else None
     if isinstance(modules, Mapping):
         found = []
@@ -73,18 +86,18 @@ def _read_state_dicts(path: Path) -> list[tuple[tuple[int, int] | None, dict[str
     return [(None, _check_tensors(path, obj))]
 
 
-def _expand(paths: Sequence[str | Path]) -> list[Path]:
-    """Files to read: a directory stands for its ``worker_*.pt`` shards."""
-    files: list[Path] = []
-    for p in map(Path, paths):
-        if p.is_dir():
-            shards = sorted(p.glob("worker_*.pt"))
-            if not shards:
-                raise ConfigError(f"init.checkpoint: {p} is a directory without worker_*.pt shards")
-            files.extend(shards)
-        else:
-            files.append(p)
-    return files
+def _read_folder(paths: Sequence[str | Path]) -> dict[str, Tensor]:
+    """The whole model a folder holds (see the module docstring); the folder must come alone."""
+    if len(paths) > 1:
+        raise ConfigError(f"init.checkpoint={list(map(str, paths))}: a folder holds a whole model; give it alone "
+                          "(or list one file per stage)")
+    try:
+        saved = read_saved_weights(paths[0])
+    except CheckpointError as err:
+        raise ConfigError(f"init.checkpoint: {err}") from None
+    log.info("init.checkpoint: reading %s (%s)", saved.source,
+             f"after {saved.trained_steps} pretraining steps" if saved.trained_steps else "pretraining steps unknown")
+    return saved.state_dict
 
 
 def load_checkpoint(paths: Sequence[str | Path]) -> dict[str, Tensor]:
@@ -93,7 +106,9 @@ def load_checkpoint(paths: Sequence[str | Path]) -> dict[str, Tensor]:
     Raises:
         ConfigError: a file cannot be read, is not a state dict, or the stages do not merge.
     """
-    entries = [entry for path in _expand(paths) for entry in _read_state_dicts(path)]
+    if any(Path(p).is_dir() for p in paths):
+        return _read_folder(paths)
+    entries = [entry for path in map(Path, paths) for entry in _read_state_dicts(path)]
     replicas = {key: sd for key, sd in entries if key is not None}
     state_dicts = [sd for key, sd in entries if key is None]
     first_pipe: dict[int, int] = {}
@@ -123,8 +138,21 @@ def checkpoint_layers(state_dict: Mapping[str, Tensor]) -> int:
     return max(indices) + 1 if indices else 0
 
 
+def _fit_problems(own: Mapping[str, Tensor], source: Mapping[str, Tensor]) -> list[str]:
+    """What keeps ``source`` (``bert.``-names) from loading into ``own``: missing, unexpected, wrong shapes."""
+    missing = [k for k in own if k not in source]
+    unexpected = [k for k in source if k.startswith("bert.") and k not in own and not k.endswith(_IGNORED_BUFFERS)]
+    shapes = [f"{k} {tuple(source[k].shape)} (model {tuple(v.shape)})" for k, v in own.items()
+              if k in source and tuple(source[k].shape) != tuple(v.shape)]
+    problems = []
+    for label, keys in (("missing", missing), ("not in the model", unexpected), ("of another shape", shapes)):
+        if keys:
+            problems.append(f"{len(keys)} {label}: {', '.join(keys[:4])}{', ...' if len(keys) > 4 else ''}")
+    return problems
+
+
 def load_encoder_weights(model: FinetuneModel, state_dict: Mapping[str, Tensor]) -> list[str]:
-    """Copy the checkpoint's encoder (and pooler) weights into ``model``.
+    """Copy the checkpoint's encoder (and pooler) weights into ``model``: every one, or refuse.
 
     Args:
         model: the model, built with the checkpoint's vocabulary size.
@@ -135,8 +163,8 @@ def load_encoder_weights(model: FinetuneModel, state_dict: Mapping[str, Tensor])
         ``BertModel`` saved without pooling layer), else nothing.
 
     Raises:
-        ConfigError: the checkpoint's depth or a tensor's shape differs from ``model``, or a
-            stage's weights are missing (the message lists them).
+        ConfigError: the checkpoint's depth differs from ``model``, or its ``bert.*`` weights do
+            not match the model's name for name and shape (one line naming the keys).
     """
     layers = checkpoint_layers(state_dict)
     if layers != model.config.num_layers:
@@ -144,18 +172,24 @@ def load_encoder_weights(model: FinetuneModel, state_dict: Mapping[str, Tensor])
             f"model.num_layers={model.config.num_layers} but init.checkpoint has {layers} encoder layers; "
             f"pick the model group the checkpoint was trained with (e.g. model.num_layers={layers})"
         )
+    own = model.stage.state_dict()
     source = dict(state_dict)
     left_random = []
-    if not all(name in source for name in _POOLER):
-        own = model.stage.state_dict()
-        for name in _POOLER:
-            source[name] = own[name]
+    if not any(name in source for name in _POOLER):
+        source.update({name: own[name] for name in _POOLER})
         left_random = list(_POOLER)
         log.warning("init.checkpoint has no pooler; the pooler starts from random weights")
-    try:
-        load_hf_state_dict(model.stage, source)
-    except (KeyError, ValueError) as err:
-        message = err.args[0] if err.args else str(err)
-        raise ConfigError(f"init.checkpoint does not fit model={model.config.hidden_size}-wide "
-                          f"{model.config.num_layers}-layer BERT: {message}") from None
+    problems = _fit_problems(own, source)
+    if problems:
+        c = model.config
+        raise ConfigError(f"init.checkpoint does not fit model (L={c.num_layers}, H={c.hidden_size}, FFN "
+                          f"{c.intermediate_size}): {'; '.join(problems)}; give a checkpoint of this model, or the "
+                          "model group it was trained with")
+    load_hf_state_dict(model.stage, source)
+    heads = sum(1 for k in state_dict if k.startswith("cls."))
+    others = sum(1 for k in state_dict if not k.startswith(("bert.", "cls.")))
+    log.info("init.checkpoint: took %d tensors, every encoder weight (embeddings, %d layers%s); left aside %d "
+             "pretraining-head tensors (cls.*)%s; the task head starts fresh", len(own) - len(left_random),
+             model.config.num_layers, "" if left_random else ", pooler", heads,
+             f" and {others} other tensors" if others else "")
     return left_random

@@ -329,7 +329,8 @@ def run_training(cfg: TrainConfig, output_dir: str | os.PathLike, overrides: lis
     """Train one run described by ``cfg``; metrics go to ``output_dir/metrics.jsonl`` and wandb.
 
     ``stages=1, data_parallel=1`` with NVLAMB trains in this process (unless profiling,
-    checkpointing or resuming); anything else runs pipeline workers (one process for a single stage).
+    checkpointing, resuming or starting from ``init_from``); anything else runs pipeline workers
+    (one process for a single stage).
     ``resume_command``: the command line that continues this run from its latest checkpoint,
     printed when a signal stopped it after a checkpoint.
 
@@ -341,10 +342,10 @@ def run_training(cfg: TrainConfig, output_dir: str | os.PathLike, overrides: lis
     run_name = run_name_from_overrides(overrides or []) or None
     group = cfg.wandb.group or (Path(sweep_dir).name if sweep_dir else None)
     # Profiles need the executor's timeline, K-FAC runs as schedule actions in the executor, and
-    # checkpoints and resume are the pipeline worker's (pipefisher.runtime.checkpoint).
+    # checkpoints, resume and init_from are the pipeline worker's (pipefisher.runtime.checkpoint).
     # In a SLURM job, the workers also handle preemption (checkpoint and requeue).
     if (cfg.num_workers > 1 or cfg.profile.enabled or cfg.optimizer.name in KFAC_OPTIMIZERS
-            or cfg.checkpoint.enabled or cfg.resume != "none"
+            or cfg.checkpoint.enabled or cfg.resume != "none" or cfg.init_from is not None
             or preemption.watching(cfg.cluster.requeue)):
         result = launch_workers(cfg, output_dir, run_name=run_name, group=group, resume_command=resume_command)
     else:

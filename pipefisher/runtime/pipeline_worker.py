@@ -25,6 +25,7 @@ from pipefisher.runtime.build import (build_stage_modules, check_world_size, des
                                       new_groups, norm_params, schedule_for, seed_worker_rngs, tied_params)
 from pipefisher.runtime.checkpoint import CheckpointError, load_shard, save_checkpoint
 from pipefisher.runtime.executor import CommSpec, StepResult, WorkerExecutor
+from pipefisher.runtime.init_weights import load_initial_weights
 from pipefisher.runtime.faults import fault_here, inject_fault, poison_outputs
 from pipefisher.runtime.kfac_work import KfacWork
 from pipefisher.runtime.state import (capture_rng_state, kfac_state, load_kfac_state, load_module_states,
@@ -50,6 +51,8 @@ class PipelineWorker:
         self.cfg, self.rank, self.world_size, self.device = cfg, rank, world_size, device
         self.schedule = schedule_for(cfg)
         self.modules = build_stage_modules(cfg, self.schedule, rank)
+        if cfg.init_from is not None:  # weights only; a checkpoint to resume from replaces them later
+            load_initial_weights(cfg, self.modules, log_here=rank == 0)
         for m in self.modules.values():
             m.to(device).train()
         grad_groups, tied_group = new_groups(self.schedule, rank)

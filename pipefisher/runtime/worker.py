@@ -42,6 +42,7 @@ from pipefisher.runtime.build import (CPU_HARDWARE, build_stage_modules, check_w
                                       seed_worker_rngs, stage_slices)
 from pipefisher.runtime.checkpoint import checkpoint_root, resume_worker
 from pipefisher.runtime.evaluation import PipelineEvaluator
+from pipefisher.runtime.final_weights import save_final_weights
 from pipefisher.runtime.pipeline_worker import PipelineWorker
 from pipefisher.runtime.preemption import PREEMPTED_FILE
 from pipefisher.runtime.reporting import StepReporter, StepMeter
@@ -195,6 +196,8 @@ def train_worker(cfg: TrainConfig, rank: int, world_size: int, device: torch.dev
     finally:
         if reporter is not None:
             reporter.close()
+    if cfg.save_final and stopper.preempted is None:  # a collective: <run>/final/ (issue 24)
+        save_final_weights(worker, output_dir, cfg.steps - 1)
     # Requeue only now: the requeue's SIGTERM also reaches helper processes (wandb's service).
     preempted = stopper.preempted
     if preempted is not None and requeue_here:
