@@ -18,6 +18,15 @@
 #   6 comm-ablation-nccl-<m>     comm_ablation=true on NCCL with optimizer=pipefisher (K-FAC factor
 #                                all-reduces too): median step time, normal vs ablated, and the share
 #   7 pipefisher-step-ratios     1f1b D=2 on CUDA: median step time of kfac and pipefisher / nvlamb
+#   8 pipefisher-own-gpus        optimizer=pipefisher on min(4, GPUs) workers over NCCL (issue 25, defect 1: every
+#                                worker ended up on cuda:0, a duplicate-GPU error or a hang): runs to the end
+#   9 apex-checkpoint-on-cpu     with apex: a CUDA run stopped after its step-1 checkpoint resumes with device=cpu
+#                                (pure-PyTorch NVLAMB; was KeyError 'step'); steps 2-3 vs the straight CUDA run
+#  10 split-backward-bf16        one BERT-base layer's I under bf16 autocast on CUDA: storages filed for Q/K/V
+#                                (1, was 3) and the MiB the store holds
+#  11 refuse-gpus-shared         train.py with twice as many workers as GPUs: refused in one line before training
+#  12 dead-worker-nccl           a worker SIGKILLed at step 2 under NCCL: seconds until the launcher exits
+#                                (cluster.worker_timeout_s=600 must play no part)
 # Written and reviewed on a CPU-only machine; it has not run on a GPU yet (see issue 15's note).
 set -uo pipefail
 
@@ -185,6 +194,83 @@ import sys
 n, k, p = map(float, sys.argv[1:])
 print(f'nvlamb {n * 1e3:.1f} ms; kfac {k / n:.2f}x; pipefisher {p / n:.2f}x of nvlamb (median of steps 2-11)')" \
             "${T[nvlamb]}" "${T[kfac]}" "${T[pipefisher]}")"
+    fi
+fi
+
+# 8-12. issue 25: the CUDA path's fixes -----------------------------------------------------------
+if need_two pipefisher-own-gpus; then
+    w=$(( NGPU < 4 ? NGPU : 4 )); w=$(( w / 2 * 2 ))
+    dir="$OUT/own-gpus"
+    if timeout 900 "$PY" train.py device=cuda optimizer=pipefisher pipeline=1f1b "stages=$w" "num_micro_batches=$w" \
+            steps=4 model=bert-mini "model.num_layers=$w" data.seq_len=128 micro_batch_size=8 cluster.worker_timeout_s=120 \
+            "hydra.run.dir=$dir" >"$dir.log" 2>&1; then
+        report pipefisher-own-gpus PASS "($w workers, 4 steps on NCCL)"
+    else
+        report pipefisher-own-gpus FAIL "($(grep -m1 -io "duplicate gpu[^.]*\|timed out[^.]*" "$dir.log" || tail -n 1 "$dir.log"))"
+    fi
+fi
+
+if "$PY" -c "import apex.optimizers" 2>/dev/null; then
+    a="$OUT/apex-straight"; b="$OUT/apex-moved"
+    common=(stages=1 pipeline=gpipe num_micro_batches=2 steps=4 checkpoint.every_steps=2 "${MODEL[@]}" "${NODROP[@]}")
+    run "$a" train.py device=cuda "${common[@]}"
+    run "$b" train.py device=cuda "${common[@]}" fault.mode=raise fault.rank=0 fault.step=2
+    if run "$b" train.py device=cpu "${common[@]}" resume=auto; then
+        figure="$("$PY" -c "
+import json, sys
+a, b = (json.loads(x) for x in sys.argv[1:])
+d = max(abs(x - y) for x, y in zip(a[2:], b[2:])) if len(a) == len(b) == 4 else float('inf')
+print(('PASS' if d <= 5e-3 else 'FAIL') + f' steps 2-3 resumed on CPU vs straight on CUDA: max|dloss| = {d:.2e}')" \
+            "$(losses "$a")" "$(losses "$b")")"
+        report apex-checkpoint-on-cpu "${figure%% *}" "${figure#* }"
+    else
+        report apex-checkpoint-on-cpu FAIL "(resume on CPU failed: $(tail -n 1 "$b.log"))"
+    fi
+else
+    report apex-checkpoint-on-cpu SKIP "(apex is not installed)"
+fi
+
+figure="$("$PY" - <<'PYEOF' 2>&1 | tail -n 1
+import torch
+from pipefisher.model import BertConfig, build_full_model
+from pipefisher.data.synthetic import SyntheticSource
+from pipefisher.runtime.split_backward import deferring, enable_split_backward
+config = BertConfig(num_layers=1, hidden_size=768, num_heads=12, hidden_dropout=0.0, attention_dropout=0.0)
+model = build_full_model(config, seed=0).cuda()
+enable_split_backward([model])
+batch = {k: v.cuda() for k, v in SyntheticSource(seq_len=128, max_predictions=20, vocab_size=config.vocab_size,
+                                                 seed=0).get_samples(range(8)).items()}
+with deferring([]) as store:
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        loss = model(None, batch).sum()
+    loss.backward()
+att = model.bert.encoder.layer["0"].attention.self
+qkv = {id(att.query.weight), id(att.key.weight), id(att.value.weight)}
+n = len({x.untyped_storage().data_ptr() for p, _, x in store if id(p) in qkv})
+held = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for _, g, x in store for t in (g, x)}
+print(("PASS" if n == 1 else "FAIL") + f" Q/K/V inputs in {n} storage(s); the store holds {sum(held.values()) / 2**20:.1f} MiB")
+PYEOF
+)"
+report split-backward-bf16 "${figure%% *}" "${figure#* }"
+
+dir="$OUT/refuse-shared"
+"$PY" train.py device=cuda pipeline=gpipe "stages=$(( NGPU * 2 ))" "num_micro_batches=$(( NGPU * 2 ))" \
+    "model.num_layers=$(( NGPU * 2 ))" steps=1 "hydra.run.dir=$dir" >"$dir.log" 2>&1
+if grep -q "workers on this node but $NGPU GPU" "$dir.log"; then
+    report refuse-gpus-shared PASS "($(grep -m1 -o "workers on this node but [^;]*" "$dir.log"))"
+else
+    report refuse-gpus-shared FAIL "($(tail -n 1 "$dir.log"))"
+fi
+
+if need_two dead-worker-nccl; then
+    dir="$OUT/dead-worker"; start=$(date +%s)
+    "$PY" train.py device=cuda pipeline=1f1b stages=2 num_micro_batches=4 steps=6 fault.mode=kill fault.rank=1 \
+        fault.step=2 cluster.worker_timeout_s=600 "${MODEL[@]}" "hydra.run.dir=$dir" >"$dir.log" 2>&1
+    rc=$?; took=$(( $(date +%s) - start ))
+    if [ "$rc" -ne 0 ] && [ "$took" -lt 120 ]; then
+        report dead-worker-nccl PASS "(launcher exited $rc after ${took} s)"
+    else
+        report dead-worker-nccl FAIL "(exit $rc after ${took} s: $(tail -n 1 "$dir.log"))"
     fi
 fi
 
