@@ -9,7 +9,8 @@ routes to the rendezvous host (see [Note: which interface gloo binds]).
 
 Entry points: :func:`slurm_task_env` (what ``launch.local`` asks) and :func:`register_resolvers`
 (the ``pf.tasks_per_node`` and ``pf.mul`` resolvers used by ``conf/cluster/slurm.yaml``, registered through
-:class:`RegisterResolvers`, a Hydra callback).
+:class:`RegisterResolvers`, a Hydra callback); :class:`CheckSlurmCommand` refuses ``cluster=slurm``
+without ``-m`` and a ``cluster.nodes`` that does not divide the workers, in one line.
 
 [Note: which processes count as SLURM workers]
 Only a process of a job *step* with more than one task is a worker (``SLURM_STEP_ID`` set and
@@ -28,7 +29,9 @@ import pickle
 import re
 import socket
 import struct
+import shlex
 import subprocess
+import sys
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -43,6 +46,7 @@ __all__ = [
     "tasks_on_node",
     "register_resolvers",
     "RegisterResolvers",
+    "CheckSlurmCommand",
     "report_lost_tasks",
     "interface_towards",
     "task_hosts",
@@ -326,3 +330,37 @@ class RegisterResolvers(Callback):
 
     def on_job_start(self, config: DictConfig, **kwargs: Any) -> None:
         register_resolvers()
+
+
+def _program() -> str:
+    return os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else "train.py"
+
+
+def _with_multirun(argv: list[str]) -> str:
+    """The command line ``argv`` with ``-m`` added: ``python train.py -m cluster=slurm steps=2``."""
+    words = [_program(), "-m", *argv[1:]]
+    return shlex.join(["python", *words] if words[0].endswith(".py") else words)
+
+
+class CheckSlurmCommand(Callback):
+    """Hydra callback (``conf/cluster/slurm.yaml``) that refuses, in one line on stderr (status 1)
+    and before anything is written or submitted:
+
+    - ``cluster=slurm`` without ``-m`` outside a SLURM allocation: only Hydra's multirun goes through
+      the launcher, and the run would train on this machine without a word (issue 24);
+    - a ``cluster.nodes`` that does not divide ``stages*data_parallel``: the launcher's
+      ``pf.tasks_per_node`` resolver would fail with Hydra's full traceback (issue 24).
+
+    Hydra turns a callback's exception into a warning and goes on: the refusal is a ``SystemExit``.
+    """
+
+    def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
+        if "SLURM_JOB_ID" not in os.environ:
+            raise SystemExit(f"{_program()}: cluster=slurm submits to SLURM only with -m: {_with_multirun(sys.argv)} "
+                             "(without cluster=slurm the run trains on this machine)")
+
+    def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        try:
+            _tasks_per_node(config.stages, config.data_parallel, config.cluster.nodes)
+        except ValueError as err:
+            raise SystemExit(f"{_program()}: {err}") from None

@@ -1,0 +1,181 @@
+"""``train.py -m cluster=slurm`` as a user sees it (issue 24): progress, Ctrl-C, one-line refusals.
+
+The helpers are tested without a cluster; the tests marked slow run sweeps on the local SLURM
+(``sudo scripts/slurm/start.sh``; see tests/test_slurm.py), which keeps no accounting.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from pipefisher.launch import sweep
+from pipefisher.launch.sweep import Run, SqueueWatcher, latest_step, progress_line
+from tests.slurm_harness import REPO, SUB_ENV, all_task_logs, require_slurm
+
+RUN = ["model=bert-tiny", "stages=2", "num_micro_batches=2", "micro_batch_size=2", "data.seq_len=32",
+       "progress=false", "device=cpu", "wandb.mode=offline", "hydra.launcher.timeout_min=5"]
+
+
+def _metrics(folder: Path, steps: int, tail: str = "") -> None:
+    folder.mkdir(parents=True, exist_ok=True)
+    rows = "".join(json.dumps({"step": s, "loss": 1.0}) + "\n" for s in range(steps))
+    (folder / "metrics.jsonl").write_text(rows + tail)
+
+
+# --- helpers, without a cluster ----------------------------------------------------------------------
+
+
+def test_latest_step_skips_a_half_written_last_line(tmp_path: Path) -> None:
+    _metrics(tmp_path, 3, tail='{"step": 3, "lo')
+    assert latest_step(tmp_path / "metrics.jsonl") == 2
+    assert latest_step(tmp_path / "missing.jsonl") is None
+
+
+def test_progress_line_counts_jobs_and_shows_the_steps_of_running_ones(tmp_path: Path) -> None:
+    runs = [Run(n, (f"pipeline={m}",), tmp_path / str(n), 5) for n, m in enumerate(["gpipe", "1f1b", "chimera"])]
+    _metrics(runs[1].folder, 3)
+    _metrics(runs[2].folder, 5)  # done: its steps are not shown
+    assert progress_line(["pending", "running", "done"], runs) == \
+        "SLURM jobs: 1 pending, 1 running, 1 done of 3; steps: #1 3/5"
+    assert progress_line(["pending"] * 3, runs) == "SLURM jobs: 3 pending, 0 running, 0 done of 3"
+
+
+def test_squeue_watcher_reads_states_and_counts_unlisted_jobs_as_ended(monkeypatch: pytest.MonkeyPatch) -> None:
+    watcher = SqueueWatcher(delay_s=10)
+    for job in ("7_0", "7_1", "8"):
+        watcher.register_job(job)
+    assert watcher._make_command() == ["squeue", "-h", "-r", "--states=all", "-o", "%i|%T", "-j", "7,8"]
+    listed = subprocess.CompletedProcess([], 0, stdout="7_0|RUNNING\n7_1|CANCELLED\n", stderr="")
+    monkeypatch.setattr(sweep.subprocess, "run", lambda *a, **k: listed)
+    watcher.update()
+    assert [watcher.get_state(j, mode="cache") for j in ("7_0", "7_1", "8")] == ["RUNNING", "CANCELLED", "ENDED"]
+    assert watcher.is_done("7_1", mode="cache") and watcher.is_done("8", mode="cache")
+    assert not watcher.is_done("7_0", mode="cache")
+
+
+def _refused(tmp_path: Path, *args: str) -> str:
+    """stderr of a ``train.py`` command that must fail in one line, leaving ``tmp_path`` empty."""
+    env = {k: v for k, v in SUB_ENV.items() if not k.startswith("SLURM_")}
+    res = subprocess.run([sys.executable, str(REPO / "train.py"), *args], cwd=tmp_path, env=env,
+                         capture_output=True, text=True, timeout=120)
+    assert res.returncode == 1, res.stderr
+    assert len(res.stderr.strip().splitlines()) == 1 and "Traceback" not in res.stderr, res.stderr
+    assert not list(tmp_path.iterdir()), list(tmp_path.iterdir())
+    return res.stderr.strip()
+
+
+def test_cluster_slurm_without_multirun_is_refused_in_one_line(tmp_path: Path) -> None:
+    assert _refused(tmp_path, "cluster=slurm", "steps=2") == (
+        "train.py: cluster=slurm submits to SLURM only with -m: python train.py -m cluster=slurm steps=2 "
+        "(without cluster=slurm the run trains on this machine)")
+
+
+def test_nodes_that_do_not_divide_the_workers_are_refused_in_one_line(tmp_path: Path) -> None:
+    assert _refused(tmp_path, "-m", "cluster=slurm", "cluster.nodes=2", "stages=3") == (
+        "train.py: cluster.nodes=2: stages*data_parallel=3 workers (one SLURM task each) must split evenly "
+        "over the nodes; use one of [1, 3]")
+
+
+# --- a real SLURM cluster ----------------------------------------------------------------------------
+
+
+def _start(sweep_dir: Path, *overrides: str) -> subprocess.Popen:
+    """``train.py -m cluster=slurm RUN overrides`` with its output in ``<sweep_dir>.log``."""
+    cmd = [sys.executable, str(REPO / "train.py"), "-m", "cluster=slurm", *RUN, *overrides,
+           f"hydra.sweep.dir={sweep_dir}"]
+    with open(f"{sweep_dir}.log", "w") as out:
+        return subprocess.Popen(cmd, cwd=sweep_dir.parent, env=SUB_ENV, stdout=out, stderr=subprocess.STDOUT)
+
+
+def _output(sweep_dir: Path) -> str:
+    return Path(f"{sweep_dir}.log").read_text()
+
+
+def _queued(job_ids: list[str]) -> dict[str, str]:
+    """``{job id: state}`` of those of ``job_ids`` that squeue lists as pending or running."""
+    out = subprocess.run(["squeue", "-h", "-r", "-o", "%i %T", "-j", ",".join(job_ids)], capture_output=True,
+                         text=True, timeout=30).stdout
+    return dict(line.split() for line in out.splitlines() if line.strip())
+
+
+def _job_ids(sweep_dir: Path, timeout_s: float = 60) -> list[str]:
+    """The job ids of the launcher's ``submitted SLURM jobs …`` line."""
+    deadline = time.monotonic() + timeout_s
+    while not (found := re.search(r"submitted SLURM jobs? (\S+(?:, \S+)*); task logs in", _output(sweep_dir))):
+        assert time.monotonic() < deadline, _output(sweep_dir)
+        time.sleep(0.2)
+    return found.group(1).split(", ")
+
+
+def _stop(proc: subprocess.Popen, job_ids: list[str]) -> None:
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait()
+    if job_ids:
+        subprocess.run(["scancel", *job_ids], check=False, timeout=30)
+
+
+@pytest.mark.slow
+def test_sweep_says_where_the_logs_are_and_its_progress_without_sacct_noise(tmp_path: Path) -> None:
+    require_slurm()
+    sweep_dir = tmp_path / "sweep"
+    proc = _start(sweep_dir, "pipeline=gpipe,chimera", "steps=3")
+    job_ids: list[str] = []
+    try:
+        job_ids = _job_ids(sweep_dir)
+        assert proc.wait(timeout=240) == 0, f"{_output(sweep_dir)[-3000:]}\n{all_task_logs(sweep_dir)}"
+    finally:
+        _stop(proc, job_ids)
+    out = _output(sweep_dir)
+    assert "Bypassing sacct error" not in out and out.count("accounting storage is disabled") == 1, out
+    assert "this SLURM keeps no job accounting (Slurm accounting storage is disabled): job states come from squeue" \
+        in out
+    array = job_ids[0].split("_")[0]
+    assert job_ids == [f"{array}_0", f"{array}_1"]
+    assert "task logs in sweep/.submitit/<job id>/" in out, out
+    lines = re.findall(r"SLURM jobs: .*", out)
+    assert lines[-1] == "SLURM jobs: 0 pending, 0 running, 2 done of 2", lines
+    assert all(json.loads(r)["step"] == i for i, r in enumerate((sweep_dir / "0" / "metrics.jsonl").read_text()
+                                                                 .splitlines()))
+
+
+@pytest.mark.slow
+def test_ctrl_c_cancels_the_sweeps_slurm_jobs_and_names_them(tmp_path: Path) -> None:
+    # A sweep of two long runs: once both train (squeue: RUNNING, and a progress line shows their
+    # steps), SIGINT to the launcher cancels both jobs; they leave squeue within seconds (SLURM's
+    # KillWait), and the launcher names them and their logs, exits with 130, without a traceback.
+    require_slurm()
+    sweep_dir = tmp_path / "sweep"
+    proc = _start(sweep_dir, "pipeline=gpipe,chimera", "steps=100000")
+    job_ids: list[str] = []
+    try:
+        job_ids = _job_ids(sweep_dir)
+        deadline = time.monotonic() + 180
+        while not (set(_queued(job_ids).values()) == {"RUNNING"}
+                   and re.search(r"; steps: #0 \d+/100000, #1 \d+/100000", _output(sweep_dir))):
+            assert proc.poll() is None and time.monotonic() < deadline, \
+                f"{_output(sweep_dir)[-3000:]}\n{all_task_logs(sweep_dir)}"
+            time.sleep(0.5)
+        proc.send_signal(signal.SIGINT)
+        sent = time.monotonic()
+        assert proc.wait(timeout=60) == 128 + signal.SIGINT, _output(sweep_dir)
+        while _queued(job_ids):
+            assert time.monotonic() - sent < 20, _queued(job_ids)
+            time.sleep(0.5)
+        print(f"jobs left squeue {time.monotonic() - sent:.1f} s after SIGINT")
+    finally:
+        _stop(proc, job_ids)
+    out = _output(sweep_dir)
+    assert (f"got SIGINT: cancelled 2 of 2 SLURM jobs: {job_ids[0]} (#0 pipeline=gpipe), "
+            f"{job_ids[1]} (#1 pipeline=chimera); task logs in sweep/.submitit/<job id>/") in out, out
+    assert "Traceback" not in out and "KeyboardInterrupt" not in out, out
+    assert os.path.isdir(sweep_dir / ".submitit" / job_ids[0])
