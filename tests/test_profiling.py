@@ -173,9 +173,10 @@ def test_nsys_export_reads_into_cpu_events(two_thread_export: Path,
         Event(1, "1RECV_F0<0", "RECV_F", 215, 240, 0),
         Event(1, "1F0", "F", 240, 330, 0),
         Event(0, "STEP", "STEP", 250, 300, 0),
-        Event(0, "0F1", "F", 310, 400, 1),
         Event(1, "STEP", "STEP", 360, 380, 0),
-    ]
+    ]  # 0F1 began a step no STEP closed: a partial step, dropped (issue 25)
+    assert profile.notes == ["dropped 1 partial step(s) of the 2 the capture touches: step 1 (the capture stopped "
+                             "before its STEP)"]
     tids = [(w.worker, w.global_tid & 0xFFFFFF) for w in profile.workers.values()]
     assert tids == [(0, 4242), (1, 4250)]
     assert "ignored 2 NVTX range(s)" in caplog.text  # "forward" and "aten::linear"
@@ -187,7 +188,6 @@ def test_nsys_export_reads_into_gpu_spans(two_thread_export: Path) -> None:
     assert profile.events == [
         Event(0, "0SEND_F0>1", "SEND_F", 210, 230, 0),  # ranges without kernels keep their CPU range
         Event(1, "1RECV_F0<0", "RECV_F", 215, 240, 0),
-        Event(0, "0F1", "F", 310, 400, 1),
         Event(1, "STEP", "STEP", 360, 380, 0),
         Event(0, "0F0", "F", 1000, 1300, 0),      # first kernel start .. last kernel end
         Event(1, "1F0", "F", 1320, 1600, 0),

@@ -235,7 +235,7 @@ def _cut_off(rows: list[ActionRange], capture: Capture) -> set[Key]:
     """Ranges that end at the capture's end: still open when it stopped ([Note: the capture window])."""
     if capture.end_ns is not None:
         return {r.key for r in rows if r.end is not None and r.end >= capture.end_ns}
-    if capture.latest_end_ns is None:
+    if capture.latest_end_ns is None or capture.ranges_at_latest < 2:
         return set()
     last = [r for r in rows if r.end == capture.latest_end_ns]
     # Without ANALYSIS_DETAILS the capture's end is the latest end of anything recorded; the STEP

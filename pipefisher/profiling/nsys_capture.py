@@ -4,7 +4,8 @@
 nsys writes a range still open when the capture stops with ``end`` = the capture's end, never
 NULL. The end is ``ANALYSIS_DETAILS`` (``stopTime``, else ``startTime + duration``) where that table
 exists and agrees with the data (no row ends after it); otherwise the latest ``end`` of any NVTX
-or CUDA row. Timestamps count from the session start, so a range that began before the capture
+or CUDA row, and then only where two or more NVTX ranges end there (nsys closes every open range
+at the stop; one range that ends last is taken as finished). Timestamps count from the session start, so a range that began before the capture
 has a negative ``start``; the capture starts at ``ANALYSIS_DETAILS.startTime``, else 0.
 
 [Note: exported clocks]
@@ -41,6 +42,7 @@ class Capture:
     utc_epoch_ns: int | None  # UTC of timestamp 0 (TARGET_INFO_SESSION_START_TIME); None: not recorded
     normalized: bool = False  # exported with --ts-normalize true
     shift_ns: int = 0  # exported with --ts-shift
+    ranges_at_latest: int = 0  # NVTX rows that end at latest_end_ns
 
     @property
     def shifted(self) -> bool:
@@ -121,4 +123,7 @@ def read_capture(conn: sqlite3.Connection, path: Path) -> Capture:
     shifted = normalized or shift != 0
     if start is None and not shifted:
         start = 0
-    return Capture(start, end, latest, _utc_epoch(conn), normalized, shift)
+    at_latest = 0
+    if latest is not None and "end" in _columns(conn, "NVTX_EVENTS"):
+        (at_latest,) = conn.execute('SELECT count(*) FROM NVTX_EVENTS WHERE "end" = ?', (latest,)).fetchone()
+    return Capture(start, end, latest, _utc_epoch(conn), normalized, shift, at_latest)
