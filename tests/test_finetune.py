@@ -329,6 +329,49 @@ def test_mismatched_checkpoint_names_the_model_group(tmp_path: Path) -> None:
         finetune(cfg, tmp_path / "run2")
 
 
+def _mismatched_checkpoints(tmp_path: Path) -> dict[str, Path]:
+    """A renamed weight, and a model with another FFN width, each in a merged state-dict file."""
+    renamed = dict(BertStage(_tiny_bert(vocab_size=200), 0, 3, seed=1).state_dict())
+    renamed["bert.encoder.layer.0.attention.self.q.weight"] = renamed.pop("bert.encoder.layer.0.attention.self.query.weight")
+    wider = BertConfig(vocab_size=200, hidden_size=32, num_layers=2, num_heads=2, intermediate_size=96)
+    files = {"renamed": tmp_path / "renamed.pt", "wider": tmp_path / "wider.pt"}
+    torch.save(renamed, files["renamed"])
+    torch.save(BertStage(wider, 0, 3, seed=1).state_dict(), files["wider"])
+    return files
+
+
+def test_checkpoint_that_does_not_fit_is_refused_in_one_line_naming_the_keys(tmp_path: Path) -> None:
+    files = _mismatched_checkpoints(tmp_path)
+    expected = {
+        "renamed": "1 missing: bert.encoder.layer.0.attention.self.query.weight; 1 not in the model: "
+                   "bert.encoder.layer.0.attention.self.q.weight; give a checkpoint of this model",
+        "wider": "6 of another shape: bert.encoder.layer.0.intermediate.dense.weight (96, 32) (model (64, 32)), "
+                 "bert.encoder.layer.0.intermediate.dense.bias (96,) (model (64,)), "
+                 "bert.encoder.layer.0.output.dense.weight (32, 96) (model (32, 64)), "
+                 "bert.encoder.layer.1.intermediate.dense.weight (96, 32) (model (64, 32)), ...",
+    }
+    for name, path in files.items():
+        cfg = compose_finetune(["task=toy", "steps=1", "task.toy.num_train=32", "task.toy.num_dev=32", *NARROW,
+                                f"init.checkpoint=[{path}]"])
+        with pytest.raises(ConfigError) as info:
+            finetune(cfg, tmp_path / f"run_{name}")
+        message = str(info.value)
+        assert message.startswith("init.checkpoint does not fit model (L=2, H=32, FFN 64): ") and "\n" not in message
+        assert expected[name] in message, message
+
+
+@pytest.mark.slow
+def test_finetune_py_refuses_a_checkpoint_that_does_not_fit_without_a_traceback(tmp_path: Path) -> None:
+    path = _mismatched_checkpoints(tmp_path)["renamed"]
+    env = {**os.environ, "WANDB_MODE": "disabled", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "finetune.py", "task.toy.num_train=64", "task.toy.num_dev=32", *NARROW,
+                           f"init.checkpoint=[{path}]", f"hydra.run.dir={tmp_path / 'run'}", "progress=false",
+                           "device=cpu"], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("finetune.py: init.checkpoint does not fit model") and "1 missing: " in last
+
+
 @pytest.mark.parametrize("kind", ["BertForPreTraining", "BertModel"])
 def test_huggingface_state_dict_loads_and_matches_transformers(tmp_path: Path, kind: str) -> None:
     transformers = pytest.importorskip("transformers")

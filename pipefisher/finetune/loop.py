@@ -33,7 +33,7 @@ from torch import Tensor, nn
 from torch.optim.lr_scheduler import LambdaLR
 
 from pipefisher.config import ConfigError
-from pipefisher.finetune.checkpoint import load_checkpoint, load_encoder_weights
+from pipefisher.finetune.checkpoint import load_checkpoint, load_encoder_weights, warn_if_collapsed
 from pipefisher.finetune.config import FinetuneConfig
 from pipefisher.finetune.encoding import trim
 from pipefisher.finetune.heads import FinetuneModel
@@ -276,6 +276,8 @@ def finetune(cfg: FinetuneConfig, output_dir: str | Path, wandb_logger: WandbLog
     task, tokenizer = build_task(cfg, out)
     num_labels = getattr(task, "num_labels", 2)
     model, random_init = build_model(cfg, tokenizer.get_vocab_size(), num_labels)
+    if cfg.init.checkpoint:  # a pretrained encoder that ignores its input: say so (issue 24)
+        warn_if_collapsed(model, trim({k: task.train[k][:32].long() for k in _MODEL_INPUTS}))
     init_encoder = {k: v.detach().clone() for k, v in model.encoder_state_dict().items()}
     model.to(device).train()
 

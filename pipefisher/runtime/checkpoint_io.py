@@ -34,7 +34,7 @@ MATCHING_FIELDS = ("model", "pipeline", "stages", "data_parallel", "num_micro_ba
                    "seed", "optimizer.name")
 #: Fields whose change on resume is not worth a warning (they do not change the trajectory).
 _QUIET_FIELDS = ("resume", "eval.", "checkpoint.", "fault.", "progress", "wandb.", "cluster.", "log_every", "profile.",
-                 "device")
+                 "device", "save_final", "init_from")  # init_from: the checkpoint's weights replace its weights
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 _CHUNK = 1 << 20
 
