@@ -25,10 +25,10 @@ from pipefisher.model import BertConfig, BertStage, build_full_model
 from pipefisher.model.hf_format import WEIGHTS_FILE, read_model_folder, write_model_folder
 from pipefisher.atomic import current_umask
 from pipefisher.runtime.build import build_stage_modules, schedule_for, stage_slices
-from pipefisher.runtime.checkpoint import load_shard, verify_checkpoint
+from pipefisher.runtime.checkpoint import load_shard, verify_checkpoint, write_manifest, write_shard
 from pipefisher.runtime.init_weights import POSITION_EMBEDDINGS_NAME, load_initial_weights
 from pipefisher.runtime.saved_weights import read_saved_weights
-from pipefisher.training import bert_config
+from pipefisher.training import bert_config, save_final_weights
 from tests.conftest import REPO, compose_train
 from tests.test_finetune import compose_finetune
 
@@ -117,6 +117,23 @@ def test_model_folder_loads_in_transformers_with_our_logits_and_the_usual_file_m
     assert saved.config == config and saved.meta == {"trained_steps": 7} and saved.vocab is None
     for name, tensor in model.state_dict().items():
         torch.testing.assert_close(saved.state_dict[name], tensor, rtol=0, atol=0, msg=name)
+
+
+def test_the_vocab_beside_the_shards_goes_into_final_and_the_export(tmp_path: Path) -> None:
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "vocab.txt").write_text("".join(f"tok{i}\n" for i in range(512)))
+    cfg = compose_train(["data=hdf5", f"data.path={data}", "steps=5"])
+    model = build_full_model(bert_config(cfg), seed=cfg.seed)
+    final = save_final_weights(cfg, [model.state_dict()], tmp_path / "run", step=4)
+    assert (final / "vocab.txt").read_text() == (data / "vocab.txt").read_text()
+    assert read_model_folder(final).meta["trained_steps"] == 5
+    # From a checkpoint, the vocab comes from the manifest's data.path.
+    shards = tmp_path / "run" / "checkpoints" / "step_4"
+    shards.mkdir(parents=True)
+    write_manifest(shards, 4, cfg, 1, [write_shard(shards, 0, {"modules": {"0.0": model.state_dict()}})])
+    exported = export_weights(shards, tmp_path / "hf")
+    assert sorted(p.name for p in exported.iterdir()) == ["config.json", WEIGHTS_FILE, "vocab.txt"]
 
 
 @pytest.mark.slow
