@@ -37,6 +37,7 @@ __all__ = [
     "refuse_unknown_keys",
     "micro_batch_rule",
     "num_micro_batches_for",
+    "schedule_method",
     "register_configs",
     "resolve_batch",
     "to_train_config",
@@ -46,7 +47,9 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 PIPELINE_METHODS = ("gpipe", "1f1b", "chimera", "interleaved", "zb-h1", "zb-v")
+CHIMERA_STACKINGS = ("direct", "doubling")  # pipeline.chimera_stacking (Chimera paper, Sec. 3.5)
 FACTOR_DECAY_UNITS = ("step", "refresh")  # optimizer.factor_decay_per
+PROMOTE_INVERSES = ("at_cycle_end", "when_ready")  # optimizer.promote_inverses (as pipefisher.schedules.kfac's)
 OPTIMIZERS = ("nvlamb", "kfac", "pipefisher", "adamw", "muon")
 KFAC_OPTIMIZERS = ("kfac", "pipefisher")  # the optimizers that run K-FAC work (preconditioners, a refresh plan)
 DATA_KINDS = ("synthetic", "hdf5")
@@ -88,6 +91,7 @@ class PipelineConfig:
     order_costs: Optional[list[float]] = None  # zb-v: relative [F, I, W] cost of a stage its list scheduler orders by (default equal)
     activation_memory: float = 1.0  # zb-v: activation bound as a multiple of 1F1B's peak (>= 1)
     layers_per_stage: Optional[list[int]] = None  # explicit encoder layers per stage; None = balance by cost
+    chimera_stacking: str = "direct"  # chimera with N > D: direct (basic units concatenated) or doubling (forwards in pairs; N a multiple of 2 x stages, more activation memory)
 
 
 @dataclass
@@ -267,16 +271,24 @@ def _check_positive(cfg: TrainConfig, names: list[str]) -> None:
             _fail(name, obj, "must be at least 1")
 
 
-def num_micro_batches_for(method: str, stages: int) -> int:
+def schedule_method(method: str, chimera_stacking: str = "direct") -> str:
+    """The schedule generator a run uses (``pipefisher.schedules.GENERATORS``): the method, or
+    ``chimera-doubling`` for pipeline=chimera with pipeline.chimera_stacking=doubling."""
+    return "chimera-doubling" if method == "chimera" and chimera_stacking == "doubling" else method
+
+
+def num_micro_batches_for(method: str, stages: int, chimera_stacking: str = "direct") -> int:
     """What ``num_micro_batches=auto`` means: the smallest N that every method accepts and that
     fills the pipeline, N = stages (one process and data parallelism alone: 1).
 
     GPipe and 1F1B run any N, but below D micro-batches a stage idles for more than half a step
     (bubble (D-1)/(N+D-1)); Chimera and interleaved 1F1B need a multiple of D, and D is the
-    smallest (Chimera's bubble (D-2)/(2N+D-2)); zb-v needs N >= 2D.
+    smallest (Chimera's bubble (D-2)/(2N+D-2)); zb-v needs N >= 2D, and Chimera with forward
+    doubling a multiple of 2D.
     """
     _check_choice("pipeline.method", method, PIPELINE_METHODS)
-    return max(1, stages) * (2 if method == "zb-v" else 1)
+    doubled = method == "zb-v" or schedule_method(method, chimera_stacking) == "chimera-doubling"
+    return max(1, stages) * (2 if doubled else 1)
 
 
 DEFAULT_GLOBAL_BATCH = 16  # global_batch_size=auto without a micro_batch_size: sequences per step
@@ -293,10 +305,12 @@ def _as_count(name: str, value: Any, what: str) -> int | None:
     return value
 
 
-def micro_batch_rule(method: str, stages: int) -> tuple[int, str] | None:
+def micro_batch_rule(method: str, stages: int, chimera_stacking: str = "direct") -> tuple[int, str] | None:
     """What a method needs of N at ``stages`` > 1: (m, why) for "a multiple of m" or (-m, why) for "at least m"."""
     if stages < 2:
         return None
+    if schedule_method(method, chimera_stacking) == "chimera-doubling":
+        return 2 * stages, f"chimera with pipeline.chimera_stacking=doubling needs a multiple of 2 x stages = {2 * stages}"
     if method in ("chimera", "interleaved"):
         return stages, f"{method} needs a multiple of stages={stages}"
     if method == "zb-v":
@@ -304,8 +318,8 @@ def micro_batch_rule(method: str, stages: int) -> tuple[int, str] | None:
     return None
 
 
-def _accepts(method: str, stages: int, n: int) -> bool:
-    rule = micro_batch_rule(method, stages)
+def _accepts(method: str, stages: int, n: int, chimera_stacking: str = "direct") -> bool:
+    rule = micro_batch_rule(method, stages, chimera_stacking)
     if rule is None:
         return True
     m, _ = rule
@@ -333,7 +347,7 @@ def resolve_batch(cfg: TrainConfig) -> None:
     g = _as_count("global_batch_size", cfg.global_batch_size, "sequences per optimizer step")
     m = _as_count("micro_batch_size", cfg.micro_batch_size, "sequences per micro-batch")
     n = _as_count("num_micro_batches", cfg.num_micro_batches, "micro-batches per step")
-    method, stages = cfg.pipeline.method, cfg.stages
+    method, stages, stacking = cfg.pipeline.method, cfg.stages, cfg.pipeline.chimera_stacking
     for name, v in (("global_batch_size", g), ("micro_batch_size", m), ("num_micro_batches", n)):
         if v is not None and v < 1:
             _fail(name, v, "must be at least 1")
@@ -344,13 +358,14 @@ def resolve_batch(cfg: TrainConfig) -> None:
                 _fail("global_batch_size", g, f"must be a multiple of micro_batch_size x data_parallel = {m * w}; "
                       f"use global_batch_size={max(1, g // (m * w)) * m * w} or micro_batch_size=auto")
             n = g // (m * w)
-            if not _accepts(method, stages, n):
-                _, why = micro_batch_rule(method, stages)  # type: ignore[misc]
+            if not _accepts(method, stages, n, stacking):
+                _, why = micro_batch_rule(method, stages, stacking)  # type: ignore[misc]
                 _fail("global_batch_size", g, f"gives num_micro_batches={n} micro-batches of micro_batch_size={m} "
-                      f"x data_parallel={w}, but {why}; use global_batch_size={_nearest_ok(method, stages, n) * m * w} "
+                      f"x data_parallel={w}, but {why}; use global_batch_size="
+                      f"{_nearest_ok(method, stages, n, stacking) * m * w} "
                       f"or a smaller micro_batch_size")
         else:
-            n = num_micro_batches_for(method, stages)
+            n = num_micro_batches_for(method, stages, stacking)
         if stages > 1:
             log.info("num_micro_batches=auto: %d for pipeline=%s with stages=%d", n, method, stages)
     if m is None:
@@ -369,10 +384,10 @@ def resolve_batch(cfg: TrainConfig) -> None:
     cfg.global_batch_size, cfg.micro_batch_size, cfg.num_micro_batches = g, m, n
 
 
-def _nearest_ok(method: str, stages: int, n: int) -> int:
+def _nearest_ok(method: str, stages: int, n: int, chimera_stacking: str = "direct") -> int:
     """The smallest micro-batch count >= n that ``method`` accepts at ``stages``."""
     k = max(1, n)
-    while not _accepts(method, stages, k):
+    while not _accepts(method, stages, k, chimera_stacking):
         k += 1
     return k
 
@@ -397,6 +412,7 @@ def validate(cfg: TrainConfig) -> None:
         ConfigError: naming the field, its value and the fix, for the first problem found.
     """
     _check_choice("pipeline.method", cfg.pipeline.method, PIPELINE_METHODS)
+    _check_choice("pipeline.chimera_stacking", cfg.pipeline.chimera_stacking, CHIMERA_STACKINGS)
     resolve_batch(cfg)
     m = cfg.model
     _check_positive(
@@ -464,6 +480,12 @@ def validate(cfg: TrainConfig) -> None:
                 _fail("num_micro_batches", cfg.num_micro_batches,
                       f"chimera needs a multiple of stages={cfg.stages}; use num_micro_batches="
                       f"{max(cfg.stages, cfg.num_micro_batches // cfg.stages * cfg.stages)} (or auto)")
+            unit = 2 * cfg.stages
+            if cfg.pipeline.chimera_stacking == "doubling" and cfg.num_micro_batches % unit:
+                _fail("num_micro_batches", cfg.num_micro_batches,
+                      f"chimera with pipeline.chimera_stacking=doubling runs whole doubled units of 2 x stages = "
+                      f"{unit} micro-batches; use num_micro_batches={max(unit, cfg.num_micro_batches // unit * unit)} "
+                      f"(or auto), or pipeline.chimera_stacking=direct")
         if method == "interleaved":
             if cfg.pipeline.num_virtual < 2:
                 log.warning("pipeline=interleaved with pipeline.num_virtual=1 is plain 1F1B")
@@ -471,6 +493,9 @@ def validate(cfg: TrainConfig) -> None:
                 _fail("num_micro_batches", cfg.num_micro_batches,
                       f"interleaved needs a multiple of stages={cfg.stages}; use num_micro_batches="
                       f"{max(cfg.stages, cfg.num_micro_batches // cfg.stages * cfg.stages)} (or auto)")
+    if method != "chimera" and cfg.pipeline.chimera_stacking != "direct":
+        _fail("pipeline.chimera_stacking", cfg.pipeline.chimera_stacking,
+              "only pipeline=chimera stacks basic units; leave it at direct for other methods")
     if method != "zb-v" and (cfg.pipeline.order_costs is not None or cfg.pipeline.activation_memory != 1.0):
         _fail("pipeline.order_costs" if cfg.pipeline.order_costs is not None else "pipeline.activation_memory",
               cfg.pipeline.order_costs if cfg.pipeline.order_costs is not None else cfg.pipeline.activation_memory,

@@ -104,3 +104,37 @@ def test_factor_decay_per_step_scales_the_decay_of_a_refresh_every_k_steps() -> 
     assert refresh_decay(0.95, "refresh", 4) == 0.95
     with pytest.raises(Exception, match="factor_decay_per"):
         compose_train(["optimizer=kfac", "optimizer.factor_decay_per=cycle"])
+
+
+# -- pipeline.chimera_stacking (issue 26, item 1) -----------------------------------------------
+
+_CHIMERA4 = ["model=bert-mini", "pipeline=chimera", "stages=4"]
+
+
+@pytest.mark.parametrize("overrides, fix", [
+    (_CHIMERA4 + ["num_micro_batches=4", "pipeline.chimera_stacking=doubling"],
+     "num_micro_batches=4: chimera with pipeline.chimera_stacking=doubling runs whole doubled units of 2 x stages = 8 "
+     "micro-batches; use num_micro_batches=8 (or auto), or pipeline.chimera_stacking=direct"),
+    (_CHIMERA4 + ["num_micro_batches=12", "pipeline.chimera_stacking=doubling"], "use num_micro_batches=8 (or auto)"),
+    (_CHIMERA4 + ["micro_batch_size=2", "global_batch_size=24", "pipeline.chimera_stacking=doubling"],
+     "global_batch_size=24: gives num_micro_batches=12 micro-batches of micro_batch_size=2 x data_parallel=1, but "
+     "chimera with pipeline.chimera_stacking=doubling needs a multiple of 2 x stages = 8; use global_batch_size=32"),
+    (["pipeline=1f1b", "stages=2", "pipeline.chimera_stacking=doubling"],
+     "pipeline.chimera_stacking='doubling': only pipeline=chimera stacks basic units"),
+    (_CHIMERA4 + ["pipeline.chimera_stacking=halving"], "pipeline.chimera_stacking='halving': choose one of direct, doubling"),
+], ids=["N-below-2D", "N-not-multiple-of-2D", "global-batch", "not-chimera", "unknown"])
+def test_chimera_stacking_errors_are_one_line_naming_the_fix(overrides: list[str], fix: str) -> None:
+    with pytest.raises(ConfigError) as err:
+        compose_train(overrides)
+    assert fix in str(err.value) and "\n" not in str(err.value)
+
+
+def test_chimera_doubling_auto_micro_batches_is_two_units_of_stages() -> None:
+    from pipefisher.config import micro_batch_rule, num_micro_batches_for
+
+    assert num_micro_batches_for("chimera", 4, "doubling") == 8 and num_micro_batches_for("chimera", 4) == 4
+    assert micro_batch_rule("chimera", 4, "doubling")[0] == 8 and micro_batch_rule("chimera", 4)[0] == 4
+    cfg = compose_train(_CHIMERA4 + ["pipeline.chimera_stacking=doubling"])
+    assert cfg.num_micro_batches == 8 and cfg.global_batch_size == 16 and cfg.micro_batch_size == 2
+    assert compose_train(_CHIMERA4 + ["pipeline.chimera_stacking=doubling", "micro_batch_size=1",
+                                      "global_batch_size=16"]).num_micro_batches == 16

@@ -68,7 +68,8 @@ def _reference_grads(cfg: TrainConfig) -> tuple[list[float], dict[str, torch.Ten
 
 def _reference_params(cfg: TrainConfig) -> tuple[dict[str, torch.Tensor], float]:
     single = dataclasses.replace(cfg, stages=1, data_parallel=1, num_micro_batches=cfg.num_micro_batches * cfg.data_parallel,
-                                 pipeline=dataclasses.replace(cfg.pipeline, method="gpipe", num_virtual=1, layers_per_stage=None))
+                                 pipeline=dataclasses.replace(cfg.pipeline, method="gpipe", num_virtual=1, layers_per_stage=None,
+                                                              chimera_stacking="direct"))
     model = build_full_model(bert_config(single), seed=single.seed)
     last = train_single_process(single, output_dir=None, model=model)
     return {n: p.detach() for n, p in model.named_parameters()}, last["loss"]
@@ -122,3 +123,56 @@ def test_chimera_replicas_start_from_identical_weights(grid_results) -> None:
         pipe, stage, name = key.split("/", 2)
         if pipe == "0":
             torch.testing.assert_close(params[f"1/{stage}/{name}"], value, rtol=0, atol=0)
+
+
+# -- Chimera with forward doubling (issue 26, item 1) -------------------------------------------
+
+DOUBLING = [(4, 8, 1), (2, 4, 2), (2, 8, 1)]  # (D, N, W): one doubled unit, data parallel, two units
+DOUBLING_LONG = [(4, 8, 1), (2, 4, 2)]
+
+
+def _doubling_cfg(d: int, n: int, w: int) -> TrainConfig:
+    return compose_train(MODEL + ["pipeline=chimera", "pipeline.chimera_stacking=doubling", f"stages={d}",
+                                  f"num_micro_batches={n}", f"data_parallel={w}"])
+
+
+@pytest.fixture(scope="module")
+def doubling_results(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple, dict[int, dict]]:
+    keys = [(c, 1) for c in DOUBLING] + [(c, 5) for c in DOUBLING_LONG]
+    results = run_cases([(_doubling_cfg(*c), steps) for c, steps in keys], tmp_path_factory.mktemp("doubling"))
+    return dict(zip(keys, results))
+
+
+def test_chimera_doubling_config_runs_the_doubling_schedule() -> None:
+    from pipefisher.runtime.build import schedule_for
+
+    assert schedule_for(_doubling_cfg(4, 8, 1)).method == "chimera-doubling"
+    assert schedule_for(_cfg("chimera", 4, 8, 1)).method == "chimera"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", DOUBLING, ids=[f"doubling-D{d}-N{n}-W{w}" for d, n, w in DOUBLING])
+def test_chimera_doubling_first_step_loss_and_every_gradient_equal_single_process(case, doubling_results) -> None:
+    cfg = _doubling_cfg(*case)
+    ref_loss, ref_grads = _reference_grads(cfg)
+    results = doubling_results[(case, 1)]
+    for res in results.values():
+        torch.testing.assert_close(torch.tensor(res["losses"][0]), torch.tensor(ref_loss), rtol=1e-5, atol=1e-6)
+    seen = set()
+    for name, grad in _by_name(results, "grads"):
+        expected = ref_grads[WORD if name == DECODER else name]
+        torch.testing.assert_close(grad, expected, rtol=1e-5, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
+        seen.add(WORD if name == DECODER else name)
+    assert seen == set(ref_grads)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", DOUBLING_LONG, ids=[f"doubling-D{d}-N{n}-W{w}" for d, n, w in DOUBLING_LONG])
+def test_chimera_doubling_parameters_after_five_nvlamb_steps_equal_single_process(case, doubling_results) -> None:
+    cfg = _doubling_cfg(*case)
+    ref_params, ref_last_loss = _reference_params(cfg)
+    results = doubling_results[(case, 5)]
+    assert sum(results[0]["losses"][-1]) == pytest.approx(ref_last_loss, rel=1e-5)
+    for name, value in _by_name(results, "params"):
+        torch.testing.assert_close(value, ref_params[WORD if name == DECODER else name], rtol=1e-5, atol=1e-6,
+                                   msg=lambda m, n=name: f"{n}: {m}")

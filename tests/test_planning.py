@@ -28,6 +28,7 @@ from pipefisher.planning import (
     what_if,
 )
 from pipefisher.planning.cli import plan_run, run_whatif
+from pipefisher.planning.memory import estimate_memory_per_worker
 from pipefisher.planning.config import register_schedule_configs, to_schedule_config
 from pipefisher.profiling import read_profile, write_profile
 from pipefisher.schedules import (
@@ -333,6 +334,18 @@ def test_memory_counts_optimizer_state_activations_and_captures():
     assert kfac.optimizer > nvlamb.optimizer and kfac.captures > 0
     assert estimate_memory(replace(run, recompute=True), "nvlamb", s).activations < nvlamb.activations
     assert "GB on worker" in kfac.describe()
+
+
+def test_memory_model_knows_forward_doubling_holds_7_8_8_7_activations_at_d4():
+    bert = BertConfig.from_size("mini")
+    direct = RunShape(bert, "chimera", 4, 8, 8, seq_len=64, max_predictions=10)
+    doubling = replace(direct, method="chimera-doubling")
+    assert doubling.partition == direct.partition and doubling.num_replicas == 2 and doubling.stages_per_worker == 2
+    a = {w: m.activations for w, m in estimate_memory_per_worker(direct, "nvlamb").items()}
+    b = {w: m.activations for w, m in estimate_memory_per_worker(doubling, "nvlamb").items()}
+    # Per micro-batch, each worker's largest stage: the same under both; peaks 3 4 4 3 against 7 8 8 7.
+    assert [b[w] / (a[w] / p) for w, p in zip(range(4), (3, 4, 4, 3))] == pytest.approx([7, 8, 8, 7])
+    assert estimate_memory(doubling, "nvlamb").total > estimate_memory(direct, "nvlamb").total
 
 
 def test_whatif_ranks_by_throughput_and_excludes_over_budget_configs_with_the_reason():

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -26,6 +27,8 @@ from pipefisher.schedules import (
     interleaved,
     one_f_one_b,
 )
+from pipefisher.schedules.chimera_doubling import chimera_doubling, chimera_doubling_peaks
+from pipefisher.simulate import peak_activations
 
 K = ActionKind
 
@@ -65,8 +68,8 @@ def compute_only(schedule: Schedule) -> dict[int, list[Action]]:
 # -- registry and shape validation -------------------------------------------------------------
 
 
-def test_registry_names_the_six_methods():
-    assert set(GENERATORS) == {"gpipe", "1f1b", "chimera", "interleaved", "zb-h1", "zb-v"}
+def test_registry_names_the_methods():
+    assert set(GENERATORS) == {"gpipe", "1f1b", "chimera", "interleaved", "zb-h1", "zb-v", "chimera-doubling"}
 
 
 def test_every_method_accepts_one_virtual_chunk():
@@ -78,7 +81,7 @@ def test_every_method_accepts_one_virtual_chunk():
                 build_schedule(method, 2, 4, num_virtual=1)
             assert build_schedule(method, 2, 4, num_virtual=2).num_stages == 4
             continue
-        assert build_schedule(method, 2, 2, num_virtual=1).num_stages == 2
+        assert build_schedule(method, 2, 4 if method == "chimera-doubling" else 2, num_virtual=1).num_stages == 2
 
 
 def test_unknown_method_error_lists_valid_names():
@@ -373,3 +376,56 @@ def test_schedules_and_simulate_import_neither_torch_distributed_nor_runtime():
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
                             cwd=root, env=env)
     assert result.returncode == 0, result.stderr
+
+
+# -- Chimera with forward doubling (issue 26, item 1) -------------------------------------------
+
+
+def _short(acts) -> str:
+    return " ".join(f"{a.kind}{a.micro_batch}" for a in acts if a.kind.is_compute)
+
+
+def test_chimera_doubling_reproduces_the_issue_example_on_worker_0():
+    # Issue 26 (from the public Chimera code): D=4, N=8, the down pipe carries 0-3, the up pipe 4-7.
+    s = chimera_doubling(4, 8)
+    assert _short(s.actions[0]) == "F0 F1 F2 F3 F4 F5 B4 F6 F7 B5 B0 B6 B1 B7 B2 B3"
+    assert s.pipe_of_micro_batch == (0, 0, 0, 0, 1, 1, 1, 1)
+    # Worker 3 mirrors worker 0 (down and up pipe swapped: micro-batch j <-> j +- 4).
+    mirror = {f"{k}{j}": f"{k}{(j + 4) % 8}" for k in "FB" for j in range(8)}
+    assert _short(s.actions[3]) == " ".join(mirror[x] for x in _short(s.actions[0]).split())
+    assert s.placement.stages_of(0) == [(0, 0, 0), (0, 1, 3)]
+
+
+def test_chimera_doubling_runs_every_forward_slot_as_a_pair_on_the_outer_workers():
+    # Worker 0 holds stage 0 of the down pipe: each of its forwards of a pipe comes in back-to-back pairs.
+    for n in (8, 16):
+        acts = [a for a in chimera_doubling(4, n).actions[0] if a.kind.is_compute]
+        forwards = [i for i, a in enumerate(acts) if a.kind == K.FORWARD]
+        assert all(acts[i + 1].kind == K.FORWARD and acts[i + 1].micro_batch == acts[i].micro_batch + 1
+                   for i in forwards if acts[i].micro_batch % 2 == 0)
+
+
+@pytest.mark.parametrize("d, n, w", [(2, 4, 1), (4, 8, 1), (4, 16, 2), (8, 16, 1), (8, 32, 1)])
+def test_chimera_doubling_built_schedule_passes_the_checker_within_its_activation_bound(d, n, w):
+    s = build_schedule("chimera-doubling", d, n, w)  # runs check_schedule
+    bound = chimera_doubling_peaks(d)
+    check_schedule(s, max_activations={dp * d + r: bound[r] for dp in range(w) for r in range(d)})
+    assert compute_only(s) == {k: list(v) for k, v in chimera_doubling(d, n, w).actions.items()}
+
+
+def test_checker_refuses_chimera_doubling_at_direct_concatenations_activation_bound():
+    direct = peak_activations(build_schedule("chimera", 4, 8))  # 3 4 4 3
+    assert [direct[w] for w in range(4)] == [3, 4, 4, 3]
+    with pytest.raises(ScheduleError, match=r"worker 0 holds 4 micro-batch activations at 0F3, more than its bound 3"):
+        check_schedule(build_schedule("chimera-doubling", 4, 8), max_activations=direct)
+
+
+@pytest.mark.parametrize("stages, n, message", [
+    (4, 4, "num_micro_batches=4: chimera with pipeline.chimera_stacking=doubling needs a multiple of 2 x stages = 8; "
+           "use num_micro_batches=8, or pipeline.chimera_stacking=direct"),
+    (4, 12, "use num_micro_batches=8 or 16"),
+    (3, 6, "stages=3: chimera needs an even number of stages; use stages=2 or stages=4"),
+])
+def test_chimera_doubling_refuses_unsupported_shapes(stages, n, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        build_schedule("chimera-doubling", stages, n)

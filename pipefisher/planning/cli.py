@@ -21,7 +21,7 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
-from pipefisher.config import KFAC_OPTIMIZERS, ModelConfig, refuse_unknown_keys
+from pipefisher.config import KFAC_OPTIMIZERS, ModelConfig, refuse_unknown_keys, schedule_method
 from pipefisher.model.config import BertConfig
 from pipefisher.planning.config import ScheduleConfig, register_schedule_configs, to_schedule_config
 from pipefisher.planning.costs import Hardware, RunShape, costs_from_profile, estimate_run_costs
@@ -43,7 +43,7 @@ _CONF = Path(__file__).resolve().parent.parent / "conf"
 _RUN_KEYS = ("stages", "data_parallel", "micro_batch_size", "num_micro_batches", "recompute", "precision")
 _GROUP_FIELDS = {
     "model": ("name", "num_layers", "hidden_size", "num_heads", "intermediate_size", "vocab_size"),
-    "pipeline": ("method", "num_virtual", "layers_per_stage"),
+    "pipeline": ("method", "num_virtual", "layers_per_stage", "chimera_stacking"),
     "data": ("seq_len", "max_predictions"),
 }
 
@@ -77,9 +77,14 @@ def _bert(cfg: ScheduleConfig) -> BertConfig:
                       max_position_embeddings=m.max_position_embeddings, type_vocab_size=m.type_vocab_size)
 
 
+def _method(cfg: ScheduleConfig) -> str:
+    """The schedule generator the keys name (``chimera-doubling`` for chimera with doubling)."""
+    return schedule_method(cfg.pipeline.method, cfg.pipeline.chimera_stacking)
+
+
 def _run_from_config(cfg: ScheduleConfig) -> RunShape:
     lps = cfg.pipeline.layers_per_stage
-    return RunShape(_bert(cfg), cfg.pipeline.method, cfg.stages, cfg.num_micro_batches, cfg.micro_batch_size,
+    return RunShape(_bert(cfg), _method(cfg), cfg.stages, cfg.num_micro_batches, cfg.micro_batch_size,
                     cfg.data_parallel, cfg.pipeline.num_virtual, cfg.data.seq_len, cfg.data.max_predictions,
                     tuple(lps) if lps else None, cfg.recompute, cfg.precision)
 
@@ -118,7 +123,7 @@ def _shape_conflicts(cfg: ScheduleConfig, shape: ProfiledShape, requested: Colle
                    f"micro-batches 0-{shape.num_micro_batches - 1})")
     if "data_parallel" in requested and cfg.data_parallel != shape.data_parallel:
         out.append(f"data_parallel={cfg.data_parallel} (the profile has {shape.data_parallel})")
-    if shape.methods and ({"pipeline", "pipeline.method"} & set(requested)) and cfg.pipeline.method not in shape.methods:
+    if shape.methods and ({"pipeline", "pipeline.method"} & set(requested)) and _method(cfg) not in shape.methods:
         out.append(f"pipeline.method={cfg.pipeline.method} (the profile's order of forwards and backwards is "
                    f"{' or '.join(shape.methods)})")
     if "pipeline.num_virtual" in requested and shape.methods and cfg.pipeline.num_virtual != shape.num_virtual:
@@ -149,7 +154,7 @@ def _run_from_export(cfg: ScheduleConfig, path: str, profile: Profile, requested
         log.warning("%s: %s", path, note)
         notes.append(note)
         return run
-    method = cfg.pipeline.method if cfg.pipeline.method in shape.methods else shape.methods[0]
+    method = _method(cfg) if _method(cfg) in shape.methods else shape.methods[0]
     return replace(run, method=method, stages=shape.stages, num_micro_batches=shape.num_micro_batches,
                    dp_width=shape.data_parallel, num_virtual=shape.num_virtual)
 
@@ -200,8 +205,9 @@ def _model_keys(run: RunShape, model_name: str) -> str:
 
 def _train_keys(run: RunShape, path: Path, model_name: str = "") -> str:
     v = f" pipeline.num_virtual={run.num_virtual}" if run.method == "interleaved" else ""
+    pipeline = "chimera pipeline.chimera_stacking=doubling" if run.method == "chimera-doubling" else run.method
     return (f"python train.py optimizer=pipefisher optimizer.schedule={path}{_model_keys(run, model_name)} "
-            f"pipeline={run.method}{v} "
+            f"pipeline={pipeline}{v} "
             f"stages={run.stages} num_micro_batches={run.num_micro_batches} "
             f"micro_batch_size={run.micro_batch_size} data_parallel={run.dp_width}"
             + (f" optimizer.curvature_micro_batches={n}" if (n := _subset(path)) else ""))

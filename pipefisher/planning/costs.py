@@ -32,6 +32,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
+from pipefisher.config import schedule_method
 from pipefisher.model.config import BertConfig
 from pipefisher.model.partition import layer_costs, partition_layers, stage_costs
 from pipefisher.profiling import Profile
@@ -116,13 +117,17 @@ def _allreduce_s(num_bytes: float, replicas: int, bandwidth: float) -> float:
     return 0.0 if replicas <= 1 else 2.0 * (replicas - 1) / replicas * num_bytes / bandwidth
 
 
+_CHIMERA = ("chimera", "chimera-doubling")  # two pipes: every worker holds two stage replicas
+
+
 @dataclass(frozen=True)
 class RunShape:
     """The run a plan is for: model, pipeline, batch and sequence shape.
 
     Attributes:
         bert: the architecture.
-        method: pipeline method (gpipe, 1f1b, chimera, interleaved).
+        method: the schedule generator (gpipe, 1f1b, chimera, chimera-doubling, interleaved, zb-h1, zb-v;
+            ``config.schedule_method`` of the run's pipeline keys).
         stages: D, workers per pipeline (the config's ``stages``).
         num_micro_batches: N per step per data-parallel group.
         micro_batch_size: sequences per micro-batch.
@@ -172,11 +177,11 @@ class RunShape:
     @property
     def num_replicas(self) -> int:
         """Replicas of each stage (members of its all-reduces)."""
-        return self.dp_width * (2 if self.method == "chimera" else 1)
+        return self.dp_width * (2 if self.method in _CHIMERA else 1)
 
     @property
     def stages_per_worker(self) -> int:
-        return 2 if self.method == "chimera" else self.num_virtual
+        return 2 if self.method in _CHIMERA else self.num_virtual
 
     @property
     def num_workers(self) -> int:
@@ -216,7 +221,8 @@ class RunShape:
             max_position_embeddings=m.get("max_position_embeddings", 512),
             type_vocab_size=m.get("type_vocab_size", 2))
         lps = p.get("layers_per_stage")
-        return cls(bert=bert, method=p["method"], stages=cfg["stages"],
+        method = schedule_method(p["method"], p.get("chimera_stacking", "direct"))
+        return cls(bert=bert, method=method, stages=cfg["stages"],
                    num_micro_batches=cfg["num_micro_batches"], micro_batch_size=cfg["micro_batch_size"],
                    dp_width=cfg.get("data_parallel", 1), num_virtual=p.get("num_virtual", 1),
                    seq_len=d["seq_len"], max_predictions=d["max_predictions"],

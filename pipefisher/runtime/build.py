@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from pipefisher.config import TrainConfig
+from pipefisher.config import TrainConfig, schedule_method
 from pipefisher.model import BertStage, partition_layers
 from pipefisher.planning.assign import plan_pipefisher
 from pipefisher.planning.costs import Hardware, RunShape, estimate_run_costs
@@ -180,7 +180,7 @@ def run_shape(cfg: TrainConfig) -> RunShape:
     """The planner's description of this run (model, pipeline, batch and sequence shape)."""
     return RunShape(
         bert=bert_config(cfg),
-        method=cfg.pipeline.method,
+        method=schedule_method(cfg.pipeline.method, cfg.pipeline.chimera_stacking),
         stages=cfg.stages,
         num_micro_batches=cfg.num_micro_batches,
         micro_batch_size=cfg.micro_batch_size,

@@ -18,6 +18,7 @@ from pipefisher.schedules.checks import ScheduleError, check_schedule
 from pipefisher.schedules.evaluation import build_eval_schedule, forward_only
 from pipefisher.schedules.generators import (
     GENERATORS,
+    HOIST_POLICY,
     chimera,
     get_generator,
     gpipe,
@@ -69,7 +70,8 @@ def build_schedule(method: str, num_stages: int, num_micro_batches: int, dp_widt
     """Generate, complete and check the schedule of one training step.
 
     Args:
-        method: a name in ``GENERATORS`` (``gpipe``, ``1f1b``, ``chimera``, ``interleaved``, ``zb-h1``, ``zb-v``).
+        method: a name in ``GENERATORS`` (``gpipe``, ``1f1b``, ``chimera``, ``interleaved``, ``zb-h1``, ``zb-v``,
+            ``chimera-doubling``).
         num_stages: D, workers per pipeline (for ``interleaved`` the model has D·num_virtual stages).
         num_micro_batches: N, micro-batches per step per data-parallel group.
         dp_width: W, data-parallel copies of the pipeline (or Chimera pair).
@@ -96,6 +98,7 @@ def build_schedule(method: str, num_stages: int, num_micro_batches: int, dp_widt
         raise ValueError(f"pipeline method {method!r} takes no option {', '.join(unknown)}; "
                          f"accepted: {', '.join(accepted) or 'none'}")
     schedule = generator(num_stages, num_micro_batches, dp_width, **options)
-    schedule = add_grad_sync_and_step(add_communication(schedule))
+    hoist = HOIST_POLICY.get(method, "earliest_send")
+    schedule = add_grad_sync_and_step(add_communication(schedule, hoist), hoist)
     check_schedule(schedule)
     return schedule

@@ -36,6 +36,7 @@ stage; an ``INVERT`` comes after the ``SYNC_FACTOR`` of its layer when the step 
 from __future__ import annotations
 
 from collections import Counter, defaultdict
+from collections.abc import Mapping
 from typing import NoReturn
 
 from pipefisher.schedules.ir import Action, ActionKind, Schedule
@@ -61,7 +62,7 @@ def _fail(schedule: Schedule, message: str, mark: tuple[int, int] | None = None)
 
 
 def check_schedule(schedule: Schedule, *, complete: bool = True, kfac: bool | None = None,
-                   forward_only: bool = False) -> None:
+                   forward_only: bool = False, max_activations: Mapping[int, int] | None = None) -> None:
     """Check that ``schedule`` is well formed and runs to completion.
 
     Checks, in order: every action sits on a worker holding its stage replica (right pipe, right
@@ -87,6 +88,9 @@ def check_schedule(schedule: Schedule, *, complete: bool = True, kfac: bool | No
             and RECV_F (no backward, weight gradient, SYNC_GRAD, STEP or K-FAC unit);
             placement, local order, forward messages (required when ``complete``) and no
             deadlock as above.
+        max_activations: per worker, the most micro-batch activations it may hold at once
+            (counted from F to B or W, every replica it holds, as ``simulate.peak_activations``);
+            e.g. ``chimera_doubling_peaks(D)``, a memory model's bound. None: no bound.
 
     Raises:
         ScheduleError: the first violation found; the message includes the grid with the failing
@@ -109,6 +113,8 @@ def check_schedule(schedule: Schedule, *, complete: bool = True, kfac: bool | No
     _check_placement(schedule)
     _check_coverage(schedule)
     _check_local_order(schedule)
+    if max_activations is not None:
+        _check_activations(schedule, max_activations)
     has_comm = any(a.kind.is_comm for acts in schedule.actions.values() for a in acts)
     if has_comm or complete:
         _check_communication(schedule)
@@ -214,6 +220,17 @@ def _check_coverage(schedule: Schedule, forward_only: bool = False) -> None:
 
 
 _FORWARD_ONLY_KINDS = (K.FORWARD, K.SEND_F, K.RECV_F)
+
+
+def _check_activations(schedule: Schedule, limits: Mapping[int, int]) -> None:
+    """No worker holds more micro-batch activations than ``limits[worker]`` (F adds one, B or W frees one)."""
+    for w, acts in schedule.actions.items():
+        held = 0
+        for i, a in enumerate(acts):
+            held += 1 if a.kind == K.FORWARD else -1 if a.kind in (K.BACKWARD, K.BACKWARD_WEIGHT) else 0
+            if w in limits and held > limits[w]:
+                _fail(schedule, f"worker {w} holds {held} micro-batch activations at {a}, more than its bound "
+                      f"{limits[w]}", (w, i))
 
 
 def _check_forward_only_kinds(schedule: Schedule) -> None:

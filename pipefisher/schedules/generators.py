@@ -17,12 +17,14 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from pipefisher.schedules.chimera_doubling import chimera_doubling
 from pipefisher.schedules.ir import Action, ActionKind, Placement, Schedule
 from pipefisher.schedules.shapes import check_common, linear_placement, multiple_hint, replicate
 from pipefisher.schedules.zero_bubble import zb_h1, zb_v
 
 __all__ = [
     "GENERATORS",
+    "HOIST_POLICY",
     "GeneratorFn",
     "get_generator",
     "gpipe",
@@ -298,7 +300,10 @@ GENERATORS: dict[str, GeneratorFn] = {
     "interleaved": interleaved,
     "zb-h1": zb_h1,
     "zb-v": zb_v,
+    "chimera-doubling": chimera_doubling,  # pipeline=chimera pipeline.chimera_stacking=doubling
 }
+# Receive hoisting per method (passes, [Note: hoisting the nearest receive]); default earliest_send.
+HOIST_POLICY: dict[str, str] = {"chimera-doubling": "nearest_consumer"}
 
 
 def get_generator(method: str) -> GeneratorFn:
