@@ -29,7 +29,8 @@ MODEL = ["model.num_layers=4", "model.hidden_size=32", "model.num_heads=2", "mod
 WORD = "bert.embeddings.word_embeddings.weight"
 DECODER = "cls.predictions.decoder.weight"
 CASES = [("chimera", 2, 4, 1), ("1f1b", 2, 2, 2), ("gpipe", 4, 4, 1), ("zb-h1", 2, 4, 1), ("zb-v", 2, 4, 1),
-         ("1f1b", 2, 4, 2, "optimizer.curvature_micro_batches=1", "optimizer.clip_before_precondition=false")]
+         ("1f1b", 2, 4, 2, "optimizer.curvature_micro_batches=1", "optimizer.clip_before_precondition=false"),
+         ("chimera", 2, 4, 1, "pipeline.chimera_stacking=doubling")]  # forward doubling (issue 26)
 
 
 def _cfg(method: str, d: int, n: int, w: int, *extra: str) -> TrainConfig:

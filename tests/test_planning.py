@@ -29,6 +29,7 @@ from pipefisher.planning import (
 )
 from pipefisher.planning.cli import plan_run, run_whatif
 from pipefisher.planning.memory import estimate_memory_per_worker
+from pipefisher.planning.whatif import METHODS
 from pipefisher.planning.config import register_schedule_configs, to_schedule_config
 from pipefisher.profiling import read_profile, write_profile
 from pipefisher.schedules import (
@@ -391,6 +392,51 @@ def test_plan_from_a_profile_checks_the_requested_run(tmp_path: Path, make_cfg):
     assert result.run.method == "1f1b" and result.run.stages == 2
     assert assignment_from_json(result.assignment_path) == result.comparison.assignment  # metadata aside
     assert "costs measured on CPU" in result.summary
+
+
+def _whatif_every_method(**kwargs):
+    return what_if(BertConfig.from_size("mini"), devices=4, global_batch=32, micro_batch_sizes=[4],
+                   optimizers=["nvlamb"], recompute=[False], seq_len=64, max_predictions=10, **kwargs)
+
+
+def test_whatif_searches_every_schedule_train_py_runs_with_its_memory():
+    found = _whatif_every_method(memory_gb=100.0)
+    ranked = {(c.method, c.stages): c for c in found if c.excluded is None}
+    assert set(METHODS) == {"gpipe", "1f1b", "chimera", "chimera-doubling", "interleaved", "zb-h1", "zb-v"}
+    for method in METHODS:  # D=2, W=2, N=4 fits every one
+        c = ranked[(method, 2)]
+        run = RunShape(BertConfig.from_size("mini"), method, 2, 4, 4, 2, c.num_virtual, 64, 10)
+        assert c.memory_gb == pytest.approx(estimate_memory(run, "nvlamb", run.build_schedule(1)).total_gb)
+    assert ranked[("zb-v", 2)].num_virtual == 2 and "zb-v D=2 v=2" in ranked[("zb-v", 2)].label
+    assert ranked[("chimera-doubling", 2)].memory_gb > ranked[("chimera", 2)].memory_gb
+    assert ("chimera-doubling", 4) in ranked  # D=4, W=1: N=8 = 2D
+    reasons = {(c.method, c.stages): c.excluded for c in found if c.excluded}
+    assert reasons[("chimera-doubling", 1)] == "chimera-doubling needs an even number of stages (stages=1)"
+    assert reasons[("zb-v", 4)] == "8 model stages exceed the model's 4 encoder layers"
+
+
+def test_whatif_memory_budget_excludes_forward_doubling_where_direct_chimera_fits():
+    bert = BertConfig.from_size("mini")
+    direct = RunShape(bert, "chimera", 2, 4, 4, 2, seq_len=64, max_predictions=10)
+    doubling = replace(direct, method="chimera-doubling")
+    need = [estimate_memory(r, "nvlamb", r.build_schedule(1)).total_gb for r in (direct, doubling)]
+    found = _whatif_every_method(memory_gb=sum(need) / 2, methods=["chimera", "chimera-doubling"])
+    at_d2 = {c.method: c for c in found if c.stages == 2}
+    assert at_d2["chimera"].excluded is None
+    assert "exceeds memory_gb" in at_d2["chimera-doubling"].excluded
+    assert at_d2["chimera-doubling"].memory_gb == pytest.approx(need[1])
+
+
+def test_whatif_charges_split_backwards_their_measured_ratio():
+    def step(method: str, ratio: float) -> float:
+        found = _whatif_every_method(memory_gb=100.0, methods=[method], split_backward_ratio=ratio)
+        return next(c.step_time_s for c in found if c.excluded is None and c.stages == 2)
+
+    assert step("zb-h1", 1.3) > step("zb-h1", 1.07) > step("zb-h1", 1.0)
+    assert step("zb-v", 1.3) > step("zb-v", 1.0)
+    assert step("1f1b", 1.3) == step("1f1b", 1.0)  # a full backward is not split
+    with pytest.raises(ValueError, match="split_backward_ratio=0"):
+        _whatif_every_method(memory_gb=100.0, split_backward_ratio=0)
 
 
 def test_run_whatif_writes_every_row(tmp_path: Path):

@@ -366,7 +366,8 @@ def run_whatif(cfg: ScheduleConfig, out_dir: str | Path) -> str:
                          hardware=_hardware(cfg), methods=s.methods, micro_batch_sizes=s.micro_batch_sizes,
                          optimizers=s.optimizers, recompute=s.recompute, num_virtual=s.num_virtual,
                          seq_len=cfg.data.seq_len, max_predictions=cfg.data.max_predictions,
-                         precision=cfg.precision, max_interval=cfg.max_interval)
+                         precision=cfg.precision, max_interval=cfg.max_interval,
+                         split_backward_ratio=s.split_backward_ratio)
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "whatif.json").write_text(json.dumps([asdict(c) for c in candidates], indent=1) + "\n")
     header = (f"what-if: {cfg.model.name} on {cfg.devices} devices × {cfg.memory_gb:g} GB, global batch "

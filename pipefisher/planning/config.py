@@ -28,11 +28,13 @@ __all__ = ["ScheduleConfig", "WhatIfConfig", "register_schedule_configs", "sched
 class WhatIfConfig:
     """The search space of ``whatif=true``."""
 
-    methods: list[str] = field(default_factory=lambda: ["gpipe", "1f1b", "chimera", "interleaved"])  # pipeline methods
+    methods: list[str] = field(default_factory=lambda: ["gpipe", "1f1b", "chimera", "chimera-doubling", "interleaved",
+                                                        "zb-h1", "zb-v"])  # schedules (chimera-doubling: pipeline.chimera_stacking=doubling)
     micro_batch_sizes: list[int] = field(default_factory=lambda: [4, 8, 16, 32])  # sequences per micro-batch
     optimizers: list[str] = field(default_factory=lambda: ["nvlamb", "kfac", "pipefisher"])  # optimizers to compare
     recompute: list[bool] = field(default_factory=lambda: [False, True])  # recomputation settings to try
     num_virtual: int = 2  # model chunks per worker for interleaved
+    split_backward_ratio: float = 1.07  # (I+W)/B of zb-h1 and zb-v: a split backward's cost over a full one (1.07 measured on bert-mini, bench/README.md)
     top: int = 20  # lines of the printed ranking (and of the exclusions)
 
 

@@ -10,6 +10,13 @@ estimate (:func:`~pipefisher.planning.memory.estimate_memory`) over the budget.
 
 One data-parallel group is simulated (the groups run identical lists); W enters through the
 all-reduce costs and the global batch.
+
+The methods are every schedule train.py runs (``METHODS``): ``chimera-doubling`` is
+``pipeline=chimera pipeline.chimera_stacking=doubling``. Each one's memory is the memory model's
+for its own schedule (forward doubling holds D more activations than direct concatenation; zb-v
+two chunks per worker). A split backward (zb-h1, zb-v) costs ``split_backward_ratio`` × B for its
+I + W together (each half of it): 1.07 measured on bert-mini (bench/README.md), where the FLOPs
+alone would give 1.0.
 """
 
 from __future__ import annotations
@@ -25,12 +32,15 @@ from pipefisher.planning.costs import Hardware, RunShape, estimate_run_costs
 from pipefisher.planning.memory import estimate_memory
 from pipefisher.planning.predict import predict_assignment, predict_schedule
 from pipefisher.schedules.kfac import critical_path_assignment
+from pipefisher.simulate import CostModel
 
-__all__ = ["Candidate", "format_candidates", "what_if"]
+__all__ = ["METHODS", "SPLIT_BACKWARD_RATIO", "Candidate", "format_candidates", "split_backward_costs", "what_if"]
 
 log = logging.getLogger(__name__)
 
-METHODS = ("gpipe", "1f1b", "chimera", "interleaved")
+METHODS = ("gpipe", "1f1b", "chimera", "chimera-doubling", "interleaved", "zb-h1", "zb-v")
+SPLIT_METHODS = ("zb-h1", "zb-v")  # their backward is split into I and W
+SPLIT_BACKWARD_RATIO = 1.07  # (I+W)/B measured on bert-mini (bench/zero_bubble.py; issue 26)
 OPTIMIZERS = ("nvlamb", "kfac", "pipefisher")
 
 
@@ -67,7 +77,7 @@ class Candidate:
     @property
     def shape(self) -> str:
         """The configuration without the optimizer."""
-        v = f" v={self.num_virtual}" if self.method == "interleaved" else ""
+        v = f" v={self.num_virtual}" if self.method in ("interleaved", "zb-v") else ""
         n = self.num_micro_batches or "-"
         return (f"{self.method} D={self.stages}{v} W={self.dp_width} mbs={self.micro_batch_size} N={n} "
                 f"recompute={str(self.recompute).lower()}")
@@ -78,8 +88,12 @@ class Candidate:
 
 
 def _shape_problem(bert: BertConfig, method: str, d: int, v: int, n: int) -> str | None:
-    if method == "chimera" and d % 2:
-        return f"chimera needs an even number of stages (stages={d})"
+    if method in ("chimera", "chimera-doubling") and d % 2:
+        return f"{method} needs an even number of stages (stages={d})"
+    if method == "chimera-doubling" and n % (2 * d):
+        return f"chimera-doubling needs num_micro_batches={n} to be a multiple of 2 x stages={2 * d}"
+    if method == "zb-v" and n < 2 * d:
+        return f"zb-v needs num_micro_batches={n} to be at least 2 x stages={2 * d}"
     if method == "interleaved" and d == 1 and v > 1:
         return "interleaved needs stages>=2 (one stage leaves its virtual stages nobody to pass activations to)"
     if d * v > bert.num_layers:
@@ -93,7 +107,8 @@ def what_if(bert: BertConfig, *, devices: int, memory_gb: float, global_batch: i
             hardware: Hardware = Hardware(), methods: Sequence[str] = METHODS,
             micro_batch_sizes: Sequence[int] = (4, 8, 16, 32), optimizers: Sequence[str] = OPTIMIZERS,
             recompute: Sequence[bool] = (False, True), num_virtual: int = 2, seq_len: int = 128,
-            max_predictions: int = 20, precision: str = "fp32", max_interval: int = 8) -> list[Candidate]:
+            max_predictions: int = 20, precision: str = "fp32", max_interval: int = 8,
+            split_backward_ratio: float = SPLIT_BACKWARD_RATIO) -> list[Candidate]:
     """Rank configurations by predicted throughput; list the excluded ones with the reason.
 
     Args:
@@ -106,6 +121,7 @@ def what_if(bert: BertConfig, *, devices: int, memory_gb: float, global_batch: i
         num_virtual: model chunks per worker for interleaved.
         seq_len, max_predictions, precision: the data shape.
         max_interval: largest PipeFisher refresh interval.
+        split_backward_ratio: (I+W)/B of zb-h1 and zb-v, a split backward's cost relative to a full one.
 
     Returns:
         The feasible candidates, best first, then the excluded ones.
@@ -116,6 +132,8 @@ def what_if(bert: BertConfig, *, devices: int, memory_gb: float, global_batch: i
     for o in optimizers:
         if o not in OPTIMIZERS:
             raise ValueError(f"whatif optimizer {o!r}: choose from {', '.join(OPTIMIZERS)}")
+    if not split_backward_ratio > 0:
+        raise ValueError(f"split_backward_ratio={split_backward_ratio!r}: (I+W)/B must be positive, e.g. 1.07")
     if devices < 1 or global_batch < 1 or not memory_gb > 0:
         raise ValueError(f"devices={devices}, global_batch={global_batch}, memory_gb={memory_gb}: all must be positive")
     ranked: list[Candidate] = []
@@ -124,7 +142,7 @@ def what_if(bert: BertConfig, *, devices: int, memory_gb: float, global_batch: i
     divisors = [x for x in range(1, devices + 1) if devices % x == 0]
     progress = _Progress(len(methods) * len(divisors))
     for method in methods:
-        v = num_virtual if method == "interleaved" else 1
+        v = num_virtual if method == "interleaved" else 2 if method == "zb-v" else 1
         for d in divisors:
             w = devices // d
             progress.start(f"{method} D={d} W={w}")
@@ -143,7 +161,8 @@ def what_if(bert: BertConfig, *, devices: int, memory_gb: float, global_batch: i
                         excluded += [replace(base, optimizer=o, excluded=problem) for o in optimizers]
                         continue
                     run = RunShape(bert, method, d, n, mbs, w, v, seq_len, max_predictions, None, rc, precision)
-                    ranked_here, excluded_here = _evaluate(run, base, optimizers, hardware, budget, max_interval)
+                    ranked_here, excluded_here = _evaluate(run, base, optimizers, hardware, budget, max_interval,
+                                                           split_backward_ratio)
                     ranked += ranked_here
                     excluded += excluded_here
     progress.done(len(ranked), len(excluded))
@@ -171,10 +190,18 @@ class _Progress:
                  self.total, time.monotonic() - self.t0, ranked, excluded)
 
 
+def split_backward_costs(cost: CostModel, ratio: float) -> CostModel:
+    """``cost`` with each stage's I and W at half of ``ratio`` × its full backward."""
+    half = [round(b * ratio / 2) for b in cost.backward_ns]
+    return replace(cost, input_grad_ns=tuple(half), weight_grad_ns=tuple(half))
+
+
 def _evaluate(run: RunShape, base: Candidate, optimizers: Sequence[str], hardware: Hardware, budget: float,
-              max_interval: int) -> tuple[list[Candidate], list[Candidate]]:
+              max_interval: int, split_backward_ratio: float) -> tuple[list[Candidate], list[Candidate]]:
     schedule = run.build_schedule(dp_width=1)
     cost = estimate_run_costs(run, hardware)
+    if run.method in SPLIT_METHODS:
+        cost = split_backward_costs(cost, split_backward_ratio)
     ranked, excluded = [], []
     for opt in optimizers:
         cand = replace(base, optimizer=opt)
