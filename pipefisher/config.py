@@ -107,17 +107,18 @@ class OptimizerConfig:
     warmup_proportion: float = 0.1  # fraction of `steps` with linear warm-up
     poly_power: float = 0.5  # polynomial decay power after warm-up (NVIDIA phase 1)
     damping: float = 1e-3  # K-FAC damping λ (kfac, pipefisher)
-    curvature_interval: int = 1  # kfac: refresh factors and inverses every k steps (pipefisher: the plan picks k)
-    inverse_interval: int = 1  # kfac: must equal curvature_interval (kept for clarity in configs)
+    curvature_interval: int = 1  # kfac: refresh the factors every this many steps (pipefisher: the plan picks k)
+    inverse_interval: int = 1  # kfac: recompute the inverses every this many steps, a multiple of curvature_interval (pipefisher: equal to it)
     factor_decay: float = 0.95  # K-FAC running-average decay of the factors (per step, or per refresh: factor_decay_per)
     factor_decay_per: str = "step"  # step: a refresh every k steps decays by factor_decay**k (the average spans the same steps at any k); refresh: by factor_decay
     deferred_inverse: bool = False  # kfac: use inverses from the next refresh cycle on, as pipefisher does
+    promote_inverses: str = "at_cycle_end"  # deferred inverses (pipefisher; kfac with deferred_inverse) in use from the next cycle (at_cycle_end, age <= 2k-1) or from the step after their INVERT (when_ready, age <= k + its phase lag)
     schedule: Optional[str] = None  # pipefisher: work-assignment JSON from schedule.py (kfac: run it on the critical path)
     inverse_dtype: str = "float32"  # K-FAC inversion precision: float32 (as ASDL), float64, or auto (float64 up to 1024 wide)
     curvature_micro_batches: int = 0  # K-FAC curvature from the first n micro-batches of each pipe per refresh; 0 = all
     curvature_placement: str = "after_capture"  # pipefisher planner: after_capture (after F / B or I) or beside_w (after the micro-batch's W; zero-bubble schedules)
     max_interval: int = 8  # pipefisher: the largest refresh interval k the planner tries
-    max_staleness: Optional[int] = None  # pipefisher: bound on the curvature age in steps (2k-1 <= it); None = no bound
+    max_staleness: Optional[int] = None  # pipefisher: bound on the curvature age in steps (the plan's bound for promote_inverses <= it); None = no bound
     kfac_update: str = "lamb"  # update of K-FAC layers: lamb (NVLAMB on the preconditioned gradient) or momentum (reference: no second moment)
     kfac_lr: Optional[float] = None  # kfac_update=momentum: peak lr of the K-FAC layers; None = lr
     kfac_max_grad_norm: float = 100.0  # kfac_update=momentum: clip of the K-FAC layers' preconditioned gradient norm; <= 0 disables
@@ -260,6 +261,21 @@ def _fail(field_name: str, value: Any, fix: str) -> None:
 def _check_choice(field_name: str, value: str, choices: tuple[str, ...]) -> None:
     if value not in choices:
         _fail(field_name, value, f"choose one of {', '.join(choices)}")
+
+
+def _check_kfac_intervals(o: OptimizerConfig) -> None:
+    """Factors every ``curvature_interval`` steps, inverses every ``inverse_interval`` steps: a
+    multiple of it (kfac-pytorch's factor_update_steps / inv_update_steps), so that every inversion
+    sees a fresh factor refresh; decoupled only for optimizer=kfac without a plan."""
+    f, k = o.curvature_interval, o.inverse_interval
+    if f < 1:
+        _fail("optimizer.curvature_interval", f, "must be >= 1")
+    if k < 1 or k % f:
+        _fail("optimizer.inverse_interval", k, f"must be a multiple of optimizer.curvature_interval={f}")
+    if k != f and (o.name != "kfac" or o.schedule):
+        _fail("optimizer.inverse_interval", k, f"the {'plan' if o.schedule else 'pipefisher planner'} refreshes "
+              f"factors and inverses together; decoupled intervals need optimizer=kfac without optimizer.schedule "
+              f"(set it equal to optimizer.curvature_interval={f})")
 
 
 def _check_positive(cfg: TrainConfig, names: list[str]) -> None:
@@ -552,10 +568,11 @@ def validate(cfg: TrainConfig) -> None:
             _fail("optimizer.kfac_lr", o.kfac_lr, "must be positive, or unset to use lr")
         if o.kfac_update != "momentum" and o.kfac_lr is not None:
             log.warning("optimizer.kfac_lr has no effect unless optimizer.kfac_update=momentum")
-        if o.curvature_interval < 1 or o.inverse_interval != o.curvature_interval:
-            _fail("optimizer.inverse_interval", o.inverse_interval,
-                  f"the refresh interval is optimizer.curvature_interval={o.curvature_interval} (>= 1); "
-                  f"set optimizer.inverse_interval to the same value")
+        _check_kfac_intervals(o)
+        _check_choice("optimizer.promote_inverses", o.promote_inverses, PROMOTE_INVERSES)
+        if o.promote_inverses != "at_cycle_end" and o.name == "kfac" and not o.deferred_inverse and not o.schedule:
+            log.warning("optimizer.promote_inverses has no effect on optimizer=kfac without optimizer.deferred_inverse: "
+                        "its inverses are used by the step that computes them")
     if o.schedule and not os.path.exists(o.schedule):
         _fail("optimizer.schedule", o.schedule, "no such file; write one with `python schedule.py from=profile.sqlite`")
     if o.name in ("nvlamb", "adamw", "muon") and o.schedule:

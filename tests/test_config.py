@@ -77,12 +77,25 @@ def test_unknown_group_option_lists_the_choices() -> None:
     (["lr=-1"], "lr", "positive"),
     (["pipeline.layers_per_stage=[1,2]", "stages=2"], "pipeline.layers_per_stage", "summing to"),
     (["data=hdf5", "data.path=/nonexistent/shards"], "data.path", "prepare"),
-    (["optimizer=kfac", "optimizer.inverse_interval=2"], "optimizer.inverse_interval", "same value"),
+    (["optimizer=kfac", "optimizer.curvature_interval=2", "optimizer.inverse_interval=3"], "optimizer.inverse_interval",
+     "multiple of optimizer.curvature_interval=2"),
+    (["optimizer=pipefisher", "optimizer.inverse_interval=2"], "optimizer.inverse_interval",
+     "decoupled intervals need optimizer=kfac"),
+    (["optimizer=pipefisher", "optimizer.promote_inverses=later"], "optimizer.promote_inverses", "when_ready"),
 ])
 def test_cross_field_errors_name_the_field_and_the_fix(overrides: list[str], field: str, fix: str) -> None:
     with pytest.raises(ConfigError) as err:
         compose_train(overrides)
     assert field in str(err.value) and fix in str(err.value)
+
+
+def test_kfac_factor_and_inverse_intervals_decouple_with_a_one_line_refusal() -> None:
+    """Factors every curvature_interval steps, inverses every inverse_interval (a multiple of it)."""
+    cfg = compose_train(["optimizer=kfac", "optimizer.curvature_interval=2", "optimizer.inverse_interval=4"])
+    assert (cfg.optimizer.curvature_interval, cfg.optimizer.inverse_interval) == (2, 4)
+    with pytest.raises(ConfigError) as err:
+        compose_train(["optimizer=kfac", "optimizer.curvature_interval=4", "optimizer.inverse_interval=2"])
+    assert "\n" not in str(err.value).strip()
 
 
 def test_hdf5_needs_a_path() -> None:

@@ -41,7 +41,7 @@ import datetime
 import re
 import types
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -56,6 +56,10 @@ from pipefisher.config import TrainConfig
 from pipefisher.data import get_micro_batch
 from pipefisher.model import build_full_model
 from pipefisher.optim import global_grad_norm
+from pipefisher.runtime.build import encoder_layers_per_stage, schedule_for
+from pipefisher.schedules import ActionKind
+from pipefisher.schedules.kfac import (assignment_to_json, check_assignment, critical_path_assignment,
+                                       curvature_age_bound, kfac_layer_counts)
 from pipefisher.training import bert_config, data_plan, data_source, make_optimizer
 from tests.conftest import compose_train
 
@@ -72,30 +76,75 @@ WORD, DECODER = "bert.embeddings.word_embeddings.weight", "cls.predictions.decod
 
 @dataclass(frozen=True)
 class Case:
+    """k: inverse interval (the cycle); f: factor interval (0: k); promote: when deferred inverses
+    are used; lag: a PipeFisher plan (stages=2, 1f1b) whose stage-1 INVERTs run ``lag`` phases after
+    their curvature (phase 0), instead of ``optimizer=kfac``'s critical path."""
+
     k: int
     deferred: bool
     stages: int = 1
     decay_per: str = "step"
+    f: int = 0
+    promote: str = "at_cycle_end"
+    lag: int = 0
 
     @property
     def id(self) -> str:
         tail = "" if self.decay_per == "step" else f"-decay-per-{self.decay_per}"
+        tail += f"-factors-every-{self.f}" if self.f else ""
+        tail += "-when-ready" if self.promote == "when_ready" else ""
+        tail += f"-plan-invert-lag-{self.lag}" if self.lag else ""
         return f"k{self.k}-{'deferred' if self.deferred else 'fresh'}-D{self.stages}{tail}"
 
     @property
     def steps(self) -> int:
         return 2 * self.k + 1
 
+    @property
+    def factor_every(self) -> int:
+        return self.f or self.k
+
 
 CASES = [Case(1, False), Case(2, False), Case(3, False), Case(1, True), Case(2, True),
-         Case(2, False, stages=2), Case(2, True, stages=2), Case(2, True, decay_per="refresh")]
+         Case(2, False, stages=2), Case(2, True, stages=2), Case(2, True, decay_per="refresh"),
+         # factors every f steps, inverses every k (issue 28, item 1)
+         Case(2, False, f=1), Case(4, False, f=1), Case(4, False, f=2), Case(4, True, f=2),
+         Case(2, False, stages=2, f=1),
+         # deferred inverses in use from the step after their INVERT (issue 28, item 2)
+         Case(2, True, promote="when_ready"), Case(3, True, promote="when_ready"),
+         Case(2, True, stages=2, promote="when_ready"),
+         Case(3, True, stages=2, promote="when_ready", lag=1), Case(3, True, stages=2, lag=1)]
 
 
-def _cfg(case: Case) -> TrainConfig:
-    return compose_train(MODEL + [f"stages={case.stages}", f"steps={case.steps}", "optimizer=kfac",
-                                  f"optimizer.curvature_interval={case.k}", f"optimizer.inverse_interval={case.k}",
-                                  f"optimizer.deferred_inverse={str(case.deferred).lower()}",
+def _cfg(case: Case, plan: str | None = None) -> TrainConfig:
+    optimizer = ["optimizer=pipefisher", f"optimizer.schedule={plan}"] if plan else \
+        ["optimizer=kfac", f"optimizer.deferred_inverse={str(case.deferred).lower()}"]
+    return compose_train(MODEL + [f"stages={case.stages}", f"steps={case.steps}", *optimizer,
+                                  f"optimizer.curvature_interval={case.factor_every}",
+                                  f"optimizer.inverse_interval={case.k}",
+                                  f"optimizer.promote_inverses={case.promote}",
                                   f"optimizer.factor_decay_per={case.decay_per}"])
+
+
+def _lagged_plan(case: Case, path: Path) -> str:
+    """A PipeFisher plan for ``case``: the deferred critical-path refresh, with stage 1's INVERTs
+    moved ``case.lag`` phases later (before that phase's PRECOND); written as JSON."""
+    cfg = _cfg(case)
+    schedule = schedule_for(cfg)
+    cp = critical_path_assignment(schedule, kfac_layer_counts(schedule, encoder_layers_per_stage(cfg, 2)),
+                                  case.k, deferred=True)
+    phases = list(cp.phases)
+    moved = tuple(x for x in phases[0].actions[1] if x.kind == ActionKind.INVERT)
+    phases[0] = replace(phases[0], actions={**phases[0].actions,
+                                            1: tuple(x for x in phases[0].actions[1] if x not in moved)})
+    acts = phases[case.lag].actions[1]
+    first = next(i for i, x in enumerate(acts) if x.kind == ActionKind.PRECOND)
+    phases[case.lag] = replace(phases[case.lag], actions={**phases[case.lag].actions,
+                                                          1: acts[:first] + moved + acts[first:]})
+    plan = replace(cp, phases=tuple(phases), metadata={"planner": "pipefisher"})
+    check_assignment(plan)
+    assignment_to_json(plan, path)
+    return str(path)
 
 
 # --------------------------------------------------------------------------------------------
@@ -112,7 +161,7 @@ def _worker(rank: int, cases: list[Case], out_dir: str) -> None:
 
     torch.set_num_threads(1)
     for i, case in enumerate(cases):
-        cfg = _cfg(case)
+        cfg = _cfg(case, str(Path(out_dir) / f"plan{i}.json") if case.lag else None)
         if rank >= cfg.num_workers:
             continue
         dist.init_process_group("gloo", init_method=f"file://{out_dir}/pg{i}", rank=rank,
@@ -142,7 +191,10 @@ def _worker(rank: int, cases: list[Case], out_dir: str) -> None:
                 worker.train_step(step)
                 steps[step]["age"] = worker.curvature_age
             params = {n: p.detach().clone() for m in worker.modules.values() for n, p in m.named_parameters()}
-            torch.save({"steps": steps, "params": params}, Path(out_dir) / f"case{i}_rank{rank}.pt")
+            stages = {n: stage for (_, stage), pre in worker.kfac.pre.items() for n in pre.layer_names}
+            bound = curvature_age_bound(worker.assignment, cfg.optimizer.promote_inverses)
+            torch.save({"steps": steps, "params": params, "stages": stages, "age_bound": bound},
+                       Path(out_dir) / f"case{i}_rank{rank}.pt")
         finally:
             dist.destroy_process_group()
 
@@ -152,6 +204,9 @@ def ours(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
     """Per case id: {"steps": per step {"layers": {name: state}, "age"}, "params": {name: tensor}},
     the stages' records merged (each layer and parameter lives on one stage)."""
     out = tmp_path_factory.mktemp("kfac_interval")
+    for i, case in enumerate(CASES):
+        if case.lag:
+            _lagged_plan(case, out / f"plan{i}.json")
     world = max(c.stages for c in CASES)
     mp.start_processes(_worker, args=(CASES, str(out)), nprocs=world, join=True, start_method="spawn")
     merged = {}
@@ -159,13 +214,15 @@ def ours(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
         shards = [torch.load(out / f"case{i}_rank{r}.pt", weights_only=True) for r in range(case.stages)]
         steps = [{"layers": {}, "age": None} for _ in range(case.steps)]
         params: dict[str, Tensor] = {}
+        stages: dict[str, int] = {}
         for shard in shards:
+            stages.update(shard["stages"])
             for t, rec in enumerate(shard["steps"]):
                 steps[t]["layers"].update(rec["layers"])
                 if rec["age"] is not None:  # all-reduced: the same on every rank
                     steps[t]["age"] = rec["age"]
             params.update(shard["params"])
-        merged[case.id] = {"steps": steps, "params": params}
+        merged[case.id] = {"steps": steps, "params": params, "stages": stages, "age_bound": shards[0]["age_bound"]}
     return merged
 
 
@@ -208,48 +265,58 @@ class _Layer:
         self.a: Tensor | None = None  # [Ĩ, Ĩ]
         self.b: Tensor | None = None  # [O, O]
         self.inv: tuple[Tensor, Tensor, Tensor] | None = None  # (A⁻¹, B⁻¹, [λ_A, λ_B]) in use
-        self.inv_step: int | None = None  # the refresh step the inverses in use were made at
-        self.made: list[tuple[int, tuple[Tensor, Tensor, Tensor]]] = []  # every refresh's inverses
+        self.factor_step: int | None = None  # the step whose capture was folded in last
+        # every inversion: (its step, (A⁻¹, B⁻¹, [λ_A, λ_B]), the capture step of the factors it inverted)
+        self.made: list[tuple[int, tuple[Tensor, Tensor, Tensor], int]] = []
 
 
-def _refresh_steps(case: Case, phase: int, asdl: types.ModuleType | None, model: nn.Module) -> list[int]:
-    """Steps that refresh factors and inverses: ASDL's interval logic (phase 0), or t % k == phase."""
-    steps = [t for t in range(case.steps) if t % case.k == phase]
+def _refresh_steps(case: Case, phase: int, asdl: types.ModuleType | None, model: nn.Module,
+                   factor_every: int) -> tuple[list[int], list[int]]:
+    """Steps that refresh the factors and the inverses of a layer whose curvature and INVERT run in
+    phase 0: ASDL's interval logic (phase 0), or (t - phase) % f == 0 and (t - phase) % k == 0."""
+    factors = [t for t in range(case.steps) if (t - phase) % factor_every == 0]
+    inverses = [t for t in range(case.steps) if (t - phase) % case.k == 0]
     if asdl is not None and phase == 0:
         prec = asdl.precondition.prec_grad_maker
         maker = prec.PreconditionedGradientMaker(model, prec.PreconditioningConfig(
-            curvature_upd_interval=case.k, preconditioner_upd_interval=case.k))
-        by_asdl = [t for t in range(case.steps) if maker.do_update_curvature(t)]
-        assert by_asdl == [t for t in range(case.steps) if maker.do_update_preconditioner(t)]
-        assert by_asdl == steps, f"ASDL refreshes at {by_asdl}, t % k == 0 at {steps}"
-    return steps
+            curvature_upd_interval=factor_every, preconditioner_upd_interval=case.k))
+        by_asdl = ([t for t in range(case.steps) if maker.do_update_curvature(t)],
+                   [t for t in range(case.steps) if maker.do_update_preconditioner(t)])
+        assert by_asdl == (factors, inverses), f"ASDL refreshes at {by_asdl}, ours at {(factors, inverses)}"
+    return factors, inverses
 
 
-def _in_use(case: Case, deferred: bool, phase: int, refreshes: list[int], t: int) -> int | None:
-    """The refresh whose inverses precondition step t (None: none yet)."""
+def _in_use(case: Case, deferred: bool, promote: str, phase: int, made: list[int], t: int) -> int | None:
+    """The step whose INVERT made the inverses that precondition step t (None: none yet)."""
     if not deferred:
-        done = [r for r in refreshes if r <= t]
+        done = [r for r in made if r <= t]
         return max(done) if done else None
-    cycle = lambda s: (s - phase) // case.k  # noqa: E731
-    earlier = [r for r in refreshes if r < t]
+    earlier = [r for r in made if r < t]
     if not earlier:
         return None
+    if promote == "when_ready":  # from the step after the INVERT
+        return max(earlier)
+    cycle = lambda s: (s - phase) // case.k  # noqa: E731
     older_cycle = [r for r in earlier if cycle(r) < cycle(t)]
     return max(older_cycle) if older_cycle else min(earlier)  # a first refresh: used from the next step
 
 
-def reference(case: Case, *, phase: int = 0, deferred: bool | None = None,
-              asdl: types.ModuleType | None = None, decay_per: str | None = None) -> dict[str, Any]:
-    """The dense reference run of ``case`` (``phase``/``deferred`` override the refresh rule).
+def reference(case: Case, *, phase: int = 0, deferred: bool | None = None, asdl: types.ModuleType | None = None,
+              decay_per: str | None = None, factor_every: int | None = None, promote: str | None = None,
+              stages: dict[str, int] | None = None) -> dict[str, Any]:
+    """The dense reference run of ``case``; the keywords override its refresh rule (``phase``: the
+    refresh phase; ``stages``: each layer's stage, needed by a plan with a lag).
 
     Returns:
         {"steps": per step {"layers": {name: {"A", "B", "A_inv", "B_inv", "damping", "grad_w",
         "grad_b", "raw_w", "raw_b"}}, "age"}, "params": {name: tensor}, "asdl_checked": int}.
     """
     deferred = case.deferred if deferred is None else deferred
+    promote = promote or case.promote
+    factor_every = factor_every or case.factor_every
     cfg = _cfg(case)
     o = cfg.optimizer
-    decay = o.factor_decay ** case.k if (decay_per or case.decay_per) == "step" else o.factor_decay
+    decay = o.factor_decay ** factor_every if (decay_per or case.decay_per) == "step" else o.factor_decay
     model = build_full_model(bert_config(cfg), seed=cfg.seed)
     model.train()
     linears = {n: m for n, m in model.named_modules() if isinstance(m, nn.Linear) and LINEAR.search(n)}
@@ -269,16 +336,18 @@ def reference(case: Case, *, phase: int = 0, deferred: bool | None = None,
     optimizer, scheduler = make_optimizer(cfg, list(model.named_parameters()), torch.device("cpu"))
     n = cfg.num_micro_batches
     loss_scale = 1.0 / n
-    refreshes = _refresh_steps(case, phase, asdl, model)
+    factor_steps, inverse_steps = _refresh_steps(case, phase, asdl, model, factor_every)
+    if case.lag:  # stage 1's INVERTs run lag steps after its curvature (phase 0)
+        assert stages is not None, "a plan with a lag needs each layer's stage"
+    lag = {name: case.lag if stages is not None and stages[name] == 1 else 0 for name in linears}
     out: list[dict[str, Any]] = []
     asdl_checked = 0
     for t in range(case.steps):
         for s in state.values():
             s.xs.clear()
             s.gs.clear()
-        refresh = t in refreshes
         cov = contextlib.nullcontext()
-        if asdl is not None and refresh:
+        if asdl is not None and t in factor_steps:
             cov = asdl.no_centered_cov(model, [(m, "kron") for m in linears.values()])
         with warnings.catch_warnings(), (_asdl_cpu(asdl) if asdl is not None else contextlib.nullcontext()):
             warnings.filterwarnings("ignore", message=r".*non-full backward hook.*", category=FutureWarning)
@@ -289,35 +358,28 @@ def reference(case: Case, *, phase: int = 0, deferred: bool | None = None,
                 krons = {name: cxt.cov_kron(m) for name, m in linears.items()} if cxt is not None else {}
         raw_norm = global_grad_norm(model.parameters())
         rec: dict[str, Any] = {}
+        ages = []
         for name, m in linears.items():
             s = state[name]
             assert len(s.xs) == len(s.gs) == n
-            if refresh:
-                x = torch.cat(s.xs)  # [T, I]
-                x1 = torch.cat([x, torch.ones(len(x), 1, dtype=F64)], dim=1)  # [T, Ĩ]
-                rows_mb = len(s.xs[0])  # T/N: the per-micro-batch loss is a mean over them
-                g = torch.cat(s.gs) * (rows_mb / loss_scale)  # [T, O] per-row gradients g̃
-                a_batch, b_batch = x1.T @ x1 / len(x1), g.T @ g / len(g)
+            if t in factor_steps:
+                a_batch, b_batch = _factor_estimates(s, loss_scale)
                 if name in krons:  # ASDL: Σ x xᵀ (weight block) and Σ g gᵀ of the captured gradients
-                    scale = (rows_mb / loss_scale) ** 2
-                    assert_close(krons[name]["A"].to(F64) / len(x1), a_batch[:-1, :-1], rtol=RTOL,
-                                 atol=RTOL * float(a_batch.abs().max()))
-                    assert_close(krons[name]["B"].to(F64) * scale / len(g), b_batch, rtol=RTOL,
-                                 atol=RTOL * float(b_batch.abs().max()))
+                    _check_asdl(krons[name], a_batch, b_batch, len(s.xs[0]) / loss_scale, sum(len(x) for x in s.xs))
                     asdl_checked += 1
                 if s.a is None:
                     s.a, s.b = a_batch, b_batch
                 else:
                     s.a = decay * s.a + (1 - decay) * a_batch
                     s.b = decay * s.b + (1 - decay) * b_batch
-                pi = ((s.a.trace() / s.a.shape[0]) / (s.b.trace() / s.b.shape[0])).sqrt()
-                lam_a, lam_b = pi * o.damping ** 0.5, o.damping ** 0.5 / pi
-                a_inv = torch.linalg.inv(s.a + lam_a * torch.eye(s.a.shape[0], dtype=F64))
-                b_inv = torch.linalg.inv(s.b + lam_b * torch.eye(s.b.shape[0], dtype=F64))
-                s.made.append((t, (a_inv, b_inv, torch.stack([lam_a, lam_b]))))
-            use = _in_use(case, deferred, phase, refreshes, t)
-            s.inv_step = use
-            s.inv = None if use is None else dict(s.made)[use]
+                s.factor_step = t
+            if t - lag[name] in inverse_steps:  # the factors as they stand: folded at s.factor_step
+                s.made.append((t, _damped_inverses(s.a, s.b, o.damping), s.factor_step))
+            made = {r: (inv, captured) for r, inv, captured in s.made}
+            use = _in_use(case, deferred, promote, phase, list(made), t)
+            s.inv = None if use is None else made[use][0]
+            if use is not None:
+                ages.append(t - made[use][1])
             raw = torch.cat([m.weight.grad, m.bias.grad[:, None]], dim=1).to(F64)  # [O, Ĩ]
             pre = raw if s.inv is None else s.inv[1] @ raw @ s.inv[0]  # [O, Ĩ]
             with torch.no_grad():
@@ -328,13 +390,36 @@ def reference(case: Case, *, phase: int = 0, deferred: bool | None = None,
                          "B_inv": None if s.inv is None else s.inv[1], "damping": None if s.inv is None else s.inv[2],
                          "pending": latest if deferred and latest is not None and s.made[-1][0] != use else None,
                          "grad_w": pre[:, :-1], "grad_b": pre[:, -1], "raw_w": raw[:, :-1], "raw_b": raw[:, -1]}
-        uses = [state[nm].inv_step for nm in linears]
-        out.append({"layers": rec, "age": None if uses[0] is None else t - uses[0]})
+        out.append({"layers": rec, "age": max(ages) if ages else None})
         optimizer.step(grad_norm=raw_norm if o.clip_before_precondition else None)
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
     return {"steps": out, "params": {nm: p.detach().clone() for nm, p in model.named_parameters()},
             "asdl_checked": asdl_checked}
+
+
+def _factor_estimates(s: _Layer, loss_scale: float) -> tuple[Tensor, Tensor]:
+    """This step's A_batch [Ĩ, Ĩ] and B_batch [O, O] from the recorded inputs and output gradients."""
+    x = torch.cat(s.xs)  # [T, I]
+    x1 = torch.cat([x, torch.ones(len(x), 1, dtype=F64)], dim=1)  # [T, Ĩ]
+    rows_mb = len(s.xs[0])  # T/N: the per-micro-batch loss is a mean over them
+    g = torch.cat(s.gs) * (rows_mb / loss_scale)  # [T, O] per-row gradients g̃
+    return x1.T @ x1 / len(x1), g.T @ g / len(g)
+
+
+def _check_asdl(kron: dict[str, Tensor], a_batch: Tensor, b_batch: Tensor, g_scale: float, rows: int) -> None:
+    """ASDL's Σ x xᵀ and Σ g gᵀ equal the reference's per-refresh estimates (weight block of A)."""
+    assert_close(kron["A"].to(F64) / rows, a_batch[:-1, :-1], rtol=RTOL, atol=RTOL * float(a_batch.abs().max()))
+    assert_close(kron["B"].to(F64) * g_scale ** 2 / rows, b_batch, rtol=RTOL, atol=RTOL * float(b_batch.abs().max()))
+
+
+def _damped_inverses(a: Tensor, b: Tensor, damping: float) -> tuple[Tensor, Tensor, Tensor]:
+    """(A + λ_A I)⁻¹, (B + λ_B I)⁻¹ and [λ_A, λ_B] with the factored damping split."""
+    pi = ((a.trace() / a.shape[0]) / (b.trace() / b.shape[0])).sqrt()
+    lam_a, lam_b = pi * damping ** 0.5, damping ** 0.5 / pi
+    a_inv = torch.linalg.inv(a + lam_a * torch.eye(a.shape[0], dtype=F64))
+    b_inv = torch.linalg.inv(b + lam_b * torch.eye(b.shape[0], dtype=F64))
+    return a_inv, b_inv, torch.stack([lam_a, lam_b])
 
 
 # --------------------------------------------------------------------------------------------
@@ -401,35 +486,54 @@ def compare_preconditioned(got: dict[str, Any], ref: dict[str, Any]) -> int:
     return matched
 
 
+def _expected_age_bound(case: Case) -> int:
+    """The oldest curvature a step uses: k − 1 fresh; 2k − 1 deferred to the next cycle; k + lag
+    (the INVERT's lag behind its curvature) when used from the step after the INVERT."""
+    if not case.deferred:
+        return case.k - 1
+    return 2 * case.k - 1 if case.promote == "at_cycle_end" else case.k + case.lag
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
 def test_interval_k_matches_dense_reference_at_every_step(case: Case, ours) -> None:
     asdl = _import_asdl()
-    ref = reference(case, asdl=asdl)
-    compare(ours[case.id], ref)
-    refreshes = len(range(0, case.steps, case.k))
-    if asdl is not None:  # the reference's factors of every refresh equal ASDL's
-        assert ref["asdl_checked"] == refreshes * 6 * 2
-    preconditioned = [t for t, s in enumerate(ours[case.id]["steps"]) if s["age"] is not None]
+    got = ours[case.id]
+    ref = reference(case, asdl=asdl, stages=got["stages"])
+    compare(got, ref)
+    if asdl is not None:  # the reference's factors of every factor refresh equal ASDL's
+        assert ref["asdl_checked"] == len(range(0, case.steps, case.factor_every)) * 6 * 2
+    preconditioned = [t for t, s in enumerate(got["steps"]) if s["age"] is not None]
     # Fresh: every step is preconditioned; deferred: every step after step 0.
     assert preconditioned == list(range(1 if case.deferred else 0, case.steps))
-    ages = [ours[case.id]["steps"][t]["age"] for t in preconditioned]
-    assert max(ages) == (2 * case.k - 1 if case.deferred else case.k - 1)
+    ages = [got["steps"][t]["age"] for t in preconditioned]
+    assert max(ages) == _expected_age_bound(case) == got["age_bound"]
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
 def test_reference_with_another_phase_or_staleness_does_not_match(case: Case, ours) -> None:
-    """The comparison has teeth: the wrong refresh phase (k > 1) and the other staleness fail it, on
-    the bookkeeping (which step has inverses, the curvature age) and on the numbers alone (the
-    preconditioned gradients of the steps both precondition)."""
-    assert compare_preconditioned(ours[case.id], reference(case)) > 0
-    wrong = [reference(case, deferred=not case.deferred)]
+    """The comparison has teeth: the wrong refresh phase (k > 1), the other staleness, factors as
+    often as inverses (decoupled cases), the other promotion rule (deferred) and no INVERT lag (a
+    plan with one) fail it, on the bookkeeping (which step has inverses, the curvature age) and on
+    the numbers alone (the preconditioned gradients of the steps both precondition)."""
+    got = ours[case.id]
+    stages = got["stages"]
+    assert compare_preconditioned(got, reference(case, stages=stages)) > 0
+    wrong = [reference(case, deferred=not case.deferred, stages=stages)]
     if case.k > 1:
-        wrong.append(reference(case, phase=1))
-        wrong.append(reference(case, decay_per="refresh" if case.decay_per == "step" else "step"))
+        wrong.append(reference(case, phase=1, stages=stages))
+    if case.factor_every > 1:
+        wrong.append(reference(case, decay_per="refresh" if case.decay_per == "step" else "step", stages=stages))
+    if case.factor_every != case.k:
+        wrong.append(reference(case, factor_every=case.k, stages=stages))
+    if case.deferred and case.k > 1:  # at k = 1 both rules use an inverse from the next step on
+        wrong.append(reference(case, promote="at_cycle_end" if case.promote == "when_ready" else "when_ready",
+                               stages=stages))
+    if case.lag:
+        wrong.append(reference(case, stages={name: 0 for name in stages}))
     for ref in wrong:
         with pytest.raises(AssertionError):
-            compare(ours[case.id], ref)
+            compare(got, ref)
         with pytest.raises(AssertionError, match="preconditioned"):
-            compare_preconditioned(ours[case.id], ref)
+            compare_preconditioned(got, ref)

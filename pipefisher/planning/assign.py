@@ -63,6 +63,7 @@ from pipefisher.schedules.kfac import (
     Assignment,
     check_assignment,
     critical_path_assignment,
+    curvature_age_bound,
     refresh_micro_batches,
     require_plain_schedule,
     with_preconditioning,
@@ -470,7 +471,8 @@ def plan_interval(schedule: Schedule, cost: CostModel, kfac_layers: Sequence[int
 
 def plan_pipefisher(schedule: Schedule, cost: CostModel, kfac_layers: Sequence[int], *,
                     max_interval: int = 8, max_staleness: int | None = None,
-                    curvature_micro_batches: int = 0, curvature_placement: str = "after_capture") -> Assignment:
+                    curvature_micro_batches: int = 0, curvature_placement: str = "after_capture",
+                    promote: str = "at_cycle_end") -> Assignment:
     """Place K-FAC work into the bubbles; the smallest refresh interval whose bubbles hold it.
 
     See [Note: the list scheduler]. Curvature of micro-batch i runs after its F (A factor) or B
@@ -481,7 +483,9 @@ def plan_pipefisher(schedule: Schedule, cost: CostModel, kfac_layers: Sequence[i
     [Note: choosing k]
     k_min = ⌈K-FAC work of one refresh / bubble time of one step⌉ (both summed over workers) is a
     lower bound: no plan hides a refresh in fewer steps. The planner tries k = 1, 2, … up to
-    ``max_interval`` (and up to (max_staleness + 1) / 2, so that 2k − 1 stays within the bound)
+    ``max_interval`` (and up to (max_staleness + 1) / 2, so that 2k − 1 stays within the bound;
+    with ``promote="when_ready"`` up to max_staleness, skipping a k whose plan's bound
+    k + p_i − p_c exceeds it: ``schedules.kfac.curvature_age_bound``)
     and takes the first k with no spilled work. When every k spills, spilled work lengthens one
     step per cycle; the planner takes the smallest k whose predicted mean step time is within 2 %
     of the best k's (a larger k buys at most that much speed, and costs freshness), and says so.
@@ -491,10 +495,13 @@ def plan_pipefisher(schedule: Schedule, cost: CostModel, kfac_layers: Sequence[i
         cost: costs including the K-FAC units (``estimate_costs`` / ``costs_from_profile``).
         kfac_layers: K-FAC layers per stage (``kfac_layer_counts``).
         max_interval: the largest k to try.
-        max_staleness: bound on the curvature age in steps (2k − 1 <= it); None: no bound.
+        max_staleness: bound on the curvature age in steps (the plan's :func:`curvature_age_bound`
+            under ``promote`` <= it); None: no bound.
         curvature_micro_batches: curvature from the first n micro-batches of each pipe (0: all).
         curvature_placement: ``after_capture`` (after the F / the B or I) or ``beside_w`` (after the
             micro-batch's W on a zero-bubble schedule; [Note: curvature beside W]).
+        promote: when the runtime puts deferred inverses in use (``optimizer.promote_inverses``):
+            ``at_cycle_end`` or ``when_ready``; decides the age bound.
 
     Returns:
         A checked assignment with ``deferred=True``, never predicted slower than the same
@@ -511,15 +518,19 @@ def plan_pipefisher(schedule: Schedule, cost: CostModel, kfac_layers: Sequence[i
     if max_staleness is not None:
         if max_staleness < 1:
             raise ValueError(f"max_staleness={max_staleness!r}: deferred inverses are at least 1 step old")
-        limit = min(limit, (max_staleness + 1) // 2)
+        limit = min(limit, (max_staleness + 1) // 2 if promote == "at_cycle_end" else max_staleness)
     tried: list[tuple[Assignment, PlanStats, float]] = []
     for k in range(1, limit + 1):  # plan_interval checks the inputs
         a, stats = plan_interval(schedule, cost, kfac_layers, k, curvature_micro_batches=curvature_micro_batches,
                                  curvature_placement=curvature_placement)
-        log.debug("interval %d: spilled %d ns, tail %d ns", k, stats.spilled_ns, stats.tail_ns)
+        age = curvature_age_bound(a, promote)
+        log.debug("interval %d: spilled %d ns, tail %d ns, curvature age <= %d", k, stats.spilled_ns, stats.tail_ns, age)
+        if max_staleness is not None and age > max_staleness:
+            continue  # k = 1 always passes: its bound is 1 under either rule
         tried.append((a, stats, _step_ns(a, cost)))
         if stats.spilled_ns == 0:
             break
+    a, stats, _ = tried[-1]
     bounds = work_and_bubbles(schedule, cost, kfac_layers, curvature_micro_batches)
     if stats.spilled_ns == 0:
         choice = f"k={a.interval}: the smallest interval whose bubbles hold the refresh (k_min={bounds['k_min']})"
@@ -528,7 +539,8 @@ def plan_pipefisher(schedule: Schedule, cost: CostModel, kfac_layers: Sequence[i
         a, stats, t = next(x for x in tried if x[2] <= 1.02 * best)
         choice = (f"k={a.interval}: no k <= {limit} hides the refresh; the smallest k predicted within 2% of the "
                   f"fastest ({t / 1e6:.1f} ms vs {best / 1e6:.1f} ms per step; k_min={bounds['k_min']})")
-    a = replace(a, metadata={**a.metadata, **bounds, "max_staleness": max_staleness, "choice": choice})
+    a = replace(a, metadata={**a.metadata, **bounds, "max_staleness": max_staleness, "choice": choice,
+                             "promote_inverses": promote})
     return _no_slower_than_critical_path(a, schedule, cost)
 
 
@@ -582,7 +594,8 @@ def _no_slower_than_critical_path(planned: Assignment, schedule: Schedule, cost:
     reason = (f"the plan at k={k} is predicted slower than its work on the critical path "
               f"({t_plan / 1e6:.1f} ms vs {t_cp / 1e6:.1f} ms per step)")
     log.info("PipeFisher falls back to critical-path K-FAC: %s", reason)
-    keep = {key: planned.metadata[key] for key in ("k_min", "kfac_work_ns", "bubble_ns", "max_staleness", "choice")
+    keep = {key: planned.metadata[key] for key in ("k_min", "kfac_work_ns", "bubble_ns", "max_staleness", "choice",
+                                                   "promote_inverses")
             if key in planned.metadata}
     return replace(cp, metadata={**keep, "planner": "pipefisher", "fallback": "critical_path",
                                  "fallback_reason": reason, "spilled_ns": work, "tail_ns": 0, "mid_step_syncs": 0})

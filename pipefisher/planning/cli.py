@@ -312,7 +312,7 @@ def plan_run(cfg: ScheduleConfig, out_dir: str | Path, requested: Collection[str
     comparison = compare_optimizers(schedule, cost, run.kfac_layers, max_interval=cfg.max_interval,
                                     kfac_interval=cfg.kfac_interval, max_staleness=cfg.max_staleness,
                                     curvature_micro_batches=cfg.curvature_micro_batches,
-                                    curvature_placement=cfg.curvature_placement)
+                                    curvature_placement=cfg.curvature_placement, promote=cfg.promote_inverses)
     a = comparison.assignment
     meta = dict(a.metadata)
     meta.update(source=source, model_name=model_name, model=asdict(run.bert), micro_batch_size=run.micro_batch_size,

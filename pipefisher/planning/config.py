@@ -57,7 +57,8 @@ class ScheduleConfig:
     allreduce_bytes_per_s: Optional[float] = None  # all-reduce bandwidth; None = p2p_bytes_per_s
     memory_bytes_per_s: float = 1.5e12  # device memory bandwidth (optimizer step)
     max_interval: int = 8  # largest K-FAC refresh interval k PipeFisher may choose
-    max_staleness: Optional[int] = None  # bound on the curvature age (2k-1 <= it); None = no bound
+    max_staleness: Optional[int] = None  # bound on the curvature age (the plan's bound under promote_inverses <= it); None = no bound
+    promote_inverses: str = "at_cycle_end"  # when train.py's runtime uses deferred inverses: at_cycle_end (age <= 2k-1) or when_ready (the step after their INVERT)
     curvature_micro_batches: int = 0  # K-FAC curvature from the first n micro-batches of each pipe; 0 = all
     curvature_placement: str = "after_capture"  # after_capture (after F / B or I) or beside_w (after the micro-batch's W; zero-bubble schedules)
     kfac_interval: int = 1  # refresh interval of the kfac (critical path) baseline in the summary
@@ -88,6 +89,8 @@ class ScheduleConfig:
         if self.curvature_placement not in ("after_capture", "beside_w"):
             raise ConfigError(f"curvature_placement={self.curvature_placement!r}: use after_capture (curvature "
                               f"after its F / its B or I) or beside_w (after the micro-batch's W)")
+        if self.promote_inverses not in ("at_cycle_end", "when_ready"):
+            raise ConfigError(f"promote_inverses={self.promote_inverses!r}: use at_cycle_end or when_ready")
         if self.curvature_micro_batches < 0:
             raise ConfigError(f"curvature_micro_batches={self.curvature_micro_batches!r}: must be >= 0 (0 = all)")
         if str(self.gpu).lower() not in ("auto", "true", "false"):

@@ -84,7 +84,8 @@ class Comparison:
 
 def compare_optimizers(schedule: Schedule, cost: CostModel, kfac_layers: Sequence[int], *,
                        max_interval: int = 8, kfac_interval: int = 1, max_staleness: int | None = None,
-                       curvature_micro_batches: int = 0, curvature_placement: str = "after_capture") -> Comparison:
+                       curvature_micro_batches: int = 0, curvature_placement: str = "after_capture",
+                       promote: str = "at_cycle_end") -> Comparison:
     """Plan PipeFisher and predict nvlamb, kfac and pipefisher on ``schedule``.
 
     Args:
@@ -93,7 +94,7 @@ def compare_optimizers(schedule: Schedule, cost: CostModel, kfac_layers: Sequenc
         kfac_layers: K-FAC layers per stage.
         max_interval: largest refresh interval PipeFisher may choose.
         kfac_interval: refresh interval of the kfac baseline (1: every step).
-        max_staleness, curvature_micro_batches, curvature_placement: as
+        max_staleness, curvature_micro_batches, curvature_placement, promote: as
             :func:`~pipefisher.planning.assign.plan_pipefisher`
             (the kfac baselines use the same curvature micro-batches).
 
@@ -103,7 +104,7 @@ def compare_optimizers(schedule: Schedule, cost: CostModel, kfac_layers: Sequenc
     nvlamb, _ = predict_schedule(schedule, cost)
     planned = plan_pipefisher(schedule, cost, kfac_layers, max_interval=max_interval, max_staleness=max_staleness,
                               curvature_micro_batches=curvature_micro_batches,
-                              curvature_placement=curvature_placement)
+                              curvature_placement=curvature_placement, promote=promote)
     pipefisher, events = predict_assignment(planned, cost)
     n = curvature_micro_batches
     kfac, _ = predict_assignment(critical_path_assignment(schedule, kfac_layers, kfac_interval,

@@ -25,7 +25,8 @@ from pipefisher.planning.costs import Hardware, RunShape, estimate_run_costs
 from pipefisher.runtime.kfac_work import StageKey
 from pipefisher.runtime.step_metrics import kfac_plan_label
 from pipefisher.schedules.ir import Schedule
-from pipefisher.schedules.kfac import Assignment, assignment_from_json, critical_path_assignment, kfac_layer_counts
+from pipefisher.schedules.kfac import (Assignment, assignment_from_json, critical_path_assignment, curvature_age_bound,
+                                       kfac_layer_counts)
 from pipefisher.schedules.kfac_baseline import on_critical_path
 from pipefisher.training import bert_config, device_type
 
@@ -113,9 +114,10 @@ def kfac_assignment(cfg: TrainConfig, schedule: Schedule) -> Assignment:
     (:func:`~pipefisher.schedules.kfac_baseline.on_critical_path`)."""
     o = cfg.optimizer
     kfac_layers = kfac_layer_counts(schedule, encoder_layers_per_stage(cfg, schedule.num_stages))
-    if o.name == "kfac" and not o.schedule:
-        return critical_path_assignment(schedule, kfac_layers, o.curvature_interval, deferred=o.deferred_inverse,
-                                        curvature_micro_batches=o.curvature_micro_batches)
+    if o.name == "kfac" and not o.schedule:  # factors every curvature_interval, inverses every inverse_interval
+        factors = 0 if o.curvature_interval == o.inverse_interval else o.curvature_interval
+        return critical_path_assignment(schedule, kfac_layers, o.inverse_interval, deferred=o.deferred_inverse,
+                                        curvature_micro_batches=o.curvature_micro_batches, factor_interval=factors)
     if o.schedule:
         assignment = assignment_from_json(o.schedule)
         base = assignment.phases[0]
@@ -136,18 +138,19 @@ def kfac_assignment(cfg: TrainConfig, schedule: Schedule) -> Assignment:
                 f"optimizer.schedule={o.schedule}: planned with curvature from {assignment.curvature_micro_batches or 'all'} "
                 f"micro-batch(es) per pipe, but optimizer.curvature_micro_batches={o.curvature_micro_batches}; set "
                 f"optimizer.curvature_micro_batches={assignment.curvature_micro_batches} or re-plan")
-        if o.max_staleness is not None and 2 * assignment.interval - 1 > o.max_staleness:
+        age = curvature_age_bound(assignment, o.promote_inverses)
+        if o.max_staleness is not None and age > o.max_staleness:
             raise ValueError(
                 f"optimizer.schedule={o.schedule}: refresh interval k={assignment.interval} lets the curvature "
-                f"age reach {2 * assignment.interval - 1} steps > optimizer.max_staleness={o.max_staleness}; "
-                f"re-plan with a bound, or raise optimizer.max_staleness")
+                f"age reach {age} steps (optimizer.promote_inverses={o.promote_inverses}) > optimizer.max_staleness="
+                f"{o.max_staleness}; re-plan with a bound, or raise optimizer.max_staleness")
         # kfac with a plan: the plan's work on the critical path (same interval and staleness).
         return on_critical_path(assignment) if o.name == "kfac" else assignment
     # No plan given: plan now from the built-in estimate of this kind of device (schedule.py from a
     # profile of this run gives a plan from measured costs).
     hw = Hardware() if device_type(cfg.device) == "cuda" else CPU_HARDWARE
     return plan_pipefisher(schedule, estimate_run_costs(run_shape(cfg), hw), kfac_layers,
-                           max_interval=o.max_interval, max_staleness=o.max_staleness,
+                           max_interval=o.max_interval, max_staleness=o.max_staleness, promote=o.promote_inverses,
                            curvature_micro_batches=o.curvature_micro_batches,
                            curvature_placement=o.curvature_placement)
 
@@ -155,14 +158,16 @@ def kfac_assignment(cfg: TrainConfig, schedule: Schedule) -> Assignment:
 def describe_kfac(cfg: TrainConfig, assignment: Assignment) -> str:
     """One paragraph for the start-up log: who runs K-FAC's work, k, the staleness bound, the plan's
     lower bound k_min, and any fallback with its reason."""
-    k = assignment.interval
-    age = 2 * k - 1 if assignment.deferred else k - 1
+    k, promote = assignment.interval, cfg.optimizer.promote_inverses
+    age = curvature_age_bound(assignment, promote)
     subset = assignment.curvature_micro_batches
     meta = assignment.metadata
-    parts = [f"K-FAC ({cfg.optimizer.name}): {kfac_plan_label(assignment)}; refresh every k={k} step(s), "
+    when = ("from the step after their INVERT" if promote == "when_ready" else "from the next cycle") \
+        if assignment.deferred else "used at once"
+    factors = f" (factors every {assignment.factor_every})" if assignment.factor_every != k else ""
+    parts = [f"K-FAC ({cfg.optimizer.name}): {kfac_plan_label(assignment)}; refresh every k={k} step(s){factors}, "
              f"curvature from {f'{subset} micro-batch(es)' if subset else 'every micro-batch'} per pipe; "
-             f"inverses {'from the previous cycle' if assignment.deferred else 'used at once'}, "
-             f"curvature age <= {age} step(s)"
+             f"inverses {when}, curvature age <= {age} step(s)"
              + (f" (optimizer.max_staleness={cfg.optimizer.max_staleness})" if cfg.optimizer.max_staleness else "")]
     if "k_min" in meta:
         parts.append(f"lower bound k_min={meta['k_min']} (work {meta['kfac_work_ns'] / 1e6:.1f} ms per refresh, "

@@ -12,9 +12,11 @@ at the first step of cycle c+1, so every step of a cycle is preconditioned with 
 whatever phase the inversion ran in; without (the kfac baseline), an inversion is used from the
 PRECOND right after it. Before the first inverses exist, gradients pass through unpreconditioned;
 a layer's first deferred inverses are used from the next step on (nothing older exists), so K-FAC
-acts within its first cycle, whichever phase the first inversion ran in.
-So the curvature in use is at most 2k − 1 steps old with deferral, k − 1 without
-(``metrics.jsonl``'s ``curvature_age``).
+acts within its first cycle, whichever phase the first inversion ran in. With
+``promote="when_ready"`` every deferred inverse is put in use at the start of the step after its
+INVERT (``optimizer.promote_inverses``). So the curvature in use is at most 2k − 1 steps old with
+deferral (k + p_i − p_c when ready), k − 1 without (``metrics.jsonl``'s ``curvature_age``;
+``pipefisher.schedules.kfac.curvature_age_bound`` gives the exact bound of a plan).
 
 [Note: asynchronous factor syncs]
 A SYNC_FACTOR between data-parallel replicas starts its all-reduce and returns, as the simulator
@@ -51,14 +53,20 @@ class KfacWork:
         groups: process group of each stage's replicas (None: a single replica).
         deferred: inverses wait for the next refresh cycle (see [Note: refresh cycle and staleness]).
         ablate: communication ablation: factor all-reduces become 1-byte messages.
+        promote: when deferred inverses are put in use: ``at_cycle_end`` (the next cycle's first
+            step) or ``when_ready`` (the step after their INVERT).
     """
 
     def __init__(self, preconditioners: dict[StageKey, KFACPreconditioner],
-                 groups: dict[int, dist.ProcessGroup | None], deferred: bool, ablate: bool = False) -> None:
+                 groups: dict[int, dist.ProcessGroup | None], deferred: bool, ablate: bool = False,
+                 promote: str = "at_cycle_end") -> None:
+        if promote not in ("at_cycle_end", "when_ready"):
+            raise ValueError(f"promote={promote!r}: use at_cycle_end or when_ready")
         self.pre = preconditioners
         self.ablate = ablate
         self.groups = groups
         self.deferred = deferred
+        self.promote = promote
         self._capturing: set[StageKey] = set()
         self._capture_micro_batches: dict[StageKey, set[int]] = {}
         self.step: int | None = None  # the step running (its captures are stamped with it)
@@ -74,13 +82,15 @@ class KfacWork:
     def begin_step(self, actions: Sequence[Action], phase: int, step: int | None = None) -> None:
         """Capture on the stage replicas whose curvature this step computes (only the layers and
         micro-batches it has curvature units for); promote deferred inverses at the start of a cycle
-        (a layer's first inverses at the start of the next step).
+        (a layer's first inverses, and all of them with ``promote="when_ready"``, at the start of
+        the next step).
 
         ``step`` is recorded as the capture step of this step's curvature (``curvature_age``).
         """
         if self.deferred:  # a cycle's inverses from the next cycle on; a layer's first ones at once
+            first_only = phase != 0 and self.promote == "at_cycle_end"
             for pre in self.pre.values():
-                pre.promote_inverses(first_only=phase != 0)
+                pre.promote_inverses(first_only=first_only)
         self.step = step
         self._used_age = None
         curvature: dict[StageKey, set[str]] = {}

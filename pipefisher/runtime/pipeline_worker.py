@@ -68,14 +68,14 @@ class PipelineWorker:
         if cfg.optimizer.name in KFAC_OPTIMIZERS:
             self.assignment = kfac_assignment(cfg, self.schedule)
             o = cfg.optimizer
-            decay = refresh_decay(o.factor_decay, o.factor_decay_per, self.assignment.interval)
+            decay = refresh_decay(o.factor_decay, o.factor_decay_per, self.assignment.factor_every)
             preconditioners = {
                 key: KFACPreconditioner(m, damping=o.damping, factor_decay=decay, loss_scale=loss_scale,
                                         inverse_dtype=o.inverse_dtype)
                 for key, m in self.modules.items()
             }
             self.kfac = KfacWork(preconditioners, grad_groups, deferred=self.assignment.deferred,
-                                 ablate=cfg.comm_ablation)
+                                 ablate=cfg.comm_ablation, promote=o.promote_inverses)
         self.executor = WorkerExecutor(
             self.assignment.phases if self.assignment is not None else self.schedule,
             rank,

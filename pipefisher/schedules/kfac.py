@@ -22,6 +22,12 @@ Over one cycle, for every stage replica (dp, pipe, stage) and each of its K-FAC 
         stage issues it in the same phase (a collective; same members as SYNC_GRAD)
     INVERT(l) once, in a phase >= that of its SYNC_FACTOR (after it when in the same phase)
 
+With ``factor_interval`` f < k (``optimizer=kfac``: factors every f steps, inverses every k, a
+multiple of f; kfac-pytorch's ``factor_update_steps`` / ``inv_update_steps``) a cycle holds k / f
+factor refreshes: the curvature of refresh i in one phase, its SYNC_FACTOR after it and before the
+curvature of refresh i + 1; the INVERT after at least one SYNC_FACTOR inverts the factors as they
+stand then (the running average up to the latest refresh synced before it).
+
 and in every phase one PRECOND per stage replica after its SYNC_GRAD and before STEP.
 ``deferred=False`` (the kfac baseline) uses an inverse as soon as it exists, so each INVERT must
 precede its replica's PRECOND in its phase (staleness 0 at refresh steps); ``deferred=True``
@@ -29,6 +35,15 @@ precede its replica's PRECOND in its phase (staleness 0 at refresh steps); ``def
 PRECOND and steps use inverses up to 2k-1 steps old. In the first cycle of a deferred run there
 are no inverses yet: the runtime steps with the plain gradient until a layer's first inversion,
 whose inverses it uses from the next step on (there is nothing older to keep).
+
+[Note: promoting deferred inverses]
+``optimizer.promote_inverses`` says when deferred inverses are put in use (a runtime rule, not
+part of the plan). ``at_cycle_end`` (PipeFisher's): from the first step of the next cycle, so a
+layer whose curvature runs in phase p_c is preconditioned with curvature up to 2k − 1 − p_c steps
+old. ``when_ready``: from the step after its INVERT ran (phase p_i), up to k + p_i − p_c steps old:
+k when the INVERT runs in the curvature's step, never more than ``at_cycle_end``. Fresh inverses
+(``deferred=False``) are used by the PRECOND after the INVERT: up to k − 1 + p_i − p_c.
+:func:`curvature_age_bound` gives the exact bound of an assignment, the maximum over its layers.
 
 [Note: K-FAC layers of a stage]
 A stage's K-FAC layers are its encoder Linear layers in order: for each encoder layer it holds,
@@ -60,8 +75,10 @@ __all__ = [
     "assignment_from_json",
     "assignment_to_dict",
     "assignment_to_json",
+    "PROMOTE_INVERSES",
     "check_assignment",
     "critical_path_assignment",
+    "curvature_age_bound",
     "refresh_micro_batches",
     "kfac_layer_counts",
     "require_plain_schedule",
@@ -75,6 +92,8 @@ ASSIGNMENT_FORMAT = "pipefisher-assignment/1"
 LINEAR_NAMES: tuple[str, ...] = ("attention.self.query", "attention.self.key", "attention.self.value",
                                  "attention.output.dense", "intermediate.dense", "output.dense")
 LINEARS_PER_ENCODER_LAYER = len(LINEAR_NAMES)
+#: When deferred inverses are put in use ([Note: promoting deferred inverses]).
+PROMOTE_INVERSES: tuple[str, ...] = ("at_cycle_end", "when_ready")
 
 
 @dataclass(frozen=True)
@@ -91,6 +110,8 @@ class Assignment:
         metadata: free-form JSON-able facts (predicted utilization, costs, ...), kept in the JSON.
         curvature_micro_batches: a refresh's curvature comes from the first n micro-batches of
             each pipe (0: all of them); see [Note: curvature from part of the batch].
+        factor_interval: f, steps between factor refreshes, dividing ``interval`` (the inversion
+            interval); 0: one factor refresh per cycle (f = k). See [Note: refresh cycle].
     """
 
     interval: int
@@ -99,6 +120,17 @@ class Assignment:
     kfac_layers: tuple[int, ...] = ()
     metadata: Mapping[str, Any] = field(default_factory=dict, compare=False, hash=False)
     curvature_micro_batches: int = 0
+    factor_interval: int = 0
+
+    @property
+    def factor_every(self) -> int:
+        """Steps between factor refreshes (``factor_interval``, or ``interval`` when 0)."""
+        return self.factor_interval or self.interval
+
+    @property
+    def refreshes_per_cycle(self) -> int:
+        """Factor refreshes per cycle: ``interval // factor_every``."""
+        return self.interval // self.factor_every
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "phases", tuple(self.phases))
@@ -220,31 +252,54 @@ def with_preconditioning(schedule: Schedule) -> Schedule:
 
 
 def critical_path_assignment(schedule: Schedule, kfac_layers: Sequence[int], interval: int, *,
-                             deferred: bool = False, curvature_micro_batches: int = 0) -> Assignment:
+                             deferred: bool = False, curvature_micro_batches: int = 0,
+                             factor_interval: int = 0) -> Assignment:
     """K-FAC with all of a refresh on the critical path (``optimizer=kfac``).
 
     Phase 0: the pipeline, then after each worker's flush (its last B and SYNC_GRADs), right
     before STEP: CURV_A and CURV_B of every micro-batch of every replica it holds, layer by layer;
     one SYNC_FACTOR per layer in one global (stage, layer) order, so workers sharing all-reduces
     issue them alike and nothing deadlocks; one INVERT per layer; then PRECOND per replica. Phases
-    1..k-1: the pipeline plus PRECOND.
+    1..k-1: the pipeline plus PRECOND, and, every ``factor_interval`` phases, the curvature and
+    SYNC_FACTORs of phase 0 without its INVERTs (factors more often than inverses).
 
     Args:
         schedule: a complete schedule without K-FAC units (``build_schedule`` output).
         kfac_layers: K-FAC layers per stage (:func:`kfac_layer_counts`).
-        interval: k >= 1, steps per refresh.
+        interval: k >= 1, steps per inversion (and per refresh cycle).
         deferred: whether the inverses are first used in the next cycle (see the module notes).
         curvature_micro_batches: curvature from the first n micro-batches of each pipe (0: all);
             see [Note: curvature from part of the batch].
+        factor_interval: f, steps per factor refresh, dividing k (0: f = k).
 
     Returns:
         A checked assignment.
+
+    Raises:
+        ValueError: k < 1, or f not a divisor of k.
     """
     require_plain_schedule(schedule, kfac_layers)
     if not isinstance(interval, int) or interval < 1:
         raise ValueError(f"interval={interval!r}: the refresh interval is a positive number of steps")
+    if not isinstance(factor_interval, int) or factor_interval < 0 or (factor_interval and interval % factor_interval):
+        raise ValueError(f"factor_interval={factor_interval!r}: must divide the inverse interval {interval} (0: equal to it)")
     plain = with_preconditioning(schedule)
-    refresh = {}
+    refresh, factors_only = _critical_path_refresh(schedule, plain, kfac_layers, curvature_micro_batches)
+    every = factor_interval or interval
+    phases = tuple(replace(plain, actions=refresh) if p == 0 else replace(plain, actions=factors_only)
+                   if p % every == 0 else plain for p in range(interval))
+    out = Assignment(interval, phases, deferred, tuple(kfac_layers), metadata={"planner": "critical_path"},
+                     curvature_micro_batches=curvature_micro_batches,
+                     factor_interval=0 if every == interval else every)
+    check_assignment(out)
+    return out
+
+
+def _critical_path_refresh(schedule: Schedule, plain: Schedule, kfac_layers: Sequence[int],
+                           curvature_micro_batches: int) -> tuple[dict[int, tuple[Action, ...]], dict[int, tuple[Action, ...]]]:
+    """Per worker, ``plain``'s actions with a whole refresh before the first PRECOND: with its
+    INVERTs, and without (a factor refresh only)."""
+    refresh, factors_only = {}, {}
     for w, acts in plain.actions.items():
         replicas = _replicas(schedule, w)
         curv, syncs, inverts = [], [], []
@@ -259,11 +314,8 @@ def critical_path_assignment(schedule: Schedule, kfac_layers: Sequence[int], int
         inverts.sort(key=lambda a: (a.stage, a.layer))
         first_precond = next(i for i, a in enumerate(acts) if a.kind == K.PRECOND)
         refresh[w] = acts[:first_precond] + tuple(curv + syncs + inverts) + acts[first_precond:]
-    phases = (replace(plain, actions=refresh),) + (plain,) * (interval - 1)
-    out = Assignment(interval, phases, deferred, tuple(kfac_layers),
-                     metadata={"planner": "critical_path"}, curvature_micro_batches=curvature_micro_batches)
-    check_assignment(out)
-    return out
+        factors_only[w] = acts[:first_precond] + tuple(curv + syncs) + acts[first_precond:]
+    return refresh, factors_only
 
 
 # -- checks ------------------------------------------------------------------------------------
@@ -289,6 +341,10 @@ def check_assignment(a: Assignment) -> None:
     if not isinstance(a.interval, int) or a.interval < 1 or len(a.phases) != a.interval:
         raise ScheduleError(f"assignment interval={a.interval!r} with {len(a.phases)} phases; "
                             f"need interval >= 1 and one phase per step of the cycle")
+    if not isinstance(a.factor_interval, int) or a.factor_interval < 0 or \
+            (a.factor_interval and a.interval % a.factor_interval):
+        raise ScheduleError(f"assignment factor_interval={a.factor_interval!r} must divide interval={a.interval} "
+                            f"(0: one factor refresh per cycle)")
     first = a.phases[0]
     if len(a.kfac_layers) != first.num_stages:
         raise ScheduleError(f"assignment kfac_layers={list(a.kfac_layers)}: need one count per stage "
@@ -336,48 +392,131 @@ def _check_cycle(a: Assignment) -> None:
         mbs = refresh_micro_batches(first, pipe, a.curvature_micro_batches)
         for layer in range(a.kfac_layers[stage]):
             got = units.get((w, stage, pipe, layer), {})
-            name = f"stage {stage} (pipe {pipe}) layer {layer} on worker {w}"
-            curv_phases = set()
-            for kind in (K.CURV_A, K.CURV_B):
-                seen: dict[int, tuple[int, int]] = {}
-                for p, i, j in got.get(kind, []):
-                    if j in seen:
-                        _fail(a, p, f"{kind} of micro-batch {j} for {name} runs twice in the cycle "
-                                    f"(phases {seen[j][0]} and {p}); once per refresh", (w, i))
-                    seen[j] = (p, i)
-                    curv_phases.add(p)
-                missing = [j for j in mbs if j not in seen]
-                if missing:
-                    _fail(a, 0, f"{name} never gets {kind} of micro-batch(es) {missing}; a refresh "
-                                f"uses micro-batches {mbs} of the replica's pipe")
-                extra = sorted(j for j in seen if j not in mbs)
-                if extra:
-                    p, i = seen[extra[0]]
-                    _fail(a, p, f"{name} gets {kind} of micro-batch(es) {extra}, outside the refresh's "
-                                f"micro-batches {mbs} (curvature_micro_batches={a.curvature_micro_batches})", (w, i))
-            if len(curv_phases) > 1:
-                p = max(curv_phases)
-                i = min(i for kind in (K.CURV_A, K.CURV_B) for q, i, _ in got[kind] if q == p)
-                _fail(a, p, f"curvature of {name} is split over phases {sorted(curv_phases)}; all of a "
-                            f"layer's curvature runs in one step (captures do not outlive a step)", (w, i))
-            p_curv = min(curv_phases, default=0)
-            last = (p_curv, max((i for kind in (K.CURV_A, K.CURV_B) for q, i, _ in got.get(kind, []) if q == p_curv),
-                                default=None))
-            for kind, after, p_after in ((K.SYNC_FACTOR, "its curvature", p_curv), (K.INVERT, "its SYNC_FACTOR", None)):
-                where = got.get(kind, [])
-                if len(where) > 1:
-                    _fail(a, where[1][0], f"{name} has {len(where)} {kind} in the cycle; exactly one per refresh",
-                          (w, where[1][1]))
-                if not where:
-                    _fail(a, last[0], f"{name} has no {kind} in the cycle; exactly one per refresh, after "
-                                      f"{after}", None if last[1] is None else (w, last[1]))
-                if p_after is None:
-                    p_after = got[K.SYNC_FACTOR][0][0]
-                last = where[0][:2]
-                p, i, _ = where[0]
-                if p < p_after:
-                    _fail(a, p, f"{kind} of {name} runs in phase {p}, before {after} (phase {p_after})",
-                          (w, i))
+            _check_layer_cycle(a, w, got, mbs, f"stage {stage} (pipe {pipe}) layer {layer} on worker {w}")
+
+
+Unit = tuple[int, int, int | None]  # (phase, index in the worker's list, micro-batch)
+
+
+def _check_layer_cycle(a: Assignment, w: int, got: Mapping[ActionKind, list[Unit]], mbs: list[int],
+                       name: str) -> None:
+    """One layer's refreshes over the cycle ([Note: refresh cycle]): ``refreshes_per_cycle``
+    curvature phases, each with every refresh micro-batch once; a SYNC_FACTOR after each refresh's
+    curvature and before the next one's; one INVERT after a SYNC_FACTOR."""
+    r = a.refreshes_per_cycle
+    curv = _check_curvature(a, w, got, mbs, name)
+    at = [[(p, i) for kind in (K.CURV_A, K.CURV_B) for p, i, _ in got.get(kind, []) if p == q] for q in curv]
+    starts, ends = [min(x) for x in at], [max(x) for x in at]  # (phase, index): each refresh's first / last unit
+    syncs = sorted((p, i) for p, i, _ in got.get(K.SYNC_FACTOR, []))
+    inverts = sorted((p, i) for p, i, _ in got.get(K.INVERT, []))
+    last = ends[0] if ends else (0, None)
+    for kind, where, wanted in ((K.SYNC_FACTOR, syncs, r), (K.INVERT, inverts, 1)):
+        per = "refresh" if kind == K.SYNC_FACTOR else "cycle"
+        if len(where) > wanted:
+            _fail(a, where[wanted][0], f"{name} has {len(where)} {kind} in the cycle; exactly {wanted} per "
+                                       f"{per}", (w, where[wanted][1]))
+        if len(where) < wanted:
+            after = "its curvature" if kind == K.SYNC_FACTOR else "its SYNC_FACTOR"
+            _fail(a, last[0], f"{name} has {'no' if not where else len(where)} {kind} in the cycle; exactly "
+                              f"{'one' if wanted == 1 else wanted} per {per}, after {after}",
+                  None if last[1] is None else (w, last[1]))
+        last = where[-1]
+    for j, (p, i) in enumerate(syncs):
+        if p < curv[j]:
+            _fail(a, p, f"SYNC_FACTOR of {name} runs in phase {p}, before its curvature (phase {curv[j]})", (w, i))
+        if j + 1 < r and (p, i) > starts[j + 1]:
+            _fail(a, p, f"SYNC_FACTOR of {name} runs after the curvature of the next factor refresh "
+                        f"(phase {curv[j + 1]}); each refresh is folded in before the next one's", (w, i))
+    p, i = inverts[0]
+    if p < syncs[0][0]:
+        _fail(a, p, f"INVERT of {name} runs in phase {p}, before its SYNC_FACTOR (phase {syncs[0][0]})", (w, i))
+
+
+def _check_curvature(a: Assignment, w: int, got: Mapping[ActionKind, list[Unit]], mbs: list[int],
+                     name: str) -> list[int]:
+    """The phases holding the layer's curvature, checked: ``refreshes_per_cycle`` of them, each
+    with CURV_A and CURV_B of every refresh micro-batch once."""
+    r = a.refreshes_per_cycle
+    per_phase: dict[ActionKind, dict[int, dict[int, int]]] = {}  # kind -> phase -> micro-batch -> index
+    for kind in (K.CURV_A, K.CURV_B):
+        seen = per_phase.setdefault(kind, defaultdict(dict))
+        for p, i, j in got.get(kind, []):
+            if j in seen[p]:
+                _fail(a, p, f"{kind} of micro-batch {j} for {name} runs twice in phase {p}; once per refresh",
+                      (w, i))
+            seen[p][j] = i
+    phases = sorted({p for kind in per_phase for p in per_phase[kind]})
+    if len(phases) > r:
+        p = phases[r] if r > 1 else max(phases)
+        i = min(i for kind in per_phase for i in per_phase[kind].get(p, {}).values())
+        what = "all of a layer's curvature runs in one step" if r == 1 else             f"{r} factor refreshes per cycle (factor_interval={a.factor_every}), each in one step"
+        _fail(a, p, f"curvature of {name} is split over phases {phases}; {what} (captures do not outlive a step)",
+              (w, i))
+    for kind in (K.CURV_A, K.CURV_B):
+        for p in phases or [0]:
+            seen = per_phase[kind].get(p, {})
+            missing = [j for j in mbs if j not in seen]
+            if missing:
+                _fail(a, p, f"{name} never gets {kind} of micro-batch(es) {missing}; a refresh "
+                            f"uses micro-batches {mbs} of the replica's pipe")
+            extra = sorted(j for j in seen if j not in mbs)
+            if extra:
+                _fail(a, p, f"{name} gets {kind} of micro-batch(es) {extra}, outside the refresh's "
+                            f"micro-batches {mbs} (curvature_micro_batches={a.curvature_micro_batches})",
+                      (w, seen[extra[0]]))
+    if len(phases) < r:
+        _fail(a, phases[-1] if phases else 0, f"{name} has curvature in {len(phases)} phase(s) of the cycle; factors every "
+                             f"{a.factor_every} steps need {r}")
+    return phases
+
+
+def curvature_age_bound(a: Assignment, promote: str = "at_cycle_end") -> int:
+    """The oldest curvature any step of a run of ``a`` preconditions with, in steps, once its
+    first cycle is over ([Note: promoting deferred inverses]): the maximum over layers of
+    k − 1 + p_i − p_c (fresh), 2k − 1 − p_c (deferred, ``at_cycle_end``) or k + p_i − p_c
+    (deferred, ``when_ready``), where p_c is the phase of the curvature the layer's INVERT (phase
+    p_i) inverts: that of the last SYNC_FACTOR before it. 0 for an assignment with no K-FAC layer.
+
+    Raises:
+        ValueError: ``promote`` is not one of :data:`PROMOTE_INVERSES`.
+    """
+    if promote not in PROMOTE_INVERSES:
+        raise ValueError(f"promote={promote!r}: use one of {', '.join(PROMOTE_INVERSES)}")
+    k, worst = a.interval, 0
+    for p_c, p_i in _curvature_and_inverse_phases(a):
+        if not a.deferred:
+            age = k - 1 + p_i - p_c
+        else:
+            age = 2 * k - 1 - p_c if promote == "at_cycle_end" else k + p_i - p_c
+        worst = max(worst, age)
+    return worst
+
+
+def _curvature_and_inverse_phases(a: Assignment) -> list[tuple[int, int]]:
+    """(p_c, p_i) of every layer of every stage replica: the phase of the curvature its INVERT
+    inverts (that of the last SYNC_FACTOR before the INVERT) and the phase of the INVERT."""
+    # (worker, stage, pipe, layer) -> sorted curvature phases, (phase, index) of syncs and of the INVERT
+    curv: dict[tuple[int, int, int, int], set[int]] = defaultdict(set)
+    syncs: dict[tuple[int, int, int, int], list[tuple[int, int]]] = defaultdict(list)
+    inverts: dict[tuple[int, int, int, int], tuple[int, int]] = {}
+    for p, phase in enumerate(a.phases):
+        for w, acts in phase.actions.items():
+            for i, x in enumerate(acts):
+                if x.kind not in (K.CURV_A, K.CURV_B, K.SYNC_FACTOR, K.INVERT):
+                    continue
+                for layer in _expand(x.layer, a.kfac_layers[x.stage]):
+                    key = (w, x.stage, x.pipe, layer)
+                    if x.kind == K.SYNC_FACTOR:
+                        syncs[key].append((p, i))
+                    elif x.kind == K.INVERT:
+                        inverts[key] = (p, i)
+                    else:
+                        curv[key].add(p)
+    out = []
+    for key, at in inverts.items():
+        before = [s for s in sorted(syncs[key]) if s < at]
+        out.append((sorted(curv[key])[len(before) - 1], at[0]))
+    return out
 
 
 # -- JSON --------------------------------------------------------------------------------------
@@ -399,6 +538,7 @@ def assignment_to_dict(a: Assignment) -> dict[str, Any]:
         "deferred": a.deferred,
         "kfac_layers": list(a.kfac_layers),
         "curvature_micro_batches": a.curvature_micro_batches,
+        "factor_interval": a.factor_interval,
         "phases": [{str(w): [str(x) for x in acts] for w, acts in sorted(phase.actions.items())}
                    for phase in a.phases],
         "metadata": dict(a.metadata),
@@ -410,7 +550,7 @@ def assignment_to_json(a: Assignment, path: str | os.PathLike) -> Path:
 
     The file holds the format tag ``"pipefisher-assignment/1"``, the pipeline (method,
     num_stages = model stages, stages = workers per pipeline, num_virtual, num_micro_batches,
-    dp_width), interval, deferred, kfac_layers, ``phases`` (per phase, per worker, the action
+    dp_width), interval, deferred, kfac_layers, factor_interval, ``phases`` (per phase, per worker, the action
     strings) and ``metadata``.
 
     Returns:
@@ -471,6 +611,9 @@ def assignment_from_dict(data: Mapping[str, Any], source: str = "assignment") ->
     subset = data.get("curvature_micro_batches", 0)
     if not isinstance(subset, int) or isinstance(subset, bool) or subset < 0:
         raise ValueError(f"{source}: field 'curvature_micro_batches' = {subset!r} must be an integer >= 0; {_REGENERATE}")
+    factor_interval = data.get("factor_interval", 0)
+    if not isinstance(factor_interval, int) or isinstance(factor_interval, bool) or factor_interval < 0:
+        raise ValueError(f"{source}: field 'factor_interval' = {factor_interval!r} must be an integer >= 0; {_REGENERATE}")
     options = {"num_virtual": num_virtual} if method == "interleaved" else {}
     if method != "interleaved" and num_virtual != 1:
         raise ValueError(f"{source}: field 'num_virtual' = {num_virtual} but method {method!r} has one "
@@ -508,7 +651,8 @@ def assignment_from_dict(data: Mapping[str, Any], source: str = "assignment") ->
                 raise ValueError(f"{source}: field 'phases[{p}][\"{w}\"]': {exc}; {_REGENERATE}") from None
         phases.append(replace(base, actions=actions))
     a = Assignment(interval, tuple(phases), deferred, tuple(layers),
-                   metadata=dict(metadata) if isinstance(metadata, Mapping) else {}, curvature_micro_batches=subset)
+                   metadata=dict(metadata) if isinstance(metadata, Mapping) else {}, curvature_micro_batches=subset,
+                   factor_interval=factor_interval)
     try:
         check_assignment(a)
     except ScheduleError as exc:
