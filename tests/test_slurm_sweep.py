@@ -14,6 +14,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -60,6 +61,27 @@ def test_squeue_watcher_reads_states_and_counts_unlisted_jobs_as_ended(monkeypat
     assert [watcher.get_state(j, mode="cache") for j in ("7_0", "7_1", "8")] == ["RUNNING", "CANCELLED", "ENDED"]
     assert watcher.is_done("7_1", mode="cache") and watcher.is_done("8", mode="cache")
     assert not watcher.is_done("7_0", mode="cache")
+
+
+def test_cancel_scancels_the_unfinished_jobs_and_names_them(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    def job(job_id: str, finished: bool) -> SimpleNamespace:
+        folder = tmp_path / ".submitit" / job_id
+        folder.mkdir(parents=True)
+        if finished:
+            (folder / "result.pkl").touch()
+        return SimpleNamespace(job_id=job_id, _sub_jobs=[], paths=SimpleNamespace(folder=folder,
+                                                                                  result_pickle=folder / "result.pkl"))
+
+    jobs = [job("7_0", False), job("7_1", True), job("7_2", False)]
+    runs = [Run(n, ("steps=5", f"pipeline={m}"), None, 5) for n, m in enumerate(["gpipe", "1f1b", "chimera"])]
+    called, said = [], []
+    monkeypatch.setattr(sweep.subprocess, "run", lambda cmd, **k: called.append(cmd) or
+                        subprocess.CompletedProcess(cmd, 0, "", ""))
+    sweep.cancel(jobs, runs, signal.SIGTERM, say=said.append)
+    assert called == [["scancel", "7_0", "7_2"]]
+    assert said == [f"got SIGTERM: cancelled 2 of 3 SLURM jobs: 7_0 (#0 pipeline=gpipe), 7_2 (#2 pipeline=chimera); "
+                    f"task logs in {tmp_path / '.submitit'}/<job id>/"]
+    assert signal.getsignal(signal.SIGINT) is not signal.SIG_IGN  # restored
 
 
 def _refused(tmp_path: Path, *args: str) -> str:

@@ -57,6 +57,7 @@ class Run:
 
     @property
     def label(self) -> str:
+        """``#<num>``, as Hydra lists the sweep's jobs when it submits them."""
         return f"#{self.num}"
 
 
