@@ -16,6 +16,7 @@ from pipefisher.launch import launch_workers
 from pipefisher.optim import NVLAMB, param_groups
 from pipefisher.planning.assign import _no_slower_than_critical_path, plan_pipefisher, work_and_bubbles
 from pipefisher.planning.costs import estimate_run_costs
+from pipefisher.runtime.build import kfac_assignment
 from pipefisher.runtime.worker import CPU_HARDWARE, encoder_layers_per_stage, run_shape, schedule_for
 from pipefisher.schedules import ActionKind as K
 from pipefisher.schedules import build_schedule
@@ -26,6 +27,7 @@ from pipefisher.schedules.kfac import (
     assignment_to_json,
     check_assignment,
     critical_path_assignment,
+    curvature_age_bound,
     kfac_layer_counts,
 )
 from pipefisher.training import is_kfac_parameter
@@ -71,7 +73,20 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict]]:
         "kfac3": _run(tmp, "kfac3", steps, "optimizer=kfac", "optimizer.curvature_interval=3",
                       "optimizer.inverse_interval=3"),
         "fallback": _run(tmp, "fallback", steps, "optimizer=pipefisher", f"optimizer.schedule={plan}"),
+        # issue 28: deferred inverses in use from the step after their INVERT; factors every step, inverses every 3
+        "ready": _run(tmp, "ready", steps, "optimizer=pipefisher", "optimizer.max_interval=3",
+                      "optimizer.promote_inverses=when_ready"),
+        "ready_bounded": _run(tmp, "ready_bounded", steps, "optimizer=pipefisher", "optimizer.max_staleness=2",
+                              "optimizer.promote_inverses=when_ready"),
+        "kfac_f1_i3": _run(tmp, "kfac_f1_i3", steps, "optimizer=kfac", "optimizer.curvature_interval=1",
+                           "optimizer.inverse_interval=3"),
     }
+
+
+def _plan(*overrides: str):
+    """The assignment the runs of ``runs`` with ``overrides`` execute (the planner is deterministic)."""
+    cfg = compose_train(SMALL + ["pipeline=1f1b", "stages=2", "num_micro_batches=2", *overrides])
+    return kfac_assignment(cfg, schedule_for(cfg))
 
 
 @pytest.mark.slow
@@ -86,6 +101,27 @@ def test_curvature_age_stays_within_2k_minus_1_and_within_max_staleness(runs) ->
     # Critical-path K-FAC uses a refresh at once: at most k − 1 = 2 steps old, 0 at refresh steps.
     ages = [m["curvature_age"] for m in runs["kfac3"]]
     assert ages == [0, 1, 2, 0, 1, 2]
+
+
+@pytest.mark.slow
+def test_curvature_age_reaches_the_plans_bound_under_each_promotion_rule(runs) -> None:
+    """metrics.jsonl's curvature_age against curvature_age_bound: at most 2k − 1 − p_c with
+    inverses from the next cycle, k + p_i − p_c from the step after their INVERT, reached within
+    six steps (k <= 3); max_staleness bounds the latter's plan by that formula, not by 2k − 1."""
+    for name, promote in (("pipefisher", "at_cycle_end"), ("ready", "when_ready")):
+        plan = _plan("optimizer=pipefisher", "optimizer.max_interval=3", f"optimizer.promote_inverses={promote}")
+        bound = curvature_age_bound(plan, promote)
+        ages = [m["curvature_age"] for m in runs[name] if m["curvature_age"] is not None]
+        assert runs[name][0]["refresh_interval"] == plan.interval <= 3
+        assert max(ages) == bound, (name, ages, bound)
+        assert plan.interval <= bound <= 2 * plan.interval - 1
+        assert curvature_age_bound(plan, "when_ready") <= curvature_age_bound(plan, "at_cycle_end")
+    assert all(m["curvature_age"] is None or m["curvature_age"] <= 2 for m in runs["ready_bounded"])
+    # Factors every step, inverses every 3 steps, used at once: the age counts from the inversion's capture.
+    assert [m["curvature_age"] for m in runs["kfac_f1_i3"]] == [0, 1, 2, 0, 1, 2]
+    assert runs["kfac_f1_i3"][0]["refresh_interval"] == 3
+    assert [m["kfac_work"]["CURV_A"] > 0 for m in runs["kfac_f1_i3"]] == [True] * 6
+    assert [m["kfac_work"]["INVERT"] > 0 for m in runs["kfac_f1_i3"]] == [True, False, False] * 2
 
 
 @pytest.mark.slow
