@@ -59,6 +59,16 @@ CASES = {
     "gpipe-D1-W2": ["pipeline=gpipe", "stages=1", "data_parallel=2", "num_micro_batches=2"],
     "kfac-chimera-D2-k2": ["pipeline=chimera", "stages=2", "num_micro_batches=2", "optimizer=kfac",
                            "optimizer.curvature_interval=2", "optimizer.inverse_interval=2", "optimizer.damping=0.01"],
+    # Factors every step, inverses every 4 (issue 28): the checkpoint after step 3 holds factors folded
+    # since the last inversion, which the resumed run's inversion at step 4 uses.
+    "kfac-1f1b-D2-f1-i4": ["pipeline=1f1b", "stages=2", "num_micro_batches=2", "optimizer=kfac",
+                           "optimizer.curvature_interval=1", "optimizer.inverse_interval=4", "optimizer.damping=0.01"],
+    # Deferred inverses promoted when ready: step 3 inverts (every 3), the checkpoint after it holds them
+    # pending, and the resumed run, in the middle of a cycle, uses them from step 4.
+    "kfac-1f1b-D2-f1-i3-when-ready": ["pipeline=1f1b", "stages=2", "num_micro_batches=2", "optimizer=kfac",
+                                      "optimizer.curvature_interval=1", "optimizer.inverse_interval=3",
+                                      "optimizer.deferred_inverse=true", "optimizer.promote_inverses=when_ready",
+                                      "optimizer.damping=0.01"],
     # With a plan of refresh interval 2 (optimizer.schedule, see _pipefisher_plan): the planner's
     # own choice for this shape is longer than the run.
     "pipefisher-chimera-D2-k2": ["pipeline=chimera", "stages=2", "num_micro_batches=2", "optimizer=pipefisher",
@@ -204,6 +214,19 @@ def test_resumed_pipefisher_run_used_the_checkpointed_deferred_inverses(runs) ->
     assert pending and all(pending)
     kfac = read_metrics(tmp / "kfac-chimera-D2-k2" / "straight" / "metrics.jsonl")
     assert [r["kfac_phase"] for r in kfac] == [0, 1, 0, 1, 0, 1]
+
+
+@pytest.mark.slow
+def test_resumed_when_ready_run_used_the_checkpointed_inverses_mid_cycle(runs) -> None:
+    tmp, _ = runs
+    case = "kfac-1f1b-D2-f1-i3-when-ready"
+    shard = load_shard(step_dir(tmp / case / "resumed" / "checkpoints", INTERRUPT_AT - 1), 0)
+    pending = [layer["has_pending"] for pre in shard["kfac"].values() for layer in pre["extra"].values()]
+    assert pending and all(pending)
+    rows = read_metrics(tmp / case / "resumed" / "metrics.jsonl")
+    assert [r["kfac_phase"] for r in rows] == [0, 1, 2, 0, 1, 2]
+    # from the step after each INVERT (steps 0, 3): ages 1, 2, 3 after step 0's, then 1 at step 4
+    assert [r["curvature_age"] for r in rows] == [None, 1, 2, 3, 1, 2]
 
 
 @pytest.mark.slow
