@@ -25,7 +25,7 @@ from pipefisher.schedules import (
     strip_kfac,
 )
 from pipefisher.schedules.checks import stuck_positions
-from pipefisher.schedules.kfac import assignment_from_dict, assignment_to_dict, with_preconditioning
+from pipefisher.schedules.kfac import assignment_from_dict, assignment_to_dict, curvature_age_bound, with_preconditioning
 from pipefisher.simulate import CostModel, simulate, simulate_phases
 from tests.conftest import PIPELINE_GRID, PIPELINE_GRID_IDS
 
@@ -340,3 +340,49 @@ def test_with_preconditioning_follows_the_order_of_the_gradient_syncs():
     acts = [str(x) for x in s.actions[0]]
     assert acts[-3:] == ["3PRECOND@1", "0PRECOND", "STEP"]  # the up replica synced first
     check_schedule(s, kfac=True)
+
+
+# -- factors more often than inverses; the curvature age bound (issue 28) -----------------------
+
+
+def test_critical_path_refreshes_factors_every_f_steps_and_inverts_every_k():
+    a = critical_path_assignment(build_schedule("1f1b", 2, 2), [2, 2], 4, factor_interval=2)
+    kinds = [{x.kind for acts in ph.actions.values() for x in acts if x.kind.is_kfac} for ph in a.phases]
+    assert [K.CURV_A in k for k in kinds] == [True, False, True, False]
+    assert [K.SYNC_FACTOR in k for k in kinds] == [True, False, True, False]
+    assert [K.INVERT in k for k in kinds] == [True, False, False, False]
+    assert (a.factor_every, a.refreshes_per_cycle) == (2, 2)
+    assert assignment_from_dict(assignment_to_dict(a)) == a
+    assert critical_path_assignment(build_schedule("1f1b", 2, 2), [2, 2], 4, factor_interval=4).factor_interval == 0
+    with pytest.raises(ValueError, match="factor_interval=3"):
+        critical_path_assignment(build_schedule("1f1b", 2, 2), [2, 2], 4, factor_interval=3)
+    # A factor refresh missing from phase 2, or its sync moved after the next refresh's curvature:
+    dropped = _edit(a, 2, 0, lambda acts: [x for x in acts if x.kind not in (K.CURV_A, K.CURV_B, K.SYNC_FACTOR)])
+    with pytest.raises(ScheduleError, match="has curvature in 1 phase"):
+        check_assignment(dropped)
+    units = [Action.from_str("0SYNC_FACTOR#0"), Action.from_str("0INVERT#0")]
+    late = _edit(_edit(a, 0, 0, lambda acts: _drop(_drop(acts, "0SYNC_FACTOR#0"), "0INVERT#0")), 3, 0,
+                 lambda acts: _move_before(acts + units, "0SYNC_FACTOR#0", "0PRECOND"))
+    late = _edit(late, 3, 0, lambda acts: _move_before(acts, "0INVERT#0", "0PRECOND"))
+    with pytest.raises(ScheduleError, match="after the curvature of the next factor refresh"):
+        check_assignment(late)
+
+
+@pytest.mark.parametrize("deferred, promote, expected", [(False, "at_cycle_end", 2), (True, "at_cycle_end", 5),
+                                                          (True, "when_ready", 3)])
+def test_curvature_age_bound_per_rule_on_the_critical_path(deferred, promote, expected):
+    """Curvature and INVERT in phase 0 at k = 3: k − 1 fresh, 2k − 1 at the cycle's end, k when ready."""
+    a = critical_path_assignment(build_schedule("1f1b", 2, 2), [2, 2], 3, deferred=deferred)
+    assert curvature_age_bound(a, promote) == expected
+    with pytest.raises(ValueError, match="promote"):
+        curvature_age_bound(a, "later")
+
+
+def test_curvature_age_bound_counts_an_inverts_lag_behind_its_curvature():
+    """Layer 1 of stage 1 inverted two phases after its curvature (phase 0): k + 2 when ready."""
+    a = _small(interval=3, deferred=True)
+    x = Action.from_str("1INVERT#1")
+    a = _edit(_edit(a, 0, 1, lambda acts: _drop(acts, "1INVERT#1")), 2, 1, lambda acts: acts[:-1] + [x, acts[-1]])
+    check_assignment(a)
+    assert curvature_age_bound(a, "when_ready") == 5 and curvature_age_bound(a, "at_cycle_end") == 5
+    assert curvature_age_bound(replace(a, deferred=False), "at_cycle_end") == 4
