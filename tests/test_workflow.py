@@ -241,6 +241,11 @@ def test_init_from_weights_of_another_model_is_refused_naming_the_field(phase1: 
         load_initial_weights(cfg, build_stage_modules(cfg, schedule_for(cfg), 0))
     with pytest.raises(ConfigError, match="init_from='/no/such/run': no such folder"):
         compose_train(["init_from=/no/such/run"])
+    empty = phase1.parent / "empty"
+    empty.mkdir(exist_ok=True)
+    cfg = compose_train([f"init_from={empty}"])
+    with pytest.raises(ConfigError, match=f"init_from={empty}: {empty}: no final/ "):
+        load_initial_weights(cfg, build_stage_modules(cfg, schedule_for(cfg), 0))
 
 
 @pytest.mark.slow

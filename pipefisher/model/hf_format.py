@@ -125,7 +125,7 @@ def write_model_folder(folder: str | os.PathLike, state_dict: Mapping[str, Tenso
     tmp = folder.parent / f".{folder.name}.tmp-{uuid.uuid4().hex[:8]}"
     tmp.mkdir()  # plain mkdir: the umask applies (a shared file system's group can read it)
     try:
-        tensors = {k: v.detach().to("cpu").contiguous().clone() for k, v in state_dict.items() if k not in _ALIASES}
+        tensors = {k: v.detach().to("cpu").contiguous() for k, v in state_dict.items() if k not in _ALIASES}
         save_file(tensors, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
         (tmp / CONFIG_FILE).write_text(json.dumps(hf_config_dict(config, meta), indent=2) + "\n", encoding="utf-8")
         if vocab is not None:

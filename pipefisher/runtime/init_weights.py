@@ -24,6 +24,7 @@ from torch import Tensor
 
 from pipefisher.config import ConfigError, TrainConfig
 from pipefisher.model import BertStage, load_hf_state_dict
+from pipefisher.runtime.checkpoint_io import CheckpointError
 from pipefisher.runtime.saved_weights import SavedWeights, read_saved_weights
 from pipefisher.training import bert_config
 
@@ -76,11 +77,14 @@ def load_initial_weights(cfg: TrainConfig, modules: Mapping[object, BertStage], 
         The weights read.
 
     Raises:
-        CheckpointError: nothing readable at ``init_from``.
-        ConfigError: the weights belong to another architecture (naming the field).
+        ConfigError: nothing readable at ``init_from``, or weights of another architecture
+            (naming the field).
     """
     assert cfg.init_from is not None
-    saved = read_saved_weights(cfg.init_from)
+    try:
+        saved = read_saved_weights(cfg.init_from)
+    except CheckpointError as err:  # a ConfigError names the field (and the launcher prints it in one line)
+        raise ConfigError(f"init_from={cfg.init_from}: {err}") from None
     check_architecture(cfg, saved)
     state = dict(saved.state_dict)
     learned_rows = state[POSITION_EMBEDDINGS_NAME].shape[0]

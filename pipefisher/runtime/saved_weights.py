@@ -28,7 +28,7 @@ from pipefisher.runtime.checkpoint_io import (MANIFEST, CheckpointError, _STEP_D
                                               load_shard, verify_checkpoint)
 from pipefisher.training import FINAL_DIR
 
-__all__ = ["FINAL_DIR", "SavedWeights", "read_saved_weights", "resolve_saved_weights"]
+__all__ = ["FINAL_DIR", "SavedWeights", "merge_checkpoint", "read_saved_weights", "resolve_saved_weights"]
 
 log = logging.getLogger(__name__)
 
@@ -94,7 +94,7 @@ def read_saved_weights(path: str | os.PathLike) -> SavedWeights:
     """
     folder = resolve_saved_weights(path)
     if folder != Path(path):
-        log.info("reading the weights in %s", folder)
+        log.debug("reading the weights in %s", folder)
     if is_model_folder(folder):
         try:
             saved = read_model_folder(folder)
