@@ -21,7 +21,7 @@ from pipefisher.config import ConfigError, TrainConfig
 from pipefisher.export import export_weights
 from pipefisher.finetune import finetune
 from pipefisher.launch import run_training
-from pipefisher.model import BertConfig, BertStage, build_full_model
+from pipefisher.model import BertConfig, BertStage, build_full_model, load_hf_state_dict
 from pipefisher.model.hf_format import WEIGHTS_FILE, read_model_folder, write_model_folder
 from pipefisher.atomic import current_umask
 from pipefisher.runtime.build import build_stage_modules, schedule_for, stage_slices
@@ -117,6 +117,23 @@ def test_model_folder_loads_in_transformers_with_our_logits_and_the_usual_file_m
     assert saved.config == config and saved.meta == {"trained_steps": 7} and saved.vocab is None
     for name, tensor in model.state_dict().items():
         torch.testing.assert_close(saved.state_dict[name], tensor, rtol=0, atol=0, msg=name)
+
+
+def test_a_folder_saved_by_transformers_reads_back_as_the_same_model(tmp_path: Path) -> None:
+    config = BertConfig(vocab_size=300, hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64)
+    torch.manual_seed(4)
+    hf = transformers.BertForPreTraining(transformers.BertConfig(**config.hf_config_kwargs()))
+    hf.save_pretrained(tmp_path / "hf")
+    saved = read_model_folder(tmp_path / "hf")
+    assert saved.config == config
+    model = build_full_model(config).eval()
+    load_hf_state_dict(model, saved.state_dict)
+    batch = _batch(300)
+    with torch.no_grad():
+        mlm, nsp = model.logits(model.encode(None, batch), batch)
+    hf_mlm, hf_nsp = _hf_logits(tmp_path / "hf", batch)
+    torch.testing.assert_close(mlm, hf_mlm, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(nsp, hf_nsp, rtol=1e-5, atol=1e-5)
 
 
 def test_the_vocab_beside_the_shards_goes_into_final_and_the_export(tmp_path: Path) -> None:
