@@ -17,10 +17,14 @@ gradients g its own hooks record,
 
 (T/N: the rows of one micro-batch, whose loss is a mean over them; loss_scale = 1/N.) The refresh
 steps come from ASDL's own interval logic (``PreconditionedGradientMaker.do_update_curvature`` /
-``do_update_preconditioner`` with ``curvature_upd_interval = preconditioner_upd_interval = k``:
-steps 0, k, 2k, …). Fresh: a refresh's inverses precondition the step that computed it. Deferred
-(PipeFisher's numerics): inverses made in refresh cycle c precondition cycle c+1, and a layer's first
-inverses the steps after the step that made them. ASDL's K-FAC itself cannot be the reference on these
+``do_update_preconditioner`` with ``curvature_upd_interval = f``, ``preconditioner_upd_interval = k``:
+factors at steps 0, f, 2f, …, inverses of the factors as they then stand at 0, k, 2k, …; f = k unless
+a case decouples them, issue 28). Fresh: a refresh's inverses precondition the step that computed
+it. Deferred (PipeFisher's numerics): inverses made in refresh cycle c precondition cycle c+1, and a
+layer's first inverses the steps after the step that made them; with ``promote_inverses=when_ready``
+every inverse preconditions the steps after the one that made it. The plan cases run a PipeFisher
+assignment whose stage-1 INVERTs run one phase after their curvature: there the reference inverts
+those layers one step after their capture. ASDL's K-FAC itself cannot be the reference on these
 layers: it keeps the bias apart (A is I×I, the bias gradient is multiplied by B⁻¹ only, π comes from
 the I×I block) and its moving average starts from zero (the first refresh is weighted by
 ``ema_decay``); so ASDL checks the reference's per-refresh factors instead: ``asdl.no_centered_cov``
@@ -29,9 +33,11 @@ on the same forward and backward gives Σ x xᵀ (the weight block of A) and Σ 
 Compared at every step 0..2k: the running factors, the damping split, the inverses in use (and the
 pending deferred ones), the preconditioned gradients, the curvature age; and every weight after the
 run. One process (stages=1) for k = 1, 2, 3 fresh and k = 1, 2 deferred; two pipeline stages for k = 2
-fresh and deferred. The comparison can fail: a reference refreshing at t % k == 1, or with the other
-staleness (fresh for deferred, deferred for fresh; at k = 1 deferred means "curvature of the previous
-steps' batches only"), must not match.
+fresh and deferred; factors every 1 or 2 steps with inverses every 2 or 4 (fresh, deferred, D=2);
+when_ready at k = 2, 3 and D=2; the plan with a lag under both rules. The comparison can fail: a
+reference refreshing at t % k == 1, with the other staleness (fresh for deferred, deferred for fresh;
+at k = 1 deferred means "curvature of the previous steps' batches only"), with factors only at
+inverse steps, with the other promotion rule, or without the lag, must not match.
 """
 
 from __future__ import annotations
