@@ -214,7 +214,7 @@ def common_overrides(args: argparse.Namespace, data: Data | None, batch: int, st
            f"data.seq_len={args.seq_len}", f"data.max_predictions={args.max_predictions}",
            *((f"eval.every_steps={args.eval_every}", f"eval.batches={args.eval_batches}") if evaluate
              else ("eval.every_steps=0",)),
-           "device=cpu", "progress=false", "wandb.mode=disabled", "log_every=50"]
+           "device=cpu", "progress=false", "wandb.mode=disabled", "log_every=50", "save_final=false"]
     if data is not None:
         out += ["data=hdf5", f"data.path={data.train}", f"data.eval_path={data.heldout}", f"model.vocab_size={data.vocab}"]
     return out

@@ -50,6 +50,7 @@ _USER_ERRORS = (
     ("pipefisher.config", "ConfigError"),
     ("pipefisher.data.batches", "DataError"),
     ("pipefisher.runtime.checkpoint", "CheckpointError"),
+    ("pipefisher.runtime.checkpoint_io", "CheckpointError"),  # the class's home: how a worker's traceback names it
     ("pipefisher.schedules.checks", "ScheduleError"),
 )
 # The last "<module>.<Class>: message" line of a traceback that a worker's failure carries as text.

@@ -154,6 +154,9 @@ def test_a_worker_s_user_error_is_reported_without_its_traceback() -> None:
     assert user_message(bug) is None  # a bug keeps its traceback
     assert user_message(KeyError("x")) is None
     assert user_message(ConfigError("stages=3: odd")) == "stages=3: odd"
+    ckpt = ProcessRaisedException("\n\n-- Process 0 terminated:\nTraceback...\n"  # named by the class's home module
+                                  "pipefisher.runtime.checkpoint_io.CheckpointError: step_3: no manifest.json", 0, 1)
+    assert user_message(ckpt) == "worker 0: step_3: no manifest.json"
 
 
 # --- item 4: train.py --help --------------------------------------------------------------------------
