@@ -213,6 +213,11 @@ def install(count: int = 4) -> Iterator[FakeCuda]:
         _patch(torch.cuda.nvtx, "range", lambda *a, **k: contextlib.nullcontext(), undo)
         for name, fn in _dist_functions(cuda).items():
             _patch(dist, name, fn, undo)
+
+        def pin_memory(t: torch.Tensor, device: Any = None) -> torch.Tensor:  # page-locked by the current device's context
+            cuda.touch("pin_memory", device)
+            return t
+        _patch(torch.Tensor, "pin_memory", pin_memory, undo)
         with _CudaToCpu(cuda):
             yield cuda
     finally:

@@ -122,7 +122,7 @@ def test_every_local_rank_touches_only_its_own_gpu_through_a_whole_lifecycle(sta
         assert seen["backends"] == ["nccl", "nccl"]
         kinds = {what for what, _ in calls}
         for kind in ("tensor:_parse_to", "event.record", "stream.synchronize", "synchronize",
-                     "max_memory_allocated", "get_rng_state", "set_rng_state",
+                     "max_memory_allocated", "get_rng_state", "set_rng_state", "pin_memory",
                      "dist.gather_object", "dist.all_gather_object", "dist.broadcast_object_list", "dist.barrier"):
             assert kind in kinds, f"rank {rank} never made a {kind} call: the lifecycle missed a path"
 

@@ -21,6 +21,7 @@ from pipefisher.data import get_micro_batch
 from pipefisher.optim import KFACPreconditioner
 from pipefisher.profiling.nvtx import mark_rank
 from pipefisher.runtime import preemption
+from pipefisher.runtime.batch_feed import BatchFeed
 from pipefisher.runtime.build import (build_stage_modules, check_world_size, describe_kfac, kfac_assignment,
                                       new_groups, norm_params, schedule_for, seed_worker_rngs, tied_params)
 from pipefisher.runtime.checkpoint import CheckpointError, load_shard, save_checkpoint
@@ -95,6 +96,7 @@ class PipelineWorker:
             mark_rank(rank)  # an nsys capture maps this process to its rank (issue 15)
         self.source = data_source(cfg)
         self.plan = data_plan(cfg)
+        self.batches = BatchFeed(self._host_batch, device)
         self.dp_rank = self.schedule.placement.dp_group_of(rank)
         seed_worker_rngs(cfg.seed, rank)
         # Preemption (SLURM) and non-finite steps; see [Note: stopping on a signal] and train_step.
@@ -228,9 +230,11 @@ class PipelineWorker:
         self.scheduler.step()
 
     def get_batch(self, step: int, micro_batch: int) -> dict[str, torch.Tensor]:
-        """This worker's data-parallel group's micro-batch (the same on every stage)."""
-        batch = get_micro_batch(self.source, step, micro_batch, self.dp_rank, **self.plan)
-        return {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
+        """This worker's data-parallel group's micro-batch (the same on every stage), on the device."""
+        return self.batches.get(step, micro_batch)
+
+    def _host_batch(self, step: int, micro_batch: int) -> dict[str, torch.Tensor]:
+        return get_micro_batch(self.source, step, micro_batch, self.dp_rank, **self.plan)
 
     def train_step(self, step: int) -> tuple[list[float], StepResult]:
         """Run one step on this worker; returns the step's [mlm, nsp] loss (same on every rank)
@@ -238,6 +242,7 @@ class PipelineWorker:
         self._step, self.step_skipped = step, False
         inject_fault(self.cfg, self.rank, step)
         with poison_outputs(self.modules.values(), fault_here(self.cfg, "nan", self.rank, step)):
+            self.batches.start_step(step)  # on CUDA: last step's micro-batches copied before any action is timed
             result = self.executor.run_step(step, lambda mb: self.get_batch(step, mb))
         # The preemption flag rides on the loss all-reduce (see [Note: stopping on a signal]).
         # Recorded only where a handler is installed: SLURM's signal, or SIGINT in a local worker.
