@@ -46,7 +46,7 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-PIPELINE_METHODS = ("gpipe", "1f1b", "chimera", "interleaved", "zb-h1", "zb-v")
+PIPELINE_METHODS = ("gpipe", "1f1b", "chimera", "interleaved", "zb-h1", "zb-v", "csv")  # csv: pipeline.csv, a torch schedule file
 CHIMERA_STACKINGS = ("direct", "doubling")  # pipeline.chimera_stacking (Chimera paper, Sec. 3.5)
 FACTOR_DECAY_UNITS = ("step", "refresh")  # optimizer.factor_decay_per
 PROMOTE_INVERSES = ("at_cycle_end", "when_ready")  # optimizer.promote_inverses (as pipefisher.schedules.kfac's)
@@ -91,6 +91,7 @@ class PipelineConfig:
     order_costs: Optional[list[float]] = None  # zb-v: relative [F, I, W] cost of a stage its list scheduler orders by (default equal)
     activation_memory: float = 1.0  # zb-v: activation bound as a multiple of 1F1B's peak (>= 1)
     layers_per_stage: Optional[list[int]] = None  # explicit encoder layers per stage; None = balance by cost
+    csv: Optional[str] = None  # pipeline=csv: torch.distributed.pipelining compute-only CSV (_dump_csv); stages, num_virtual, N from the file
     chimera_stacking: str = "direct"  # chimera with N > D: direct (basic units concatenated) or doubling (forwards in pairs; N a multiple of 2 x stages, more activation memory)
 
 
@@ -421,6 +422,38 @@ def _check_cluster(cfg: TrainConfig) -> None:
               f"split evenly over the nodes; use one of {divisors}")
 
 
+def _check_csv(cfg: TrainConfig) -> None:
+    """pipeline=csv: the file must be a torch compute-only CSV for ``stages`` ranks; fills
+    num_virtual (stages per rank) and num_micro_batches=auto from it, and makes the path absolute."""
+    p = cfg.pipeline
+    if p.method != "csv":
+        if p.csv is not None:
+            _fail("pipeline.csv", p.csv, "is read by pipeline=csv only; add pipeline=csv or drop pipeline.csv")
+        return
+    if not p.csv or not os.path.isfile(p.csv):
+        _fail("pipeline.csv", p.csv, "pipeline=csv needs an existing torch compute-only CSV (e.g. from _dump_csv "
+              "or python -m pipefisher.torch_schedule export); give pipeline.csv=<file>")
+    from pipefisher.schedules.torch_csv import csv_shape  # pure; no torch import
+
+    try:
+        with open(p.csv, encoding="utf-8") as f:
+            ranks, num_stages, n = csv_shape(f.read())
+    except ValueError as err:
+        _fail("pipeline.csv", p.csv, f"is not a torch compute-only schedule: {err}")
+    if cfg.stages != ranks:
+        _fail("stages", cfg.stages, f"pipeline.csv={p.csv} schedules {ranks} ranks; use stages={ranks}")
+    if num_stages % ranks:
+        _fail("pipeline.csv", p.csv, f"places {num_stages} stages on {ranks} ranks; every rank must hold as many stages")
+    if cfg.pipeline.num_virtual not in (1, num_stages // ranks):
+        _fail("pipeline.num_virtual", cfg.pipeline.num_virtual,
+              f"pipeline.csv={p.csv} holds {num_stages // ranks} stage(s) per rank; leave it unset")
+    given = _as_count("num_micro_batches", cfg.num_micro_batches, "micro-batches per step")
+    if given is not None and given != n:
+        _fail("num_micro_batches", given, f"pipeline.csv={p.csv} schedules {n} micro-batches; use "
+              f"num_micro_batches={n} (or auto)")
+    p.csv, p.num_virtual, cfg.num_micro_batches = os.path.abspath(p.csv), num_stages // ranks, n
+
+
 def validate(cfg: TrainConfig) -> None:
     """Cross-field checks of a run's configuration (the batch's ``auto`` values are resolved first: resolve_batch).
 
@@ -429,6 +462,7 @@ def validate(cfg: TrainConfig) -> None:
     """
     _check_choice("pipeline.method", cfg.pipeline.method, PIPELINE_METHODS)
     _check_choice("pipeline.chimera_stacking", cfg.pipeline.chimera_stacking, CHIMERA_STACKINGS)
+    _check_csv(cfg)
     resolve_batch(cfg)
     m = cfg.model
     _check_positive(
@@ -531,7 +565,7 @@ def validate(cfg: TrainConfig) -> None:
             _fail("num_micro_batches", cfg.num_micro_batches,
                   f"zb-v needs at least 2 x stages = {2 * cfg.stages} micro-batches to fill its V; use "
                   f"num_micro_batches={2 * cfg.stages} or more (or auto), or pipeline=zb-h1")
-    elif method != "interleaved" and cfg.pipeline.num_virtual != 1:
+    elif method not in ("interleaved", "csv") and cfg.pipeline.num_virtual != 1:
         _fail("pipeline.num_virtual", cfg.pipeline.num_virtual,
               "only pipeline=interleaved and pipeline=zb-v use virtual stages; set it to 1")
     lps = cfg.pipeline.layers_per_stage

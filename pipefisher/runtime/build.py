@@ -28,6 +28,7 @@ from pipefisher.schedules.ir import Schedule
 from pipefisher.schedules.kfac import (Assignment, assignment_from_json, critical_path_assignment, curvature_age_bound,
                                        kfac_layer_counts)
 from pipefisher.schedules.kfac_baseline import on_critical_path
+from pipefisher.schedules.torch_csv import CSV_METHOD, build_from_torch_csv
 from pipefisher.training import bert_config, device_type
 
 __all__ = ["CPU_HARDWARE", "schedule_for", "build_stage_modules", "new_groups", "tied_params", "norm_params",
@@ -40,7 +41,11 @@ CPU_HARDWARE = Hardware(flops_per_s=3e10, p2p_bytes_per_s=2e9, memory_bytes_per_
 
 
 def schedule_for(cfg: TrainConfig) -> Schedule:
-    """The checked schedule of a run (pure function of the config; ``RunShape.build_schedule``)."""
+    """The checked schedule of a run (pure function of the config; ``RunShape.build_schedule``, or
+    the file of pipeline=csv completed by our passes: ``build_from_torch_csv``)."""
+    if cfg.pipeline.method == CSV_METHOD:
+        with open(cfg.pipeline.csv, encoding="utf-8") as f:
+            return build_from_torch_csv(f.read(), cfg.num_micro_batches, cfg.data_parallel)
     return run_shape(cfg).build_schedule()
 
 
