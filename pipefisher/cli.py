@@ -153,10 +153,11 @@ def _run(dcfg: DictConfig) -> float:
     hc = HydraConfig.get()
     # Said before torch is imported and any worker starts (seconds on a busy machine).
     log.info("%s (L=%d, H=%d), %s, stages=%d, global batch %d = micro-batch %d x num_micro_batches %d x "
-             "data_parallel %d, %s, %d steps; run folder %s",
+             "data_parallel %d%s, %s, %d steps; run folder %s",
              cfg.model.name, cfg.model.num_layers, cfg.model.hidden_size, f"pipeline={cfg.pipeline.method}"
              if cfg.num_workers > 1 else "one process", cfg.stages, cfg.global_batch_size, cfg.micro_batch_size,
-             cfg.num_micro_batches, cfg.data_parallel, f"optimizer={cfg.optimizer.name}", cfg.steps,
+             cfg.num_micro_batches, cfg.data_parallel, f" x sdp {cfg.sdp} (sharded)" if cfg.sdp > 1 else "",
+             f"optimizer={cfg.optimizer.name}", cfg.steps,
              _shown(hc.runtime.output_dir))
     _check_schedule_file(cfg)
     _check_data(cfg)

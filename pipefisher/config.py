@@ -228,6 +228,8 @@ class TrainConfig:
 
     stages: int = 1  # pipeline stages D (1 = single process)
     data_parallel: int = 1  # data-parallel width W (W pipelines, or W Chimera pairs)
+    sdp: int = 1  # sharded data parallel (FSDP2) inside each data-parallel replica: sdp pipelines, each stage sharded over its sdp copies; world = stages x data_parallel x sdp
+    sdp_reshard_after_forward: bool = False  # sdp>1: free the gathered weights after every forward (re-gather for its backward); false: one all-gather and one reduce-scatter per stage per step
     global_batch_size: Any = "auto"  # sequences per optimizer step over all micro-batches and replicas, or auto (resolve_batch)
     micro_batch_size: Any = "auto"  # sequences per micro-batch, or auto: global_batch_size / (num_micro_batches x data_parallel)
     num_micro_batches: Any = "auto"  # micro-batches per step N (an int), or auto (resolve_batch)
@@ -252,7 +254,12 @@ class TrainConfig:
     @property
     def num_workers(self) -> int:
         """Worker processes the run needs."""
-        return self.stages * self.data_parallel
+        return self.stages * self.data_parallel * self.sdp
+
+    @property
+    def data_replicas(self) -> int:
+        """Pipelines fed different data: data_parallel x sdp (sharded replicas see different data too)."""
+        return self.data_parallel * self.sdp
 
 
 def _fail(field_name: str, value: Any, fix: str) -> None:
@@ -345,12 +352,14 @@ def _accepts(method: str, stages: int, n: int, chimera_stacking: str = "direct")
 
 def resolve_batch(cfg: TrainConfig) -> None:
     """Fix ``global_batch_size`` (G), ``micro_batch_size`` (m) and ``num_micro_batches`` (N), with
-    G = m x N x data_parallel, replacing each ``auto``:
+    G = m x N x data_parallel x sdp, replacing each ``auto``:
 
     - N=auto is the method's smallest N (``num_micro_batches_for``), except that given G and m it is
       G / (m x data_parallel);
     - m=auto is G / (N x data_parallel);
-    - G=auto is m x N x data_parallel when m is given, else ``DEFAULT_GLOBAL_BATCH`` (16).
+    - G=auto is m x N x data_parallel when m is given, else ``DEFAULT_GLOBAL_BATCH`` (16);
+
+    here data_parallel stands for data_parallel x sdp: sharded replicas see different data too.
 
     So by default every method and stage count trains on the same 16 sequences per step (as
     Megatron's ``--global-batch-size`` fixes the batch and derives the micro-batch count).
@@ -361,6 +370,11 @@ def resolve_batch(cfg: TrainConfig) -> None:
     w = cfg.data_parallel
     if isinstance(w, bool) or not isinstance(w, int) or w < 1:
         _fail("data_parallel", w, "must be at least 1")
+    if isinstance(cfg.sdp, bool) or not isinstance(cfg.sdp, int) or cfg.sdp < 1:
+        _fail("sdp", cfg.sdp, "must be at least 1 (1 = no sharding)")
+    w *= cfg.sdp  # sharded replicas see different data, as data-parallel ones do
+    wn = "data_parallel" if cfg.sdp == 1 else "data_parallel x sdp"  # what w counts, in messages
+    ws = str(w) if cfg.sdp == 1 else f"({cfg.data_parallel} x {cfg.sdp})"
     g = _as_count("global_batch_size", cfg.global_batch_size, "sequences per optimizer step")
     m = _as_count("micro_batch_size", cfg.micro_batch_size, "sequences per micro-batch")
     n = _as_count("num_micro_batches", cfg.num_micro_batches, "micro-batches per step")
@@ -372,13 +386,13 @@ def resolve_batch(cfg: TrainConfig) -> None:
     if n is None:
         if derived_n:
             if g % (m * w):
-                _fail("global_batch_size", g, f"must be a multiple of micro_batch_size x data_parallel = {m * w}; "
+                _fail("global_batch_size", g, f"must be a multiple of micro_batch_size x {wn} = {m * w}; "
                       f"use global_batch_size={max(1, g // (m * w)) * m * w} or micro_batch_size=auto")
             n = g // (m * w)
             if not _accepts(method, stages, n, stacking):
                 _, why = micro_batch_rule(method, stages, stacking)  # type: ignore[misc]
                 _fail("global_batch_size", g, f"gives num_micro_batches={n} micro-batches of micro_batch_size={m} "
-                      f"x data_parallel={w}, but {why}; use global_batch_size="
+                      f"x {wn}={w}, but {why}; use global_batch_size="
                       f"{_nearest_ok(method, stages, n, stacking) * m * w} "
                       f"or a smaller micro_batch_size")
         else:
@@ -389,15 +403,15 @@ def resolve_batch(cfg: TrainConfig) -> None:
         shown: Any = g if g is not None else f"auto ({DEFAULT_GLOBAL_BATCH})"
         g = DEFAULT_GLOBAL_BATCH if g is None else g
         if g % (n * w):
-            _fail("global_batch_size", shown, f"must be a multiple of num_micro_batches x data_parallel = {n} x {w} "
+            _fail("global_batch_size", shown, f"must be a multiple of num_micro_batches x {wn} = {n} x {ws} "
                   f"= {n * w} to split into equal micro-batches; use global_batch_size={-(-g // (n * w)) * n * w} "
                   f"or give micro_batch_size")
         m = g // (n * w)
     elif g is None:
         g = m * n * w
     elif g != m * n * w:
-        _fail("global_batch_size", g, f"disagrees with micro_batch_size x num_micro_batches x data_parallel = "
-              f"{m} x {n} x {w} = {m * n * w}; set one of the three to auto (or global_batch_size={m * n * w})")
+        _fail("global_batch_size", g, f"disagrees with micro_batch_size x num_micro_batches x {wn} = "
+              f"{m} x {n} x {ws} = {m * n * w}; set one of the three to auto (or global_batch_size={m * n * w})")
     cfg.global_batch_size, cfg.micro_batch_size, cfg.num_micro_batches = g, m, n
 
 
@@ -520,7 +534,7 @@ def validate(cfg: TrainConfig) -> None:
               "pipeline=interleaved with stages=1 has no worker to pass its virtual stages' activations to "
               "(pipeline=interleaved sets num_virtual=2); use stages>=2 with num_micro_batches a multiple of it, "
               "or pipeline.num_virtual=1 (or pipeline=1f1b) for data parallelism alone")
-    if cfg.stages > 1 or cfg.data_parallel > 1:
+    if cfg.stages > 1 or cfg.data_replicas > 1:
         if method == "chimera":
             if cfg.stages % 2:
                 _fail("stages", cfg.stages,
@@ -624,6 +638,7 @@ def validate(cfg: TrainConfig) -> None:
     if o.name != "muon" and o.muon_momentum != OptimizerConfig.muon_momentum:
         log.warning("optimizer.muon_momentum has no effect unless optimizer=muon")
     _validate_checkpoint(cfg)
+    _validate_sdp(cfg)
     if cfg.data.kind == "hdf5":
         if not cfg.data.path:
             _fail("data.path", cfg.data.path, "data=hdf5 needs data.path=<shard file or directory>")
@@ -670,6 +685,40 @@ def _validate_eval(cfg: TrainConfig) -> None:
               f"eval.every_steps={e.every_steps} needs held-out shards, and data.path={d.path!r} has no heldout/ "
               f"folder beside it; set data.eval_path=<held-out shards>, or prepare the data again with "
               f"`{prepare}` (it writes <output-dir>/heldout/), or set eval.every_steps=0")
+
+
+SDP_OPTIMIZERS = ("nvlamb",)  # the optimizers built for sharded (DTensor) weights
+
+
+def _validate_sdp(cfg: TrainConfig) -> None:
+    """What sharded data parallel (``sdp`` > 1, FSDP2 inside the pipeline) runs today; each refusal
+    names what would be needed (issue 27)."""
+    k = cfg.sdp
+    if k == 1:
+        if cfg.sdp_reshard_after_forward:
+            log.warning("sdp_reshard_after_forward has no effect with sdp=1")
+        return
+    if cfg.optimizer.name in KFAC_OPTIMIZERS:
+        _fail("sdp", k, f"optimizer={cfg.optimizer.name} needs whole weights: K-FAC with sharded weights needs its "
+              "factors and preconditioning sharded too (not built); use optimizer=nvlamb or sdp=1")
+    if cfg.optimizer.name not in SDP_OPTIMIZERS:
+        _fail("sdp", k, f"optimizer={cfg.optimizer.name} is not built for sharded weights yet; use optimizer=nvlamb or sdp=1")
+    if cfg.sdp_reshard_after_forward and cfg.pipeline.method in ("zb-h1", "zb-v"):
+        _fail("sdp_reshard_after_forward", True, f"pipeline={cfg.pipeline.method}'s deferred weight gradients (W) "
+              "need the gathered weights after I; use sdp_reshard_after_forward=false")
+    if cfg.checkpoint.enabled or cfg.resume != "none":
+        field_name, value = (("resume", cfg.resume) if cfg.resume != "none" else
+                             ("checkpoint.every_steps", cfg.checkpoint.every_steps) if cfg.checkpoint.every_steps
+                             else ("checkpoint.every_minutes", cfg.checkpoint.every_minutes))
+        _fail(field_name, value, f"checkpoints of sharded runs (sdp={k}) need torch.distributed.checkpoint (not "
+              "built yet); use sdp=1, or leave checkpoints off")
+    if cfg.comm_ablation:
+        _fail("comm_ablation", True, f"FSDP's all-gathers and reduce-scatters (sdp={k}) cannot be ablated; use sdp=1")
+    if cfg.cluster.name == "slurm":
+        _fail("sdp", k, "the SLURM launcher counts stages x data_parallel tasks, not sdp yet; run sdp>1 locally")
+    if cfg.checkpoint.on_stop_after_s >= 0:  # no sharded checkpoint on Ctrl-C either
+        log.info("sdp=%d: no checkpoint on Ctrl-C/SIGTERM (sharded checkpoints are not built)", k)
+        cfg.checkpoint.on_stop_after_s = -1.0
 
 
 def _validate_checkpoint(cfg: TrainConfig) -> None:

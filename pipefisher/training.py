@@ -121,7 +121,7 @@ def data_plan(cfg: TrainConfig) -> dict[str, int]:
     return {
         "micro_batch_size": cfg.micro_batch_size,
         "num_micro_batches": cfg.num_micro_batches,
-        "dp_width": cfg.data_parallel,
+        "dp_width": cfg.data_replicas,  # sdp replicas see different data too
     }
 
 

@@ -13,9 +13,11 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from torch.distributed.tensor import DTensor
 
 from pipefisher.config import TrainConfig
 from pipefisher.runtime.worker import PipelineWorker
+from pipefisher.timeline import is_wait
 
 
 def _worker(rank: int, cases: list[tuple[TrainConfig, int]], out_dir: str) -> None:
@@ -34,12 +36,15 @@ def _worker(rank: int, cases: list[tuple[TrainConfig, int]], out_dir: str) -> No
                 if not out:
                     for (pipe, stage), m in w.modules.items():
                         for name, p in m.named_parameters():
-                            out[f"{pipe}/{stage}/{name}"] = p.grad.detach().clone()
+                            out[f"{pipe}/{stage}/{name}"] = _whole(p.grad).detach().clone()
 
             worker.before_optimizer_step.append(capture)
-            losses, factors = [], {}
+            losses, factors, events = [], {}, []
             for step in range(steps):
-                losses.append(worker.train_step(step)[0])
+                loss, result = worker.train_step(step)
+                losses.append(loss)
+                if step == 0:  # the first step's timeline: (name, kind, is a wait)
+                    events = [(e.name, e.kind, is_wait(e)) for e in result.events]
                 if step == 0 and worker.kfac is not None:  # K-FAC factors after the first refresh
                     for (pipe, stage), pre in worker.kfac.pre.items():
                         for name in pre.layer_names:
@@ -48,22 +53,28 @@ def _worker(rank: int, cases: list[tuple[TrainConfig, int]], out_dir: str) -> No
                                 continue
                             factors[f"{pipe}/{stage}/{name}/A"] = layer.a.clone()
                             factors[f"{pipe}/{stage}/{name}/B"] = layer.b.clone()
-            params = {f"{pipe}/{stage}/{name}": p.detach().clone()
+            params = {f"{pipe}/{stage}/{name}": _whole(p).detach().clone()
                       for (pipe, stage), m in worker.modules.items() for name, p in m.named_parameters()}
-            torch.save({"losses": losses, "grads": first_grads, "params": params, "factors": factors},
+            torch.save({"losses": losses, "grads": first_grads, "params": params, "factors": factors,
+                        "events": events},
                        Path(out_dir) / f"case{i}_rank{rank}.pt")
         finally:
             dist.destroy_process_group()
 
 
+def _whole(t: torch.Tensor) -> torch.Tensor:
+    """A sharded (sdp) tensor gathered whole (a collective over its shards' group), else ``t``."""
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
 def run_cases(cases: list[tuple[TrainConfig, int]], out_dir: Path) -> list[dict[int, dict]]:
-    """Run each (config, steps) case on its ``stages × data_parallel`` workers.
+    """Run each (config, steps) case on its ``stages × data_parallel × sdp`` workers.
 
     Returns:
         Per case, rank → {"losses": per-step [mlm, nsp], "grads": first step's synchronized
         (and, with K-FAC, preconditioned) gradients, "params": parameters after the last step,
         "factors": K-FAC factors after the first step ("pipe/stage/name/A|B")}, keyed
-        "pipe/stage/name".
+        "pipe/stage/name", and "events": the first step's timeline as (name, kind, is a wait).
     """
     max_world = max(cfg.num_workers for cfg, _ in cases)
     mp.start_processes(_worker, args=(cases, str(out_dir)), nprocs=max_world, join=True, start_method="spawn")

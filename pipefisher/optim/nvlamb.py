@@ -33,6 +33,11 @@ group takes no part in the global-norm clip; the runtime leaves it out of the gl
 
 The arithmetic runs in the parameter's dtype with ``torch._foreach_*`` kernels over buckets of
 tensors sharing a device and dtype; keep fp32 master weights for mixed precision.
+
+[Note: sharded parameters] Parameters sharded by FSDP2 (DTensors with ``Shard`` placements, issue 27)
+are bucketed apart by mesh and placement; their update runs on the local shards (Adam's moments are
+elementwise) and each trust ratio's two norms are summed over the mesh (one all-reduce per bucket), so
+the update equals the unsharded one. The caller passes the global gradient norm.
 """
 
 from __future__ import annotations
@@ -43,7 +48,9 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import Tensor, nn
+from torch.distributed.tensor import DTensor, Shard
 
 __all__ = [
     "NVLAMB",
@@ -108,8 +115,8 @@ def _clip_grads_in_place(params: list[Tensor], grad_norm: Tensor | float, max_gr
     """Scale the ``.grad`` of ``params`` by the global clip coefficient (for back ends that clip
     nothing themselves or only by their local norm)."""
     grads = [p.grad for p in params if p.grad is not None]
-    for (device, dtype), bucket in _buckets(grads).items():
-        torch._foreach_mul_(bucket, _clip_coefficient(grad_norm, max_grad_norm, device, dtype))
+    for (device, dtype, _), bucket in _buckets(grads).items():
+        torch._foreach_mul_([_local(g) for g in bucket], _clip_coefficient(grad_norm, max_grad_norm, device, dtype))
 
 
 def _unique(params: Iterable[Tensor]) -> list[Tensor]:
@@ -124,11 +131,44 @@ def _unique(params: Iterable[Tensor]) -> list[Tensor]:
 
 
 def _buckets(tensors: list[Tensor]) -> dict[tuple[torch.device, torch.dtype], list[Tensor]]:
-    """Group tensors by (device, dtype) so each ``_foreach`` call can use one fused kernel."""
-    out: dict[tuple[torch.device, torch.dtype], list[Tensor]] = {}
+    """Group tensors by (device, dtype) so each ``_foreach`` call can use one fused kernel, and
+    DTensors apart by mesh and placement ([Note: sharded parameters])."""
+    out: dict[tuple[Any, ...], list[Tensor]] = {}
     for t in tensors:
-        out.setdefault((t.device, t.dtype), []).append(t)
+        layout = (id(t.device_mesh), t.placements) if isinstance(t, DTensor) else None
+        out.setdefault((t.device, t.dtype, layout), []).append(t)
     return out
+
+
+def _local(t: Tensor) -> Tensor:
+    """The local shard of a DTensor (writes change it), else ``t``."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _shard_group(t: Tensor) -> Any:
+    """The process group over which a sharded tensor's norms are summed; None for a plain tensor.
+
+    Raises:
+        NotImplementedError: a placement other than ``Shard`` on a 1-D mesh (replicated parts would
+            be counted more than once).
+    """
+    if not isinstance(t, DTensor):
+        return None
+    if t.device_mesh.ndim != 1 or not all(isinstance(p, Shard) for p in t.placements):
+        raise NotImplementedError(f"NVLAMB: DTensor placements {t.placements} on a {t.device_mesh.ndim}-D mesh; "
+                                  "only FSDP's Shard on one mesh dimension is supported")
+    return t.device_mesh.get_group()
+
+
+def _norm_pairs(a: list[Tensor], b: list[Tensor], group: Any) -> tuple[Tensor, Tensor]:
+    """Per-tensor L2 norms of ``a`` and of ``b``, stacked; of the whole tensors when they are shards
+    over ``group`` (one all-reduce of the squares)."""
+    norms = torch.stack(torch._foreach_norm([*a, *b]))
+    if group is not None:
+        sq = norms.pow(2)
+        dist.all_reduce(sq, group=group)
+        norms = sq.sqrt()
+    return norms[:len(a)], norms[len(a):]
 
 
 def is_no_decay(name: str) -> bool:
@@ -322,7 +362,7 @@ class NVLAMB(torch.optim.Optimizer):
         params = [p for p in group["params"] if p.grad is not None]
         if not params:
             return
-        for (device, _dtype), bucket in _buckets(params).items():
+        for (device, _dtype, _), bucket in _buckets(params).items():
             if group.get("rule", "lamb") == "momentum":
                 self._momentum_bucket(group, bucket)
             else:
@@ -371,10 +411,12 @@ class NVLAMB(torch.optim.Optimizer):
                 state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                 state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
             state["step"] += 1
-            grads.append(p.grad)
-            exp_avgs.append(state["exp_avg"])
-            exp_avg_sqs.append(state["exp_avg_sq"])
+            grads.append(_local(p.grad))
+            exp_avgs.append(_local(state["exp_avg"]))
+            exp_avg_sqs.append(_local(state["exp_avg_sq"]))
             steps.append(state["step"])
+        shards = _shard_group(params[0])  # sharded parameters: [Note: sharded parameters]
+        params = [_local(p) for p in params]
 
         if grad_norm is not None:
             # A scaled copy: the caller's .grad stays as it was (K-FAC or logging may read it).
@@ -402,8 +444,7 @@ class NVLAMB(torch.optim.Optimizer):
 
         # Per-tensor trust ratio ‖w‖ / ‖u‖, 1 where either norm is 0; computed on the device.
         if wd != 0.0 or group["use_nvlamb"]:
-            w_norm = torch.stack(torch._foreach_norm(params))
-            u_norm = torch.stack(torch._foreach_norm(updates))
+            w_norm, u_norm = _norm_pairs(params, updates, shards)
             ratio = torch.where(
                 (w_norm > 0) & (u_norm > 0), w_norm / u_norm, torch.ones_like(w_norm)
             )

@@ -60,19 +60,29 @@ def build_stage_modules(cfg: TrainConfig, schedule: Schedule, rank: int) -> dict
     return modules
 
 
-def new_groups(schedule: Schedule, rank: int) -> tuple[dict[int, Any], Any]:
-    """Gradient groups per stage and the tied-weight group; every rank creates all, in one order."""
+def new_groups(schedule: Schedule, rank: int, sdp: int = 1) -> tuple[dict[int, Any], Any]:
+    """Gradient groups per stage and the tied-weight group; every rank creates all, in one order.
+
+    With ``sdp`` > 1 the groups join the workers holding the same shard (the same sdp index, see
+    ``runtime.sharding``): one set of groups per sdp index."""
     placement = schedule.placement
     groups: dict[int, Any] = {}
-    for s in range(schedule.num_stages):
-        ranks = placement.replicas_of_stage(s)
-        g = dist.new_group(ranks) if len(ranks) > 1 else None
-        groups[s] = g if rank in ranks else None
     tied_group = None
-    if schedule.num_stages > 1:
-        holders = sorted(set(placement.replicas_of_stage(0)) | set(placement.replicas_of_stage(schedule.num_stages - 1)))
-        g = dist.new_group(holders)
-        tied_group = g if rank in holders else None
+    for i in range(sdp):
+        def holders_of(stage: int) -> set[int]:
+            return {w for w in placement.replicas_of_stage(stage) if placement.dp_group_of(w) % sdp == i}
+
+        for s in range(schedule.num_stages):
+            ranks = sorted(holders_of(s))
+            g = dist.new_group(ranks) if len(ranks) > 1 else None
+            if rank in ranks:
+                groups[s] = g
+            else:
+                groups.setdefault(s, None)
+        if schedule.num_stages > 1:
+            holders = sorted(holders_of(0) | holders_of(schedule.num_stages - 1))
+            g = dist.new_group(holders)
+            tied_group = g if rank in holders else tied_group
     return groups, tied_group
 
 
@@ -84,10 +94,11 @@ def tied_params(modules: dict[StageKey, BertStage], num_stages: int) -> list[nn.
     return out
 
 
-def norm_params(modules: dict[StageKey, BertStage], schedule: Schedule, rank: int) -> list[nn.Parameter]:
+def norm_params(modules: dict[StageKey, BertStage], schedule: Schedule, rank: int, sdp: int = 1) -> list[nn.Parameter]:
     """Parameters this rank counts in the global gradient norm: one replica of each stage
-    (data-parallel group 0, pipe 0) and the tied weight only on the first stage."""
-    mine = {(p, s) for dp, p, s in schedule.placement.stages_of(rank) if dp == 0 and p == 0}
+    (data-parallel group 0, pipe 0; with ``sdp`` > 1 the shards of the first block) and the tied
+    weight only on the first stage."""
+    mine = {(p, s) for dp, p, s in schedule.placement.stages_of(rank) if dp < sdp and p == 0}
     params = []
     for (pipe, stage), m in modules.items():
         if (pipe, stage) not in mine:
@@ -194,7 +205,7 @@ def run_shape(cfg: TrainConfig) -> RunShape:
         stages=cfg.stages,
         num_micro_batches=cfg.num_micro_batches,
         micro_batch_size=cfg.micro_batch_size,
-        dp_width=cfg.data_parallel,
+        dp_width=cfg.data_replicas,
         num_virtual=cfg.pipeline.num_virtual,
         seq_len=cfg.data.seq_len,
         max_predictions=cfg.data.max_predictions,
@@ -223,8 +234,9 @@ def seed_worker_rngs(seed: int, rank: int) -> None:
 def check_world_size(cfg: TrainConfig, world_size: int) -> None:
     """Raise ValueError when ``world_size`` processes cannot run ``cfg``'s pipeline."""
     if world_size != cfg.num_workers:
+        sdp = f" x sdp={cfg.sdp}" if cfg.sdp > 1 else ""
         raise ValueError(
             f"world size {world_size} does not fit stages={cfg.stages} x data_parallel="
-            f"{cfg.data_parallel} = {cfg.num_workers} workers; start {cfg.num_workers} processes"
+            f"{cfg.data_parallel}{sdp} = {cfg.num_workers} workers; start {cfg.num_workers} processes"
             " (e.g. SLURM tasks) or change stages/data_parallel"
         )

@@ -71,6 +71,7 @@ from torch import nn
 
 from pipefisher.model.rng import dropout_key
 from pipefisher.runtime.kfac_work import KfacWork, StageKey
+from pipefisher.runtime.sharding import ShardedStages, local
 from pipefisher.runtime.split_backward import WeightGradStore, apply_weight_grads, deferring, enable_split_backward
 from pipefisher.runtime.step_clock import StepClock
 from pipefisher.schedules.ir import Action, ActionKind, Schedule
@@ -181,6 +182,8 @@ class WorkerExecutor:
         cuda_timing: on CUDA, ``events`` (CUDA events read at the end of the step; training) or
             ``sync`` (a stream synchronization after each action; profiles); see
             ``pipefisher.runtime.step_clock`` [Note: timing on a GPU]. Ignored on CPU.
+        sdp: the FSDP2-sharded stage replicas (``sdp`` > 1; ``runtime.sharding``): gathered at step
+            start or before each F/B (recorded as waits), reduce-scattered at SYNC_GRAD.
     """
 
     def __init__(
@@ -197,6 +200,7 @@ class WorkerExecutor:
         autocast: Callable[[], object],
         kfac: KfacWork | None = None,
         cuda_timing: str = "events",
+        sdp: ShardedStages | None = None,
     ) -> None:
         self.clock = StepClock(cuda_timing if comm.device.type == "cuda" else "cpu")
         self.phases: list[Schedule] = [schedule] if isinstance(schedule, Schedule) else list(schedule)
@@ -211,6 +215,7 @@ class WorkerExecutor:
         self.optimizer_step = optimizer_step
         self.loss_scale = loss_scale
         self.autocast = autocast
+        self.sdp = sdp
         self.eager_recv = dist.get_backend() != "nccl"
         # This replica's micro-batch j is number offset + j of the global batch: [Note: dropout].
         self.micro_batch_offset = self.schedule.placement.dp_group_of(rank) * self.schedule.num_micro_batches
@@ -254,9 +259,18 @@ class WorkerExecutor:
         if self.eager_recv:
             st.recvs = {a: post_recv(a, self.comm, self.schedule) for a in actions if a.kind in (ActionKind.RECV_F, ActionKind.RECV_B)}
         marks: list[tuple[str, str, object, object]] = []  # (name, kind, start, end): Events after the step
+        if self.sdp is not None:  # FSDP's all-gathers are waits: [Note: sdp inside the pipeline]
+            start = clock.mark()
+            if self.sdp.begin_step():
+                first = next((a for a in actions if a.kind.is_compute), actions[0])
+                marks.append((str(first), ActionKind.SYNC_GRAD.value, start, clock.mark(settle=True)))
         for a in actions:
             start = clock.mark()
             k = a.kind
+            if self.sdp is not None and k.is_compute and k != ActionKind.BACKWARD_WEIGHT \
+                    and self.sdp.gather_for((a.pipe, a.stage)):
+                start, waited_until = clock.mark(settle=True), start
+                marks.append((str(a), ActionKind.SYNC_GRAD.value, waited_until, start))
             if k in _WAITS_FOR:  # the wait first, as an event of its own: [Note: waits are not compute]
                 collective = _WAITS_FOR[k].value
                 with self._nvtx(collective if cuda else None):
@@ -342,6 +356,8 @@ class WorkerExecutor:
         apply_weight_grads(st.deferred.pop((a.pipe, a.stage, a.micro_batch)))
 
     def _sync_grad(self, a: Action, st: _StepState) -> None:
+        if self.sdp is not None:  # the reduce-scatter over the sdp group, then the rest over data_parallel
+            self.sdp.reduce((a.pipe, a.stage))
         group = self.grad_groups.get(a.stage)
         if group is None:
             return
@@ -404,7 +420,7 @@ class WorkerExecutor:
             waited = True
             if params:
                 for p, synced in zip(params, torch._utils._unflatten_dense_tensors(flat, [_grad(p) for p in params])):
-                    p.grad.copy_(synced)
+                    _grad(p).copy_(synced)
         if key is not None:
             return waited
         if self.tied is not None:
@@ -418,11 +434,13 @@ class WorkerExecutor:
                 total = torch.stack([_grad(p) for p in params]).sum(0)
                 dist.all_reduce(total, group=group)
                 for p in params:
-                    p.grad.copy_(total)
+                    _grad(p).copy_(total)
         return waited
 
 
 def _grad(p: nn.Parameter) -> torch.Tensor:
-    if p.grad is None:  # a parameter this step did not reach still takes part in the all-reduce
+    """``p``'s gradient (its local shard under sdp), created as zeros where this step did not reach
+    ``p``: it still takes part in the all-reduce."""
+    if p.grad is None:
         p.grad = torch.zeros_like(p)
-    return p.grad
+    return local(p.grad)

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from pipefisher.runtime.sharding import full_state_dict
 from pipefisher.runtime.state import to_cpu
 from pipefisher.training import save_final_weights as write_final
 
@@ -31,10 +32,12 @@ def save_final_weights(worker: Any, output_dir: str | os.PathLike, step: int) ->
     Returns:
         The folder on rank 0, None on the other ranks.
     """
-    owned = {(pipe, stage) for dp, pipe, stage in worker.schedule.placement.stages_of(worker.rank)
-             if dp == 0 and pipe == 0}
-    mine: dict[int, dict[str, torch.Tensor]] = {
-        stage: to_cpu(m.state_dict()) for (pipe, stage), m in worker.modules.items() if (pipe, stage) in owned}
+    sdp = worker.cfg.sdp  # the sdp peers of replica group 0 gather its shards together (a collective)
+    placed = worker.schedule.placement.stages_of(worker.rank)
+    owned = {(pipe, stage) for dp, pipe, stage in placed if dp == 0 and pipe == 0}
+    gather = sorted((pipe, stage) for dp, pipe, stage in placed if dp < sdp and pipe == 0)
+    states = {key: to_cpu(full_state_dict(worker.modules[key])) for key in gather}
+    mine: dict[int, dict[str, torch.Tensor]] = {stage: states[(pipe, stage)] for pipe, stage in sorted(owned)}
     gathered: list[Any] | None = [None] * worker.world_size if worker.rank == 0 else None
     dist.gather_object(mine, gathered, dst=0)
     if worker.rank != 0:

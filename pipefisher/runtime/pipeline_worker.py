@@ -7,6 +7,7 @@ preemption, evaluation, profile) is ``pipefisher.runtime.worker.train_worker``.
 
 from __future__ import annotations
 
+import datetime
 import logging
 import math
 from collections.abc import Callable
@@ -29,6 +30,7 @@ from pipefisher.runtime.executor import CommSpec, StepResult, WorkerExecutor
 from pipefisher.runtime.init_weights import load_initial_weights
 from pipefisher.runtime.faults import fault_here, inject_fault, poison_outputs
 from pipefisher.runtime.kfac_work import KfacWork
+from pipefisher.runtime.sharding import local, sdp_groups, shard_stages
 from pipefisher.runtime.state import (capture_rng_state, kfac_state, load_kfac_state, load_module_states,
                                       load_optimizer_state, module_key, optimizer_state, restore_rng_state, to_cpu)
 from pipefisher.schedules.kfac import Assignment
@@ -56,14 +58,18 @@ class PipelineWorker:
             load_initial_weights(cfg, self.modules, log_here=rank == 0)
         for m in self.modules.values():
             m.to(device).train()
-        grad_groups, tied_group = new_groups(self.schedule, rank)
+        grad_groups, tied_group = new_groups(self.schedule, rank, cfg.sdp)
+        self.sdp = None  # sharded data parallel: before anything holds a parameter (fully_shard replaces them)
+        if cfg.sdp > 1:
+            groups = sdp_groups(self.schedule, cfg.sdp, rank, datetime.timedelta(seconds=cfg.cluster.worker_timeout_s))
+            self.sdp = shard_stages(self.modules, groups, cfg.sdp_reshard_after_forward, device.type)
         tied = (tied_params(self.modules, self.schedule.num_stages), tied_group) if tied_group is not None else None
         named = [(f"{pipe}.{stage}.{n}", p) for (pipe, stage), m in sorted(self.modules.items())
                  for n, p in m.named_parameters()]
         self.optimizer, self.scheduler = make_optimizer(cfg, named, device)
-        self._norm_params = norm_params(self.modules, self.schedule, rank)
+        self._norm_params = norm_params(self.modules, self.schedule, rank, cfg.sdp)
         self.before_optimizer_step: list[Callable[[], None]] = []
-        loss_scale = 1.0 / (cfg.num_micro_batches * cfg.data_parallel)
+        loss_scale = 1.0 / (cfg.num_micro_batches * cfg.data_replicas)
         self.assignment: Assignment | None = None
         self.kfac: KfacWork | None = None
         if cfg.optimizer.name in KFAC_OPTIMIZERS:
@@ -91,6 +97,7 @@ class PipelineWorker:
             autocast=lambda: autocast_context(cfg, device),
             kfac=self.kfac,
             cuda_timing="sync" if cfg.profile.enabled else "events",  # [Note: timing on a GPU]
+            sdp=self.sdp,
         )
         if device.type == "cuda":
             mark_rank(rank)  # an nsys capture maps this process to its rank (issue 15)
@@ -186,8 +193,8 @@ class PipelineWorker:
                 continue
             if id(p) in raw:
                 sq += raw[id(p)]
-            elif p.grad is not None:
-                sq += p.grad.detach().float().pow(2).sum()
+            elif p.grad is not None:  # under sdp the local shard: the all-reduce counts every shard once
+                sq += local(p.grad).detach().float().pow(2).sum()
         dist.all_reduce(sq)
         return sq.sqrt()
 
@@ -250,7 +257,7 @@ class PipelineWorker:
         totals = torch.cat([result.loss_sum.float(), torch.tensor([stop], device=result.loss_sum.device)])
         dist.all_reduce(totals)
         self.stop_agreed = bool(totals[2].item() > 0)
-        losses = (totals[:2] / (self.cfg.num_micro_batches * self.cfg.data_parallel)).tolist()
+        losses = (totals[:2] / (self.cfg.num_micro_batches * self.cfg.data_replicas)).tolist()
         if self.kfac is not None:  # the oldest curvature any worker used this step (-1: none yet)
             age = self.kfac.curvature_age()
             oldest = torch.tensor([-1 if age is None else age], device=result.loss_sum.device)

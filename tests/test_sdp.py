@@ -1,0 +1,165 @@
+"""Sharded data parallel inside the pipeline (``sdp``, FSDP2; issue 27) gives single-process training.
+
+Like ``test_pipeline_equivalence``: the reference is an independent plain loop over the same
+micro-batches with the loss scaled by 1/(N·data_parallel·sdp) (first-step loss and every gradient),
+and ``train_single_process`` with N·data_parallel·sdp micro-batches for the parameters after 5 NVLAMB
+steps. The clip threshold is set below the first gradient norm so that the global norm over sharded
+gradients decides the update. Each case also covers one of issue 27's traps: split backward (zb-h1:
+the reduce after the last W), Chimera's two replicas per worker, data_parallel beside sdp (the
+all-reduce of local shards), the tied weight across stages, reshard_after_forward.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+import torch
+
+from pipefisher.config import ConfigError, TrainConfig
+from pipefisher.data import get_micro_batch
+from pipefisher.model import build_full_model
+from pipefisher.training import bert_config, data_plan, data_source, train_single_process
+from tests.conftest import compose_train
+from tests.dist_harness import run_cases
+
+MODEL = ["model.num_layers=4", "model.hidden_size=32", "model.num_heads=2", "model.vocab_size=128",
+         "data.seq_len=16", "data.max_predictions=3", "micro_batch_size=2", "lr=0.01", "steps=5",
+         "optimizer.max_grad_norm=0.05"]
+WORD = "bert.embeddings.word_embeddings.weight"
+DECODER = "cls.predictions.decoder.weight"
+STEPS = 5
+
+# (method, stages, micro-batches, data_parallel, sdp, reshard_after_forward): at most 4 processes.
+CASES = [
+    ("gpipe", 1, 2, 1, 2, False),  # python train.py stages=1 sdp=2
+    ("1f1b", 2, 4, 1, 2, False),  # tied weight across stages, sharded alike
+    ("zb-h1", 2, 4, 1, 2, False),  # split backward: reduce after the last W, not the last I
+    ("chimera", 2, 4, 1, 2, False),  # two stage replicas per worker, each with its own sdp group
+    ("gpipe", 1, 2, 2, 2, False),  # data_parallel beside sdp: local shards all-reduced
+    ("1f1b", 2, 4, 1, 2, True),  # reshard after every forward, gathered again for its backward
+]
+IDS = [f"{m}-D{d}-N{n}-W{w}-sdp{k}" + ("-reshard" if r else "") for m, d, n, w, k, r in CASES]
+
+
+def _cfg(method: str, d: int, n: int, w: int, k: int, reshard: bool) -> TrainConfig:
+    return compose_train(MODEL + [f"pipeline={method}", f"stages={d}", f"num_micro_batches={n}",
+                                  f"data_parallel={w}", f"sdp={k}", f"sdp_reshard_after_forward={str(reshard).lower()}"])
+
+
+def _reference_grads(cfg: TrainConfig) -> tuple[list[float], dict[str, torch.Tensor]]:
+    model = build_full_model(bert_config(cfg), seed=cfg.seed)
+    source, plan = data_source(cfg), data_plan(cfg)
+    total = torch.zeros(2)
+    scale = 1.0 / (cfg.num_micro_batches * cfg.data_replicas)
+    for dp in range(cfg.data_replicas):
+        for j in range(cfg.num_micro_batches):
+            losses = model(None, get_micro_batch(source, 0, j, dp, **plan))
+            (losses.sum() * scale).backward()
+            total += losses.detach() * scale
+    return total.tolist(), {n: p.grad for n, p in model.named_parameters()}
+
+
+def _reference_params(cfg: TrainConfig) -> tuple[dict[str, torch.Tensor], float]:
+    single = dataclasses.replace(cfg, stages=1, data_parallel=1, sdp=1, sdp_reshard_after_forward=False,
+                                 num_micro_batches=cfg.num_micro_batches * cfg.data_replicas,
+                                 pipeline=dataclasses.replace(cfg.pipeline, method="gpipe"))
+    model = build_full_model(bert_config(single), seed=single.seed)
+    last = train_single_process(single, output_dir=None, model=model)
+    return {n: p.detach() for n, p in model.named_parameters()}, last["loss"]
+
+
+def _by_name(results: dict[int, dict], key: str) -> list[tuple[str, torch.Tensor]]:
+    return [(k.split("/", 2)[2], t) for r in sorted(results) for k, t in results[r][key].items()]
+
+
+@pytest.fixture(scope="module")
+def sdp_results(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple, dict[int, dict]]:
+    results = run_cases([(_cfg(*c), STEPS) for c in CASES], tmp_path_factory.mktemp("sdp"))
+    return dict(zip(CASES, results))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", CASES, ids=IDS)
+def test_sdp_first_step_loss_and_every_gradient_equal_single_process(case, sdp_results) -> None:
+    cfg = _cfg(*case)
+    ref_loss, ref_grads = _reference_grads(cfg)
+    norm = torch.linalg.vector_norm(torch.stack([g.norm() for g in ref_grads.values()]))
+    assert norm > cfg.optimizer.max_grad_norm, "the clip must be active for the global norm to matter"
+    results = sdp_results[case]
+    assert len(results) == cfg.stages * cfg.data_parallel * cfg.sdp
+    for res in results.values():  # every rank reports the step's global loss
+        torch.testing.assert_close(torch.tensor(res["losses"][0]), torch.tensor(ref_loss), rtol=1e-5, atol=1e-6)
+    seen = set()
+    for name, grad in _by_name(results, "grads"):  # gathered whole from the shards
+        expected = ref_grads[WORD if name == DECODER else name]  # the tied weight: sum of both uses
+        torch.testing.assert_close(grad, expected, rtol=1e-5, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
+        seen.add(WORD if name == DECODER else name)
+    assert seen == set(ref_grads), f"parameters missing: {set(ref_grads) - seen}"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", CASES, ids=IDS)
+def test_sdp_parameters_after_five_nvlamb_steps_equal_single_process(case, sdp_results) -> None:
+    cfg = _cfg(*case)
+    ref_params, ref_last_loss = _reference_params(cfg)
+    results = sdp_results[case]
+    assert sum(results[0]["losses"][-1]) == pytest.approx(ref_last_loss, rel=1e-5)
+    for name, value in _by_name(results, "params"):
+        torch.testing.assert_close(value, ref_params[WORD if name == DECODER else name], rtol=1e-5, atol=1e-6,
+                                   msg=lambda m, n=name: f"{n}: {m}")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", CASES, ids=IDS)
+def test_sdp_all_gathers_are_recorded_as_waits_not_compute(case, sdp_results) -> None:
+    events = sdp_results[case][0]["events"]
+    name, kind, wait = events[0]  # the step's gather of every stage replica comes first
+    assert kind == "SYNC_GRAD" and wait, events[:3]
+    if case[-1]:  # reshard after forward: every F and B is preceded by its own gather
+        computes = [e for e in events if e[1] in ("F", "B")]
+        gathers = [e for e in events if e[2] and e[0] in {c[0] for c in computes}]
+        assert len(gathers) == len(computes), events
+
+
+def test_sdp_counts_in_the_batch_and_the_world() -> None:
+    cfg = compose_train(MODEL[:-3] + ["pipeline=1f1b", "stages=2", "sdp=2", "global_batch_size=16", "num_micro_batches=2",
+                                         "micro_batch_size=auto"])
+    assert (cfg.num_workers, cfg.data_replicas, cfg.micro_batch_size) == (4, 2, 4)  # 16 = 4 x 2 x (1 x 2)
+    cfg = compose_train(MODEL[:-3] + ["stages=1", "data_parallel=2", "sdp=2", "micro_batch_size=2", "num_micro_batches=1"])
+    assert (cfg.num_workers, cfg.global_batch_size) == (4, 8)
+    with pytest.raises(ConfigError, match=r"^global_batch_size=10: .*data_parallel x sdp = 2 x \(1 x 2\) = 4"):
+        compose_train(MODEL[:-3] + ["sdp=2", "global_batch_size=10", "num_micro_batches=2", "micro_batch_size=auto"])
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["sdp=0"], r"^sdp=0: must be at least 1"),
+    (["sdp=2", "optimizer=kfac"], r"^sdp=2: optimizer=kfac needs whole weights: .*factors and preconditioning sharded"),
+    (["sdp=2", "optimizer=pipefisher"], r"^sdp=2: optimizer=pipefisher needs whole weights"),
+    (["sdp=2", "optimizer=muon"], r"^sdp=2: optimizer=muon is not built for sharded weights"),
+    (["sdp=2", "checkpoint.every_steps=2"], r"^checkpoint.every_steps=2: checkpoints of sharded runs .*torch.distributed.checkpoint"),
+    (["sdp=2", "stages=2", "pipeline=zb-h1", "sdp_reshard_after_forward=true"],
+     r"^sdp_reshard_after_forward=True: pipeline=zb-h1's deferred weight gradients"),
+    (["sdp=2", "comm_ablation=true"], r"^comm_ablation=True: FSDP's all-gathers"),
+])
+def test_sdp_refusals_name_the_field_and_the_fix(overrides, message) -> None:
+    with pytest.raises(ConfigError, match=message) as err:
+        compose_train(MODEL[:-3] + overrides)
+    assert "\n" not in str(err.value)
+
+
+def test_sdp_run_writes_no_checkpoint_on_a_signal() -> None:
+    cfg = compose_train(MODEL[:-3] + ["sdp=2"])
+    assert cfg.checkpoint.on_stop_after_s < 0 and not cfg.checkpoint.enabled
+
+
+@pytest.mark.slow
+def test_train_py_stages1_sdp2_gives_the_single_process_losses(tmp_path: Path) -> None:
+    from pipefisher.launch.local import run_training  # what train.py calls
+
+    common = MODEL[:-3] + ["steps=3", "save_final=true", "wandb.mode=disabled", "progress=false"]
+    sharded = run_training(compose_train(common + ["sdp=2", "num_micro_batches=1"]), tmp_path / "sdp")
+    single = run_training(compose_train(common + ["num_micro_batches=2"]), tmp_path / "single")
+    assert sharded["loss"] == pytest.approx(single["loss"], rel=1e-5)
+    assert (tmp_path / "sdp" / "final" / "model.safetensors").exists()  # gathered whole from the shards
