@@ -712,6 +712,9 @@ def _validate_sdp(cfg: TrainConfig) -> None:
                              else ("checkpoint.every_minutes", cfg.checkpoint.every_minutes))
         _fail(field_name, value, f"checkpoints of sharded runs (sdp={k}) need torch.distributed.checkpoint (not "
               "built yet); use sdp=1, or leave checkpoints off")
+    if cfg.eval.every_steps:
+        _fail("eval.every_steps", cfg.eval.every_steps, f"held-out evaluation calls the stages outside FSDP's forward "
+              f"hooks (not built for sdp={k}: the shards need gathering around it); use eval.every_steps=0 or sdp=1")
     if cfg.comm_ablation:
         _fail("comm_ablation", True, f"FSDP's all-gathers and reduce-scatters (sdp={k}) cannot be ablated; use sdp=1")
     if cfg.cluster.name == "slurm":

@@ -31,21 +31,23 @@ WORD = "bert.embeddings.word_embeddings.weight"
 DECODER = "cls.predictions.decoder.weight"
 STEPS = 5
 
-# (method, stages, micro-batches, data_parallel, sdp, reshard_after_forward): at most 4 processes.
+# (method, stages, micro-batches, data_parallel, sdp, reshard_after_forward, recompute): <= 4 processes.
 CASES = [
-    ("gpipe", 1, 2, 1, 2, False),  # python train.py stages=1 sdp=2
-    ("1f1b", 2, 4, 1, 2, False),  # tied weight across stages, sharded alike
-    ("zb-h1", 2, 4, 1, 2, False),  # split backward: reduce after the last W, not the last I
-    ("chimera", 2, 4, 1, 2, False),  # two stage replicas per worker, each with its own sdp group
-    ("gpipe", 1, 2, 2, 2, False),  # data_parallel beside sdp: local shards all-reduced
-    ("1f1b", 2, 4, 1, 2, True),  # reshard after every forward, gathered again for its backward
+    ("gpipe", 1, 2, 1, 2, False, False),  # python train.py stages=1 sdp=2
+    ("1f1b", 2, 4, 1, 2, False, False),  # tied weight across stages, sharded alike
+    ("zb-h1", 2, 4, 1, 2, False, False),  # split backward: reduce after the last W, not the last I
+    ("chimera", 2, 4, 1, 2, False, False),  # two stage replicas per worker, each with its own sdp group
+    ("gpipe", 1, 2, 2, 2, False, True),  # data_parallel beside sdp: local shards all-reduced; recompute
+    ("1f1b", 2, 4, 1, 2, True, False),  # reshard after every forward, gathered again for its backward
 ]
-IDS = [f"{m}-D{d}-N{n}-W{w}-sdp{k}" + ("-reshard" if r else "") for m, d, n, w, k, r in CASES]
+IDS = [f"{m}-D{d}-N{n}-W{w}-sdp{k}" + ("-reshard" if r else "") + ("-recompute" if c else "")
+       for m, d, n, w, k, r, c in CASES]
 
 
-def _cfg(method: str, d: int, n: int, w: int, k: int, reshard: bool) -> TrainConfig:
+def _cfg(method: str, d: int, n: int, w: int, k: int, reshard: bool, recompute: bool) -> TrainConfig:
     return compose_train(MODEL + [f"pipeline={method}", f"stages={d}", f"num_micro_batches={n}",
-                                  f"data_parallel={w}", f"sdp={k}", f"sdp_reshard_after_forward={str(reshard).lower()}"])
+                                  f"data_parallel={w}", f"sdp={k}", f"sdp_reshard_after_forward={str(reshard).lower()}",
+                                  f"recompute={str(recompute).lower()}"])
 
 
 def _reference_grads(cfg: TrainConfig) -> tuple[list[float], dict[str, torch.Tensor]]:
@@ -62,7 +64,7 @@ def _reference_grads(cfg: TrainConfig) -> tuple[list[float], dict[str, torch.Ten
 
 
 def _reference_params(cfg: TrainConfig) -> tuple[dict[str, torch.Tensor], float]:
-    single = dataclasses.replace(cfg, stages=1, data_parallel=1, sdp=1, sdp_reshard_after_forward=False,
+    single = dataclasses.replace(cfg, stages=1, data_parallel=1, sdp=1, sdp_reshard_after_forward=False, recompute=False,
                                  num_micro_batches=cfg.num_micro_batches * cfg.data_replicas,
                                  pipeline=dataclasses.replace(cfg.pipeline, method="gpipe"))
     model = build_full_model(bert_config(single), seed=single.seed)
@@ -117,7 +119,7 @@ def test_sdp_all_gathers_are_recorded_as_waits_not_compute(case, sdp_results) ->
     events = sdp_results[case][0]["events"]
     name, kind, wait = events[0]  # the step's gather of every stage replica comes first
     assert kind == "SYNC_GRAD" and wait, events[:3]
-    if case[-1]:  # reshard after forward: every F and B is preceded by its own gather
+    if case[5]:  # reshard after forward: every F and B is preceded by its own gather
         computes = [e for e in events if e[1] in ("F", "B")]
         gathers = [e for e in events if e[2] and e[0] in {c[0] for c in computes}]
         assert len(gathers) == len(computes), events
@@ -142,11 +144,38 @@ def test_sdp_counts_in_the_batch_and_the_world() -> None:
     (["sdp=2", "stages=2", "pipeline=zb-h1", "sdp_reshard_after_forward=true"],
      r"^sdp_reshard_after_forward=True: pipeline=zb-h1's deferred weight gradients"),
     (["sdp=2", "comm_ablation=true"], r"^comm_ablation=True: FSDP's all-gathers"),
+    (["sdp=2", "resume=auto"], r"^resume='auto': checkpoints of sharded runs"),
+    (["sdp=2", "eval.every_steps=5"], r"^eval.every_steps=5: held-out evaluation .*not built for sdp=2"),
+    (["sdp=2", "cluster=slurm", "device=cpu"], r"^sdp=2: the SLURM launcher counts stages x data_parallel tasks"),
 ])
 def test_sdp_refusals_name_the_field_and_the_fix(overrides, message) -> None:
     with pytest.raises(ConfigError, match=message) as err:
         compose_train(MODEL[:-3] + overrides)
     assert "\n" not in str(err.value)
+
+
+def test_every_fsdp_module_sums_without_premul_and_divides_by_one() -> None:
+    """gloo has no PREMUL_SUM, and neither setting recurses: set on the root only, the gradients are
+    silently wrong (issue 27); every FSDP module of a stage carries both."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import FSDPModule, fully_shard
+
+    from pipefisher.model import BertStage
+    from pipefisher.runtime.sharding import shard_stages
+
+    cfg = compose_train(MODEL[:-3])
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        stage = BertStage(bert_config(cfg), 0, cfg.model.num_layers + 1, seed=0)
+        fully_shard(stage.bert.encoder.layer["0"])  # a nested unit, as per-layer sharding would make
+        shard_stages({(0, 0): stage}, {(0, 0): dist.group.WORLD}, reshard_after_forward=False, device_type="cpu")
+        units = [m for m in stage.modules() if isinstance(m, FSDPModule)]
+        assert len(units) == 2
+        for unit in units:
+            for group in fully_shard.state(unit)._fsdp_param_groups:
+                assert group.gradient_divide_factor == 1.0 and group.force_sum_reduction_for_comms
+    finally:
+        dist.destroy_process_group()
 
 
 def test_sdp_run_writes_no_checkpoint_on_a_signal() -> None:
@@ -162,4 +191,9 @@ def test_train_py_stages1_sdp2_gives_the_single_process_losses(tmp_path: Path) -
     sharded = run_training(compose_train(common + ["sdp=2", "num_micro_batches=1"]), tmp_path / "sdp")
     single = run_training(compose_train(common + ["num_micro_batches=2"]), tmp_path / "single")
     assert sharded["loss"] == pytest.approx(single["loss"], rel=1e-5)
-    assert (tmp_path / "sdp" / "final" / "model.safetensors").exists()  # gathered whole from the shards
+    from safetensors.torch import load_file
+
+    got, want = (load_file(tmp_path / run / "final" / "model.safetensors") for run in ("sdp", "single"))
+    assert set(got) == set(want)  # final/ holds whole tensors, gathered from the shards
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=1e-5, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
