@@ -35,8 +35,8 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from pipefisher.schedules.ir import Action, ActionKind, Placement, Schedule
-from pipefisher.schedules.shapes import check_common, replicate
+from pipefisher.schedules.ir import Action, ActionKind, Schedule
+from pipefisher.schedules.shapes import bidirectional_placement, check_common, replicate
 
 __all__ = ["chimera_doubling", "chimera_doubling_order", "chimera_doubling_peaks"]
 
@@ -111,16 +111,11 @@ def chimera_doubling(num_stages: int, num_micro_batches: int, dp_width: int = 1)
                          f"multiple of 2 x stages = {2 * d}; use num_micro_batches={hint}, or "
                          f"pipeline.chimera_stacking=direct")
     orders = [chimera_doubling_order(r, d, n) for r in range(d)]
-    workers = {}
-    for dp in range(dp_width):
-        for r in range(d):
-            workers[(dp, 0, r)] = dp * d + r
-            workers[(dp, 1, d - 1 - r)] = dp * d + r
     return Schedule(
         method="chimera-doubling",
         num_stages=d,
         num_micro_batches=n,
-        placement=Placement(num_stages=d, num_pipes=2, dp_width=dp_width, workers=workers),
+        placement=bidirectional_placement(d, dp_width),
         actions=replicate(orders, dp_width),
         pipe_of_micro_batch=tuple((j % (2 * d)) // d for j in range(n)),
     )

@@ -18,8 +18,8 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from pipefisher.schedules.chimera_doubling import chimera_doubling
-from pipefisher.schedules.ir import Action, ActionKind, Placement, Schedule
-from pipefisher.schedules.shapes import check_common, linear_placement, multiple_hint, replicate
+from pipefisher.schedules.ir import Action, ActionKind, Schedule
+from pipefisher.schedules.shapes import bidirectional_placement, check_common, linear_placement, multiple_hint, replicate
 from pipefisher.schedules.zero_bubble import zb_h1, zb_v
 
 __all__ = [
@@ -209,17 +209,12 @@ def chimera(num_stages: int, num_micro_batches: int, dp_width: int = 1) -> Sched
         )
     slots = chimera_slots(d, n)
     orders = [[a for _, a in slots[r]] for r in range(d)]
-    workers = {}
-    for dp in range(dp_width):
-        for r in range(d):
-            workers[(dp, 0, r)] = dp * d + r
-            workers[(dp, 1, d - 1 - r)] = dp * d + r
     half = d // 2
     return Schedule(
         method="chimera",
         num_stages=d,
         num_micro_batches=n,
-        placement=Placement(num_stages=d, num_pipes=2, dp_width=dp_width, workers=workers),
+        placement=bidirectional_placement(d, dp_width),
         actions=replicate(orders, dp_width),
         pipe_of_micro_batch=tuple((j % d) // half for j in range(n)),
     )

@@ -7,7 +7,7 @@ from collections.abc import Callable, Sequence
 
 from pipefisher.schedules.ir import Action, Placement
 
-__all__ = ["check_common", "linear_placement", "multiple_hint", "replicate"]
+__all__ = ["bidirectional_placement", "check_common", "linear_placement", "multiple_hint", "replicate"]
 
 
 def check_common(num_stages: int, num_micro_batches: int, dp_width: int) -> None:
@@ -34,6 +34,18 @@ def linear_placement(num_stages: int, num_workers_per_group: int, dp_width: int,
         for s in range(num_stages)
     }
     return Placement(num_stages=num_stages, num_pipes=1, dp_width=dp_width, workers=workers)
+
+
+def bidirectional_placement(num_stages: int, dp_width: int) -> Placement:
+    """Chimera's two pipes: in data-parallel group dp, worker dp * D + r holds stage r of pipe 0
+    (down) and stage D - 1 - r of pipe 1 (up)."""
+    d = num_stages
+    workers = {}
+    for dp in range(dp_width):
+        for r in range(d):
+            workers[(dp, 0, r)] = dp * d + r
+            workers[(dp, 1, d - 1 - r)] = dp * d + r
+    return Placement(num_stages=d, num_pipes=2, dp_width=dp_width, workers=workers)
 
 
 def replicate(orders: Sequence[Sequence[Action]], dp_width: int) -> dict[int, tuple[Action, ...]]:
