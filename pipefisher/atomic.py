@@ -13,7 +13,7 @@ import os
 import tempfile
 from pathlib import Path
 
-__all__ = ["current_umask", "temp_beside", "write_text_atomic"]
+__all__ = ["current_umask", "fsync_path", "temp_beside", "write_text_atomic"]
 
 
 def current_umask() -> int:
@@ -27,6 +27,21 @@ def current_umask() -> int:
     mask = os.umask(0o022)  # no /proc: set and restore (not thread-safe, called rarely)
     os.umask(mask)
     return mask
+
+
+def fsync_path(path: str | Path) -> None:
+    """Flush a file or a folder (after a rename into it) to disk; a platform or file system that
+    cannot open or sync it is skipped."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:  # pragma: no cover - platforms without directory descriptors
+        return
+    try:
+        os.fsync(fd)
+    except OSError:  # pragma: no cover - file systems that refuse to sync a directory
+        pass
+    finally:
+        os.close(fd)
 
 
 def temp_beside(path: str | Path) -> tuple[int, Path]:

@@ -27,7 +27,7 @@ from typing import Any
 from safetensors.torch import load_file, save_file
 from torch import Tensor
 
-from pipefisher.atomic import current_umask
+from pipefisher.atomic import current_umask, fsync_path
 from pipefisher.model.bert import (_HF_DECODER_BIAS_NAME, _PREDICTIONS_BIAS_NAME, DECODER_WEIGHT_NAME,
                                    WORD_EMBEDDINGS_NAME, merge_stage_state_dicts)
 from pipefisher.model.config import BertConfig
@@ -92,16 +92,6 @@ def is_model_folder(path: str | os.PathLike) -> bool:
     return (path / CONFIG_FILE).is_file() and (path / WEIGHTS_FILE).is_file()
 
 
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    except OSError:  # pragma: no cover - file systems that refuse to sync a directory
-        pass
-    finally:
-        os.close(fd)
-
-
 def write_model_folder(folder: str | os.PathLike, state_dict: Mapping[str, Tensor], config: BertConfig,
                        vocab: str | os.PathLike | None = None, meta: Mapping[str, Any] | None = None) -> Path:
     """Write a model folder so that it appears whole or not at all.
@@ -133,13 +123,13 @@ def write_model_folder(folder: str | os.PathLike, state_dict: Mapping[str, Tenso
         mode = 0o666 & ~current_umask()
         for path in tmp.iterdir():
             os.chmod(path, mode)  # safetensors writes 0600: give the files the usual umask's mode
-            _fsync(path)
+            fsync_path(path)
         old = None
         if folder.exists():
             old = folder.parent / f".{folder.name}.old-{uuid.uuid4().hex[:8]}"
             os.replace(folder, old)
         os.replace(tmp, folder)
-        _fsync(folder.parent)
+        fsync_path(folder.parent)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

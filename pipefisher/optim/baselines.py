@@ -32,7 +32,7 @@ import torch
 from torch import Tensor, nn
 
 from pipefisher.optim.kfac import ENCODER_LINEAR_PATTERN
-from pipefisher.optim.nvlamb import _closure_loss, clip_by_global_norm, param_groups
+from pipefisher.optim.nvlamb import GlobalNormClipStep, _closure_loss, clip_by_global_norm, param_groups
 
 __all__ = [
     "BASELINE_OPTIMIZERS",
@@ -47,7 +47,7 @@ __all__ = [
 BASELINE_OPTIMIZERS: tuple[str, ...] = ("adamw", "muon")
 
 
-class GlobalNormAdamW(torch.optim.AdamW):
+class GlobalNormAdamW(GlobalNormClipStep, torch.optim.AdamW):
     """``torch.optim.AdamW`` that takes ``step(grad_norm=...)`` and clips by the global norm first.
 
     Args:
@@ -61,15 +61,6 @@ class GlobalNormAdamW(torch.optim.AdamW):
                  max_grad_norm: float) -> None:
         super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
         self.max_grad_norm = float(max_grad_norm)
-
-    def step(  # type: ignore[override]
-        self, closure: Callable[[], Tensor] | None = None, *, grad_norm: Tensor | float | None = None
-    ) -> Tensor | None:
-        """AdamW step after clipping ``.grad`` in place by ``grad_norm`` (computed here when None)."""
-        loss = _closure_loss(closure)
-        clip_by_global_norm(self.param_groups, grad_norm, self.max_grad_norm)
-        super().step()
-        return loss
 
 
 class MuonAdamW(torch.optim.Optimizer):

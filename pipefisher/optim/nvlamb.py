@@ -53,6 +53,7 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor, Shard
 
 __all__ = [
+    "GlobalNormClipStep",
     "NVLAMB",
     "OPTIMIZERS",
     "build_optimizer",
@@ -480,7 +481,24 @@ def _closure_loss(closure: Callable[[], Tensor] | None) -> Tensor | None:
         return closure()
 
 
-class _GlobalNormSGD(torch.optim.SGD):
+class GlobalNormClipStep:
+    """Mixin before a torch optimizer class: ``step(grad_norm=...)`` like NVLAMB's, which clips every
+    ``.grad`` in place by the global norm (``self.max_grad_norm``; the norm is computed here when
+    ``grad_norm`` is None; ``<= 0`` disables the clip), then takes the optimizer's own step."""
+
+    max_grad_norm: float
+    param_groups: list[dict[str, Any]]
+
+    def step(  # type: ignore[override]
+        self, closure: Callable[[], Tensor] | None = None, *, grad_norm: Tensor | float | None = None
+    ) -> Tensor | None:
+        loss = _closure_loss(closure)
+        clip_by_global_norm(self.param_groups, grad_norm, self.max_grad_norm)
+        super().step()  # type: ignore[misc]
+        return loss
+
+
+class _GlobalNormSGD(GlobalNormClipStep, torch.optim.SGD):
     """torch SGD that takes ``step(grad_norm=...)`` like NVLAMB and clips by the global norm.
 
     Clipping scales ``.grad`` in place. ``max_grad_norm <= 0`` disables it.
@@ -489,15 +507,6 @@ class _GlobalNormSGD(torch.optim.SGD):
     def __init__(self, params: Any, lr: float, max_grad_norm: float) -> None:
         super().__init__(params, lr=lr)
         self.max_grad_norm = float(max_grad_norm)
-
-    def step(  # type: ignore[override]
-        self, closure: Callable[[], Tensor] | None = None, *, grad_norm: Tensor | float | None = None
-    ) -> Tensor | None:
-        """SGD step after clipping the gradients by ``grad_norm`` (computed here when ``None``)."""
-        loss = _closure_loss(closure)
-        clip_by_global_norm(self.param_groups, grad_norm, self.max_grad_norm)
-        super().step()
-        return loss
 
 
 def _apex_fused_lamb_class() -> type[torch.optim.Optimizer] | None:

@@ -19,7 +19,7 @@ from typing import IO, Any
 import torch
 import torch.distributed as dist
 
-from pipefisher.atomic import temp_beside
+from pipefisher.atomic import fsync_path, temp_beside
 from pipefisher.config import ConfigError, TrainConfig
 
 __all__ = ['CHECKPOINT_FORMAT', 'MANIFEST', 'MATCHING_FIELDS', 'CheckpointError', 'ShardInfo', 'atomic_write', 'check_compatible', 'checkpoint_root', 'config_fields', 'config_hash', 'find_latest', 'list_checkpoints', 'load_shard', 'prune_checkpoints', 'save_checkpoint', 'shard_name', 'step_dir', 'verify_checkpoint', 'write_manifest', 'write_shard']
@@ -82,19 +82,6 @@ def list_checkpoints(root: str | os.PathLike) -> list[tuple[int, Path]]:
 # -- atomic files ----------------------------------------------------------------------------------
 
 
-def _fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:  # pragma: no cover - platforms without directory descriptors
-        return
-    try:
-        os.fsync(fd)
-    except OSError:  # pragma: no cover - file systems that refuse to sync a directory
-        pass
-    finally:
-        os.close(fd)
-
-
 def atomic_write(path: str | os.PathLike, write: Callable[[IO[bytes]], None]) -> ShardInfo:
     """Write ``path`` through ``write(file)`` so that it appears whole or not at all.
 
@@ -121,7 +108,7 @@ def atomic_write(path: str | os.PathLike, write: Callable[[IO[bytes]], None]) ->
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
-    _fsync_dir(path.parent)
+    fsync_path(path.parent)
     return ShardInfo(path.name, size, digest.hexdigest())
 
 
