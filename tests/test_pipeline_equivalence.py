@@ -9,7 +9,6 @@ The reference is an independent plain loop: the full model, the same micro-batch
 from __future__ import annotations
 
 import dataclasses
-from pathlib import Path
 
 import pytest
 import torch
@@ -57,8 +56,8 @@ def _reference_grads(cfg: TrainConfig) -> tuple[list[float], dict[str, torch.Ten
     model = build_full_model(bert_config(cfg), seed=cfg.seed)
     source, plan = data_source(cfg), data_plan(cfg)
     total = torch.zeros(2)
-    scale = 1.0 / (cfg.num_micro_batches * cfg.data_parallel)
-    for dp in range(cfg.data_parallel):
+    scale = 1.0 / (cfg.num_micro_batches * cfg.data_replicas)
+    for dp in range(cfg.data_replicas):
         for j in range(cfg.num_micro_batches):
             losses = model(None, get_micro_batch(source, 0, j, dp, **plan))
             (losses.sum() * scale).backward()
@@ -67,7 +66,9 @@ def _reference_grads(cfg: TrainConfig) -> tuple[list[float], dict[str, torch.Ten
 
 
 def _reference_params(cfg: TrainConfig) -> tuple[dict[str, torch.Tensor], float]:
-    single = dataclasses.replace(cfg, stages=1, data_parallel=1, num_micro_batches=cfg.num_micro_batches * cfg.data_parallel,
+    """Single-process training over the same global batch (N x data replicas micro-batches) and steps."""
+    single = dataclasses.replace(cfg, stages=1, data_parallel=1, sdp=1, sdp_reshard_after_forward=False, recompute=False,
+                                 num_micro_batches=cfg.num_micro_batches * cfg.data_replicas,
                                  pipeline=dataclasses.replace(cfg.pipeline, method="gpipe", num_virtual=1, layers_per_stage=None,
                                                               chimera_stacking="direct"))
     model = build_full_model(bert_config(single), seed=single.seed)
@@ -77,6 +78,30 @@ def _reference_params(cfg: TrainConfig) -> tuple[dict[str, torch.Tensor], float]
 
 def _by_name(results: dict[int, dict], key: str) -> list[tuple[str, torch.Tensor]]:
     return [(k.split("/", 2)[2], t) for r in sorted(results) for k, t in results[r][key].items()]
+
+
+def assert_first_step_equals_single_process(cfg: TrainConfig, results: dict[int, dict]) -> dict[str, torch.Tensor]:
+    """Every rank's first-step loss and every parameter's gradient (the tied weight: the sum of both
+    uses) equal single-process training's; returns the reference gradients."""
+    ref_loss, ref_grads = _reference_grads(cfg)
+    for res in results.values():  # every rank reports the step's global loss
+        torch.testing.assert_close(torch.tensor(res["losses"][0]), torch.tensor(ref_loss), rtol=1e-5, atol=1e-6)
+    seen = set()
+    for name, grad in _by_name(results, "grads"):
+        expected = ref_grads[WORD if name == DECODER else name]
+        torch.testing.assert_close(grad, expected, rtol=1e-5, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
+        seen.add(WORD if name == DECODER else name)
+    assert seen == set(ref_grads), f"parameters missing from the pipeline: {set(ref_grads) - seen}"
+    return ref_grads
+
+
+def assert_params_equal_single_process(cfg: TrainConfig, results: dict[int, dict]) -> None:
+    """The last step's loss and every parameter after the run equal single-process training's."""
+    ref_params, ref_last_loss = _reference_params(cfg)
+    assert sum(results[0]["losses"][-1]) == pytest.approx(ref_last_loss, rel=1e-5)
+    for name, value in _by_name(results, "params"):
+        torch.testing.assert_close(value, ref_params[WORD if name == DECODER else name], rtol=1e-5, atol=1e-6,
+                                   msg=lambda m, n=name: f"{n}: {m}")
 
 
 @pytest.fixture(scope="module")
@@ -89,29 +114,13 @@ def grid_results(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple, dict[i
 @pytest.mark.slow
 @pytest.mark.parametrize("case", GRID, ids=[f"{m}-D{d}-N{n}-W{w}" for m, d, n, w in GRID])
 def test_first_step_loss_and_every_gradient_equal_single_process(case, grid_results) -> None:
-    cfg = _cfg(*case)
-    ref_loss, ref_grads = _reference_grads(cfg)
-    results = grid_results[(case, 1)]
-    for r, res in results.items():  # every rank reports the step's global loss
-        torch.testing.assert_close(torch.tensor(res["losses"][0]), torch.tensor(ref_loss), rtol=1e-5, atol=1e-6)
-    seen = set()
-    for name, grad in _by_name(results, "grads"):
-        expected = ref_grads[WORD if name == DECODER else name]  # the tied weight: sum of both uses
-        torch.testing.assert_close(grad, expected, rtol=1e-5, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
-        seen.add(WORD if name == DECODER else name)
-    assert seen == set(ref_grads), f"parameters missing from the pipeline: {set(ref_grads) - seen}"
+    assert_first_step_equals_single_process(_cfg(*case), grid_results[(case, 1)])
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("case", LONG, ids=[f"{m}-D{d}-N{n}-W{w}" for m, d, n, w in LONG])
 def test_parameters_after_five_nvlamb_steps_equal_single_process(case, grid_results) -> None:
-    cfg = _cfg(*case)
-    ref_params, ref_last_loss = _reference_params(cfg)
-    results = grid_results[(case, 5)]
-    assert sum(results[0]["losses"][-1]) == pytest.approx(ref_last_loss, rel=1e-5)
-    for name, value in _by_name(results, "params"):
-        torch.testing.assert_close(value, ref_params[WORD if name == DECODER else name], rtol=1e-5, atol=1e-6,
-                                   msg=lambda m, n=name: f"{n}: {m}")
+    assert_params_equal_single_process(_cfg(*case), grid_results[(case, 5)])
 
 
 @pytest.mark.slow
@@ -153,26 +162,10 @@ def test_chimera_doubling_config_runs_the_doubling_schedule() -> None:
 @pytest.mark.slow
 @pytest.mark.parametrize("case", DOUBLING, ids=[f"doubling-D{d}-N{n}-W{w}" for d, n, w in DOUBLING])
 def test_chimera_doubling_first_step_loss_and_every_gradient_equal_single_process(case, doubling_results) -> None:
-    cfg = _doubling_cfg(*case)
-    ref_loss, ref_grads = _reference_grads(cfg)
-    results = doubling_results[(case, 1)]
-    for res in results.values():
-        torch.testing.assert_close(torch.tensor(res["losses"][0]), torch.tensor(ref_loss), rtol=1e-5, atol=1e-6)
-    seen = set()
-    for name, grad in _by_name(results, "grads"):
-        expected = ref_grads[WORD if name == DECODER else name]
-        torch.testing.assert_close(grad, expected, rtol=1e-5, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
-        seen.add(WORD if name == DECODER else name)
-    assert seen == set(ref_grads)
+    assert_first_step_equals_single_process(_doubling_cfg(*case), doubling_results[(case, 1)])
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("case", DOUBLING_LONG, ids=[f"doubling-D{d}-N{n}-W{w}" for d, n, w in DOUBLING_LONG])
 def test_chimera_doubling_parameters_after_five_nvlamb_steps_equal_single_process(case, doubling_results) -> None:
-    cfg = _doubling_cfg(*case)
-    ref_params, ref_last_loss = _reference_params(cfg)
-    results = doubling_results[(case, 5)]
-    assert sum(results[0]["losses"][-1]) == pytest.approx(ref_last_loss, rel=1e-5)
-    for name, value in _by_name(results, "params"):
-        torch.testing.assert_close(value, ref_params[WORD if name == DECODER else name], rtol=1e-5, atol=1e-6,
-                                   msg=lambda m, n=name: f"{n}: {m}")
+    assert_params_equal_single_process(_doubling_cfg(*case), doubling_results[(case, 5)])

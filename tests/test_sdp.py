@@ -11,24 +11,20 @@ all-reduce of local shards), the tied weight across stages, reshard_after_forwar
 
 from __future__ import annotations
 
-import dataclasses
 from pathlib import Path
 
 import pytest
 import torch
 
 from pipefisher.config import ConfigError, TrainConfig
-from pipefisher.data import get_micro_batch
-from pipefisher.model import build_full_model
-from pipefisher.training import bert_config, data_plan, data_source, train_single_process
+from pipefisher.training import bert_config
+from tests import test_pipeline_equivalence as equiv
 from tests.conftest import compose_train
 from tests.dist_harness import run_cases
 
 MODEL = ["model.num_layers=4", "model.hidden_size=32", "model.num_heads=2", "model.vocab_size=128",
          "data.seq_len=16", "data.max_predictions=3", "micro_batch_size=2", "lr=0.01", "steps=5",
          "optimizer.max_grad_norm=0.05"]
-WORD = "bert.embeddings.word_embeddings.weight"
-DECODER = "cls.predictions.decoder.weight"
 STEPS = 5
 
 # (method, stages, micro-batches, data_parallel, sdp, reshard_after_forward, recompute): <= 4 processes.
@@ -50,32 +46,6 @@ def _cfg(method: str, d: int, n: int, w: int, k: int, reshard: bool, recompute: 
                                   f"recompute={str(recompute).lower()}"])
 
 
-def _reference_grads(cfg: TrainConfig) -> tuple[list[float], dict[str, torch.Tensor]]:
-    model = build_full_model(bert_config(cfg), seed=cfg.seed)
-    source, plan = data_source(cfg), data_plan(cfg)
-    total = torch.zeros(2)
-    scale = 1.0 / (cfg.num_micro_batches * cfg.data_replicas)
-    for dp in range(cfg.data_replicas):
-        for j in range(cfg.num_micro_batches):
-            losses = model(None, get_micro_batch(source, 0, j, dp, **plan))
-            (losses.sum() * scale).backward()
-            total += losses.detach() * scale
-    return total.tolist(), {n: p.grad for n, p in model.named_parameters()}
-
-
-def _reference_params(cfg: TrainConfig) -> tuple[dict[str, torch.Tensor], float]:
-    single = dataclasses.replace(cfg, stages=1, data_parallel=1, sdp=1, sdp_reshard_after_forward=False, recompute=False,
-                                 num_micro_batches=cfg.num_micro_batches * cfg.data_replicas,
-                                 pipeline=dataclasses.replace(cfg.pipeline, method="gpipe"))
-    model = build_full_model(bert_config(single), seed=single.seed)
-    last = train_single_process(single, output_dir=None, model=model)
-    return {n: p.detach() for n, p in model.named_parameters()}, last["loss"]
-
-
-def _by_name(results: dict[int, dict], key: str) -> list[tuple[str, torch.Tensor]]:
-    return [(k.split("/", 2)[2], t) for r in sorted(results) for k, t in results[r][key].items()]
-
-
 @pytest.fixture(scope="module")
 def sdp_results(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple, dict[int, dict]]:
     results = run_cases([(_cfg(*c), STEPS) for c in CASES], tmp_path_factory.mktemp("sdp"))
@@ -86,31 +56,17 @@ def sdp_results(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple, dict[in
 @pytest.mark.parametrize("case", CASES, ids=IDS)
 def test_sdp_first_step_loss_and_every_gradient_equal_single_process(case, sdp_results) -> None:
     cfg = _cfg(*case)
-    ref_loss, ref_grads = _reference_grads(cfg)
-    norm = torch.linalg.vector_norm(torch.stack([g.norm() for g in ref_grads.values()]))
-    assert norm > cfg.optimizer.max_grad_norm, "the clip must be active for the global norm to matter"
     results = sdp_results[case]
     assert len(results) == cfg.stages * cfg.data_parallel * cfg.sdp
-    for res in results.values():  # every rank reports the step's global loss
-        torch.testing.assert_close(torch.tensor(res["losses"][0]), torch.tensor(ref_loss), rtol=1e-5, atol=1e-6)
-    seen = set()
-    for name, grad in _by_name(results, "grads"):  # gathered whole from the shards
-        expected = ref_grads[WORD if name == DECODER else name]  # the tied weight: sum of both uses
-        torch.testing.assert_close(grad, expected, rtol=1e-5, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
-        seen.add(WORD if name == DECODER else name)
-    assert seen == set(ref_grads), f"parameters missing: {set(ref_grads) - seen}"
+    ref_grads = equiv.assert_first_step_equals_single_process(cfg, results)  # gradients gathered whole from the shards
+    norm = torch.linalg.vector_norm(torch.stack([g.norm() for g in ref_grads.values()]))
+    assert norm > cfg.optimizer.max_grad_norm, "the clip must be active for the global norm to matter"
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("case", CASES, ids=IDS)
 def test_sdp_parameters_after_five_nvlamb_steps_equal_single_process(case, sdp_results) -> None:
-    cfg = _cfg(*case)
-    ref_params, ref_last_loss = _reference_params(cfg)
-    results = sdp_results[case]
-    assert sum(results[0]["losses"][-1]) == pytest.approx(ref_last_loss, rel=1e-5)
-    for name, value in _by_name(results, "params"):
-        torch.testing.assert_close(value, ref_params[WORD if name == DECODER else name], rtol=1e-5, atol=1e-6,
-                                   msg=lambda m, n=name: f"{n}: {m}")
+    equiv.assert_params_equal_single_process(_cfg(*case), sdp_results[case])
 
 
 @pytest.mark.slow
