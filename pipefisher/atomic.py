@@ -13,7 +13,7 @@ import os
 import tempfile
 from pathlib import Path
 
-__all__ = ["current_umask", "fsync_path", "temp_beside", "write_text_atomic"]
+__all__ = ["current_umask", "fsync_path", "temp_beside", "usual_file_mode", "write_text_atomic"]
 
 
 def current_umask() -> int:
@@ -27,6 +27,11 @@ def current_umask() -> int:
     mask = os.umask(0o022)  # no /proc: set and restore (not thread-safe, called rarely)
     os.umask(mask)
     return mask
+
+
+def usual_file_mode() -> int:
+    """The mode ``open()`` gives a new file: 0666 less the process's umask."""
+    return 0o666 & ~current_umask()
 
 
 def fsync_path(path: str | Path) -> None:
@@ -49,7 +54,7 @@ def temp_beside(path: str | Path) -> tuple[int, Path]:
     path, with mode 0666 & ~umask."""
     path = Path(path)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    os.fchmod(fd, 0o666 & ~current_umask())
+    os.fchmod(fd, usual_file_mode())
     return fd, Path(tmp)
 
 

@@ -27,7 +27,7 @@ from typing import Any
 from safetensors.torch import load_file, save_file
 from torch import Tensor
 
-from pipefisher.atomic import current_umask, fsync_path
+from pipefisher.atomic import fsync_path, usual_file_mode
 from pipefisher.model.bert import (_HF_DECODER_BIAS_NAME, _PREDICTIONS_BIAS_NAME, DECODER_WEIGHT_NAME,
                                    WORD_EMBEDDINGS_NAME, merge_stage_state_dicts)
 from pipefisher.model.config import BertConfig
@@ -120,7 +120,7 @@ def write_model_folder(folder: str | os.PathLike, state_dict: Mapping[str, Tenso
         (tmp / CONFIG_FILE).write_text(json.dumps(hf_config_dict(config, meta), indent=2) + "\n", encoding="utf-8")
         if vocab is not None:
             shutil.copyfile(vocab, tmp / VOCAB_FILE)
-        mode = 0o666 & ~current_umask()
+        mode = usual_file_mode()
         for path in tmp.iterdir():
             os.chmod(path, mode)  # safetensors writes 0600: give the files the usual umask's mode
             fsync_path(path)
