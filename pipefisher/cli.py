@@ -49,8 +49,7 @@ _CONF = Path(__file__).parent / "conf"
 _USER_ERRORS = (
     ("pipefisher.config", "ConfigError"),
     ("pipefisher.data.batches", "DataError"),
-    ("pipefisher.runtime.checkpoint", "CheckpointError"),
-    ("pipefisher.runtime.checkpoint_io", "CheckpointError"),  # the class's home: how a worker's traceback names it
+    ("pipefisher.runtime.checkpoint_io", "CheckpointError"),  # its home module, as a worker's traceback names it
     ("pipefisher.schedules.checks", "ScheduleError"),
 )
 # The last "<module>.<Class>: message" line of a traceback that a worker's failure carries as text.
@@ -110,10 +109,8 @@ def _refuse_schema_choices() -> None:
 
     for group, choice in HydraConfig.get().runtime.choices.items():
         if isinstance(choice, str) and choice == f"{group}_schema":
-            folder = _CONF / group
-            options = sorted(p.stem for p in folder.glob("*.yaml")) if folder.is_dir() else []
             raise ConfigError(f"{group}={choice}: that is the schema the {group} options extend, not one of them; "
-                              f"choose one of {', '.join(options)}")
+                              f"choose one of {', '.join(_options(group))}")
 
 
 def _program() -> str:
@@ -210,6 +207,12 @@ def _resume_command(argv: list[str], sweep_dir: str | None, output_dir: str) -> 
 _HELP = "pipefisher_train"
 
 
+def _options(group: str) -> list[str]:
+    """The options of a config group: its YAML files under ``conf/``."""
+    folder = _CONF / group
+    return sorted(p.stem for p in folder.glob("*.yaml")) if folder.is_dir() else []
+
+
 def _config_groups() -> str:
     """``group: option, …`` lines of the groups a TrainConfig field selects, from ``conf/``.
 
@@ -219,9 +222,8 @@ def _config_groups() -> str:
     hints = get_type_hints(TrainConfig)
     lines = []
     for f in fields(TrainConfig):
-        folder = _CONF / f.name
-        if is_dataclass(hints[f.name]) and folder.is_dir():
-            options = sorted(p.stem for p in folder.glob("*.yaml"))
+        if is_dataclass(hints[f.name]):
+            options = _options(f.name)
             if options:
                 lines.append(f"{f.name}: {', '.join(options)}")
     return "\n".join(lines)
