@@ -102,6 +102,25 @@ def loss_at(curve: Sequence[tuple[int, float]], steps: int) -> float | None:
     return next((v for s, v in curve if s == steps), None)
 
 
+def max_mean_gap(curves: Sequence[Sequence[tuple[int, float]]],
+                 reference: Sequence[Sequence[tuple[int, float]]]) -> tuple[float, int] | None:
+    """Largest gap of seed-mean held-out loss, ``curves`` minus ``reference``, over the evaluation steps
+    that every run of both holds, and the step where it lies (None without a common step). Issue 28's
+    goal measures PipeFisher this way against K-FAC refreshing every step ("within 0.02 nats at every
+    step"). A diverged run (NaN) makes the gap ``inf``."""
+    runs = [dict(c) for c in curves]
+    refs = [dict(c) for c in reference]
+    if not runs or not refs:
+        return None
+    common = sorted(set.intersection(*(set(r) for r in runs + refs)))
+    if not common:
+        return None
+    gaps = [(statistics.fmean(r[s] for r in runs) - statistics.fmean(r[s] for r in refs), s) for s in common]
+    if any(not math.isfinite(g) for g, _ in gaps):
+        return math.inf, next(s for g, s in gaps if not math.isfinite(g))
+    return max(gaps)
+
+
 UNREACHED = 1e6  # tuning score of a run that missed the target: UNREACHED + its final loss
 
 

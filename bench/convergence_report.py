@@ -118,6 +118,16 @@ def write(out: Path, args: argparse.Namespace, spec: ca.StudySpec, data: Any, re
                               f"{ca.ratio(ti, times[t][other]).text()} ({other})" if other else "–"]
                 lines.append("| " + " | ".join(cells) + " |")
             batch_report["time"][setting] = {t: {a: vars(i) for a, i in v.items()} for t, v in times.items()}
+        ref = curves[batch].get("kfac-k1", [])
+        gaps = {a: ca.max_mean_gap(curves[batch][a], ref) for a in arms if a != "kfac-k1"}
+        if any(g is not None for g in gaps.values()):
+            lines += ["", "Held-out gap to K-FAC refreshing every step: the largest difference of seed-mean held-out "
+                      "loss over every evaluation (positive: behind kfac-k1):", "",
+                      "| arm | seeds | max gap (nats) | at step |", "|---|---|---|---|"]
+            for a, g in gaps.items():
+                if g is not None:
+                    lines.append(f"| {a} | {len(curves[batch][a])} | {g[0]:+.3f} | {g[1]} |")
+            batch_report["max_gap_to_kfac_k1"] = {a: g for a, g in gaps.items() if g is not None}
         stale = list(dict.fromkeys(["kfac-k1"] + list(spec.stale_arms)))
         marks = [steps // 4, steps // 2, 3 * steps // 4, steps]
         lines += ["", "Staleness at seed 0: held-out loss after equal steps (k = refresh interval; deferred: inverses "

@@ -284,3 +284,14 @@ def test_tuning_score_ranks_by_steps_to_the_hardest_target_then_by_final_loss(ca
     assert ca.tuning_score([(50, math.nan)], target) == math.inf
     assert ca.tuning_score(slow, None) == 5.8  # no target: the final loss
     assert ca.pick({1e-3: scores[1], 2e-3: scores[0], 4e-3: scores[2]}) == (2e-3, False)
+
+
+def test_max_mean_gap_compares_seed_means_at_common_steps_only(ca) -> None:
+    arm = [[(50, 7.0), (100, 6.50), (150, 6.30)], [(50, 7.2), (100, 6.54), (150, 6.34)]]  # means 7.1, 6.52, 6.32
+    ref = [[(50, 7.1), (100, 6.45), (150, 6.31), (200, 6.0)], [(50, 7.1), (100, 6.49), (150, 6.33)]]  # 7.1, 6.47, 6.32
+    gap, step = ca.max_mean_gap(arm, ref)
+    assert step == 100 and gap == pytest.approx(0.05)  # step 200 is not in every run; 50 and 150 give 0
+    ahead = [[(50, 7.0), (100, 6.4)]]
+    assert ca.max_mean_gap(ahead, [[(50, 7.1), (100, 6.5)]])[0] == pytest.approx(-0.1)  # ahead at every step
+    assert ca.max_mean_gap(arm, []) is None and ca.max_mean_gap([[(10, 1.0)]], [[(20, 1.0)]]) is None
+    assert ca.max_mean_gap([[(50, math.nan)]], [[(50, 7.0)]]) == (math.inf, 50)
