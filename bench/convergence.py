@@ -63,11 +63,13 @@ def arm_overrides(arm: str, decay_per_step: float) -> list[str]:
     """train.py overrides of ``arm`` (see the module docstring)."""
     if arm in ("nvlamb", "adamw", "muon"):
         return [f"optimizer={arm}"]
-    k = ca.kfac_interval(arm)
-    if k is None or arm not in (f"kfac-k{k}", f"kfac-k{k}-deferred"):
-        raise ValueError(f"unknown arm {arm!r}: nvlamb, adamw, muon, kfac-kK or kfac-kK-deferred")
-    return ["optimizer=kfac", f"optimizer.curvature_interval={k}", f"optimizer.inverse_interval={k}",
-            f"optimizer.deferred_inverse={str(arm.endswith('-deferred')).lower()}",
+    parsed = ca.kfac_arm(arm)
+    if parsed is None:
+        raise ValueError(f"unknown arm {arm!r}: nvlamb, adamw, muon or a K-FAC arm (kfac-kK[-iM][-deferred|-ready])")
+    k, i, mode = parsed
+    return ["optimizer=kfac", f"optimizer.curvature_interval={k}", f"optimizer.inverse_interval={i}",
+            f"optimizer.deferred_inverse={str(mode != 'fresh').lower()}",
+            *(["optimizer.promote_inverses=when_ready"] if mode == "ready" else []),
             f"optimizer.factor_decay={decay_per_step ** k:.6g}", "optimizer.factor_decay_per=refresh"]
 
 

@@ -16,6 +16,7 @@ any arm's own curve.
 from __future__ import annotations
 
 import math
+import re
 import statistics
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -251,11 +252,30 @@ def _round(value: float) -> float:
 # --- the plan of runs -------------------------------------------------------------------------
 
 
-def kfac_interval(arm: str) -> int | None:
-    """K of ``kfac-kK`` / ``kfac-kK-deferred`` (None for other arms)."""
-    if not arm.startswith("kfac-k"):
+KFAC_ARM = re.compile(r"kfac-k(?P<k>[1-9][0-9]*)(?:-i(?P<i>[1-9][0-9]*))?(?:-(?P<mode>deferred|ready))?")
+
+
+def kfac_arm(arm: str) -> tuple[int, int, str] | None:
+    """``kfac-kK[-iM][-deferred|-ready]`` -> (K, M, mode), None for other arms: factors every K steps,
+    inverses every M (default K; a multiple of K), inverses used at once (``fresh``), from the next
+    cycle (``deferred``, PipeFisher's numerics) or from the step after their inversion (``ready``,
+    ``promote_inverses=when_ready``). ValueError for a malformed K-FAC arm."""
+    if not arm.startswith("kfac-"):
         return None
-    return int(arm[len("kfac-k"):].split("-")[0])
+    m = KFAC_ARM.fullmatch(arm)
+    if m is None:
+        raise ValueError(f"unknown arm {arm!r}: kfac-kK, kfac-kK-deferred, kfac-kK-ready, kfac-kK-iM[-deferred|-ready]")
+    k = int(m["k"])
+    i = int(m["i"]) if m["i"] else k
+    if i % k:
+        raise ValueError(f"arm {arm!r}: the inverse interval {i} must be a multiple of the factor interval {k}")
+    return k, i, m["mode"] or "fresh"
+
+
+def kfac_interval(arm: str) -> int | None:
+    """K of a K-FAC arm (:func:`kfac_arm`; None for other arms)."""
+    parsed = kfac_arm(arm)
+    return None if parsed is None else parsed[0]
 
 
 def pipefisher_arm(k: int) -> str:

@@ -194,6 +194,18 @@ def test_arm_overrides_scale_the_factor_decay_per_step_and_defer_inverses(cv) ->
         cv.arm_overrides("kfac-k2-later", 0.95)
 
 
+def test_decoupled_and_when_ready_kfac_arms(cv, ca) -> None:
+    o = cv.arm_overrides("kfac-k1-i4", 0.95)  # factors every step, inverses every 4, used at once
+    assert "optimizer.curvature_interval=1" in o and "optimizer.inverse_interval=4" in o
+    assert "optimizer.deferred_inverse=false" in o and f"optimizer.factor_decay={0.95:.6g}" in o
+    o = cv.arm_overrides("kfac-k4-ready", 0.95)
+    assert "optimizer.deferred_inverse=true" in o and "optimizer.promote_inverses=when_ready" in o
+    assert "optimizer.promote_inverses=when_ready" not in cv.arm_overrides("kfac-k4-deferred", 0.95)
+    assert ca.kfac_arm("kfac-k2-i8-deferred") == (2, 8, "deferred") and ca.kfac_interval("nvlamb") is None
+    with pytest.raises(ValueError, match="multiple of the factor interval 4"):
+        cv.arm_overrides("kfac-k4-i6", 0.95)
+
+
 def test_spec_of_the_arguments_adds_pipefisher_arms_and_refuses_bad_batches(cv, ca) -> None:
     args = cv.parse_args(["--quick", "--pipefisher-k", "D=2:7,D=8:2"])
     spec = cv.study_spec(args)
