@@ -52,6 +52,7 @@ FACTOR_DECAY_UNITS = ("step", "refresh")  # optimizer.factor_decay_per
 PROMOTE_INVERSES = ("at_cycle_end", "when_ready")  # optimizer.promote_inverses (as pipefisher.schedules.kfac's)
 OPTIMIZERS = ("nvlamb", "kfac", "pipefisher", "adamw", "muon")
 KFAC_OPTIMIZERS = ("kfac", "pipefisher")  # the optimizers that run K-FAC work (preconditioners, a refresh plan)
+PRECONDITIONERS = ("kfac", "ekfac")  # optimizer.preconditioner (as pipefisher.optim.PRECONDITIONERS)
 DATA_KINDS = ("synthetic", "hdf5")
 PRECISIONS = ("fp32", "bf16")
 WANDB_MODES = ("offline", "online", "disabled")
@@ -120,11 +121,15 @@ class OptimizerConfig:
     curvature_placement: str = "after_capture"  # pipefisher planner: after_capture (after F / B or I) or beside_w (after the micro-batch's W; zero-bubble schedules)
     max_interval: int = 8  # pipefisher: the largest refresh interval k the planner tries
     max_staleness: Optional[int] = None  # pipefisher: bound on the curvature age in steps (the plan's bound for promote_inverses <= it); None = no bound
+    staleness_curve: Optional[str] = None  # pipefisher planner: JSON of steps multiplier per k measured by the convergence study (staleness_b<batch>.json); the planner then picks the k of least step time x multiplier; None = the smallest k whose bubbles hold the refresh
     kfac_update: str = "lamb"  # update of K-FAC layers: lamb (NVLAMB on the preconditioned gradient) or momentum (reference: no second moment)
     kfac_lr: Optional[float] = None  # kfac_update=momentum: peak lr of the K-FAC layers; None = lr
     kfac_max_grad_norm: float = 100.0  # kfac_update=momentum: clip of the K-FAC layers' preconditioned gradient norm; <= 0 disables
     clip_before_precondition: bool = True  # take the global-norm clip from the gradient before K-FAC preconditions it
     muon_momentum: float = 0.95  # muon: Nesterov momentum of the Muon half (torch's default)
+    preconditioner: str = "kfac"  # kfac, pipefisher: kfac (damped inverses of the factors) or ekfac (Adam in the factors' eigenbasis, SOAP's rule; optimizer=ekfac sets it)
+    ekfac_beta2: float = 0.999  # preconditioner=ekfac: decay of the second moment in the eigenbasis
+    ekfac_eps: float = 1e-8  # preconditioner=ekfac: added to the square root of that moment
 
 
 @dataclass
@@ -230,6 +235,7 @@ class TrainConfig:
     data_parallel: int = 1  # data-parallel width W (W pipelines, or W Chimera pairs)
     sdp: int = 1  # sharded data parallel (FSDP2) inside each data-parallel replica: sdp pipelines, each stage sharded over its sdp copies; world = stages x data_parallel x sdp
     sdp_reshard_after_forward: bool = False  # sdp>1: free the gathered weights after every forward (re-gather for its backward); false: one all-gather and one reduce-scatter per stage per step
+    tp: int = 1  # tensor parallel (DTensor, Megatron-style) inside each pipeline worker: every encoder layer split over tp processes; world = stages x data_parallel x sdp x tp
     global_batch_size: Any = "auto"  # sequences per optimizer step over all micro-batches and replicas, or auto (resolve_batch)
     micro_batch_size: Any = "auto"  # sequences per micro-batch, or auto: global_batch_size / (num_micro_batches x data_parallel)
     num_micro_batches: Any = "auto"  # micro-batches per step N (an int), or auto (resolve_batch)
@@ -253,8 +259,8 @@ class TrainConfig:
 
     @property
     def num_workers(self) -> int:
-        """Worker processes the run needs."""
-        return self.stages * self.data_parallel * self.sdp
+        """Worker processes the run needs (a pipeline worker is tp processes)."""
+        return self.stages * self.data_parallel * self.sdp * self.tp
 
     @property
     def data_replicas(self) -> int:
@@ -284,6 +290,23 @@ def _check_kfac_intervals(o: OptimizerConfig) -> None:
         _fail("optimizer.inverse_interval", k, f"the {'plan' if o.schedule else 'pipefisher planner'} refreshes "
               f"factors and inverses together; decoupled intervals need optimizer=kfac without optimizer.schedule "
               f"(set it equal to optimizer.curvature_interval={f})")
+
+
+def _check_ekfac(o: OptimizerConfig) -> None:
+    """``optimizer.preconditioner`` and ekfac's moment settings (``pipefisher.optim.ekfac``)."""
+    _check_choice("optimizer.preconditioner", o.preconditioner, PRECONDITIONERS)
+    if o.preconditioner != "ekfac":
+        if (o.ekfac_beta2, o.ekfac_eps) != (OptimizerConfig.ekfac_beta2, OptimizerConfig.ekfac_eps):
+            log.warning("optimizer.ekfac_beta2 / optimizer.ekfac_eps have no effect unless optimizer.preconditioner=ekfac")
+        return
+    if not 0.0 <= o.ekfac_beta2 < 1.0:
+        _fail("optimizer.ekfac_beta2", o.ekfac_beta2, "a second-moment decay must lie in [0, 1), e.g. 0.999 (SOAP's)")
+    if not 0.0 < o.ekfac_eps < float("inf"):
+        _fail("optimizer.ekfac_eps", o.ekfac_eps, "must be > 0 (it keeps coordinates without gradient finite), "
+              "e.g. optimizer.ekfac_eps=1e-8")
+    if o.damping != OptimizerConfig.damping:
+        log.warning("optimizer.damping has no effect with optimizer.preconditioner=ekfac: damping does not change "
+                    "an eigenbasis (ekfac_eps keeps the scaling finite)")
 
 
 def _check_positive(cfg: TrainConfig, names: list[str]) -> None:
@@ -611,16 +634,35 @@ def validate(cfg: TrainConfig) -> None:
         if o.max_staleness is not None and o.max_staleness < 1:
             _fail("optimizer.max_staleness", o.max_staleness,
                   "PipeFisher's inverses are at least 1 step old (2k-1 with k=1); use >= 1 or leave it unset")
+        if o.staleness_curve is not None:
+            if o.name != "pipefisher" or o.schedule:
+                _fail("optimizer.staleness_curve", o.staleness_curve, "only the pipefisher planner weighs a staleness "
+                      "curve (optimizer=pipefisher without optimizer.schedule); pass it to schedule.py for a plan file")
+            from pipefisher.planning.staleness import load_staleness_curve  # json only; planning stays unimported
+
+            try:
+                curve = load_staleness_curve(o.staleness_curve)
+            except ValueError as e:
+                _fail("optimizer.staleness_curve", o.staleness_curve, str(e))
+            if curve.promote_inverses != o.promote_inverses:
+                _fail("optimizer.staleness_curve", o.staleness_curve, f"measured with promote_inverses="
+                      f"{curve.promote_inverses}; set optimizer.promote_inverses={curve.promote_inverses} or measure "
+                      f"a curve for {o.promote_inverses}")
         _check_choice("optimizer.kfac_update", o.kfac_update, KFAC_UPDATES)
         if o.kfac_lr is not None and o.kfac_lr <= 0:
             _fail("optimizer.kfac_lr", o.kfac_lr, "must be positive, or unset to use lr")
         if o.kfac_update != "momentum" and o.kfac_lr is not None:
             log.warning("optimizer.kfac_lr has no effect unless optimizer.kfac_update=momentum")
         _check_kfac_intervals(o)
+        _check_ekfac(o)
         _check_choice("optimizer.promote_inverses", o.promote_inverses, PROMOTE_INVERSES)
         if o.promote_inverses != "at_cycle_end" and o.name == "kfac" and not o.deferred_inverse and not o.schedule:
             log.warning("optimizer.promote_inverses has no effect on optimizer=kfac without optimizer.deferred_inverse: "
                         "its inverses are used by the step that computes them")
+    elif o.preconditioner != "kfac":
+        _fail("optimizer.preconditioner", o.preconditioner, f"optimizer={o.name} preconditions nothing; use "
+              f"optimizer=ekfac (critical path) or optimizer=pipefisher optimizer.preconditioner={o.preconditioner} "
+              "(bubbles), or leave it at kfac")
     if o.schedule and not os.path.exists(o.schedule):
         _fail("optimizer.schedule", o.schedule, "no such file; write one with `python schedule.py from=profile.sqlite`")
     if o.name in ("nvlamb", "adamw", "muon") and o.schedule:
@@ -639,6 +681,7 @@ def validate(cfg: TrainConfig) -> None:
         log.warning("optimizer.muon_momentum has no effect unless optimizer=muon")
     _validate_checkpoint(cfg)
     _validate_sdp(cfg)
+    _validate_tp(cfg)
     if cfg.data.kind == "hdf5":
         if not cfg.data.path:
             _fail("data.path", cfg.data.path, "data=hdf5 needs data.path=<shard file or directory>")
@@ -688,6 +731,7 @@ def _validate_eval(cfg: TrainConfig) -> None:
 
 
 SDP_OPTIMIZERS = ("nvlamb",)  # the optimizers built for sharded (DTensor) weights
+TP_OPTIMIZERS = ("nvlamb",)  # the optimizers built for tensor-parallel (DTensor) weights
 
 
 def _validate_sdp(cfg: TrainConfig) -> None:
@@ -721,6 +765,57 @@ def _validate_sdp(cfg: TrainConfig) -> None:
         _fail("sdp", k, "the SLURM launcher counts stages x data_parallel tasks, not sdp yet; run sdp>1 locally")
     if cfg.checkpoint.on_stop_after_s >= 0:  # no sharded checkpoint on Ctrl-C either
         log.info("sdp=%d: no checkpoint on Ctrl-C/SIGTERM (sharded checkpoints are not built)", k)
+        cfg.checkpoint.on_stop_after_s = -1.0
+
+
+def _validate_tp(cfg: TrainConfig) -> None:
+    """What tensor parallel (``tp`` > 1, DTensor inside each pipeline worker) runs today; each refusal
+    names what would be needed (issue 27)."""
+    k = cfg.tp
+    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+        _fail("tp", k, "must be at least 1 (1 = no tensor parallelism)")
+    if k == 1:
+        return
+    m = cfg.model
+    ffn = m.intermediate_size if m.intermediate_size is not None else 4 * m.hidden_size
+    if m.num_heads % k or ffn % k:
+        ok = [d for d in range(2, max(m.num_heads, 1) + 1) if m.num_heads % d == 0 and ffn % d == 0]
+        _fail("tp", k, f"must divide model.num_heads={m.num_heads} and the FFN width model.intermediate_size={ffn} "
+              f"(each tp rank holds whole heads and an equal part of the FFN); use tp in {ok or [1]}")
+    if cfg.optimizer.name in KFAC_OPTIMIZERS:
+        _fail("tp", k, f"optimizer={cfg.optimizer.name} needs whole weights: K-FAC with tensor-parallel layers needs "
+              "its factors sharded by the layers' split (A of a row-parallel layer, B of a column-parallel one) and "
+              "its preconditioning on the shards (not built); use optimizer=nvlamb or tp=1")
+    if cfg.optimizer.name not in TP_OPTIMIZERS:
+        _fail("tp", k, f"optimizer={cfg.optimizer.name} is not built for tensor-parallel weights yet; use "
+              "optimizer=nvlamb or tp=1")
+    if cfg.sdp > 1:
+        _fail("tp", k, f"sdp={cfg.sdp} with tp>1 needs FSDP2 over a 2-D (sdp, tp) mesh (not built yet); use sdp=1 "
+              "(data_parallel works beside tp) or tp=1")
+    if cfg.pipeline.method in ("zb-h1", "zb-v"):
+        _fail("tp", k, f"pipeline={cfg.pipeline.method}'s split backward is not built for tensor-parallel layers yet; "
+              "use pipeline=1f1b (or gpipe, chimera, interleaved) or tp=1")
+    if cfg.precision != "fp32":
+        _fail("precision", cfg.precision, f"tp={k} runs in fp32 only so far (autocast over DTensor layers is "
+              "untested); use precision=fp32 or tp=1")
+    if cfg.checkpoint.enabled or cfg.resume != "none":
+        field_name, value = (("resume", cfg.resume) if cfg.resume != "none" else
+                             ("checkpoint.every_steps", cfg.checkpoint.every_steps) if cfg.checkpoint.every_steps
+                             else ("checkpoint.every_minutes", cfg.checkpoint.every_minutes))
+        _fail(field_name, value, f"checkpoints of tensor-parallel runs (tp={k}) need torch.distributed.checkpoint "
+              "(not built yet); use tp=1, or leave checkpoints off")
+    if cfg.eval.every_steps:
+        _fail("eval.every_steps", cfg.eval.every_steps, f"held-out evaluation runs one process per pipeline worker "
+              f"(not built for tp={k}); use eval.every_steps=0 or tp=1")
+    if cfg.profile.enabled:
+        _fail("profile.enabled", True, f"profiles map one process to one pipeline worker (not built for tp={k}); "
+              "profile with tp=1")
+    if cfg.comm_ablation:
+        _fail("comm_ablation", True, f"the tensor-parallel all-reduces (tp={k}) cannot be ablated; use tp=1")
+    if cfg.cluster.name == "slurm":
+        _fail("tp", k, "the SLURM launcher counts stages x data_parallel tasks, not tp yet; run tp>1 locally")
+    if cfg.checkpoint.on_stop_after_s >= 0:  # no checkpoint on Ctrl-C either
+        log.info("tp=%d: no checkpoint on Ctrl-C/SIGTERM (tensor-parallel checkpoints are not built)", k)
         cfg.checkpoint.on_stop_after_s = -1.0
 
 

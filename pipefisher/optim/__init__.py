@@ -3,10 +3,12 @@ K-FAC for Linear layers as schedulable work units, and the AdamW and Muon baseli
 
 Entry points: :func:`build_optimizer` (name → optimizer taking ``step(grad_norm=...)``),
 :func:`build_baseline_optimizer` (``adamw``, ``muon``: torch's, with the same ``step``),
-:func:`make_lr_scheduler`, :class:`KFACPreconditioner` (work units) and :class:`KFAC` (one process).
+:func:`make_lr_scheduler`, :class:`KFACPreconditioner` (work units), :class:`EKFACPreconditioner`
+(Adam in the factors' eigenbasis; :func:`build_preconditioner` picks one) and :class:`KFAC` (one process).
 """
 
 from pipefisher.optim.baselines import BASELINE_OPTIMIZERS, build_baseline_optimizer, is_muon_parameter
+from pipefisher.optim.ekfac import PRECONDITIONERS, EKFACPreconditioner, build_preconditioner
 from pipefisher.optim.kfac import ENCODER_LINEAR_PATTERN, KFACPreconditioner, select_linears
 from pipefisher.optim.kfac_driver import KFAC
 from pipefisher.optim.lr_schedule import make_lr_scheduler, warmup_poly_lr
@@ -21,13 +23,16 @@ from pipefisher.optim.nvlamb import (
 
 __all__ = [
     "BASELINE_OPTIMIZERS",
+    "EKFACPreconditioner",
     "ENCODER_LINEAR_PATTERN",
     "KFAC",
     "KFACPreconditioner",
     "NVLAMB",
     "OPTIMIZERS",
+    "PRECONDITIONERS",
     "build_baseline_optimizer",
     "build_optimizer",
+    "build_preconditioner",
     "global_grad_norm",
     "is_muon_parameter",
     "is_no_decay",

@@ -85,7 +85,7 @@ import torch
 from torch import Tensor, nn
 
 from pipefisher.optim.kfac_factors import INVERSE_PRECISIONS
-from pipefisher.optim.kfac_layer import STATE_ENTRIES, LinearKFAC
+from pipefisher.optim.kfac_layer import LinearKFAC
 
 __all__ = ["ENCODER_LINEAR_PATTERN", "KFACPreconditioner", "select_linears"]
 
@@ -206,11 +206,16 @@ class KFACPreconditioner:
         self._loss_scale = float(loss_scale)
         self.last_refresh_step: int | None = None  # step whose captures fed the latest update
         self.last_inverse_step: int | None = None  # step at which the inverses in use were made
-        self._layers = {n: LinearKFAC(n, m, float(loss_scale), factor_dtype, inverse_dtype) for n, m in linears.items()}
+        self._layers = {n: self._new_layer(n, m, float(loss_scale), factor_dtype, inverse_dtype) for n, m in linears.items()}
         self._capturing = False
         self._capture_names: set[str] = set(self._layers)
         self._micro_batch: int | None = None
         self._handles = [layer.module.register_forward_hook(self._hook(layer)) for layer in self._layers.values()]
+
+    def _new_layer(self, name: str, module: nn.Linear, loss_scale: float, factor_dtype: torch.dtype,
+                   inverse_dtype: str) -> LinearKFAC:
+        """The per-layer state (a subclass's preconditioner, e.g. ``EKFACPreconditioner``, makes its own)."""
+        return LinearKFAC(name, module, loss_scale, factor_dtype, inverse_dtype)
 
     @property
     def layer_names(self) -> list[str]:
@@ -349,7 +354,7 @@ class KFACPreconditioner:
         ``first_only``: only layers that have no inverses in use yet (their first refresh: there
         is nothing older to keep, so K-FAC acts from the step after its first inversion).
         """
-        return sum(layer.promote() for layer in self._layers.values() if not first_only or layer.a_inv is None)
+        return sum(layer.promote() for layer in self._layers.values() if not first_only or not layer.ready)
 
     def precondition(self, name: str) -> bool:
         """Replace layer ``name``'s ``W.grad`` (and ``b.grad``) by (B + λ_B I)⁻¹ ∇ (A + λ_A I)⁻¹.
@@ -498,7 +503,7 @@ class KFACPreconditioner:
         per_layer: dict[str, dict[str, Tensor]] = {n: {} for n in self._layers}
         for key, t in state.items():
             name, _, entry = key.rpartition(_SEP)
-            if name not in per_layer or entry not in STATE_ENTRIES:
+            if name not in per_layer or entry not in type(self._layers[name]).STATE_ENTRIES:
                 raise ValueError(f"K-FAC load_state_dict: unexpected key {key!r}; layers: {self.layer_names}")
             per_layer[name][entry] = t
         for name, layer in self._layers.items():

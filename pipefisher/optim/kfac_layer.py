@@ -51,6 +51,9 @@ class LinearKFAC:
             :func:`~pipefisher.optim.kfac_factors.damped_inverse`).
     """
 
+    #: Entries of :meth:`state_dict` (a subclass adds its own).
+    STATE_ENTRIES: tuple[str, ...] = STATE_ENTRIES
+
     def __init__(self, name: str, module: nn.Linear, loss_scale: float, factor_dtype: torch.dtype,
                  inverse_dtype: str = "float32") -> None:
         self.name = name
@@ -83,6 +86,11 @@ class LinearKFAC:
         # ‖∇W‖² + ‖∇b‖² before the last precondition (clip before preconditioning); None after
         # :meth:`forget_raw_norm` or when the last precondition did nothing.
         self.raw_grad_sq: Tensor | None = None
+
+    @property
+    def ready(self) -> bool:
+        """Whether the layer has a preconditioner in use (inverses here)."""
+        return self.a_inv is not None and self.b_inv is not None
 
     @property
     def dims(self) -> tuple[int, int]:

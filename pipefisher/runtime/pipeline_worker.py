@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from pipefisher.config import KFAC_OPTIMIZERS, TrainConfig
 from pipefisher.data import get_micro_batch
-from pipefisher.optim import KFACPreconditioner
+from pipefisher.optim import build_preconditioner
 from pipefisher.profiling.nvtx import mark_rank
 from pipefisher.runtime import preemption
 from pipefisher.runtime.batch_feed import BatchFeed
@@ -31,6 +31,7 @@ from pipefisher.runtime.init_weights import load_initial_weights
 from pipefisher.runtime.faults import fault_here, inject_fault, poison_outputs
 from pipefisher.runtime.kfac_work import KfacWork
 from pipefisher.runtime.sharding import local, sdp_groups, shard_stages
+from pipefisher.runtime.tensor_parallel import parallelize_stages, schedule_worker, tp_group, tp_index
 from pipefisher.runtime.state import (capture_rng_state, kfac_state, load_kfac_state, load_module_states,
                                       load_optimizer_state, module_key, optimizer_state, restore_rng_state, to_cpu)
 from pipefisher.schedules.kfac import Assignment
@@ -53,21 +54,27 @@ class PipelineWorker:
         check_world_size(cfg, world_size)
         self.cfg, self.rank, self.world_size, self.device = cfg, rank, world_size, device
         self.schedule = schedule_for(cfg)
-        self.modules = build_stage_modules(cfg, self.schedule, rank)
+        # Under tp each schedule worker is cfg.tp processes: [Note: tp inside the pipeline].
+        self.schedule_worker, self.tp_index = schedule_worker(rank, cfg.tp), tp_index(rank, cfg.tp)
+        self.modules = build_stage_modules(cfg, self.schedule, self.schedule_worker)
         if cfg.init_from is not None:  # weights only; a checkpoint to resume from replaces them later
             load_initial_weights(cfg, self.modules, log_here=rank == 0)
         for m in self.modules.values():
             m.to(device).train()
-        grad_groups, tied_group = new_groups(self.schedule, rank, cfg.sdp)
+        grad_groups, tied_group = new_groups(self.schedule, rank, cfg.sdp, cfg.tp)
         self.sdp = None  # sharded data parallel: before anything holds a parameter (fully_shard replaces them)
         if cfg.sdp > 1:
             groups = sdp_groups(self.schedule, cfg.sdp, rank, datetime.timedelta(seconds=cfg.cluster.worker_timeout_s))
             self.sdp = shard_stages(self.modules, groups, cfg.sdp_reshard_after_forward, device.type)
+        if cfg.tp > 1:  # tensor parallel: before anything holds a parameter (the split replaces them)
+            group = tp_group(self.schedule.num_workers, cfg.tp, rank,
+                             datetime.timedelta(seconds=cfg.cluster.worker_timeout_s))
+            parallelize_stages(self.modules, group, device.type)
         tied = (tied_params(self.modules, self.schedule.num_stages), tied_group) if tied_group is not None else None
         named = [(f"{pipe}.{stage}.{n}", p) for (pipe, stage), m in sorted(self.modules.items())
                  for n, p in m.named_parameters()]
         self.optimizer, self.scheduler = make_optimizer(cfg, named, device)
-        self._norm_params = norm_params(self.modules, self.schedule, rank, cfg.sdp)
+        self._norm_params = norm_params(self.modules, self.schedule, rank, cfg.sdp, cfg.tp)
         self.before_optimizer_step: list[Callable[[], None]] = []
         loss_scale = 1.0 / (cfg.num_micro_batches * cfg.data_replicas)
         self.assignment: Assignment | None = None
@@ -77,8 +84,9 @@ class PipelineWorker:
             o = cfg.optimizer
             decay = refresh_decay(o.factor_decay, o.factor_decay_per, self.assignment.factor_every)
             preconditioners = {
-                key: KFACPreconditioner(m, damping=o.damping, factor_decay=decay, loss_scale=loss_scale,
-                                        inverse_dtype=o.inverse_dtype)
+                key: build_preconditioner(o.preconditioner, m, damping=o.damping, factor_decay=decay,
+                                          loss_scale=loss_scale, inverse_dtype=o.inverse_dtype,
+                                          beta2=o.ekfac_beta2, eps=o.ekfac_eps)
                 for key, m in self.modules.items()
             }
             self.kfac = KfacWork(preconditioners, grad_groups, deferred=self.assignment.deferred,
@@ -98,13 +106,14 @@ class PipelineWorker:
             kfac=self.kfac,
             cuda_timing="sync" if cfg.profile.enabled else "events",  # [Note: timing on a GPU]
             sdp=self.sdp,
+            tp=cfg.tp,
         )
         if device.type == "cuda":
             mark_rank(rank)  # an nsys capture maps this process to its rank (issue 15)
         self.source = data_source(cfg)
         self.plan = data_plan(cfg)
         self.batches = BatchFeed(self._host_batch, device)
-        self.dp_rank = self.schedule.placement.dp_group_of(rank)
+        self.dp_rank = self.schedule.placement.dp_group_of(self.schedule_worker)
         seed_worker_rngs(cfg.seed, rank)
         # Preemption (SLURM) and non-finite steps; see [Note: stopping on a signal] and train_step.
         self.watch_preemption = preemption.watching(cfg.cluster.requeue)
@@ -254,7 +263,9 @@ class PipelineWorker:
         # The preemption flag rides on the loss all-reduce (see [Note: stopping on a signal]).
         # Recorded only where a handler is installed: SLURM's signal, or SIGINT in a local worker.
         stop = float(preemption.requested())
-        totals = torch.cat([result.loss_sum.float(), torch.tensor([stop], device=result.loss_sum.device)])
+        # Every tp rank of the last stage computed the same losses: tp index 0 alone adds them.
+        loss_sum = result.loss_sum.float() if self.tp_index == 0 else torch.zeros_like(result.loss_sum, dtype=torch.float)
+        totals = torch.cat([loss_sum, torch.tensor([stop], device=result.loss_sum.device)])
         dist.all_reduce(totals)
         self.stop_agreed = bool(totals[2].item() > 0)
         losses = (totals[:2] / (self.cfg.num_micro_batches * self.cfg.data_replicas)).tolist()
