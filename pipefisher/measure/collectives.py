@@ -1,0 +1,274 @@
+"""Measure collectives like nccl-tests and write the fitted costs the strategy search reads.
+
+``python -m pipefisher.measure.collectives --out collectives.json [--world 2] [--max-bytes 16M]``
+starts ``--world`` processes on this machine (gloo on CPU, NCCL when CUDA is there: chosen at run
+time, or ``--backend``), and for every group size g from 2 to the world (the first g ranks) times
+``all_reduce``, ``all_gather_single``, ``reduce_scatter_single`` and a one-way ``send``/``recv``
+(half a ping-pong, pairs only) over message sizes from ``--min-bytes`` to ``--max-bytes`` (×4
+apart). Each point is the median over repeats of the slowest rank's time; the points of each op
+and group size are fitted as latency + bytes / bandwidth (``planning.comm_costs``, [Note: the fit];
+bytes as in [Note: what a message's bytes are]). The file holds the points and the fits.
+
+With ``--model bert-mini --micro-batch-sizes 8`` the same processes also time the whole model's forward
+and backward (one micro-batch, synthetic data, all processes at once, as a run's workers compute side by
+side) and store the FLOP rate that achieves under the planner's FLOP count (``model.partition.layer_costs``
+× 3 for forward and backward): ``compute.flops_per_s`` per micro-batch size, which the search then uses
+in place of a data-sheet ``flops_per_s`` (Galvatron profiles its layers' compute the same way).
+
+On CPU each process gets ``cores // world`` threads (as train.py's workers do), so the figures are
+the ones a run of that many workers sees; with more processes than cores they mean little.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import logging
+import os
+import platform
+import socket
+import statistics
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from pipefisher.atomic import write_text_atomic
+from pipefisher.planning.comm_costs import OPS, collectives_json
+
+__all__ = ["main", "measure_collectives", "message_sizes"]
+
+log = logging.getLogger(__name__)
+
+# torch 2.13 renamed the tensor forms (the old names warn); FSDP2 calls the same collectives.
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def message_sizes(min_bytes: int, max_bytes: int, factor: int = 4) -> list[int]:
+    """Sizes from ``min_bytes`` to ``max_bytes`` (inclusive when reached), ``factor`` apart, multiples of 64."""
+    if min_bytes < 64 or max_bytes < min_bytes or factor < 2:
+        raise ValueError(f"min_bytes={min_bytes}, max_bytes={max_bytes}, factor={factor}: need 64 <= min <= max, factor >= 2")
+    out, n = [], min_bytes
+    while n <= max_bytes:
+        out.append(n // 64 * 64)
+        n *= factor
+    return out
+
+
+def _time_op(op: str, g: int, rank: int, num_bytes: int, group: dist.ProcessGroup, device: torch.device,
+             repeats: int, budget_s: float) -> float | None:
+    """Median seconds of one op on this rank (None for ranks outside the group)."""
+    if rank >= g:
+        return None
+    elems = max(g, num_bytes // 4 // g * g)  # fp32, divisible by g for the sharded ops
+    full = torch.ones(elems, device=device)
+    shard = torch.ones(elems // g, device=device)
+
+    def once() -> None:
+        if op == "all_reduce":
+            dist.all_reduce(full, group=group)
+        elif op == "all_gather":
+            _all_gather(full, shard, group=group)
+        elif op == "reduce_scatter":
+            _reduce_scatter(shard, full, group=group)
+        elif rank == 0:  # p2p ping-pong between ranks 0 and 1 of the pair group
+            dist.send(full, 1, group=group)
+            dist.recv(full, 1, group=group)
+        else:
+            dist.recv(full, 0, group=group)
+            dist.send(full, 0, group=group)
+
+    def sync() -> None:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    for _ in range(2):  # warm-up: connections, buffers
+        once()
+    sync()
+    times: list[float] = []
+    start = time.perf_counter()
+    for i in range(repeats):
+        dist.barrier(group=group)
+        t0 = time.perf_counter()
+        once()
+        sync()
+        times.append(time.perf_counter() - t0)
+        # All ranks stop together: rank 0 decides (a broadcast keeps their loops in step).
+        stop = torch.tensor([1.0 if i >= 2 and time.perf_counter() - start > budget_s else 0.0], device=device)
+        dist.broadcast(stop, group_src=0, group=group)
+        if stop.item():
+            break
+    t = statistics.median(times)
+    return t / 2 if op == "p2p" else t  # one way
+
+
+def _compute_rate(model: str, micro_batch_size: int, seq_len: int, max_predictions: int, device: torch.device,
+                  repeats: int, budget_s: float) -> tuple[float, float]:
+    """(seconds of one forward + backward of the whole model on one micro-batch, its planner FLOPs)."""
+    from pipefisher.data.synthetic import SyntheticSource
+    from pipefisher.model.bert import build_full_model
+    from pipefisher.model.config import BertConfig
+    from pipefisher.model.partition import layer_costs
+
+    bert = BertConfig.from_size(model.removeprefix("bert-"))
+    net = build_full_model(bert).to(device).train()
+    source = SyntheticSource(seq_len, max_predictions, bert.vocab_size, seed=0)
+    from pipefisher.data.batches import get_micro_batch
+
+    batch = {k: v.to(device) for k, v in get_micro_batch(source, 0, 0, 0, micro_batch_size=micro_batch_size,
+                                                          num_micro_batches=1, dp_width=1).items()}
+    times = []
+    start = time.perf_counter()
+    for i in range(repeats + 2):
+        t0 = time.perf_counter()
+        net(None, batch).sum().backward()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        if i >= 2:  # after two warm-ups
+            times.append(time.perf_counter() - t0)
+        if i >= 4 and time.perf_counter() - start > budget_s:
+            break
+    flops = 3.0 * micro_batch_size * sum(layer_costs(bert, seq_len, max_predictions))
+    return statistics.median(times), flops
+
+
+def _worker(rank: int, world: int, port: int, backend: str, sizes: Sequence[int], repeats: int, budget_s: float,
+            threads: int, out: str, compute: dict[str, Any] | None = None) -> None:
+    torch.set_num_threads(threads)
+    device = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=300))
+    points: dict[str, dict[int, list[tuple[float, float]]]] = {}
+    try:
+        for g in range(2, world + 1):
+            group = dist.new_group(list(range(g)), timeout=datetime.timedelta(seconds=300))
+            for op in OPS:
+                if op == "p2p" and g != 2:
+                    continue
+                for n in sizes:
+                    t = _time_op(op, g, rank, n, group, device, repeats, budget_s)
+                    # The slowest rank of the group sets the point (as nccl-tests reports).
+                    slowest = torch.tensor([t if t is not None else 0.0], dtype=torch.float64, device=device)
+                    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+                    elems = max(g, n // 4 // g * g)
+                    points.setdefault(op, {}).setdefault(g, []).append((4.0 * elems, float(slowest.item())))
+        extra: dict[str, Any] = {}
+        if compute:
+            rates = {}
+            for mbs in compute["micro_batch_sizes"]:
+                dist.barrier()
+                seconds, flops = _compute_rate(compute["model"], mbs, compute["seq_len"], compute["max_predictions"],
+                                               device, repeats, 2 * budget_s)
+                slowest = torch.tensor([seconds], dtype=torch.float64, device=device)
+                dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+                rates[str(mbs)] = {"seconds_fb": float(slowest.item()), "flops_fb": flops,
+                                   "flops_per_s": flops / float(slowest.item())}
+            extra["compute"] = {"model": compute["model"], "seq_len": compute["seq_len"],
+                                "max_predictions": compute["max_predictions"], "processes": world, "micro_batch": rates}
+        if rank == 0:
+            doc = collectives_json(backend, device.type if device.type == "cpu" else torch.cuda.get_device_name(device),
+                                   world, points, threads_per_process=threads, torch=torch.__version__,
+                                   host=socket.gethostname(), cpu=platform.processor() or platform.machine(),
+                                   measured_at=time.strftime("%Y-%m-%dT%H:%M:%S"), **extra)
+            write_text_atomic(Path(out), json.dumps(doc, indent=1) + "\n")
+    finally:
+        dist.destroy_process_group()
+
+
+def measure_collectives(out: str | os.PathLike, world: int = 2, backend: str = "auto", min_bytes: int = 4096,
+                        max_bytes: int = 16 << 20, repeats: int = 20, budget_s: float = 0.5, model: str | None = None,
+                        micro_batch_sizes: Sequence[int] = (8,), seq_len: int = 128,
+                        max_predictions: int = 20) -> dict[str, Any]:
+    """Measure and write ``out``; returns the document written.
+
+    Args:
+        out: the JSON file to write.
+        world: processes (GPUs on CUDA); group sizes 2..world are measured.
+        backend: ``auto`` (nccl when CUDA is available with ``world`` devices, else gloo), gloo or nccl.
+        min_bytes, max_bytes: the range of message sizes (×4 apart).
+        repeats: most timed repetitions per point (after 2 warm-ups).
+        budget_s: a point stops repeating after this long (and at least 3 repeats).
+        model: a BERT size (``bert-mini``) whose forward + backward rate is measured too; None: none.
+        micro_batch_sizes, seq_len, max_predictions: the compute measurement's shapes.
+
+    Raises:
+        ValueError: a bad argument, naming it.
+    """
+    if world < 2:
+        raise ValueError(f"--world={world}: a collective needs at least 2 processes")
+    if backend == "auto":
+        backend = "nccl" if torch.cuda.is_available() and torch.cuda.device_count() >= world else "gloo"
+    if backend not in ("gloo", "nccl"):
+        raise ValueError(f"--backend={backend}: choose auto, gloo or nccl")
+    if backend == "nccl" and torch.cuda.device_count() < world:
+        raise ValueError(f"--backend=nccl --world={world}: only {torch.cuda.device_count()} CUDA device(s) visible")
+    sizes = message_sizes(min_bytes, max_bytes)
+    compute = None
+    if model is not None:
+        from pipefisher.model.config import BERT_SIZES
+
+        if model.removeprefix("bert-") not in BERT_SIZES:
+            raise ValueError(f"--model={model}: choose one of {', '.join('bert-' + k for k in BERT_SIZES)}")
+        compute = {"model": model, "micro_batch_sizes": list(micro_batch_sizes), "seq_len": seq_len,
+                   "max_predictions": max_predictions}
+    threads = max(1, (os.cpu_count() or 1) // world) if backend == "gloo" else 1
+    port = _free_port()
+    mp.start_processes(_worker, args=(world, port, backend, sizes, repeats, budget_s, threads, str(out), compute),
+                       nprocs=world, join=True, start_method="spawn")
+    return json.loads(Path(out).read_text())
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _bytes(text: str) -> int:
+    units = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30}
+    text = text.strip().lower().removesuffix("b")
+    return int(float(text[:-1]) * units[text[-1]]) if text and text[-1] in units else int(text)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """Command line: measure, write the file, print one line per op and group size."""
+    p = argparse.ArgumentParser(prog="python -m pipefisher.measure.collectives", description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", required=True, help="JSON file to write (read by schedule.py whatif=true comm_costs=<file>)")
+    p.add_argument("--world", type=int, default=2, help="processes; group sizes 2..world are measured (default 2)")
+    p.add_argument("--backend", default="auto", help="auto (nccl with CUDA, else gloo), gloo or nccl")
+    p.add_argument("--min-bytes", default="4k", help="smallest message (default 4k)")
+    p.add_argument("--max-bytes", default="16m", help="largest message (default 16m)")
+    p.add_argument("--repeats", type=int, default=20, help="most timed repetitions per point (default 20)")
+    p.add_argument("--model", default=None, help="also time this BERT's forward+backward (e.g. bert-mini)")
+    p.add_argument("--micro-batch-sizes", default="8", help="--model: comma-separated micro-batch sizes (default 8)")
+    p.add_argument("--seq-len", type=int, default=128, help="--model: tokens per sequence (default 128)")
+    p.add_argument("--max-predictions", type=int, default=20, help="--model: masked positions (default 20)")
+    args = p.parse_args(argv)
+    try:
+        doc = measure_collectives(args.out, args.world, args.backend, _bytes(args.min_bytes), _bytes(args.max_bytes),
+                                  args.repeats, model=args.model,
+                                  micro_batch_sizes=[int(x) for x in args.micro_batch_sizes.split(",")],
+                                  seq_len=args.seq_len, max_predictions=args.max_predictions)
+    except ValueError as exc:
+        raise SystemExit(f"collectives: {exc}") from None
+    print(f"{doc['backend']} on {doc['device']}, {doc['world_size']} processes, "
+          f"{doc.get('threads_per_process', '-')} thread(s) each:")
+    for op, groups in doc["ops"].items():
+        for g, row in groups.items():
+            print(f"  {op:>14} g={g}: {row['latency_s'] * 1e6:8.1f} us + bytes / {row['bytes_per_s'] / 1e9:6.3f} GB/s")
+    for mbs, row in doc.get("compute", {}).get("micro_batch", {}).items():
+        print(f"  compute {doc['compute']['model']} micro-batch {mbs}: forward+backward {row['seconds_fb'] * 1e3:.1f} ms "
+              f"= {row['flops_per_s'] / 1e9:.2f} GFLOP/s (planner FLOPs)")
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

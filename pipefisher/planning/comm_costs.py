@@ -1,0 +1,187 @@
+"""Communication costs for the strategy search: measured collectives, fitted as latency + bytes / bandwidth.
+
+Entry points: :func:`fit_latency_bandwidth` (one op at one group size), :class:`CommCosts` (the
+fitted table, read from the JSON that ``python -m pipefisher.measure.collectives`` writes, or the
+analytic ring model of a :class:`~pipefisher.planning.costs.Hardware` when there is none).
+
+[Note: what a message's bytes are]
+As nccl-tests counts them, ``bytes`` is the size of the whole tensor, not of one rank's shard:
+
+    all_reduce       the buffer every rank holds (in and out)
+    all_gather       the gathered output (group size × one rank's shard)
+    reduce_scatter   the input every rank holds (group size × the shard it receives)
+    p2p              the message one rank sends to another (a send/recv pair, one way)
+
+[Note: the fit]
+For one op and group size, the measured (bytes, seconds) points are fitted with
+``seconds = latency_s + bytes / bytes_per_s`` by least squares on the *relative* error (weights
+1/seconds), so small messages (latency-bound) and large ones (bandwidth-bound) count alike; a
+negative intercept is clamped to 0 and the slope refitted. A group size that was not measured is
+extrapolated from the nearest measured one of that op under the ring algorithm: bytes moved per
+rank scale with 2(g-1)/g (all_reduce) or (g-1)/g (all_gather, reduce_scatter), latency with the
+g-1 ring steps. An op with no measurement at all falls back to the ring model at the
+``Hardware``'s bandwidths with zero latency (what ``planning.costs`` assumes).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from pipefisher.planning.costs import Hardware
+
+__all__ = ["COLLECTIVES_FORMAT", "OPS", "CommCosts", "LinkFit", "collectives_json", "fit_latency_bandwidth"]
+
+COLLECTIVES_FORMAT = "pipefisher-collectives/1"
+OPS = ("all_reduce", "all_gather", "reduce_scatter", "p2p")
+
+
+@dataclass(frozen=True)
+class LinkFit:
+    """``seconds = latency_s + bytes / bytes_per_s`` for one op at one group size."""
+
+    latency_s: float
+    bytes_per_s: float
+
+    def seconds(self, num_bytes: float) -> float:
+        return self.latency_s + num_bytes / self.bytes_per_s
+
+
+def fit_latency_bandwidth(points: Sequence[tuple[float, float]]) -> LinkFit:
+    """Fit measured ``(bytes, seconds)`` points ([Note: the fit]).
+
+    Args:
+        points: at least two points with distinct byte counts; seconds > 0.
+
+    Returns:
+        The fitted latency (>= 0) and bandwidth (> 0; infinite-like 1e30 when the time does
+        not grow with the size at all).
+
+    Raises:
+        ValueError: fewer than two distinct sizes, or a non-positive time.
+    """
+    pts = [(float(x), float(t)) for x, t in points]
+    if len({x for x, _ in pts}) < 2:
+        raise ValueError(f"fit needs at least two distinct message sizes, got {len(pts)} point(s)")
+    if any(not t > 0 or x < 0 for x, t in pts):
+        raise ValueError(f"fit needs bytes >= 0 and seconds > 0, got {pts}")
+    # Minimize sum(((a + b x - t) / t)^2): normal equations in (a, b) with weights w = 1/t^2.
+    sw = sum(1 / t**2 for _, t in pts)
+    sx = sum(x / t**2 for x, t in pts)
+    sxx = sum(x * x / t**2 for x, t in pts)
+    st = sum(1 / t for _, t in pts)
+    sxt = sum(x / t for x, t in pts)
+    det = sw * sxx - sx * sx
+    a = (st * sxx - sx * sxt) / det
+    b = (sw * sxt - sx * st) / det
+    if a < 0:  # clamp the latency and refit the slope alone
+        a, b = 0.0, sxt / sxx
+    if b <= 0:  # no growth with size: latency only
+        a, b = st / sw, 0.0
+    return LinkFit(a, 1.0 / b if b > 0 else 1e30)
+
+
+def _ring_share(op: str, g: int) -> float:
+    """Bytes each rank moves per byte of the whole tensor under a ring ([Note: the fit])."""
+    if op == "all_reduce":
+        return 2.0 * (g - 1) / g
+    if op in ("all_gather", "reduce_scatter"):
+        return (g - 1) / g
+    return 1.0  # p2p
+
+
+@dataclass(frozen=True)
+class CommCosts:
+    """Seconds of a collective of ``bytes`` ([Note: what a message's bytes are]) over a group.
+
+    Attributes:
+        fits: op -> group size -> fit (measured); may be empty.
+        hardware: the ring model's bandwidths where nothing was measured.
+        source: where the figures come from (a file, or ``analytic``), for messages.
+    """
+
+    fits: Mapping[str, Mapping[int, LinkFit]] = field(default_factory=dict)
+    hardware: Hardware = Hardware()
+    source: str = "analytic"
+
+    def seconds(self, op: str, group: int, num_bytes: float) -> float:
+        """Time of one ``op`` of ``num_bytes`` over ``group`` ranks (0 for a group of one)."""
+        if op not in OPS:
+            raise ValueError(f"op={op!r}: choose one of {', '.join(OPS)}")
+        if group <= 1 or num_bytes <= 0 and op != "p2p":
+            return 0.0
+        measured = self.fits.get(op, {})
+        if group in measured:
+            return measured[group].seconds(num_bytes)
+        if measured and op != "p2p":  # ring extrapolation from the nearest measured group size
+            g0 = min(measured, key=lambda g: (abs(g - group), -g))
+            fit = measured[g0]
+            latency = fit.latency_s * (group - 1) / max(g0 - 1, 1)
+            return latency + _ring_share(op, group) / _ring_share(op, g0) * num_bytes / fit.bytes_per_s
+        if measured:  # p2p measured for another pair count: a pair is a pair
+            return next(iter(measured.values())).seconds(num_bytes)
+        bw = self.hardware.p2p_bytes_per_s if op == "p2p" else self.hardware.allreduce
+        return _ring_share(op, group) * num_bytes / bw
+
+    @classmethod
+    def from_json(cls, path: str | Path, hardware: Hardware = Hardware()) -> CommCosts:
+        """Read what ``python -m pipefisher.measure.collectives`` wrote.
+
+        Raises:
+            ValueError: the file is missing, not JSON, or lacks a field; the message names it and
+                how to make one.
+        """
+        make = "write one with `python -m pipefisher.measure.collectives --out <file>`"
+        try:
+            data = json.loads(Path(path).read_text())
+        except OSError as exc:
+            raise ValueError(f"comm_costs={path}: cannot be read ({exc.strerror}); {make}") from None
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"comm_costs={path}: not JSON ({exc.msg}, line {exc.lineno}); {make}") from None
+        if not isinstance(data, dict) or data.get("format") != COLLECTIVES_FORMAT:
+            raise ValueError(f"comm_costs={path}: field format is {data.get('format') if isinstance(data, dict) else None!r}, "
+                             f"not {COLLECTIVES_FORMAT!r}; {make}")
+        fits: dict[str, dict[int, LinkFit]] = {}
+        for op, groups in data.get("ops", {}).items():
+            if op not in OPS:
+                raise ValueError(f"comm_costs={path}: field ops.{op}: unknown op; the file holds {', '.join(OPS)}")
+            for g, row in groups.items():
+                try:
+                    fit = LinkFit(float(row["latency_s"]), float(row["bytes_per_s"]))
+                    size = int(g)
+                except (KeyError, TypeError, ValueError):
+                    raise ValueError(f"comm_costs={path}: field ops.{op}.{g} needs latency_s and bytes_per_s "
+                                     f"(numbers) under an integer group size; {make}") from None
+                if fit.latency_s < 0 or not fit.bytes_per_s > 0 or not math.isfinite(fit.latency_s):
+                    raise ValueError(f"comm_costs={path}: field ops.{op}.{g}: latency_s must be >= 0 and "
+                                     f"bytes_per_s > 0; {make}")
+                fits.setdefault(op, {})[size] = fit
+        return cls(fits, hardware, str(path))
+
+    def describe(self) -> str:
+        """One line: the source and each measured op's group sizes."""
+        if not self.fits:
+            return (f"communication: ring model at {self.hardware.allreduce:.3g} B/s (collectives) and "
+                    f"{self.hardware.p2p_bytes_per_s:.3g} B/s (p2p), no latency (no comm_costs file)")
+        parts = []
+        for op in OPS:
+            for g, f in sorted(self.fits.get(op, {}).items()):
+                parts.append(f"{op}@{g} {f.latency_s * 1e6:.0f} us + {f.bytes_per_s / 1e9:.2f} GB/s")
+        return f"communication measured ({self.source}): " + ", ".join(parts)
+
+
+def collectives_json(backend: str, device: str, world_size: int, points: Mapping[str, Mapping[int, Sequence[tuple[float, float]]]],
+                     **extra: Any) -> dict[str, Any]:
+    """The JSON document of a measurement: the raw points and their fits per op and group size."""
+    ops: dict[str, dict[str, Any]] = {}
+    for op, groups in points.items():
+        for g, pts in sorted(groups.items()):
+            fit = fit_latency_bandwidth(pts)
+            ops.setdefault(op, {})[str(g)] = {"latency_s": fit.latency_s, "bytes_per_s": fit.bytes_per_s,
+                                              "points": [[x, t] for x, t in pts]}
+    return {"format": COLLECTIVES_FORMAT, "backend": backend, "device": device, "world_size": world_size,
+            **extra, "ops": ops}

@@ -1,0 +1,98 @@
+"""Communication costs for the strategy search: the latency + bytes/bandwidth fit, the ring
+extrapolation to unmeasured group sizes, the JSON the measurement writes, and the measurement itself."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from pipefisher.planning.comm_costs import COLLECTIVES_FORMAT, CommCosts, LinkFit, collectives_json, fit_latency_bandwidth
+from pipefisher.planning.costs import Hardware
+
+
+def test_fit_recovers_hand_latency_and_bandwidth_from_exact_points():
+    # 50 us + bytes / 2 GB/s, at 4 KiB .. 16 MiB
+    points = [(n, 50e-6 + n / 2e9) for n in (4096, 65536, 1 << 20, 16 << 20)]
+    fit = fit_latency_bandwidth(points)
+    assert fit.latency_s == pytest.approx(50e-6, rel=1e-9)
+    assert fit.bytes_per_s == pytest.approx(2e9, rel=1e-9)
+
+
+def test_fit_weighs_relative_error_so_small_messages_set_the_latency():
+    # Hand values: two points, exact line through them: t(1e3)=1e-4, t(1e7)=1e-4+1e7/1e9=1.01e-2.
+    fit = fit_latency_bandwidth([(1e3, 1e-4 + 1e3 / 1e9), (1e7, 1e-4 + 1e7 / 1e9)])
+    assert (fit.latency_s, fit.bytes_per_s) == pytest.approx((1e-4, 1e9), rel=1e-9)
+    # A third, noisy large point (+10 %) moves the bandwidth, and the latency stays near 100 us.
+    noisy = fit_latency_bandwidth([(1e3, 1.01e-4), (1e4, 1.1e-4), (1e7, 1.01e-2 * 1.1)])
+    assert noisy.latency_s == pytest.approx(1e-4, rel=0.05)
+    assert 0.85e9 < noisy.bytes_per_s < 1e9
+
+
+def test_fit_clamps_a_negative_latency_and_refits_the_slope():
+    # Pure bandwidth with a super-linear bump at the large end pulls the intercept below 0.
+    points = [(1e3, 1e-6), (1e6, 1e-3), (1e7, 1.2e-2)]
+    fit = fit_latency_bandwidth(points)
+    assert fit.latency_s == 0.0
+    # Slope alone minimizing sum(((b x - t)/t)^2): b = sum(x/t) / sum(x^2/t^2).
+    b = sum(x / t for x, t in points) / sum(x * x / t / t for x, t in points)
+    assert fit.bytes_per_s == pytest.approx(1 / b)
+
+
+def test_fit_refuses_a_single_size():
+    with pytest.raises(ValueError, match="two distinct message sizes"):
+        fit_latency_bandwidth([(4096, 1e-4), (4096, 2e-4)])
+
+
+def test_comm_costs_use_the_measured_fit_and_extrapolate_other_group_sizes_as_a_ring():
+    costs = CommCosts({"all_reduce": {2: LinkFit(1e-4, 1e9)}, "all_gather": {2: LinkFit(2e-4, 2e9)}})
+    assert costs.seconds("all_reduce", 2, 1e6) == pytest.approx(1e-4 + 1e-3)
+    assert costs.seconds("all_reduce", 1, 1e6) == 0.0
+    # g=4 from g=2: latency x (4-1)/(2-1); bytes x (2*3/4)/(2*1/2) = 1.5
+    assert costs.seconds("all_reduce", 4, 1e6) == pytest.approx(3e-4 + 1.5e-3)
+    # all_gather g=4: bytes x (3/4)/(1/2) = 1.5
+    assert costs.seconds("all_gather", 4, 4e6) == pytest.approx(6e-4 + 1.5 * 2e-3)
+    # Nothing measured for reduce_scatter or p2p: the ring model at the hardware's bandwidths, no latency.
+    hw = Hardware(p2p_bytes_per_s=1e10, allreduce_bytes_per_s=5e9)
+    analytic = CommCosts({}, hw)
+    assert analytic.seconds("reduce_scatter", 4, 4e6) == pytest.approx(0.75 * 4e6 / 5e9)
+    assert analytic.seconds("p2p", 2, 1e6) == pytest.approx(1e6 / 1e10)
+    assert analytic.seconds("all_reduce", 8, 1e6) == pytest.approx(2 * 7 / 8 * 1e6 / 5e9)
+
+
+def test_comm_costs_read_the_measurement_json_and_refuse_bad_files(tmp_path: Path):
+    doc = collectives_json("gloo", "cpu", 2, {"all_reduce": {2: [(4096, 50e-6 + 4096 / 2e9), (1 << 20, 50e-6 + (1 << 20) / 2e9)]}})
+    path = tmp_path / "c.json"
+    path.write_text(json.dumps(doc))
+    costs = CommCosts.from_json(path)
+    assert costs.fits["all_reduce"][2].bytes_per_s == pytest.approx(2e9)
+    assert "all_reduce@2 50 us" in costs.describe()
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({**doc, "format": "x"}))
+    with pytest.raises(ValueError, match=f"comm_costs={bad}: field format"):
+        CommCosts.from_json(bad)
+    bad.write_text(json.dumps({"format": COLLECTIVES_FORMAT, "ops": {"all_reduce": {"2": {"latency_s": 1e-4}}}}))
+    with pytest.raises(ValueError, match="field ops.all_reduce.2 needs latency_s and bytes_per_s"):
+        CommCosts.from_json(bad)
+    with pytest.raises(ValueError, match="cannot be read"):
+        CommCosts.from_json(tmp_path / "missing.json")
+
+
+@pytest.mark.slow
+def test_measurement_at_world_2_writes_fits_the_search_reads(tmp_path: Path):
+    from pipefisher.measure.collectives import measure_collectives
+
+    out = tmp_path / "coll.json"
+    doc = measure_collectives(out, world=2, min_bytes=4096, max_bytes=256 << 10, repeats=3, budget_s=0.05,
+                              model="bert-tiny", micro_batch_sizes=[2], seq_len=32, max_predictions=5)
+    assert doc["backend"] == "gloo" and doc["world_size"] == 2
+    assert set(doc["ops"]) == {"all_reduce", "all_gather", "reduce_scatter", "p2p"}
+    for op, groups in doc["ops"].items():
+        row = groups["2"]
+        assert [int(x) for x, _ in row["points"]] == [4096, 16384, 65536, 262144]
+        assert row["latency_s"] >= 0 and row["bytes_per_s"] > 0
+    costs = CommCosts.from_json(out)
+    assert costs.seconds("all_reduce", 2, 1 << 20) > 0
+    rate = doc["compute"]["micro_batch"]["2"]
+    assert rate["flops_per_s"] == pytest.approx(rate["flops_fb"] / rate["seconds_fb"])
