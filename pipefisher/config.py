@@ -46,7 +46,9 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-PIPELINE_METHODS = ("gpipe", "1f1b", "chimera", "interleaved", "zb-h1", "zb-v", "csv")  # csv: pipeline.csv, a torch schedule file
+PIPELINE_METHODS = ("gpipe", "1f1b", "chimera", "interleaved", "zb-h1", "zb-v", "dualpipev", "v-half", "v-min",
+                    "csv")  # csv: pipeline.csv, a torch schedule file
+V_METHODS = ("zb-v", "dualpipev", "v-half", "v-min")  # two chunks per worker in a V (pipefisher.schedules.v_schedules)
 CHIMERA_STACKINGS = ("direct", "doubling")  # pipeline.chimera_stacking (Chimera paper, Sec. 3.5)
 FACTOR_DECAY_UNITS = ("step", "refresh")  # optimizer.factor_decay_per
 PROMOTE_INVERSES = ("at_cycle_end", "when_ready")  # optimizer.promote_inverses (as pipefisher.schedules.kfac's)
@@ -87,8 +89,8 @@ class ModelConfig:
 class PipelineConfig:
     """Pipeline method; the stage count is the top-level key ``stages``."""
 
-    method: str = "gpipe"  # one of gpipe, 1f1b, chimera, interleaved, zb-h1, zb-v
-    num_virtual: int = 1  # model chunks per worker (interleaved; zb-v: exactly 2)
+    method: str = "gpipe"  # one of gpipe, 1f1b, chimera, interleaved, zb-h1, zb-v, dualpipev, v-half, v-min, csv
+    num_virtual: int = 1  # model chunks per worker (interleaved; zb-v, dualpipev, v-half, v-min: exactly 2)
     order_costs: Optional[list[float]] = None  # zb-v: relative [F, I, W] cost of a stage its list scheduler orders by (default equal)
     activation_memory: float = 1.0  # zb-v: activation bound as a multiple of 1F1B's peak (>= 1)
     layers_per_stage: Optional[list[int]] = None  # explicit encoder layers per stage; None = balance by cost
@@ -330,11 +332,11 @@ def num_micro_batches_for(method: str, stages: int, chimera_stacking: str = "dir
 
     GPipe and 1F1B run any N, but below D micro-batches a stage idles for more than half a step
     (bubble (D-1)/(N+D-1)); Chimera and interleaved 1F1B need a multiple of D, and D is the
-    smallest (Chimera's bubble (D-2)/(2N+D-2)); zb-v needs N >= 2D, and Chimera with forward
+    smallest (Chimera's bubble (D-2)/(2N+D-2)); the V schedules (zb-v, dualpipev, v-half, v-min) need N >= 2D, and Chimera with forward
     doubling a multiple of 2D.
     """
     _check_choice("pipeline.method", method, PIPELINE_METHODS)
-    doubled = method == "zb-v" or schedule_method(method, chimera_stacking) == "chimera-doubling"
+    doubled = method in V_METHODS or schedule_method(method, chimera_stacking) == "chimera-doubling"
     return max(1, stages) * (2 if doubled else 1)
 
 
@@ -360,8 +362,8 @@ def micro_batch_rule(method: str, stages: int, chimera_stacking: str = "direct")
         return 2 * stages, f"chimera with pipeline.chimera_stacking=doubling needs a multiple of 2 x stages = {2 * stages}"
     if method in ("chimera", "interleaved"):
         return stages, f"{method} needs a multiple of stages={stages}"
-    if method == "zb-v":
-        return -2 * stages, f"zb-v needs at least 2 x stages = {2 * stages} micro-batches to fill its V"
+    if method in V_METHODS:
+        return -2 * stages, f"{method} needs at least 2 x stages = {2 * stages} micro-batches to fill its V"
     return None
 
 
@@ -587,10 +589,16 @@ def validate(cfg: TrainConfig) -> None:
         _fail("pipeline.order_costs" if cfg.pipeline.order_costs is not None else "pipeline.activation_memory",
               cfg.pipeline.order_costs if cfg.pipeline.order_costs is not None else cfg.pipeline.activation_memory,
               "only pipeline=zb-v orders its actions by a list scheduler; leave it unset for other methods")
-    if method == "zb-v":
+    if method in V_METHODS:
         if cfg.pipeline.num_virtual != 2:
             _fail("pipeline.num_virtual", cfg.pipeline.num_virtual,
-                  "zb-v places exactly 2 model chunks per worker (a V); use pipeline.num_virtual=2 (pipeline=zb-v sets it)")
+                  f"{method} places exactly 2 model chunks per worker (a V); use pipeline.num_virtual=2 "
+                  f"(pipeline={method} sets it)")
+        if cfg.num_micro_batches < 2 * cfg.stages:
+            _fail("num_micro_batches", cfg.num_micro_batches,
+                  f"{method} needs at least 2 x stages = {2 * cfg.stages} micro-batches to fill its V; use "
+                  f"num_micro_batches={2 * cfg.stages} or more (or auto), or pipeline=zb-h1")
+    if method == "zb-v":
         oc = cfg.pipeline.order_costs
         if oc is not None and (len(oc) != 3 or min(oc) <= 0):
             _fail("pipeline.order_costs", list(oc), "give three positive relative costs [F, I, W] of a stage, "
@@ -598,13 +606,10 @@ def validate(cfg: TrainConfig) -> None:
         if not cfg.pipeline.activation_memory >= 1.0:
             _fail("pipeline.activation_memory", cfg.pipeline.activation_memory,
                   "a multiple of 1F1B's activation peak, at least 1.0 (e.g. 1.5)")
-        if cfg.num_micro_batches < 2 * cfg.stages:
-            _fail("num_micro_batches", cfg.num_micro_batches,
-                  f"zb-v needs at least 2 x stages = {2 * cfg.stages} micro-batches to fill its V; use "
-                  f"num_micro_batches={2 * cfg.stages} or more (or auto), or pipeline=zb-h1")
-    elif method not in ("interleaved", "csv") and cfg.pipeline.num_virtual != 1:
+    elif method not in ("interleaved", "csv", *V_METHODS) and cfg.pipeline.num_virtual != 1:
         _fail("pipeline.num_virtual", cfg.pipeline.num_virtual,
-              "only pipeline=interleaved and pipeline=zb-v use virtual stages; set it to 1")
+              "only pipeline=interleaved and the V schedules (zb-v, dualpipev, v-half, v-min) use virtual stages; "
+              "set it to 1")
     lps = cfg.pipeline.layers_per_stage
     if lps is not None:
         if len(lps) != total_stages or any(n < 1 for n in lps[1:-1]) or min(lps) < 0 or sum(lps) != m.num_layers:
@@ -747,7 +752,7 @@ def _validate_sdp(cfg: TrainConfig) -> None:
               "factors and preconditioning sharded too (not built); use optimizer=nvlamb or sdp=1")
     if cfg.optimizer.name not in SDP_OPTIMIZERS:
         _fail("sdp", k, f"optimizer={cfg.optimizer.name} is not built for sharded weights yet; use optimizer=nvlamb or sdp=1")
-    if cfg.sdp_reshard_after_forward and cfg.pipeline.method in ("zb-h1", "zb-v"):
+    if cfg.sdp_reshard_after_forward and cfg.pipeline.method in ("zb-h1", *V_METHODS):
         _fail("sdp_reshard_after_forward", True, f"pipeline={cfg.pipeline.method}'s deferred weight gradients (W) "
               "need the gathered weights after I; use sdp_reshard_after_forward=false")
     if cfg.checkpoint.enabled or cfg.resume != "none":

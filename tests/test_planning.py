@@ -402,7 +402,8 @@ def _whatif_every_method(**kwargs):
 def test_whatif_searches_every_schedule_train_py_runs_with_its_memory():
     found = _whatif_every_method(memory_gb=100.0)
     ranked = {(c.method, c.stages): c for c in found if c.excluded is None}
-    assert set(METHODS) == {"gpipe", "1f1b", "chimera", "chimera-doubling", "interleaved", "zb-h1", "zb-v"}
+    assert set(METHODS) == {"gpipe", "1f1b", "chimera", "chimera-doubling", "interleaved", "zb-h1", "zb-v",
+                            "dualpipev", "v-half", "v-min"}
     for method in METHODS:  # D=2, W=2, N=4 fits every one
         c = ranked[(method, 2)]
         run = RunShape(BertConfig.from_size("mini"), method, 2, 4, 4, 2, c.num_virtual, 64, 10)

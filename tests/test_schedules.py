@@ -69,15 +69,16 @@ def compute_only(schedule: Schedule) -> dict[int, list[Action]]:
 
 
 def test_registry_names_the_methods():
-    assert set(GENERATORS) == {"gpipe", "1f1b", "chimera", "interleaved", "zb-h1", "zb-v", "chimera-doubling"}
+    assert set(GENERATORS) == {"gpipe", "1f1b", "chimera", "interleaved", "zb-h1", "zb-v", "chimera-doubling",
+                               "dualpipev", "v-half", "v-min"}
 
 
 def test_every_method_accepts_one_virtual_chunk():
-    # Callers may pass the config's pipeline.num_virtual (1 unless interleaved or zb-v) to every
-    # method; zb-v's V is exactly two chunks per worker, and it says so.
+    # Callers may pass the config's pipeline.num_virtual (1 unless interleaved or a V schedule) to
+    # every method; a V (zb-v, dualpipev, v-half, v-min) is exactly two chunks per worker, and it says so.
     for method in GENERATORS:
-        if method == "zb-v":
-            with pytest.raises(ValueError, match="pipeline.num_virtual=1: zb-v places exactly 2 model chunks"):
+        if method in ("zb-v", "dualpipev", "v-half", "v-min"):
+            with pytest.raises(ValueError, match=f"pipeline.num_virtual=1: {method} places exactly 2 model chunks"):
                 build_schedule(method, 2, 4, num_virtual=1)
             assert build_schedule(method, 2, 4, num_virtual=2).num_stages == 4
             continue

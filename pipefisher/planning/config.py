@@ -29,7 +29,7 @@ class WhatIfConfig:
     """The search space of ``whatif=true``."""
 
     methods: list[str] = field(default_factory=lambda: ["gpipe", "1f1b", "chimera", "chimera-doubling", "interleaved",
-                                                        "zb-h1", "zb-v"])  # schedules (chimera-doubling: pipeline.chimera_stacking=doubling)
+                                                        "zb-h1", "zb-v", "dualpipev", "v-half", "v-min"])  # schedules (chimera-doubling: pipeline.chimera_stacking=doubling)
     micro_batch_sizes: list[int] = field(default_factory=lambda: [4, 8, 16, 32])  # sequences per micro-batch
     optimizers: list[str] = field(default_factory=lambda: ["nvlamb", "kfac", "pipefisher"])  # optimizers to compare
     recompute: list[bool] = field(default_factory=lambda: [False, True])  # recomputation settings to try

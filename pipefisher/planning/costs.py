@@ -32,7 +32,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
-from pipefisher.config import schedule_method
+from pipefisher.config import V_METHODS, schedule_method
 from pipefisher.model.config import BertConfig
 from pipefisher.model.partition import layer_costs, partition_layers, stage_costs
 from pipefisher.profiling import Profile
@@ -126,7 +126,8 @@ class RunShape:
 
     Attributes:
         bert: the architecture.
-        method: the schedule generator (gpipe, 1f1b, chimera, chimera-doubling, interleaved, zb-h1, zb-v;
+        method: the schedule generator (gpipe, 1f1b, chimera, chimera-doubling, interleaved, zb-h1, zb-v,
+            dualpipev, v-half, v-min;
             ``config.schedule_method`` of the run's pipeline keys).
         stages: D, workers per pipeline (the config's ``stages``).
         num_micro_batches: N per step per data-parallel group.
@@ -164,7 +165,7 @@ class RunShape:
     @property
     def partition(self) -> list[tuple[int, int]]:
         return partition_layers(self.bert, self.num_model_stages, self.seq_len, self.max_predictions,
-                                self.layers_per_stage, v_shape=self.method == "zb-v")
+                                self.layers_per_stage, v_shape=self.method in V_METHODS)
 
     @property
     def encoder_layers(self) -> list[int]:
@@ -199,10 +200,11 @@ class RunShape:
         """The run's checked schedule (``dp_width`` overrides W, e.g. 1 to simulate one group); what
         ``train.py`` runs (``runtime.worker.schedule_for`` calls this)."""
         options: dict[str, Any] = {}
-        if self.method == "zb-v":  # its list scheduler orders by the V partition's estimated stage costs
+        if self.method in ("zb-v", "v-half", "v-min"):  # list scheduled by the V partition's estimated stage costs
             estimate = stage_costs(layer_costs(self.bert, self.seq_len, self.max_predictions), self.partition)
-            options = {"order_costs": self.order_costs, "activation_memory": self.activation_memory,
-                       "stage_costs": [max(c, 1e-3 * max(estimate)) for c in estimate]}
+            options = {"order_costs": self.order_costs, "stage_costs": [max(c, 1e-3 * max(estimate)) for c in estimate]}
+            if self.method == "zb-v":
+                options["activation_memory"] = self.activation_memory
         return build_schedule(self.method, self.stages, self.num_micro_batches,
                               self.dp_width if dp_width is None else dp_width, num_virtual=self.num_virtual,
                               **options)

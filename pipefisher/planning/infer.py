@@ -64,7 +64,10 @@ def _candidates(model_stages: int, workers: int) -> list[tuple[str, int, int, in
     """``(method, D, W, num_virtual)`` shapes that fit the counts."""
     out = []
     for method in GENERATORS:
-        for v in (range(2, _MAX_VIRTUAL + 1) if method == "interleaved" else (2,) if method == "zb-v" else (1,)):
+        # v-half and v-min are not told apart from zb-v: their orders depend on the run's stage costs as
+        # zb-v's does, and with the same placement and actions they match zb-v's loose comparison below.
+        chunks = (2,) if method in ("zb-v", "dualpipev") else () if method in ("v-half", "v-min") else (1,)
+        for v in (range(2, _MAX_VIRTUAL + 1) if method == "interleaved" else chunks):
             if model_stages % v:
                 continue
             d = model_stages // v

@@ -13,8 +13,9 @@ all-reduce costs and the global batch.
 
 The methods are every schedule train.py runs (``METHODS``): ``chimera-doubling`` is
 ``pipeline=chimera pipeline.chimera_stacking=doubling``. Each one's memory is the memory model's
-for its own schedule (forward doubling holds D more activations than direct concatenation; zb-v
-two chunks per worker). A split backward (zb-h1, zb-v) costs ``split_backward_ratio`` × B for its
+for its own schedule (forward doubling holds D more activations than direct concatenation; the V
+schedules zb-v, dualpipev, v-half and v-min two chunks per worker, v-half and v-min under a smaller
+activation bound). A split backward (zb-h1 and the V schedules) costs ``split_backward_ratio`` × B for its
 I + W together (each half of it): 1.07 measured on bert-mini (bench/README.md), where the FLOPs
 alone would give 1.0.
 """
@@ -26,6 +27,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
+from pipefisher.config import V_METHODS
 from pipefisher.model.config import BertConfig
 from pipefisher.planning.assign import plan_pipefisher
 from pipefisher.planning.costs import Hardware, RunShape, estimate_run_costs
@@ -38,8 +40,8 @@ __all__ = ["METHODS", "SPLIT_BACKWARD_RATIO", "Candidate", "format_candidates", 
 
 log = logging.getLogger(__name__)
 
-METHODS = ("gpipe", "1f1b", "chimera", "chimera-doubling", "interleaved", "zb-h1", "zb-v")
-SPLIT_METHODS = ("zb-h1", "zb-v")  # their backward is split into I and W
+METHODS = ("gpipe", "1f1b", "chimera", "chimera-doubling", "interleaved", "zb-h1", *V_METHODS)
+SPLIT_METHODS = ("zb-h1", *V_METHODS)  # their backward is split into I and W
 SPLIT_BACKWARD_RATIO = 1.07  # (I+W)/B measured on bert-mini (bench/zero_bubble.py; issue 26)
 OPTIMIZERS = ("nvlamb", "kfac", "pipefisher")
 
@@ -77,7 +79,7 @@ class Candidate:
     @property
     def shape(self) -> str:
         """The configuration without the optimizer."""
-        v = f" v={self.num_virtual}" if self.method in ("interleaved", "zb-v") else ""
+        v = f" v={self.num_virtual}" if self.method in ("interleaved", *V_METHODS) else ""
         n = self.num_micro_batches or "-"
         return (f"{self.method} D={self.stages}{v} W={self.dp_width} mbs={self.micro_batch_size} N={n} "
                 f"recompute={str(self.recompute).lower()}")
@@ -92,8 +94,8 @@ def _shape_problem(bert: BertConfig, method: str, d: int, v: int, n: int) -> str
         return f"{method} needs an even number of stages (stages={d})"
     if method == "chimera-doubling" and n % (2 * d):
         return f"chimera-doubling needs num_micro_batches={n} to be a multiple of 2 x stages={2 * d}"
-    if method == "zb-v" and n < 2 * d:
-        return f"zb-v needs num_micro_batches={n} to be at least 2 x stages={2 * d}"
+    if method in V_METHODS and n < 2 * d:
+        return f"{method} needs num_micro_batches={n} to be at least 2 x stages={2 * d}"
     if method == "interleaved" and d == 1 and v > 1:
         return "interleaved needs stages>=2 (one stage leaves its virtual stages nobody to pass activations to)"
     if d * v > bert.num_layers:
@@ -142,7 +144,7 @@ def what_if(bert: BertConfig, *, devices: int, memory_gb: float, global_batch: i
     divisors = [x for x in range(1, devices + 1) if devices % x == 0]
     progress = _Progress(len(methods) * len(divisors))
     for method in methods:
-        v = num_virtual if method == "interleaved" else 2 if method == "zb-v" else 1
+        v = num_virtual if method == "interleaved" else 2 if method in V_METHODS else 1
         for d in divisors:
             w = devices // d
             progress.start(f"{method} D={d} W={w}")

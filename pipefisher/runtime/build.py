@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from pipefisher.config import TrainConfig, schedule_method
+from pipefisher.config import V_METHODS, TrainConfig, schedule_method
 from pipefisher.model import BertStage, partition_layers
 from pipefisher.planning.assign import plan_pipefisher
 from pipefisher.planning.costs import Hardware, RunShape, estimate_run_costs
@@ -110,10 +110,10 @@ def norm_params(modules: dict[StageKey, BertStage], schedule: Schedule, rank: in
 
 def stage_slices(cfg: TrainConfig, num_stages: int) -> list[tuple[int, int]]:
     """The run's partition: (first, last) pipeline layer of each of ``num_stages`` stages (balanced
-    for the workers of a V on zb-v)."""
+    for the workers of a V on zb-v, dualpipev, v-half and v-min)."""
     return partition_layers(bert_config(cfg), num_stages, seq_len=cfg.data.seq_len,
                             max_predictions=cfg.data.max_predictions,
-                            layers_per_stage=cfg.pipeline.layers_per_stage, v_shape=cfg.pipeline.method == "zb-v")
+                            layers_per_stage=cfg.pipeline.layers_per_stage, v_shape=cfg.pipeline.method in V_METHODS)
 
 
 def encoder_layers_per_stage(cfg: TrainConfig, num_stages: int) -> list[int]:

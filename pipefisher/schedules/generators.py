@@ -18,8 +18,10 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from pipefisher.schedules.chimera_doubling import chimera_doubling
+from pipefisher.schedules.dualpipe import dualpipev
 from pipefisher.schedules.ir import Action, ActionKind, Schedule
 from pipefisher.schedules.shapes import bidirectional_placement, check_common, linear_placement, multiple_hint, replicate
+from pipefisher.schedules.v_schedules import v_half, v_min
 from pipefisher.schedules.zero_bubble import zb_h1, zb_v
 
 __all__ = [
@@ -296,6 +298,9 @@ GENERATORS: dict[str, GeneratorFn] = {
     "zb-h1": zb_h1,
     "zb-v": zb_v,
     "chimera-doubling": chimera_doubling,  # pipeline=chimera pipeline.chimera_stacking=doubling
+    "dualpipev": dualpipev,
+    "v-half": v_half,
+    "v-min": v_min,
 }
 # Receive hoisting per method (passes, [Note: hoisting the nearest receive]); default earliest_send.
 HOIST_POLICY: dict[str, str] = {"chimera-doubling": "nearest_consumer"}

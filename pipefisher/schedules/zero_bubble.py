@@ -29,7 +29,7 @@ from dataclasses import replace
 from pipefisher.schedules.ir import Action, ActionKind, Schedule
 from pipefisher.schedules.shapes import check_common, linear_placement, replicate
 
-__all__ = ["zb_h1", "zb_v", "greedy_split_orders", "merge_adjacent_backwards", "v_position"]
+__all__ = ["zb_h1", "zb_v", "capped_v_schedule", "greedy_split_orders", "merge_adjacent_backwards", "v_position"]
 
 F = ActionKind.FORWARD
 I = ActionKind.BACKWARD_INPUT  # noqa: E741 - the IR's name
@@ -264,6 +264,27 @@ def zb_v(num_stages: int, num_micro_batches: int, dp_width: int = 1, num_virtual
     if not activation_memory >= 1.0:
         raise ValueError(f"pipeline.activation_memory={activation_memory!r}: the bound is a multiple of 1F1B's "
                          f"peak, at least 1.0 (1.5 gives zb-v's order more room)")
+    cap = max(2 * d, int(2 * d * activation_memory))
+    return capped_v_schedule("zb-v", d, n, dp_width, cap, merge, order_costs, stage_costs)
+
+
+def capped_v_schedule(method: str, num_stages: int, num_micro_batches: int, dp_width: int, cap: int,
+                      merge: bool = True, order_costs: Sequence[float] | None = None,
+                      stage_costs: Sequence[float] | None = None) -> Schedule:
+    """A V placement (worker r: stages r and 2D−1−r) ordered by :func:`greedy_split_orders` with every
+    worker holding at most ``cap`` chunk activations between F and W: zb-v (cap 2D) and the
+    memory-controlled V schedules of ``pipefisher.schedules.v_schedules`` (smaller caps).
+
+    Args:
+        method: ``Schedule.method`` of the result.
+        num_stages, num_micro_batches, dp_width: D workers per pipeline, N, W (checked by the caller).
+        cap: chunk activations a worker may hold (2D: 1F1B's peak).
+        merge, order_costs, stage_costs: as for :func:`zb_v`.
+
+    Raises:
+        ValueError: a bad order_costs / stage_costs, or a cap the list scheduler cannot finish with.
+    """
+    d, n = num_stages, num_micro_batches
     f_cost, i_cost, w_cost = _integer_costs(order_costs)
     scale = [1.0] * (2 * d)
     if stage_costs is not None:
@@ -271,13 +292,12 @@ def zb_v(num_stages: int, num_micro_batches: int, dp_width: int = 1, num_virtual
             raise ValueError(f"stage_costs={list(stage_costs)}: give {2 * d} positive relative costs, one per stage")
         scale = [c / max(stage_costs) for c in stage_costs]
     positions = [v_position(s, d) for s in range(2 * d)]
-    cap = max(2 * d, int(2 * d * activation_memory))
     orders = greedy_split_orders(2 * d, n, positions, caps=[cap] * d,
                                  forward=[max(1, round(f_cost * x)) for x in scale],
                                  input_grad=[max(1, round(i_cost * x)) for x in scale],
                                  weight_grad=[max(1, round(w_cost * x)) for x in scale])
     schedule = Schedule(
-        method="zb-v",
+        method=method,
         num_stages=2 * d,
         num_micro_batches=n,
         placement=linear_placement(2 * d, d, dp_width, positions.__getitem__),
