@@ -278,6 +278,32 @@ def kfac_interval(arm: str) -> int | None:
     return None if parsed is None else parsed[0]
 
 
+PROMOTE_OF_MODE = {"deferred": "at_cycle_end", "ready": "when_ready"}
+
+
+def staleness_multipliers(steps: Mapping[str, Mapping[int, float | None]], mode: str) -> dict[int, tuple[float, int]]:
+    """Steps multiplier per refresh interval k for the PipeFisher planner
+    (``pipefisher.planning.staleness``): mean steps to a target of ``kfac-kK-<mode>`` over its seeds
+    divided by mean steps of ``kfac-k1`` (fresh, every step) over the same seeds, with the number of
+    seeds. ``steps``: arm -> {seed: steps, None where the run missed the target}. A k with a seed that
+    missed the target (or whose kfac-k1 seed did) is left out: its multiplier is unknown, not large.
+    Decoupled arms (``-iM``) are left out. k = 1 is ``kfac-k1-<mode>`` where it ran, else 1.0 with 0 seeds."""
+    if mode not in PROMOTE_OF_MODE:
+        raise ValueError(f"mode={mode!r}: deferred or ready")
+    ref = steps.get("kfac-k1", {})
+    out: dict[int, tuple[float, int]] = {1: (1.0, 0)}
+    for arm, by_seed in steps.items():
+        parsed = kfac_arm(arm)
+        if parsed is None or parsed[0] != parsed[1] or parsed[2] != mode:
+            continue
+        seeds = [s for s in by_seed if s in ref]
+        if not seeds or any(by_seed[s] is None or ref[s] is None for s in seeds):
+            continue
+        out[parsed[0]] = (statistics.fmean(by_seed[s] for s in seeds) / statistics.fmean(ref[s] for s in seeds),
+                          len(seeds))
+    return dict(sorted(out.items()))
+
+
 def pipefisher_arm(k: int) -> str:
     """The arm that stands in for PipeFisher's numerics at interval k: K-FAC refreshing every k steps,
     inverses deferred a cycle."""
@@ -295,9 +321,32 @@ def pipefisher_ks(text: str) -> dict[str, int]:
     return out
 
 
+EKFAC_ARM = re.compile(r"ekfac-k(?P<k>[1-9][0-9]*)(?P<deferred>-deferred)?")
+
+
+def ekfac_arm(arm: str) -> tuple[int, bool] | None:
+    """``ekfac-kK[-deferred]`` -> (K, deferred), None for other arms: optimizer=ekfac (Adam in the
+    eigenbasis of K-FAC's factors, issue 28 item 3) with factors and eigenbases refreshed every K
+    steps, used at once or from the next cycle on (PipeFisher's placement). ValueError if malformed."""
+    if not arm.startswith("ekfac-"):
+        return None
+    m = EKFAC_ARM.fullmatch(arm)
+    if m is None:
+        raise ValueError(f"unknown arm {arm!r}: ekfac-kK or ekfac-kK-deferred")
+    return int(m["k"]), bool(m["deferred"])
+
+
 def family(arm: str) -> str:
-    """The arm whose learning rate (and damping) an arm shares: every K-FAC arm uses kfac-k1's pick."""
+    """The arm whose learning rate (and damping) an arm shares: every K-FAC arm uses kfac-k1's pick,
+    every ekfac arm ekfac-k1's (lr only: damping does not enter ekfac)."""
+    if arm.startswith("ekfac"):
+        return "ekfac"
     return "kfac" if arm.startswith("kfac") else arm
+
+
+def tuned_arm(fam: str) -> str:
+    """The arm a family's lr grid runs: kfac-k1 for kfac, ekfac-k1 for ekfac, else the family itself."""
+    return {"kfac": "kfac-k1", "ekfac": "ekfac-k1"}.get(fam, fam)
 
 
 @dataclass(frozen=True)
@@ -384,7 +433,7 @@ def plan_runs(spec: StudySpec, results: Mapping[str, float]) -> tuple[list[Run],
     d0 = spec.damping_grid[0]
     for batch in spec.steps:
         for fam in spec.lr_grid:
-            arm = "kfac-k1" if fam == "kfac" else fam
+            arm = tuned_arm(fam)
             damping = d0 if fam == "kfac" else None
             finals = {r.lr: results[r.key] for r in (Run(batch, arm, v, 0, damping) for v in _grid_values(spec, fam))
                       if r.key in results}

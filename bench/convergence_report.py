@@ -128,6 +128,8 @@ def write(out: Path, args: argparse.Namespace, spec: ca.StudySpec, data: Any, re
                 if g is not None:
                     lines.append(f"| {a} | {len(curves[batch][a])} | {g[0]:+.3f} | {g[1]} |")
             batch_report["max_gap_to_kfac_k1"] = {a: g for a, g in gaps.items() if g is not None}
+        if hardest is not None:
+            _write_staleness_curves(out, batch, targets, results, picks, spec, arms)
         stale = list(dict.fromkeys(["kfac-k1"] + list(spec.stale_arms)))
         marks = [steps // 4, steps // 2, 3 * steps // 4, steps]
         lines += ["", "Staleness at seed 0: held-out loss after equal steps (k = refresh interval; deferred: inverses "
@@ -152,6 +154,30 @@ def write(out: Path, args: argparse.Namespace, spec: ca.StudySpec, data: Any, re
     (out / "results.json").write_text(json.dumps(report, indent=1, default=str) + "\n")
     _figures(out, spec, picks, results, curves, targets, costs, pf)
     print("\n".join(lines))
+
+
+def _write_staleness_curves(out: Path, batch: int, targets: dict[str, float], results: dict[str, dict[str, Any]],
+                            picks: ca.Picks, spec: ca.StudySpec, arms: list[str]) -> None:
+    """staleness_b<batch>.json (deferred arms: promote_inverses=at_cycle_end) and
+    staleness_b<batch>_when_ready.json (``-ready`` arms), the files ``optimizer.staleness_curve``
+    takes: steps multiplier per k at the hardest target (pipefisher.planning.staleness)."""
+    name, target = min(targets.items(), key=lambda kv: kv[1])
+    steps: dict[str, dict[int, float | None]] = {}
+    for arm in dict.fromkeys(["kfac-k1", *spec.stale_arms, *arms]):
+        for seed in range(spec.seeds):
+            run = ca.chosen_run(picks, batch, arm, seed)
+            r = results.get(run.key) if run is not None else None
+            if r is not None and r["status"] == "ok":
+                steps.setdefault(arm, {})[seed] = ca.steps_to_target(r["curve"], target)
+    for mode, suffix in (("deferred", ""), ("ready", "_when_ready")):
+        mult = ca.staleness_multipliers(steps, mode)
+        if len(mult) < 2:
+            continue
+        doc = {"promote_inverses": ca.PROMOTE_OF_MODE[mode], "multiplier": {str(k): round(m, 4) for k, (m, _) in mult.items()},
+               "seeds": {str(k): n for k, (_, n) in mult.items()}, "target": f"{name} = {target:.3f}",
+               "source": f"bench/convergence.py study {out.name}, global batch {batch}: steps of kfac-kK-{mode} / "
+                         f"kfac-k1 over the same seeds"}
+        (out / f"staleness_b{batch}{suffix}.json").write_text(json.dumps(doc, indent=1) + "\n")
 
 
 def _cost_arm(arm: str, pf: dict[str, str], setting: str) -> str:

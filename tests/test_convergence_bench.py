@@ -307,3 +307,15 @@ def test_max_mean_gap_compares_seed_means_at_common_steps_only(ca) -> None:
     assert ca.max_mean_gap(ahead, [[(50, 7.1), (100, 6.5)]])[0] == pytest.approx(-0.1)  # ahead at every step
     assert ca.max_mean_gap(arm, []) is None and ca.max_mean_gap([[(10, 1.0)]], [[(20, 1.0)]]) is None
     assert ca.max_mean_gap([[(50, math.nan)]], [[(50, 7.0)]]) == (math.inf, 50)
+
+
+def test_staleness_multipliers_pair_seeds_and_leave_out_unknown_intervals(ca) -> None:
+    steps = {"kfac-k1": {0: 1000, 1: 1200}, "kfac-k2-deferred": {0: 1100}, "kfac-k4-deferred": {0: 1000, 1: None},
+             "kfac-k8-deferred": {0: 1500, 1: 1800}, "kfac-k4-ready": {0: 900}, "kfac-k1-i4-deferred": {0: 5000},
+             "nvlamb": {0: 2000}}
+    m = ca.staleness_multipliers(steps, "deferred")
+    # k=2 against seed 0 only; k=4 missed the target at seed 1: unknown; k=8 over both seeds; k=1 not run: 1.0
+    assert m == {1: (1.0, 0), 2: (pytest.approx(1.1), 1), 8: (pytest.approx(3300 / 2200), 2)}
+    assert ca.staleness_multipliers(steps, "ready") == {1: (1.0, 0), 4: (pytest.approx(0.9), 1)}
+    with pytest.raises(ValueError, match="deferred or ready"):
+        ca.staleness_multipliers(steps, "fresh")

@@ -57,6 +57,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
 from pipefisher.planning.bubbles import Window, WindowItem, find_windows, summarize_timeline
+from pipefisher.planning.staleness import StalenessCurve, choose_interval
 from pipefisher.schedules import Action, ActionKind, Schedule
 from pipefisher.schedules.checks import stuck_positions
 from pipefisher.schedules.kfac import (
@@ -472,8 +473,9 @@ def plan_interval(schedule: Schedule, cost: CostModel, kfac_layers: Sequence[int
 def plan_pipefisher(schedule: Schedule, cost: CostModel, kfac_layers: Sequence[int], *,
                     max_interval: int = 8, max_staleness: int | None = None,
                     curvature_micro_batches: int = 0, curvature_placement: str = "after_capture",
-                    promote: str = "at_cycle_end") -> Assignment:
-    """Place K-FAC work into the bubbles; the smallest refresh interval whose bubbles hold it.
+                    promote: str = "at_cycle_end", staleness: StalenessCurve | None = None) -> Assignment:
+    """Place K-FAC work into the bubbles; the smallest refresh interval whose bubbles hold it, or with
+    a measured ``staleness`` curve the interval of least predicted time to target.
 
     See [Note: the list scheduler]. Curvature of micro-batch i runs after its F (A factor) or B
     (B factor) on the worker and pipe that ran it; factor all-reduces after all of a layer's
@@ -489,6 +491,10 @@ def plan_pipefisher(schedule: Schedule, cost: CostModel, kfac_layers: Sequence[i
     and takes the first k with no spilled work. When every k spills, spilled work lengthens one
     step per cycle; the planner takes the smallest k whose predicted mean step time is within 2 %
     of the best k's (a larger k buys at most that much speed, and costs freshness), and says so.
+    With a staleness curve (:mod:`pipefisher.planning.staleness`) every k up to the curve's largest
+    is planned and the k of least step time × steps multiplier is taken: a k whose bubbles hold the
+    refresh can lose to a smaller k that spills, where stale curvature costs more steps than the
+    spill costs time.
 
     Args:
         schedule: a complete schedule without K-FAC units (``build_schedule``).
@@ -502,6 +508,7 @@ def plan_pipefisher(schedule: Schedule, cost: CostModel, kfac_layers: Sequence[i
             micro-batch's W on a zero-bubble schedule; [Note: curvature beside W]).
         promote: when the runtime puts deferred inverses in use (``optimizer.promote_inverses``):
             ``at_cycle_end`` or ``when_ready``; decides the age bound.
+        staleness: steps multiplier per k, measured under ``promote`` (None: bubbles alone decide).
 
     Returns:
         A checked assignment with ``deferred=True``, never predicted slower than the same
@@ -519,6 +526,11 @@ def plan_pipefisher(schedule: Schedule, cost: CostModel, kfac_layers: Sequence[i
         if max_staleness < 1:
             raise ValueError(f"max_staleness={max_staleness!r}: deferred inverses are at least 1 step old")
         limit = min(limit, (max_staleness + 1) // 2 if promote == "at_cycle_end" else max_staleness)
+    if staleness is not None:
+        if staleness.promote_inverses != promote:
+            raise ValueError(f"the staleness curve was measured with promote_inverses={staleness.promote_inverses}, "
+                             f"this plan promotes {promote}: the curvature ages differ; measure a curve for {promote}")
+        limit = min(limit, staleness.max_k)
     tried: list[tuple[Assignment, PlanStats, float]] = []
     for k in range(1, limit + 1):  # plan_interval checks the inputs
         a, stats = plan_interval(schedule, cost, kfac_layers, k, curvature_micro_batches=curvature_micro_batches,
@@ -528,11 +540,14 @@ def plan_pipefisher(schedule: Schedule, cost: CostModel, kfac_layers: Sequence[i
         if max_staleness is not None and age > max_staleness:
             continue  # k = 1 always passes: its bound is 1 under either rule
         tried.append((a, stats, _step_ns(a, cost)))
-        if stats.spilled_ns == 0:
+        if stats.spilled_ns == 0 and staleness is None:
             break
     a, stats, _ = tried[-1]
     bounds = work_and_bubbles(schedule, cost, kfac_layers, curvature_micro_batches)
-    if stats.spilled_ns == 0:
+    if staleness is not None:
+        k, choice = choose_interval({x.interval: t for x, _, t in tried}, staleness)
+        a, stats, _ = next(x for x in tried if x[0].interval == k)
+    elif stats.spilled_ns == 0:
         choice = f"k={a.interval}: the smallest interval whose bubbles hold the refresh (k_min={bounds['k_min']})"
     else:
         best = min(t for _, _, t in tried)

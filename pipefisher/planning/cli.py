@@ -27,6 +27,7 @@ from pipefisher.planning.config import ScheduleConfig, register_schedule_configs
 from pipefisher.planning.costs import Hardware, RunShape, costs_from_profile, estimate_run_costs
 from pipefisher.planning.infer import ProfiledShape, infer_shape
 from pipefisher.planning.predict import Comparison, StepSplit, compare_optimizers, predict_schedule, split_steps
+from pipefisher.planning.staleness import load_staleness_curve
 from pipefisher.planning.whatif import format_candidates, what_if
 from pipefisher.profiling import OVERSUBSCRIBED_NOTE, Profile, plot_timeline, read_profile
 from pipefisher.run_folder import clean_up_failed_run
@@ -312,7 +313,8 @@ def plan_run(cfg: ScheduleConfig, out_dir: str | Path, requested: Collection[str
     comparison = compare_optimizers(schedule, cost, run.kfac_layers, max_interval=cfg.max_interval,
                                     kfac_interval=cfg.kfac_interval, max_staleness=cfg.max_staleness,
                                     curvature_micro_batches=cfg.curvature_micro_batches,
-                                    curvature_placement=cfg.curvature_placement, promote=cfg.promote_inverses)
+                                    curvature_placement=cfg.curvature_placement, promote=cfg.promote_inverses,
+                                    staleness=load_staleness_curve(cfg.staleness_curve) if cfg.staleness_curve else None)
     a = comparison.assignment
     meta = dict(a.metadata)
     meta.update(source=source, model_name=model_name, model=asdict(run.bert), micro_batch_size=run.micro_batch_size,

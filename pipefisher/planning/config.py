@@ -19,6 +19,7 @@ from omegaconf.nodes import AnyNode, BooleanNode, FloatNode, IntegerNode, String
 
 from pipefisher.config import ConfigError, DataConfig, ModelConfig, PipelineConfig, register_configs
 from pipefisher.profiling.range_names import RangeNames
+from pipefisher.planning.staleness import load_staleness_curve
 
 __all__ = ["ScheduleConfig", "WhatIfConfig", "register_schedule_configs", "schedule_schema_node",
            "to_schedule_config"]
@@ -58,6 +59,7 @@ class ScheduleConfig:
     memory_bytes_per_s: float = 1.5e12  # device memory bandwidth (optimizer step)
     max_interval: int = 8  # largest K-FAC refresh interval k PipeFisher may choose
     max_staleness: Optional[int] = None  # bound on the curvature age (the plan's bound under promote_inverses <= it); None = no bound
+    staleness_curve: Optional[str] = None  # JSON of steps multiplier per k (the convergence study's staleness_b<batch>.json): pick the k of least step time x multiplier; None = the smallest k whose bubbles hold the refresh
     promote_inverses: str = "at_cycle_end"  # when train.py's runtime uses deferred inverses: at_cycle_end (age <= 2k-1) or when_ready (the step after their INVERT)
     curvature_micro_batches: int = 0  # K-FAC curvature from the first n micro-batches of each pipe; 0 = all
     curvature_placement: str = "after_capture"  # after_capture (after F / B or I) or beside_w (after the micro-batch's W; zero-bubble schedules)
@@ -93,6 +95,15 @@ class ScheduleConfig:
             raise ConfigError(f"promote_inverses={self.promote_inverses!r}: use at_cycle_end or when_ready")
         if self.curvature_micro_batches < 0:
             raise ConfigError(f"curvature_micro_batches={self.curvature_micro_batches!r}: must be >= 0 (0 = all)")
+        if self.staleness_curve is not None:
+            try:
+                curve = load_staleness_curve(self.staleness_curve)
+            except ValueError as e:
+                raise ConfigError(f"staleness_curve={self.staleness_curve!r}: {e}") from None
+            if curve.promote_inverses != self.promote_inverses:
+                raise ConfigError(f"staleness_curve={self.staleness_curve!r}: measured with promote_inverses="
+                                  f"{curve.promote_inverses}; set promote_inverses={curve.promote_inverses} or measure "
+                                  f"a curve for {self.promote_inverses}")
         if str(self.gpu).lower() not in ("auto", "true", "false"):
             raise ConfigError(f"gpu={self.gpu!r}: choose auto (kernel time when the profile has CUDA kernels), "
                               f"true or false")

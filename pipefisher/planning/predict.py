@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, replace
 
 from pipefisher.planning.assign import plan_pipefisher
+from pipefisher.planning.staleness import StalenessCurve
 from pipefisher.planning.bubbles import summarize_timeline
 from pipefisher.schedules import Schedule
 from pipefisher.schedules.kfac import Assignment, critical_path_assignment
@@ -85,7 +86,7 @@ class Comparison:
 def compare_optimizers(schedule: Schedule, cost: CostModel, kfac_layers: Sequence[int], *,
                        max_interval: int = 8, kfac_interval: int = 1, max_staleness: int | None = None,
                        curvature_micro_batches: int = 0, curvature_placement: str = "after_capture",
-                       promote: str = "at_cycle_end") -> Comparison:
+                       promote: str = "at_cycle_end", staleness: StalenessCurve | None = None) -> Comparison:
     """Plan PipeFisher and predict nvlamb, kfac and pipefisher on ``schedule``.
 
     Args:
@@ -94,7 +95,7 @@ def compare_optimizers(schedule: Schedule, cost: CostModel, kfac_layers: Sequenc
         kfac_layers: K-FAC layers per stage.
         max_interval: largest refresh interval PipeFisher may choose.
         kfac_interval: refresh interval of the kfac baseline (1: every step).
-        max_staleness, curvature_micro_batches, curvature_placement, promote: as
+        max_staleness, curvature_micro_batches, curvature_placement, promote, staleness: as
             :func:`~pipefisher.planning.assign.plan_pipefisher`
             (the kfac baselines use the same curvature micro-batches).
 
@@ -104,7 +105,7 @@ def compare_optimizers(schedule: Schedule, cost: CostModel, kfac_layers: Sequenc
     nvlamb, _ = predict_schedule(schedule, cost)
     planned = plan_pipefisher(schedule, cost, kfac_layers, max_interval=max_interval, max_staleness=max_staleness,
                               curvature_micro_batches=curvature_micro_batches,
-                              curvature_placement=curvature_placement, promote=promote)
+                              curvature_placement=curvature_placement, promote=promote, staleness=staleness)
     pipefisher, events = predict_assignment(planned, cost)
     n = curvature_micro_batches
     kfac, _ = predict_assignment(critical_path_assignment(schedule, kfac_layers, kfac_interval,

@@ -21,6 +21,7 @@ from torch import nn
 from pipefisher.config import V_METHODS, TrainConfig, schedule_method
 from pipefisher.model import BertStage, partition_layers
 from pipefisher.planning.assign import plan_pipefisher
+from pipefisher.planning.staleness import load_staleness_curve
 from pipefisher.planning.costs import Hardware, RunShape, estimate_run_costs
 from pipefisher.runtime.kfac_work import StageKey
 from pipefisher.runtime.step_metrics import kfac_plan_label
@@ -168,7 +169,8 @@ def kfac_assignment(cfg: TrainConfig, schedule: Schedule) -> Assignment:
     return plan_pipefisher(schedule, estimate_run_costs(run_shape(cfg), hw), kfac_layers,
                            max_interval=o.max_interval, max_staleness=o.max_staleness, promote=o.promote_inverses,
                            curvature_micro_batches=o.curvature_micro_batches,
-                           curvature_placement=o.curvature_placement)
+                           curvature_placement=o.curvature_placement,
+                           staleness=load_staleness_curve(o.staleness_curve) if o.staleness_curve else None)
 
 
 def describe_kfac(cfg: TrainConfig, assignment: Assignment) -> str:
