@@ -144,16 +144,16 @@ class BertSelfAttention(nn.Module):
 
     def forward(self, hidden: Tensor, additive_mask: Tensor) -> Tensor:
         """Attend ``hidden`` [B,S,H] over itself; ``additive_mask`` [B,1,1,S]; returns [B,S,H]."""
-        b, s, h = hidden.shape
+        b, s, _ = hidden.shape
 
-        def heads(x: Tensor) -> Tensor:  # [B,S,H] -> [B,A,S,D]
-            return x.view(b, s, self.num_heads, self.head_size).transpose(1, 2)
+        def heads(x: Tensor) -> Tensor:  # [B,S,H] -> [B,A,S,D]; under tp the local A/tp heads, [B,S,H/tp] in
+            return x.view(b, s, -1, self.head_size).transpose(1, 2)
 
         q, k, v = heads(self.query(hidden)), heads(self.key(hidden)), heads(self.value(hidden))
         scores = q @ k.transpose(-1, -2) / math.sqrt(self.head_size)  # [B,A,S,S]
         probs = self.dropout(torch.softmax(scores + additive_mask, dim=-1))  # [B,A,S,S]
         context = probs @ v  # [B,A,S,D]
-        return context.transpose(1, 2).reshape(b, s, h)  # [B,S,H]
+        return context.transpose(1, 2).reshape(b, s, -1)  # [B,S,H] ([B,S,H/tp] under tp: runtime.tensor_parallel)
 
 
 class BertSelfOutput(nn.Module):

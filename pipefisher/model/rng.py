@@ -27,6 +27,13 @@ masks. Resume needs nothing saved: the key is a function of the step.
 Outside a ``dropout_key`` context (fine-tuning, a bare ``model(...)`` call in tests), or on a
 module that was never given a site, ``KeyedDropout`` is ``nn.Dropout``: it draws from the global RNG.
 
+Under tensor parallelism a dropout may see only this rank's slice of the tensor the full model
+would drop (attention probabilities over the local heads, ``runtime.tensor_parallel``): its
+``shard = (dim, index, count)`` says so, and the mask is drawn at the full shape (``count`` times
+the local size along ``dim``) and sliced to part ``index``, so every rank draws its part of the
+single-process mask (issue 27; Megatron's RNG tracker instead forks a per-rank stream, which ties
+the masks to the tp degree).
+
 Cost per call: one 8-byte BLAKE2b hash and a ``manual_seed`` of a cached per-device, per-thread
 generator, then ``torch.rand`` of the input's shape on the input's device (float32, whatever the
 input's dtype, so bf16 autocast draws the same masks as fp32). Backward keeps the boolean mask
@@ -118,6 +125,7 @@ class KeyedDropout(nn.Dropout):
     def __init__(self, p: float = 0.5) -> None:
         super().__init__(p)
         self.site: int | None = None
+        self.shard: tuple[int, int, int] | None = None  # (dim, index, count): x is part index of count along dim
 
     def forward(self, x: Tensor) -> Tensor:
         """Zero each entry of ``x`` with probability p and scale the rest by 1 / (1 - p) (training)."""
@@ -127,7 +135,13 @@ class KeyedDropout(nn.Dropout):
         if key is None or self.site is None:
             return F.dropout(x, self.p, training=True)
         seed = _hash63(struct.pack("<3q", self.site, *key))
-        keep = _keep_mask(x.shape, self.p, x.device, seed)
+        if self.shard is None:
+            keep = _keep_mask(x.shape, self.p, x.device, seed)
+        else:  # this rank's slice of the full model's mask (tensor parallel)
+            dim, index, count = self.shard
+            full = list(x.shape)
+            full[dim] *= count
+            keep = _keep_mask(torch.Size(full), self.p, x.device, seed).narrow(dim, index * x.shape[dim], x.shape[dim])
         # x * keep / (1 - p) in one fused pass (aten's dropout kernel, differentiable: its backward
         # is the same op on the gradient), keeping only the boolean mask for backward.
         return torch.ops.aten.native_dropout_backward(x, keep, 1.0 / (1.0 - self.p))

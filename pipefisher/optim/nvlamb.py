@@ -34,10 +34,12 @@ group takes no part in the global-norm clip; the runtime leaves it out of the gl
 The arithmetic runs in the parameter's dtype with ``torch._foreach_*`` kernels over buckets of
 tensors sharing a device and dtype; keep fp32 master weights for mixed precision.
 
-[Note: sharded parameters] Parameters sharded by FSDP2 (DTensors with ``Shard`` placements, issue 27)
-are bucketed apart by mesh and placement; their update runs on the local shards (Adam's moments are
-elementwise) and each trust ratio's two norms are summed over the mesh (one all-reduce per bucket), so
-the update equals the unsharded one. The caller passes the global gradient norm.
+[Note: sharded parameters] Parameters sharded by FSDP2 or split by tensor parallel (DTensors with
+``Shard`` placements, issue 27; tensor parallel's ``Replicate`` biases count as whole tensors) are
+bucketed apart by mesh and placement (one ``_foreach_norm`` cannot mix Tensors and DTensors); their
+update runs on the local shards (Adam's moments are elementwise) and each trust ratio's two norms are
+summed over the sharded mesh dimension (one all-reduce per bucket), so the update equals the
+unsharded one. The caller passes the global gradient norm.
 """
 
 from __future__ import annotations
@@ -50,7 +52,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
 __all__ = [
     "GlobalNormClipStep",
@@ -147,18 +149,24 @@ def _local(t: Tensor) -> Tensor:
 
 
 def _shard_group(t: Tensor) -> Any:
-    """The process group over which a sharded tensor's norms are summed; None for a plain tensor.
+    """The process group over which a sharded tensor's norms are summed; None for a plain tensor
+    and for a DTensor replicated on every mesh dimension (its local tensor is the whole tensor:
+    tensor parallel's row-parallel biases).
 
     Raises:
-        NotImplementedError: a placement other than ``Shard`` on a 1-D mesh (replicated parts would
-            be counted more than once).
+        NotImplementedError: placements other than ``Shard`` on one mesh dimension and ``Replicate``
+            on the others (a ``Partial`` one, or shards on several dimensions).
     """
     if not isinstance(t, DTensor):
         return None
-    if t.device_mesh.ndim != 1 or not all(isinstance(p, Shard) for p in t.placements):
+    sharded = [d for d, p in enumerate(t.placements) if isinstance(p, Shard)]
+    if len(sharded) > 1 or not all(isinstance(p, (Shard, Replicate)) for p in t.placements):
         raise NotImplementedError(f"NVLAMB: DTensor placements {t.placements} on a {t.device_mesh.ndim}-D mesh; "
-                                  "only FSDP's Shard on one mesh dimension is supported")
-    return t.device_mesh.get_group()
+                                  "only Shard on one mesh dimension (FSDP's or tensor parallel's) and Replicate "
+                                  "on the others are supported")
+    if not sharded:
+        return None
+    return t.device_mesh.get_group(sharded[0])
 
 
 def _norm_pairs(a: list[Tensor], b: list[Tensor], group: Any) -> tuple[Tensor, Tensor]:

@@ -25,6 +25,7 @@ from pipefisher.planning.staleness import load_staleness_curve
 from pipefisher.planning.costs import Hardware, RunShape, estimate_run_costs
 from pipefisher.runtime.kfac_work import StageKey
 from pipefisher.runtime.step_metrics import kfac_plan_label
+from pipefisher.runtime.tensor_parallel import is_tp_sharded
 from pipefisher.schedules.ir import Schedule
 from pipefisher.schedules.kfac import (Assignment, assignment_from_json, critical_path_assignment, curvature_age_bound,
                                        kfac_layer_counts)
@@ -61,29 +62,32 @@ def build_stage_modules(cfg: TrainConfig, schedule: Schedule, rank: int) -> dict
     return modules
 
 
-def new_groups(schedule: Schedule, rank: int, sdp: int = 1) -> tuple[dict[int, Any], Any]:
+def new_groups(schedule: Schedule, rank: int, sdp: int = 1, tp: int = 1) -> tuple[dict[int, Any], Any]:
     """Gradient groups per stage and the tied-weight group; every rank creates all, in one order.
 
     With ``sdp`` > 1 the groups join the workers holding the same shard (the same sdp index, see
-    ``runtime.sharding``): one set of groups per sdp index."""
+    ``runtime.sharding``): one set of groups per sdp index. With ``tp`` > 1 ``rank`` is a process
+    rank and each schedule worker is ``tp`` processes: one set of groups per tp index, joining the
+    processes of that index ([Note: tp inside the pipeline])."""
     placement = schedule.placement
     groups: dict[int, Any] = {}
     tied_group = None
-    for i in range(sdp):
-        def holders_of(stage: int) -> set[int]:
-            return {w for w in placement.replicas_of_stage(stage) if placement.dp_group_of(w) % sdp == i}
+    for t in range(tp):
+        for i in range(sdp):
+            def holders_of(stage: int) -> set[int]:
+                return {w * tp + t for w in placement.replicas_of_stage(stage) if placement.dp_group_of(w) % sdp == i}
 
-        for s in range(schedule.num_stages):
-            ranks = sorted(holders_of(s))
-            g = dist.new_group(ranks) if len(ranks) > 1 else None
-            if rank in ranks:
-                groups[s] = g
-            else:
-                groups.setdefault(s, None)
-        if schedule.num_stages > 1:
-            holders = sorted(holders_of(0) | holders_of(schedule.num_stages - 1))
-            g = dist.new_group(holders)
-            tied_group = g if rank in holders else tied_group
+            for s in range(schedule.num_stages):
+                ranks = sorted(holders_of(s))
+                g = dist.new_group(ranks) if len(ranks) > 1 else None
+                if rank in ranks:
+                    groups[s] = g
+                else:
+                    groups.setdefault(s, None)
+            if schedule.num_stages > 1:
+                holders = sorted(holders_of(0) | holders_of(schedule.num_stages - 1))
+                g = dist.new_group(holders)
+                tied_group = g if rank in holders else tied_group
     return groups, tied_group
 
 
@@ -95,17 +99,20 @@ def tied_params(modules: dict[StageKey, BertStage], num_stages: int) -> list[nn.
     return out
 
 
-def norm_params(modules: dict[StageKey, BertStage], schedule: Schedule, rank: int, sdp: int = 1) -> list[nn.Parameter]:
+def norm_params(modules: dict[StageKey, BertStage], schedule: Schedule, rank: int, sdp: int = 1,
+                tp: int = 1) -> list[nn.Parameter]:
     """Parameters this rank counts in the global gradient norm: one replica of each stage
     (data-parallel group 0, pipe 0; with ``sdp`` > 1 the shards of the first block) and the tied
-    weight only on the first stage."""
-    mine = {(p, s) for dp, p, s in schedule.placement.stages_of(rank) if dp < sdp and p == 0}
+    weight only on the first stage. With ``tp`` > 1 (``rank`` a process rank) every tp rank counts
+    its part of the split weights and tp index 0 alone the whole ones, so each is counted once."""
+    mine = {(p, s) for dp, p, s in schedule.placement.stages_of(rank // tp) if dp < sdp and p == 0}
+    whole_too = rank % tp == 0
     params = []
     for (pipe, stage), m in modules.items():
         if (pipe, stage) not in mine:
             continue
         skip = m.tied_parameter_name if (stage == schedule.num_stages - 1 and stage != 0) else None
-        params += [p for n, p in m.named_parameters() if n != skip]
+        params += [p for n, p in m.named_parameters() if n != skip and (whole_too or is_tp_sharded(p))]
     return params
 
 
@@ -237,6 +244,7 @@ def check_world_size(cfg: TrainConfig, world_size: int) -> None:
     """Raise ValueError when ``world_size`` processes cannot run ``cfg``'s pipeline."""
     if world_size != cfg.num_workers:
         sdp = f" x sdp={cfg.sdp}" if cfg.sdp > 1 else ""
+        sdp += f" x tp={cfg.tp}" if cfg.tp > 1 else ""
         raise ValueError(
             f"world size {world_size} does not fit stages={cfg.stages} x data_parallel="
             f"{cfg.data_parallel}{sdp} = {cfg.num_workers} workers; start {cfg.num_workers} processes"

@@ -102,13 +102,16 @@ def action_tag(a: Action, schedule: Schedule) -> int:
     return message_tag(a.kind, a.pipe, sender_stage(a), a.micro_batch, schedule.num_stages, schedule.num_micro_batches)
 
 
-def post_recv(a: Action, comm: CommSpec, schedule: Schedule) -> tuple[torch.Tensor, dist.Work]:
-    """Post the receive of RECV action ``a``: the buffer its data lands in and the pending work."""
+def post_recv(a: Action, comm: CommSpec, schedule: Schedule, src: int | None = None) -> tuple[torch.Tensor, dist.Work]:
+    """Post the receive of RECV action ``a``: the buffer its data lands in and the pending work.
+
+    ``src``: the sender's process rank when it is not the schedule's worker ``a.peer`` (under tp)."""
+    src = a.peer if src is None else src
     buf = torch.empty(comm.shape, dtype=comm.dtype, device=comm.device)
     if comm.ablate:  # receive one byte, compute on zeros of the real shape
         return buf.zero_(), dist.irecv(torch.empty(1, dtype=torch.uint8, device=comm.device),
-                                       src=a.peer, tag=action_tag(a, schedule))
-    return buf, dist.irecv(buf, src=a.peer, tag=action_tag(a, schedule))
+                                       src=src, tag=action_tag(a, schedule))
+    return buf, dist.irecv(buf, src=src, tag=action_tag(a, schedule))
 
 
 @dataclass(frozen=True)
@@ -184,6 +187,9 @@ class WorkerExecutor:
             ``pipefisher.runtime.step_clock`` [Note: timing on a GPU]. Ignored on CPU.
         sdp: the FSDP2-sharded stage replicas (``sdp`` > 1; ``runtime.sharding``): gathered at step
             start or before each F/B (recorded as waits), reduce-scattered at SYNC_GRAD.
+        tp: the tensor-parallel degree: process ``rank`` runs schedule worker ``rank // tp`` and
+            exchanges activations with the same tp index of its peers ([Note: tp inside the
+            pipeline], ``runtime.tensor_parallel``); events carry the process rank.
     """
 
     def __init__(
@@ -201,11 +207,14 @@ class WorkerExecutor:
         kfac: KfacWork | None = None,
         cuda_timing: str = "events",
         sdp: ShardedStages | None = None,
+        tp: int = 1,
     ) -> None:
         self.clock = StepClock(cuda_timing if comm.device.type == "cuda" else "cpu")
         self.phases: list[Schedule] = [schedule] if isinstance(schedule, Schedule) else list(schedule)
         self.schedule = self.phases[0]
         self.rank = rank
+        self.tp = tp
+        self.worker = rank // tp  # this process's worker in the schedule
         self.kfac = kfac
         self.modules = modules
         self.comm = comm
@@ -218,7 +227,7 @@ class WorkerExecutor:
         self.sdp = sdp
         self.eager_recv = dist.get_backend() != "nccl"
         # This replica's micro-batch j is number offset + j of the global batch: [Note: dropout].
-        self.micro_batch_offset = self.schedule.placement.dp_group_of(rank) * self.schedule.num_micro_batches
+        self.micro_batch_offset = self.schedule.placement.dp_group_of(self.worker) * self.schedule.num_micro_batches
         tied_ids = {id(p) for p in tied[0]} if tied else set()
         # Parameters all-reduced at SYNC_GRAD, per local stage replica (tied weight excluded).
         self._sync_params = {
@@ -233,10 +242,14 @@ class WorkerExecutor:
             **{kind: self._kfac_unit for kind in ActionKind if kind.is_kfac},
         }
         # Zero-bubble schedules split backwards into I and W: [Note: deferred weight gradients].
-        if any(a.kind == ActionKind.BACKWARD_WEIGHT for ph in self.phases for a in ph.actions[rank]):
+        if any(a.kind == ActionKind.BACKWARD_WEIGHT for ph in self.phases for a in ph.actions[self.worker]):
             enable_split_backward(modules.values())
 
     # -- communication -------------------------------------------------------------------------
+
+    def _peer(self, a: Action) -> int:
+        """The process rank of ``a``'s peer: the same tp index of the peer worker."""
+        return a.peer * self.tp + self.rank % self.tp
 
     # -- the step ------------------------------------------------------------------------------
 
@@ -252,12 +265,13 @@ class WorkerExecutor:
         clock.start_step()
         cuda = self.comm.device.type == "cuda"
         phase = step % len(self.phases)
-        actions = self.phases[phase].actions[self.rank]
+        actions = self.phases[phase].actions[self.worker]
         if self.kfac is not None:
             self.kfac.begin_step(actions, phase, step)
         st = _StepState(step, get_batch, torch.zeros(2, device=self.comm.device))
         if self.eager_recv:
-            st.recvs = {a: post_recv(a, self.comm, self.schedule) for a in actions if a.kind in (ActionKind.RECV_F, ActionKind.RECV_B)}
+            st.recvs = {a: post_recv(a, self.comm, self.schedule, self._peer(a)) for a in actions
+                        if a.kind in (ActionKind.RECV_F, ActionKind.RECV_B)}
         marks: list[tuple[str, str, object, object]] = []  # (name, kind, start, end): Events after the step
         if self.sdp is not None:  # FSDP's all-gathers are waits: [Note: sdp inside the pipeline]
             start = clock.mark()
@@ -304,7 +318,7 @@ class WorkerExecutor:
     # -- one handler per action kind (self._handlers) -------------------------------------------
 
     def _receive(self, a: Action, st: _StepState) -> None:
-        buf, work = st.recvs.pop(a) if a in st.recvs else post_recv(a, self.comm, self.schedule)
+        buf, work = st.recvs.pop(a) if a in st.recvs else post_recv(a, self.comm, self.schedule, self._peer(a))
         work.wait()
         st.received[(a.kind, a.pipe, a.stage, a.micro_batch)] = buf
 
@@ -330,7 +344,7 @@ class WorkerExecutor:
         key = (a.pipe, a.stage, a.micro_batch)
         tensor = st.outputs[key].detach() if a.kind == ActionKind.SEND_F else st.grad_in.pop(key)
         message = self.comm.message(tensor)
-        st.sends.append((dist.isend(message, dst=a.peer, tag=action_tag(a, self.schedule)), message))
+        st.sends.append((dist.isend(message, dst=self._peer(a), tag=action_tag(a, self.schedule)), message))
 
     def _backward(self, a: Action, st: _StepState) -> None:
         """B, or a split backward's I (weight gradients deferred to W: [Note: split backward])."""

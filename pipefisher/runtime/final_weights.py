@@ -32,9 +32,9 @@ def save_final_weights(worker: Any, output_dir: str | os.PathLike, step: int) ->
     Returns:
         The folder on rank 0, None on the other ranks.
     """
-    sdp = worker.cfg.sdp  # the sdp peers of replica group 0 gather its shards together (a collective)
-    placed = worker.schedule.placement.stages_of(worker.rank)
-    owned = {(pipe, stage) for dp, pipe, stage in placed if dp == 0 and pipe == 0}
+    sdp = worker.cfg.sdp  # the sdp (and tp) peers of replica group 0 gather its shards together (a collective)
+    placed = worker.schedule.placement.stages_of(worker.schedule_worker)
+    owned = {(pipe, stage) for dp, pipe, stage in placed if dp == 0 and pipe == 0 and worker.tp_index == 0}
     gather = sorted((pipe, stage) for dp, pipe, stage in placed if dp < sdp and pipe == 0)
     states = {key: to_cpu(full_state_dict(worker.modules[key])) for key in gather}
     mine: dict[int, dict[str, torch.Tensor]] = {stage: states[(pipe, stage)] for pipe, stage in sorted(owned)}

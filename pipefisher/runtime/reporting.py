@@ -76,9 +76,10 @@ class StepMeter:
                 log.warning("no MFU: %s", err)
             else:
                 self.peak = run_peak(one, self.device.type, cfg.num_workers)
-            self.predicted = predicted_peak_bytes(run_shape(cfg), cfg.optimizer.name,
-                                                  worker.schedule if worker is not None else None,
-                                                  worker.assignment if worker is not None else None)
+            if cfg.tp == 1:  # the planner does not model tensor parallelism (yet): no prediction
+                self.predicted = predicted_peak_bytes(run_shape(cfg), cfg.optimizer.name,
+                                                      worker.schedule if worker is not None else None,
+                                                      worker.assignment if worker is not None else None)
         self.memory = PeakMemory(self.device)
 
     def begin_step(self) -> None:

@@ -95,7 +95,8 @@ def timeline_fields(events: list[Event], schedule: Schedule, num_workers: int, s
         else:  # this step's phase of the K-FAC plan, K-FAC units at their measured cost
             phase = assignment.phases[step % assignment.interval]
             timeline = simulate(phase, measured_costs(events, schedule, assignment.kfac_layers))
-        row["simulated_bubble_utilization"] = bubble_utilization(timeline, num_workers)
+        # The schedule's workers (under tp each is tp processes that run alike): runtime.tensor_parallel.
+        row["simulated_bubble_utilization"] = bubble_utilization(timeline, schedule.num_workers)
     if assignment is not None:
         kfac_events = [e for e in events if e.kind in KFAC_KINDS and not is_wait(e)]
         row.update(
