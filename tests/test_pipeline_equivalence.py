@@ -16,6 +16,7 @@ import torch
 from pipefisher.config import TrainConfig
 from pipefisher.data import get_micro_batch
 from pipefisher.model import build_full_model
+from pipefisher.model.rng import dropout_key
 from pipefisher.training import bert_config, data_plan, data_source, train_single_process
 from tests.conftest import compose_train
 from tests.dist_harness import run_cases
@@ -59,7 +60,8 @@ def _reference_grads(cfg: TrainConfig) -> tuple[list[float], dict[str, torch.Ten
     scale = 1.0 / (cfg.num_micro_batches * cfg.data_replicas)
     for dp in range(cfg.data_replicas):
         for j in range(cfg.num_micro_batches):
-            losses = model(None, get_micro_batch(source, 0, j, dp, **plan))
+            with dropout_key(0, dp * cfg.num_micro_batches + j):  # the executor's key: its [Note: dropout]
+                losses = model(None, get_micro_batch(source, 0, j, dp, **plan))
             (losses.sum() * scale).backward()
             total += losses.detach() * scale
     return total.tolist(), {n: p.grad for n, p in model.named_parameters()}
@@ -67,7 +69,7 @@ def _reference_grads(cfg: TrainConfig) -> tuple[list[float], dict[str, torch.Ten
 
 def _reference_params(cfg: TrainConfig) -> tuple[dict[str, torch.Tensor], float]:
     """Single-process training over the same global batch (N x data replicas micro-batches) and steps."""
-    single = dataclasses.replace(cfg, stages=1, data_parallel=1, sdp=1, sdp_reshard_after_forward=False, recompute=False,
+    single = dataclasses.replace(cfg, stages=1, data_parallel=1, sdp=1, sdp_reshard_after_forward=False, tp=1, recompute=False,
                                  num_micro_batches=cfg.num_micro_batches * cfg.data_replicas,
                                  pipeline=dataclasses.replace(cfg.pipeline, method="gpipe", num_virtual=1, layers_per_stage=None,
                                                               chimera_stacking="direct"))
