@@ -40,14 +40,18 @@ def _grid() -> list[tuple[str, int, int, int]]:
     return cases
 
 
-GRID = _grid()
+# The other V schedules (issue 26): DualPipeV's fixed order, and V-Half / V-Min, which equal zb-v's
+# order at D <= 2 and hold less memory from D=3 on.
+V_GRID = [("dualpipev", 2, 4, 1), ("dualpipev", 2, 5, 2), ("dualpipev", 4, 8, 1), ("v-half", 4, 8, 1),
+          ("v-min", 3, 7, 1), ("v-min", 4, 8, 1)]
+GRID = _grid() + V_GRID
 LONG = [("gpipe", 4, 8, 1), ("1f1b", 2, 4, 2), ("chimera", 4, 8, 1), ("chimera", 2, 4, 2), ("interleaved", 2, 4, 1),
-        ("zb-h1", 2, 4, 2), ("zb-v", 2, 4, 1)]
+        ("zb-h1", 2, 4, 2), ("zb-v", 2, 4, 1), ("dualpipev", 2, 4, 2), ("v-min", 3, 6, 1)]
 
 
 def _cfg(method: str, d: int, n: int, w: int) -> TrainConfig:
     model = MODEL
-    if method == "zb-v" and d == 4:  # 8 stages: 6 encoder layers, plus a stage each for the embeddings and heads
+    if method in ("zb-v", "dualpipev", "v-half", "v-min") and d == 4:  # 8 stages: 6 encoder layers, plus a stage each for the embeddings and heads
         model = [x if not x.startswith("model.num_layers=") else "model.num_layers=6" for x in MODEL]
     return compose_train(model + [f"pipeline={method}", f"stages={d}", f"num_micro_batches={n}", f"data_parallel={w}"])
 
