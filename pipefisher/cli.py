@@ -146,8 +146,12 @@ def _check_data(cfg: TrainConfig) -> None:
 
 
 def _run(dcfg: DictConfig) -> float:
-    cfg = to_train_config(dcfg)
     hc = HydraConfig.get()
+    if dcfg.get("strategy"):  # the search's strategy file sets its keys before validation
+        from pipefisher.planning.strategy_file import apply_strategy
+
+        apply_strategy(dcfg, list(hc.overrides.task))
+    cfg = to_train_config(dcfg)
     # Said before torch is imported and any worker starts (seconds on a busy machine).
     log.info("%s (L=%d, H=%d), %s, stages=%d, global batch %d = micro-batch %d x num_micro_batches %d x "
              "data_parallel %d%s, %s, %d steps; run folder %s",
@@ -168,6 +172,10 @@ def _run(dcfg: DictConfig) -> float:
         sweep_dir=hc.sweep.dir if multirun else None,
         resume_command=_resume_command(sys.argv, hc.sweep.dir if multirun else None, hc.runtime.output_dir),
     )
+    if cfg.strategy:  # the prediction beside what the run measured
+        from pipefisher.planning.strategy_file import report_strategy_run
+
+        report_strategy_run(cfg.strategy, hc.runtime.output_dir)
     return float(result.get("loss", float("nan")))
 
 

@@ -255,6 +255,7 @@ class TrainConfig:
     resume: str = "none"  # none, auto (latest complete checkpoint in checkpoint.dir, if any) or a checkpoint path
     init_from: Optional[str] = None  # start from these weights only (new optimizer and schedule): a run folder, its final/, a step_<n> checkpoint or an export; NVIDIA's phase 2
     save_final: bool = True  # write the trained weights to <run>/final/ (config.json, model.safetensors, vocab.txt: Hugging Face's layout)
+    strategy: Optional[str] = None  # strategy.json of `schedule.py whatif=true`: sets stages, data_parallel, sdp, tp, pipeline, batch, recompute, optimizer and model before validation (explicit keys that disagree are refused); the run then logs predicted vs measured step time and memory
 
     def __post_init__(self) -> None:
         validate(self)
@@ -687,6 +688,8 @@ def validate(cfg: TrainConfig) -> None:
     _validate_checkpoint(cfg)
     _validate_sdp(cfg)
     _validate_tp(cfg)
+    if cfg.strategy is not None and not os.path.isfile(cfg.strategy):
+        _fail("strategy", cfg.strategy, "no such file; write one with `python schedule.py whatif=true ...` (strategy.json)")
     if cfg.data.kind == "hdf5":
         if not cfg.data.path:
             _fail("data.path", cfg.data.path, "data=hdf5 needs data.path=<shard file or directory>")

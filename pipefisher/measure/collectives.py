@@ -13,7 +13,9 @@ With ``--model bert-mini --micro-batch-sizes 8`` the same processes also time th
 and backward (one micro-batch, synthetic data, all processes at once, as a run's workers compute side by
 side) and store the FLOP rate that achieves under the planner's FLOP count (``model.partition.layer_costs``
 × 3 for forward and backward): ``compute.flops_per_s`` per micro-batch size, which the search then uses
-in place of a data-sheet ``flops_per_s`` (Galvatron profiles its layers' compute the same way).
+in place of a data-sheet ``flops_per_s`` (Galvatron profiles its layers' compute the same way); and one
+NVLAMB step over the whole model's parameters, stored as the memory bandwidth the planner's step cost
+assumes (``STEP_BYTES_PER_PARAM`` bytes per parameter: ``compute.optimizer_step.memory_bytes_per_s``).
 
 On CPU each process gets ``cores // world`` threads (as train.py's workers do), so the figures are
 the ones a run of that many workers sees; with more processes than cores they mean little.
@@ -40,6 +42,7 @@ import torch.multiprocessing as mp
 
 from pipefisher.atomic import write_text_atomic
 from pipefisher.planning.comm_costs import OPS, collectives_json
+from pipefisher.planning.costs import STEP_BYTES_PER_PARAM
 
 __all__ = ["main", "measure_collectives", "message_sizes"]
 
@@ -138,6 +141,31 @@ def _compute_rate(model: str, micro_batch_size: int, seq_len: int, max_predictio
     return statistics.median(times), flops
 
 
+def _optimizer_rate(model: str, device: torch.device, repeats: int, budget_s: float) -> tuple[float, int]:
+    """(seconds of one NVLAMB step over the whole model's parameters, the parameter count)."""
+    from pipefisher.model.bert import build_full_model
+    from pipefisher.model.config import BertConfig
+    from pipefisher.optim.nvlamb import NVLAMB
+
+    net = build_full_model(BertConfig.from_size(model.removeprefix("bert-"))).to(device)
+    params = [p for p in net.parameters() if p.requires_grad]
+    for p in params:
+        p.grad = torch.full_like(p, 1e-3)
+    opt = NVLAMB(params, lr=1e-3)
+    times = []
+    start = time.perf_counter()
+    for i in range(repeats + 2):
+        t0 = time.perf_counter()
+        opt.step()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        if i >= 2:
+            times.append(time.perf_counter() - t0)
+        if i >= 4 and time.perf_counter() - start > budget_s:
+            break
+    return statistics.median(times), sum(p.numel() for p in params)
+
+
 def _worker(rank: int, world: int, port: int, backend: str, sizes: Sequence[int], repeats: int, budget_s: float,
             threads: int, out: str, compute: dict[str, Any] | None = None) -> None:
     torch.set_num_threads(threads)
@@ -171,8 +199,15 @@ def _worker(rank: int, world: int, port: int, backend: str, sizes: Sequence[int]
                 dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
                 rates[str(mbs)] = {"seconds_fb": float(slowest.item()), "flops_fb": flops,
                                    "flops_per_s": flops / float(slowest.item())}
+            dist.barrier()
+            seconds, params = _optimizer_rate(compute["model"], device, repeats, 2 * budget_s)
+            slowest = torch.tensor([seconds], dtype=torch.float64, device=device)
+            dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+            step = {"seconds": float(slowest.item()), "parameters": params,
+                    "memory_bytes_per_s": STEP_BYTES_PER_PARAM * params / float(slowest.item())}
             extra["compute"] = {"model": compute["model"], "seq_len": compute["seq_len"],
-                                "max_predictions": compute["max_predictions"], "processes": world, "micro_batch": rates}
+                                "max_predictions": compute["max_predictions"], "processes": world, "micro_batch": rates,
+                                "optimizer_step": step}
         if rank == 0:
             doc = collectives_json(backend, device.type if device.type == "cpu" else torch.cuda.get_device_name(device),
                                    world, points, threads_per_process=threads, torch=torch.__version__,
@@ -267,6 +302,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     for mbs, row in doc.get("compute", {}).get("micro_batch", {}).items():
         print(f"  compute {doc['compute']['model']} micro-batch {mbs}: forward+backward {row['seconds_fb'] * 1e3:.1f} ms "
               f"= {row['flops_per_s'] / 1e9:.2f} GFLOP/s (planner FLOPs)")
+    if "optimizer_step" in doc.get("compute", {}):
+        step = doc["compute"]["optimizer_step"]
+        print(f"  optimizer step (NVLAMB, {step['parameters'] / 1e6:.1f}M parameters): {step['seconds'] * 1e3:.1f} ms "
+              f"= {step['memory_bytes_per_s'] / 1e9:.2f} GB/s at {STEP_BYTES_PER_PARAM} B per parameter")
     print(f"wrote {args.out}")
 
 

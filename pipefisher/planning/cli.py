@@ -28,7 +28,10 @@ from pipefisher.planning.costs import Hardware, RunShape, costs_from_profile, es
 from pipefisher.planning.infer import ProfiledShape, infer_shape
 from pipefisher.planning.predict import Comparison, StepSplit, compare_optimizers, predict_schedule, split_steps
 from pipefisher.planning.staleness import load_staleness_curve
-from pipefisher.planning.whatif import format_candidates, what_if
+from pipefisher.planning.comm_costs import CommCosts
+from pipefisher.planning.strategy_file import refusal as strategy_refusal
+from pipefisher.planning.strategy_file import strategy_document, write_strategy
+from pipefisher.planning.strategy_search import Strategy, format_strategies, search_strategies
 from pipefisher.profiling import OVERSUBSCRIBED_NOTE, Profile, plot_timeline, read_profile
 from pipefisher.run_folder import clean_up_failed_run
 from pipefisher.schedules import GENERATORS
@@ -361,22 +364,40 @@ def plan_run(cfg: ScheduleConfig, out_dir: str | Path, requested: Collection[str
 
 
 def run_whatif(cfg: ScheduleConfig, out_dir: str | Path) -> str:
-    """Rank configurations (``whatif=true``); writes whatif.json; returns the text to print."""
+    """Rank hybrid strategies (``whatif=true``: pipeline × dp × sdp × tp, ``planning.strategy_search``);
+    writes whatif.json (every row) and strategy.json (the best one train.py accepts, for
+    ``python train.py strategy=<file>``); returns the text to print."""
     out_dir = Path(out_dir)
     s = cfg.search
-    candidates = what_if(_bert(cfg), devices=cfg.devices, memory_gb=cfg.memory_gb, global_batch=cfg.global_batch,
-                         hardware=_hardware(cfg), methods=s.methods, micro_batch_sizes=s.micro_batch_sizes,
-                         optimizers=s.optimizers, recompute=s.recompute, num_virtual=s.num_virtual,
-                         seq_len=cfg.data.seq_len, max_predictions=cfg.data.max_predictions,
-                         precision=cfg.precision, max_interval=cfg.max_interval,
-                         split_backward_ratio=s.split_backward_ratio)
+    hardware = _hardware(cfg)
+    comm = CommCosts.from_json(cfg.comm_costs, hardware) if cfg.comm_costs else None
+
+    def refused(candidate: Strategy) -> str | None:
+        return strategy_refusal(candidate, cfg.model, cfg.data, cfg.precision)
+
+    found = search_strategies(_bert(cfg), devices=cfg.devices, memory_gb=cfg.memory_gb, global_batch=cfg.global_batch,
+                              hardware=hardware, comm=comm, methods=s.methods, micro_batch_sizes=s.micro_batch_sizes,
+                              optimizers=s.optimizers, recompute=s.recompute, sdp_degrees=s.sdp, tp_degrees=s.tp,
+                              num_virtual=s.num_virtual, seq_len=cfg.data.seq_len,
+                              max_predictions=cfg.data.max_predictions, precision=cfg.precision,
+                              max_interval=cfg.max_interval, split_backward_ratio=s.split_backward_ratio,
+                              refusal=refused)
     out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "whatif.json").write_text(json.dumps([asdict(c) for c in candidates], indent=1) + "\n")
+    (out_dir / "whatif.json").write_text(json.dumps([asdict(c) for c in found], indent=1) + "\n")
+    costs = (comm or CommCosts({}, hardware)).describe()
     header = (f"what-if: {cfg.model.name} on {cfg.devices} devices × {cfg.memory_gb:g} GB, global batch "
-              f"{cfg.global_batch}, {cfg.data.seq_len} tokens; predicted from FLOP estimates "
-              f"(flops_per_s={cfg.flops_per_s:g}, p2p_bytes_per_s={cfg.p2p_bytes_per_s:g}); memory excludes "
-              f"framework overhead")
-    text = header + "\n" + format_candidates(candidates, cfg.search.top) + f"\nwrote whatif.json in {out_dir}"
+              f"{cfg.global_batch}, {cfg.data.seq_len} tokens; predicted by simulation from FLOP estimates "
+              f"(flops_per_s={cfg.flops_per_s:g} unless measured below); {costs}; memory excludes framework overhead")
+    text = header + "\n" + format_strategies(found, cfg.search.top)
+    best = next((c for c in found if c.excluded is None), None)
+    if best is not None:
+        doc = strategy_document(best, cfg.model, cfg.data, cfg.precision, search={
+            "devices": cfg.devices, "memory_gb": cfg.memory_gb, "comm_costs": cfg.comm_costs,
+            "flops_per_s": (comm.hardware_for(best.micro_batch_size) if comm else hardware).flops_per_s})
+        path = write_strategy(out_dir / "strategy.json", doc)
+        text += f"\nwrote whatif.json and strategy.json in {out_dir}; run the best: python train.py strategy={path}"
+    else:
+        text += f"\nwrote whatif.json in {out_dir} (no strategy.json: nothing fits)"
     log.debug("%s", text)
     return text
 

@@ -28,7 +28,7 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -102,11 +102,26 @@ class CommCosts:
         fits: op -> group size -> fit (measured); may be empty.
         hardware: the ring model's bandwidths where nothing was measured.
         source: where the figures come from (a file, or ``analytic``), for messages.
+        flops_per_s: micro-batch size -> the measured forward+backward FLOP rate (planner FLOPs), if any.
+        memory_bytes_per_s: the optimizer step's measured rate at 28 bytes per parameter, if any.
     """
 
     fits: Mapping[str, Mapping[int, LinkFit]] = field(default_factory=dict)
     hardware: Hardware = Hardware()
     source: str = "analytic"
+    flops_per_s: Mapping[int, float] = field(default_factory=dict)
+    memory_bytes_per_s: float | None = None
+
+    def hardware_for(self, micro_batch_size: int) -> Hardware:
+        """``hardware`` with the measured compute rates where the file has them: the FLOP rate of the
+        nearest measured micro-batch size (the larger on a tie), the optimizer step's bandwidth."""
+        hw = self.hardware
+        if self.flops_per_s:
+            nearest = min(self.flops_per_s, key=lambda b: (abs(b - micro_batch_size), -b))
+            hw = replace(hw, flops_per_s=self.flops_per_s[nearest])
+        if self.memory_bytes_per_s:
+            hw = replace(hw, memory_bytes_per_s=self.memory_bytes_per_s)
+        return hw
 
     def seconds(self, op: str, group: int, num_bytes: float) -> float:
         """Time of one ``op`` of ``num_bytes`` over ``group`` ranks (0 for a group of one)."""
@@ -160,7 +175,17 @@ class CommCosts:
                     raise ValueError(f"comm_costs={path}: field ops.{op}.{g}: latency_s must be >= 0 and "
                                      f"bytes_per_s > 0; {make}")
                 fits.setdefault(op, {})[size] = fit
-        return cls(fits, hardware, str(path))
+        compute = data.get("compute") or {}
+        try:
+            rates = {int(b): float(row["flops_per_s"]) for b, row in (compute.get("micro_batch") or {}).items()}
+            step = compute.get("optimizer_step")
+            memory = float(step["memory_bytes_per_s"]) if step else None
+        except (KeyError, TypeError, ValueError, AttributeError):
+            raise ValueError(f"comm_costs={path}: field compute needs micro_batch.<size>.flops_per_s and "
+                             f"optimizer_step.memory_bytes_per_s (numbers); {make}") from None
+        if any(not r > 0 for r in rates.values()) or (memory is not None and not memory > 0):
+            raise ValueError(f"comm_costs={path}: field compute: rates must be positive; {make}")
+        return cls(fits, hardware, str(path), rates, memory)
 
     def describe(self) -> str:
         """One line: the source and each measured op's group sizes."""
@@ -171,7 +196,13 @@ class CommCosts:
         for op in OPS:
             for g, f in sorted(self.fits.get(op, {}).items()):
                 parts.append(f"{op}@{g} {f.latency_s * 1e6:.0f} us + {f.bytes_per_s / 1e9:.2f} GB/s")
-        return f"communication measured ({self.source}): " + ", ".join(parts)
+        text = f"communication measured ({self.source}): " + ", ".join(parts)
+        if self.flops_per_s:
+            text += "; compute measured: " + ", ".join(f"micro-batch {b}: {r / 1e9:.2f} GFLOP/s"
+                                                       for b, r in sorted(self.flops_per_s.items()))
+        if self.memory_bytes_per_s:
+            text += f"; optimizer step {self.memory_bytes_per_s / 1e9:.2f} GB/s"
+        return text
 
 
 def collectives_json(backend: str, device: str, world_size: int, points: Mapping[str, Mapping[int, Sequence[tuple[float, float]]]],

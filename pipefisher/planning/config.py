@@ -34,6 +34,8 @@ class WhatIfConfig:
     micro_batch_sizes: list[int] = field(default_factory=lambda: [4, 8, 16, 32])  # sequences per micro-batch
     optimizers: list[str] = field(default_factory=lambda: ["nvlamb", "kfac", "pipefisher"])  # optimizers to compare
     recompute: list[bool] = field(default_factory=lambda: [False, True])  # recomputation settings to try
+    sdp: list[int] = field(default_factory=lambda: [1, 2, 4, 8])  # sharded data parallel (FSDP2) degrees to try
+    tp: list[int] = field(default_factory=lambda: [1, 2, 4, 8])  # tensor parallel degrees to try (tp must divide the heads)
     num_virtual: int = 2  # model chunks per worker for interleaved
     split_backward_ratio: float = 1.07  # (I+W)/B of zb-h1 and zb-v: a split backward's cost over a full one (1.07 measured on bert-mini, bench/README.md)
     top: int = 20  # lines of the printed ranking (and of the exclusions)
@@ -72,6 +74,7 @@ class ScheduleConfig:
     devices: int = 16  # whatif: devices to use
     memory_gb: float = 40.0  # whatif: memory per device in GB
     global_batch: int = 256  # whatif: sequences per optimizer step
+    comm_costs: Optional[str] = None  # whatif: collectives.json of `python -m pipefisher.measure.collectives` (measured communication, and compute rates when it has them); None = the ring model at the *_bytes_per_s keys
     search: WhatIfConfig = field(default_factory=WhatIfConfig)  # whatif: the search space
 
     def __post_init__(self) -> None:

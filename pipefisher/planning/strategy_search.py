@@ -1,0 +1,468 @@
+"""The hybrid strategy search: pipeline (every schedule) × data parallel × sharded data parallel × tensor
+parallel × micro-batches × recompute × optimizer, ranked by simulated samples/s under a per-worker memory budget.
+
+Entry points: :func:`search_strategies` (the ranking, the excluded with the reason),
+:func:`hybrid_costs` (the simulator's cost model of one candidate), :func:`hybrid_memory_per_worker`
+(its memory), :func:`format_strategies`.
+
+A candidate puts ``pp · dp · sdp · tp`` = ``devices`` workers on a mesh: ``pp`` pipeline stages
+(``stages``), ``tp`` tensor-parallel ranks inside each stage, ``sdp`` pipelines whose stage replicas
+shard their weights, gradients and optimizer state over each other (FSDP2), and ``dp`` such blocks
+replicated (plain data parallel). One pipeline is simulated (``simulate``), as in ``whatif``; the
+global batch is ``micro_batch_size · num_micro_batches · dp · sdp``. The choices are uniform over
+stages and layers: train.py runs one ``sdp``, ``tp`` and ``recompute`` for the whole model, and a
+strategy it cannot run is what the search is meant to end (Galvatron's per-layer ``tp_sizes_enc`` /
+``dp_types_enc`` are written per stage into the strategy file, all equal).
+
+[Note: the time model] (per micro-batch; collectives priced by ``planning.comm_costs``: measured, or
+the ring model; compute from FLOPs at ``Hardware.flops_per_s``, which a measurement can set)::
+
+    F of stage s     FLOPs(embeddings, heads) + FLOPs(encoder layers) / tp, at flops_per_s
+                     + tp > 1: 2 all_reduce(tp, b·S·H·bytes) per encoder layer (Megatron: after the
+                       attention output and the FFN output projections), on the critical path
+    B                2 F's compute (3 F with recompute) + 2 all_reduce per layer (4 with recompute)
+    message          p2p(b·S·H·bytes) between neighbouring stages (each tp rank to its peer)
+    SYNC_GRAD(s)     sdp > 1: reduce_scatter(sdp, 4·p_s) + all_reduce(dp·twins, 4·p'_s / sdp)
+                     sdp = 1: all_reduce(dp·twins, 4·p'_s)      (p'_s: without the tied word embedding)
+    STEP             sdp > 1: all_gather(sdp, 4·p_s) of the next step's weights (one gather per stage
+                     per step, reshard_after_forward=false; charged here, where it is sequential too)
+                     + all_reduce(tied holders / sdp, 4·V·H / sdp) of the tied weight (stage 0 and the
+                     last stage, D > 1 or dp > 1) + all_reduce(world, 8) of the global norm
+                     + 28 bytes per local parameter at memory_bytes_per_s (NVLAMB, memory-bound)
+
+    p_s: the stage's parameters on one tp rank (encoder Linear weights, their column-split biases / tp).
+
+Left out: overlap of the all-gather with the first forward and of the reduce-scatter with later
+backwards (both are charged in full: the executor waits for the gather before the first F, and the
+reduce-scatter runs when it is issued); tp's smaller matrix products running at another FLOP rate
+than the whole ones; contention between a worker's compute and its own collectives on CPU; the
+vocabulary-parallel embedding (tp shards encoder layers only); sequence parallel; sdp with
+reshard_after_forward=true (an all-gather per F and per B: not searched).
+
+[Note: the memory model] (bytes per worker, the largest over the pipeline's workers; p the
+parameters of the stage replicas a worker holds on its tp rank)::
+
+    sdp = 1   weights 4p, gradients 4p, optimizer 8p (NVLAMB's two moments): planning.memory's
+    sdp = k   weights 4p/k sharded + 4p gathered for the step (reshard_after_forward=false), gradients
+              4p accumulated unsharded over the step's micro-batches (gradient sync off until the
+              stage's last backward) + 4p/k after the reduce-scatter, optimizer 8p/k
+    activations  peak in-flight micro-batches (the schedule's) × per encoder layer
+              S·b·H·(10 + 24/tp + 5·A·S/(H·tp)) bytes at 16 bits, twice in fp32 (Korthikanti et al.
+              2022, Table 2, tensor parallel without sequence parallel; at tp = 1 planning.memory's
+              34 + 5AS/H); recompute keeps each layer's input (S·b·H) and one layer's activations
+    comm buffers the gradient sync's flat copy (sdp = 1 with replicas: 4p'), or FSDP's reduce-scatter
+              input (sdp > 1: 4p); reported beside the rest, and in the total only as
+              max(activations, comm buffers): the sync runs after the stage's last backward, when
+              that stage's activations are gone
+
+Left out: framework overhead (interpreter, torch, CUDA context, allocator caches and fragmentation;
+on CPU the resident set also keeps freed buffers unless glibc's ``MALLOC_MMAP_THRESHOLD_`` is set),
+optimizer temporaries, K-FAC under sdp or tp (refused by train.py: its factors are not sharded).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, fields, replace
+
+from pipefisher.config import TrainConfig
+from pipefisher.model.config import BertConfig
+from pipefisher.model.partition import layer_costs
+from pipefisher.planning.assign import plan_pipefisher
+from pipefisher.planning.comm_costs import CommCosts
+from pipefisher.planning.costs import (STEP_BYTES_PER_PARAM, Hardware, RunShape, estimate_run_costs,
+                                       stage_parameters)
+from pipefisher.planning.memory import estimate_memory
+from pipefisher.planning.predict import predict_assignment, predict_schedule
+from pipefisher.planning.whatif import METHODS, OPTIMIZERS, SPLIT_BACKWARD_RATIO, SPLIT_METHODS, split_backward_costs
+from pipefisher.planning.whatif import _shape_problem as _pipeline_problem
+from pipefisher.schedules import Schedule
+from pipefisher.schedules.kfac import critical_path_assignment
+from pipefisher.simulate import CostModel, peak_activations
+
+__all__ = ["HybridMemory", "Strategy", "format_strategies", "hybrid_costs", "hybrid_memory_per_worker",
+           "search_strategies", "tp_available", "tp_sharded_parameters"]
+
+log = logging.getLogger(__name__)
+GB = 1e9
+_CHIMERA = ("chimera", "chimera-doubling")
+
+
+def tp_available() -> bool:
+    """Whether this version's train.py has tensor parallel (a ``tp`` key)."""
+    return "tp" in {f.name for f in fields(TrainConfig)}
+
+
+@dataclass(frozen=True)
+class Strategy:
+    """One point of the hybrid space and its prediction (or why it was excluded).
+
+    Attributes:
+        method, stages (pp), num_virtual, dp, sdp, tp, micro_batch_size, num_micro_batches, recompute,
+        optimizer: the configuration.
+        samples_per_s, step_time_s, utilization, interval: the simulated step (interval: K-FAC's k).
+        memory_gb: the most loaded worker's total; memory_per_worker_gb: every worker of a pipeline.
+        excluded: why it cannot run, or None.
+    """
+
+    method: str
+    stages: int
+    num_virtual: int
+    dp: int
+    sdp: int
+    tp: int
+    micro_batch_size: int
+    num_micro_batches: int
+    recompute: bool
+    optimizer: str
+    samples_per_s: float | None = None
+    step_time_s: float | None = None
+    utilization: float | None = None
+    interval: int | None = None
+    memory_gb: float | None = None
+    memory_per_worker_gb: tuple[float, ...] = ()
+    excluded: str | None = None
+
+    @property
+    def devices(self) -> int:
+        return self.stages * self.dp * self.sdp * self.tp
+
+    @property
+    def global_batch(self) -> int:
+        return self.micro_batch_size * self.num_micro_batches * self.dp * self.sdp
+
+    @property
+    def label(self) -> str:
+        v = f" v={self.num_virtual}" if self.method in ("interleaved", "zb-v") else ""
+        return (f"{self.method} pp={self.stages}{v} dp={self.dp} sdp={self.sdp} tp={self.tp} "
+                f"mbs={self.micro_batch_size} N={self.num_micro_batches or '-'} "
+                f"recompute={str(self.recompute).lower()} {self.optimizer}")
+
+    def run_shape(self, bert: BertConfig, seq_len: int, max_predictions: int, precision: str = "fp32") -> RunShape:
+        """The pipeline's shape (``dp_width`` counts every replica fed its own data: dp × sdp)."""
+        return RunShape(bert, self.method, self.stages, self.num_micro_batches, self.micro_batch_size,
+                        self.dp * self.sdp, self.num_virtual, seq_len, max_predictions, None, self.recompute,
+                        precision)
+
+
+# -- parameters ----------------------------------------------------------------------------------
+
+
+def tp_sharded_parameters(bert: BertConfig) -> int:
+    """Parameters of one encoder layer that tensor parallel splits (Megatron's column/row split):
+    the q, k, v and FFN-in weights and biases (columns), the attention-out and FFN-out weights (rows);
+    the row-split layers' biases and the LayerNorms stay whole."""
+    h, f = bert.hidden_size, bert.intermediate_size or 4 * bert.hidden_size
+    return 4 * h * h + 2 * h * f + 3 * h + f
+
+
+def _local_parameters(run: RunShape, tp: int) -> list[float]:
+    """Parameters of each model stage on one tp rank."""
+    shard = tp_sharded_parameters(run.bert) * (1 - 1 / tp)
+    return [p - n * shard for p, n in zip(stage_parameters(run.bert, run.partition), run.encoder_layers)]
+
+
+def _tied_parameters(bert: BertConfig) -> int:
+    return bert.vocab_size * bert.hidden_size
+
+
+def _untied(params: Sequence[float], bert: BertConfig) -> list[float]:
+    """Each stage's parameters without its copies of the tied word embedding (``stage_parameters``
+    counts one in stage 0 and one in the last stage, both in a single stage): the executor leaves
+    the tied weight out of SYNC_GRAD and all-reduces it at STEP."""
+    d, tied = len(params), _tied_parameters(bert)
+    return [p - tied * ((s == 0) + (s == d - 1)) for s, p in enumerate(params)]
+
+
+def _stages_of(schedule: Schedule, worker: int) -> list[int]:
+    return [s for (_, _, s) in schedule.placement.stages_of(worker)]
+
+
+# -- memory --------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class HybridMemory:
+    """Bytes of one worker by component ([Note: the memory model])."""
+
+    worker: int
+    weights: float
+    gradients: float
+    optimizer: float
+    activations: float
+    captures: float = 0.0
+    comm_buffers: float = 0.0
+
+    @property
+    def total(self) -> float:
+        return (self.weights + self.gradients + self.optimizer + self.captures
+                + max(self.activations, self.comm_buffers))
+
+    @property
+    def total_gb(self) -> float:
+        return self.total / GB
+
+    def describe(self) -> str:
+        parts = ", ".join(f"{name} {getattr(self, name) / GB:.2f}" for name in
+                          ("weights", "gradients", "optimizer", "activations", "comm_buffers"))
+        return f"{self.total_gb:.2f} GB on worker {self.worker} ({parts} GB)"
+
+
+def _layer_activation_bytes(run: RunShape, tp: int) -> float:
+    """One encoder layer's activations for one micro-batch ([Note: the memory model])."""
+    b, s = run.micro_batch_size, run.seq_len
+    h, a = run.bert.hidden_size, run.bert.num_heads
+    return s * b * h * (10 + 24 / tp + 5 * a * s / (h * tp)) * run.bytes_per_element / 2
+
+
+def _stage_activation_bytes(run: RunShape, tp: int, encoder_layers: int, first: bool) -> float:
+    b, s, h, e = run.micro_batch_size, run.seq_len, run.bert.hidden_size, run.bytes_per_element
+    if run.recompute:
+        layers = encoder_layers * s * b * h * e + _layer_activation_bytes(run, tp)
+    else:
+        layers = encoder_layers * _layer_activation_bytes(run, tp)
+    return layers + (s * b * h * e if first else 0)
+
+
+def hybrid_memory_per_worker(run: RunShape, sdp: int = 1, tp: int = 1,
+                             schedule: Schedule | None = None) -> dict[int, HybridMemory]:
+    """NVLAMB's memory of every worker of one pipeline of ``run`` ([Note: the memory model]).
+
+    Args:
+        run: the pipeline's shape (``dp_width``: all replicas, dp × sdp).
+        sdp: workers sharding each stage replica (FSDP2, reshard_after_forward=false).
+        tp: tensor-parallel ranks of each stage.
+        schedule: the pipeline's schedule (one data-parallel group); built from ``run`` when None.
+
+    Returns:
+        Worker rank (of the simulated pipeline) -> its estimate.
+    """
+    schedule = schedule or run.build_schedule(dp_width=1)
+    params = _local_parameters(run, tp)
+    untied = _untied(params, run.bert)
+    peaks = peak_activations(schedule)
+    replicas = run.num_replicas // sdp  # members of the gradient all-reduce after sharding
+    out = {}
+    for w in sorted(schedule.actions):
+        stages = _stages_of(schedule, w)
+        p = sum(params[s] for s in stages)
+        act = peaks[w] * max(_stage_activation_bytes(run, tp, run.encoder_layers[s], s == 0) for s in stages)
+        if sdp == 1:
+            buffers = 4.0 * sum(untied[s] for s in stages) if replicas > 1 else 0.0
+            out[w] = HybridMemory(w, 4.0 * p, 4.0 * p, 8.0 * p, act, 0.0, buffers)
+        else:
+            out[w] = HybridMemory(w, 4.0 * p / sdp + 4.0 * p, 4.0 * p + 4.0 * p / sdp, 8.0 * p / sdp, act, 0.0,
+                                  4.0 * p)
+    return out
+
+
+# -- time ----------------------------------------------------------------------------------------
+
+
+def hybrid_costs(run: RunShape, sdp: int, tp: int, hardware: Hardware, comm: CommCosts,
+                 schedule: Schedule | None = None) -> CostModel:
+    """The simulator's cost model of one pipeline of a hybrid candidate ([Note: the time model]).
+
+    K-FAC unit costs are the FLOP estimate's (``planning.costs``; K-FAC runs only at sdp = tp = 1).
+    ``schedule``: one data-parallel group's (built from ``run`` when None), for the stages per worker.
+    """
+    schedule = schedule or run.build_schedule(dp_width=1)
+    base = estimate_run_costs(run, hardware)
+    bert, e = run.bert, run.bytes_per_element
+    costs = layer_costs(bert, run.seq_len, run.max_predictions)
+    encoder_flops = costs[1]
+    activation = run.micro_batch_size * run.seq_len * bert.hidden_size * e
+    tp_ar = comm.seconds("all_reduce", tp, activation)
+    forward, backward = [], []
+    for (first, last), layers in zip(run.partition, run.encoder_layers):
+        whole = sum(costs[first:last + 1]) - layers * encoder_flops
+        f = (whole + layers * encoder_flops / tp) * run.micro_batch_size / hardware.flops_per_s
+        forward.append(f + 2 * layers * tp_ar)
+        backward.append(f * (3.0 if run.recompute else 2.0) + (4 if run.recompute else 2) * layers * tp_ar)
+    params = _local_parameters(run, tp)
+    d = run.num_model_stages
+    tied = _tied_parameters(bert)
+    replicas = run.num_replicas // sdp  # dp copies × Chimera's twins
+    sync = []
+    for p, untied in zip(params, _untied(params, bert)):
+        if sdp > 1:
+            sync.append(comm.seconds("reduce_scatter", sdp, 4.0 * p) + comm.seconds("all_reduce", replicas, 4.0 * untied / sdp))
+        else:
+            sync.append(comm.seconds("all_reduce", replicas, 4.0 * untied))
+    # The tied weight: holders of stage 0 or the last one (every replica's one worker at D = 1), per sdp index.
+    holders = run.dp_width * (1 if d == 1 else 2) // sdp
+    local_params = max(sum(params[s] for s in _stages_of(schedule, w)) for w in schedule.actions)
+    step = (local_params / sdp * STEP_BYTES_PER_PARAM / hardware.memory_bytes_per_s
+            + comm.seconds("all_reduce", holders, 4.0 * tied / sdp)
+            + comm.seconds("all_reduce", run.num_workers * tp, 8.0))
+    if sdp > 1:
+        step += max(comm.seconds("all_gather", sdp, 4.0 * p) for p in params)
+    cost = replace(base, forward_ns=tuple(_ns(x) for x in forward), backward_ns=tuple(_ns(x) for x in backward),
+                   p2p_ns=_ns(comm.seconds("p2p", 2, activation)) if d > 1 else 0,
+                   sync_ns=tuple(_ns(x) for x in sync), step_ns=_ns(step), input_grad_ns=(), weight_grad_ns=())
+    return cost
+
+
+def _ns(seconds: float) -> int:
+    return max(0, round(seconds * 1e9))
+
+
+# -- the search ----------------------------------------------------------------------------------
+
+
+def _shape_problem(bert: BertConfig, method: str, d: int, v: int, n: int, sdp: int, tp: int, optimizer: str,
+                   tp_ok: bool) -> str | None:
+    problem = _pipeline_problem(bert, method, d, v, n)  # whatif's rules of each schedule
+    if problem:
+        return problem
+    if tp > 1 and not tp_ok:
+        return "tensor parallel (tp) is not in this version's train.py"
+    if tp > 1 and (bert.num_heads % tp or (bert.intermediate_size or 4 * bert.hidden_size) % tp):
+        return f"tp={tp} must divide the heads ({bert.num_heads}) and the FFN width"
+    if (sdp > 1 or tp > 1) and optimizer != "nvlamb":
+        return (f"optimizer={optimizer} needs whole weights: K-FAC with sdp/tp > 1 needs sharded factors "
+                f"(not built)")
+    return None
+
+
+def search_strategies(bert: BertConfig, *, devices: int, memory_gb: float, global_batch: int,
+                      hardware: Hardware = Hardware(), comm: CommCosts | None = None,
+                      methods: Sequence[str] = METHODS, micro_batch_sizes: Sequence[int] = (4, 8, 16, 32),
+                      optimizers: Sequence[str] = OPTIMIZERS, recompute: Sequence[bool] = (False, True),
+                      sdp_degrees: Sequence[int] = (1, 2, 4, 8), tp_degrees: Sequence[int] = (1, 2, 4, 8),
+                      num_virtual: int = 2, seq_len: int = 128, max_predictions: int = 20, precision: str = "fp32",
+                      max_interval: int = 8, split_backward_ratio: float = SPLIT_BACKWARD_RATIO,
+                      refusal: Callable[[Strategy], str | None] | None = None) -> list[Strategy]:
+    """Rank every hybrid configuration that uses all ``devices`` by simulated samples/s.
+
+    Args:
+        bert: the model.
+        devices: workers (GPUs, or CPU processes); pp · dp · sdp · tp = devices.
+        memory_gb: the budget per worker, against the model's total ([Note: the memory model]).
+        global_batch: sequences per optimizer step.
+        hardware: FLOP rate and memory bandwidth (and the ring model's bandwidths without ``comm``).
+        comm: collective costs (measured); None: the ring model of ``hardware``.
+        methods, micro_batch_sizes, optimizers, recompute, sdp_degrees, tp_degrees: the space.
+        num_virtual: model chunks per worker for interleaved.
+        seq_len, max_predictions, precision: the data shape.
+        max_interval: largest PipeFisher refresh interval.
+        split_backward_ratio: (I+W)/B of zb-h1 and zb-v.
+        refusal: why train.py would refuse a strategy (``strategy_file.refusal``: its config checks), or
+            None; a refused strategy is excluded with that reason, so the ranking holds runnable ones.
+
+    Returns:
+        The feasible strategies, best first, then the excluded ones with the reason.
+
+    Raises:
+        ValueError: an unknown method or optimizer, or a non-positive size; the message names it.
+    """
+    for m in methods:
+        if m not in METHODS:
+            raise ValueError(f"whatif method {m!r}: choose from {', '.join(METHODS)}")
+    for o in optimizers:
+        if o not in OPTIMIZERS:
+            raise ValueError(f"whatif optimizer {o!r}: choose from {', '.join(OPTIMIZERS)}")
+    for name, values in (("sdp_degrees", sdp_degrees), ("tp_degrees", tp_degrees)):
+        if not values or any(x < 1 for x in values):
+            raise ValueError(f"search.{name}={list(values)}: give degrees >= 1, e.g. [1, 2]")
+    if devices < 1 or global_batch < 1 or not memory_gb > 0:
+        raise ValueError(f"devices={devices}, global_batch={global_batch}, memory_gb={memory_gb}: all must be positive")
+    comm = replace(comm, hardware=hardware) if comm is not None else CommCosts({}, hardware)
+    tp_ok = tp_available()
+    budget = memory_gb * GB
+    ranked, excluded = [], []
+    divisors = [x for x in range(1, devices + 1) if devices % x == 0]
+    for method in methods:
+        v = num_virtual if method == "interleaved" else 2 if method == "zb-v" else 1
+        for d in divisors:
+            for tp in (t for t in sorted(set(tp_degrees)) if devices % (d * t) == 0):
+                for sdp in (k for k in sorted(set(sdp_degrees)) if devices % (d * tp * k) == 0):
+                    dp = devices // (d * tp * sdp)
+                    for mbs in micro_batch_sizes:
+                        hw = comm.hardware_for(mbs)  # measured compute rates, where the file has them
+                        for rc in recompute:
+                            base = Strategy(method, d, v, dp, sdp, tp, mbs, 0, rc, "")
+                            if global_batch % (mbs * dp * sdp):
+                                excluded += [replace(base, optimizer=o, excluded=(
+                                    f"global_batch={global_batch} is not a multiple of micro_batch_size x dp x "
+                                    f"sdp={mbs * dp * sdp}")) for o in optimizers]
+                                continue
+                            base = replace(base, num_micro_batches=global_batch // (mbs * dp * sdp))
+                            r, x = _evaluate(bert, base, optimizers, hw, comm, budget, seq_len,
+                                             max_predictions, precision, max_interval, split_backward_ratio, tp_ok,
+                                             refusal)
+                            ranked += r
+                            excluded += x
+    log.info("strategy search: %d ranked, %d excluded", len(ranked), len(excluded))
+    ranked.sort(key=lambda c: -c.samples_per_s)
+    return ranked + excluded
+
+
+def _evaluate(bert: BertConfig, base: Strategy, optimizers: Sequence[str], hardware: Hardware, comm: CommCosts,
+              budget: float, seq_len: int, max_predictions: int, precision: str, max_interval: int,
+              split_backward_ratio: float, tp_ok: bool,
+              refusal: Callable[[Strategy], str | None] | None) -> tuple[list[Strategy], list[Strategy]]:
+    ranked, excluded = [], []
+    run = base.run_shape(bert, seq_len, max_predictions, precision)
+    todo = []
+    for opt in optimizers:
+        problem = _shape_problem(bert, base.method, base.stages, base.num_virtual, base.num_micro_batches,
+                                 base.sdp, base.tp, opt, tp_ok)
+        if problem is None and refusal is not None:
+            problem = refusal(replace(base, optimizer=opt))
+        if problem:
+            excluded.append(replace(base, optimizer=opt, excluded=problem))
+        else:
+            todo.append(opt)
+    if not todo:
+        return ranked, excluded
+    schedule = run.build_schedule(dp_width=1)
+    cost = hybrid_costs(run, base.sdp, base.tp, hardware, comm, schedule)
+    if run.method in SPLIT_METHODS:
+        cost = split_backward_costs(cost, split_backward_ratio)
+    memory = hybrid_memory_per_worker(run, base.sdp, base.tp, schedule)
+    for opt in todo:
+        cand = replace(base, optimizer=opt)
+        if opt == "nvlamb":
+            per_worker = tuple(m.total_gb for m in memory.values())
+            pred, _ = predict_schedule(schedule, cost)
+        else:  # K-FAC at sdp = tp = 1: planning.memory's model with its factors and captures
+            a = (critical_path_assignment(schedule, run.kfac_layers, 1) if opt == "kfac"
+                 else plan_pipefisher(schedule, cost, run.kfac_layers, max_interval=max_interval))
+            est = estimate_memory(run, opt, schedule, a)
+            m = memory[est.worker]
+            per_worker = (est.total_gb + max(m.comm_buffers - m.activations, 0) / GB,)
+            pred, _ = predict_assignment(a, cost, opt)
+        worst = max(per_worker)
+        if worst * GB > budget:
+            excluded.append(replace(cand, memory_gb=worst, memory_per_worker_gb=per_worker, excluded=(
+                f"memory {worst:.2f} GB exceeds memory_gb={budget / GB:g}")))
+            continue
+        ranked.append(replace(cand, samples_per_s=base.global_batch / pred.step_time_s, step_time_s=pred.step_time_s,
+                              utilization=pred.utilization, interval=pred.interval, memory_gb=worst,
+                              memory_per_worker_gb=per_worker))
+    return ranked, excluded
+
+
+def format_strategies(strategies: Sequence[Strategy], top: int = 20) -> str:
+    """The ranking and the exclusions as text (at most ``top`` lines of each)."""
+    ranked = [c for c in strategies if c.excluded is None]
+    excluded = [c for c in strategies if c.excluded is not None]
+    lines = [f"{'rank':>4}  {'samples/s':>10}  {'step ms':>9}  {'util':>6}  {'k':>2}  {'mem GB':>7}  strategy"]
+    for i, c in enumerate(ranked[:top], 1):
+        lines.append(f"{i:>4}  {c.samples_per_s:>10.1f}  {c.step_time_s * 1e3:>9.2f}  {c.utilization:>6.1%}  "
+                     f"{c.interval:>2}  {c.memory_gb:>7.2f}  {c.label}")
+    if len(ranked) > top:
+        lines.append(f"      … {len(ranked) - top} more feasible strategies")
+    if not ranked:
+        lines.append("      no strategy fits: raise memory_gb or devices, or lower the batch")
+    groups: dict[str, list[str]] = {}
+    for c in excluded:
+        groups.setdefault(c.excluded, []).append(c.label)
+    lines.append(f"excluded ({len(excluded)} strategies), by reason:")
+    for reason in sorted(groups, key=lambda r: "exceeds memory_gb" not in r)[:top]:
+        shown = groups[reason]
+        lines.append(f"      {len(shown)} x {reason} (e.g. {shown[0]})")
+    return "\n".join(lines)
+
