@@ -1,0 +1,113 @@
+"""Memory-controlled V schedules (issue 26, item 3; Qi et al. 2024, arXiv 2405.15362): V-Half and
+V-Min against the paper's memory figures (the schedule's peak and the memory model's estimate), the
+simulated bubble against 1F1B's and zb-v's, the checker, and the config. Single-process equivalence
+(D=3, D=4, five NVLAMB steps) is in ``test_pipeline_equivalence.py``'s grid, K-FAC in
+``test_pipeline_kfac.py``."""
+
+from __future__ import annotations
+
+import pytest
+
+from pipefisher.config import ConfigError
+from pipefisher.model import BertConfig
+from pipefisher.planning.costs import RunShape
+from pipefisher.planning.memory import estimate_memory
+from pipefisher.schedules import build_schedule
+from pipefisher.schedules.generators import one_f_one_b
+from pipefisher.schedules.v_schedules import v_half, v_min
+from pipefisher.schedules.zero_bubble import zb_v
+from pipefisher.simulate import CostModel, peak_activations, simulate
+from tests.conftest import compose_train
+
+U = 100
+
+
+def _bubble(schedule, d: int) -> float:
+    """Idle time of the step in chunk units (F = I = W = 1 per chunk; 1F1B's stage is two chunks)."""
+    if schedule.num_stages == d:  # one stage per worker: F = I = W = 2 units
+        cost = CostModel.uniform(d, 2 * U, 4 * U, input_grad_ns=2 * U, weight_grad_ns=2 * U)
+    else:
+        cost = CostModel.uniform(2 * d, U, 2 * U, input_grad_ns=U, weight_grad_ns=U)
+    events = simulate(schedule, cost)
+    span = max(e.end_ns for e in events) - min(e.start_ns for e in events)
+    return span / U - schedule.num_micro_batches * 6
+
+
+# -- memory: the paper's figures ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("d", [3, 4, 5, 6, 8])
+def test_peaks_are_the_papers_memory_in_chunk_activations(d: int) -> None:
+    # The paper (and its authors' summary table): V-Half holds (p+2)//2 micro-batches of a worker's
+    # share, V-Min (p+4)//3, 1F1B p; a chunk activation is half a share.
+    for n in (2 * d, 4 * d):
+        assert max(peak_activations(v_half(d, n, merge=False)).values()) == 2 * ((d + 2) // 2)
+        assert max(peak_activations(v_min(d, n, merge=False)).values()) == 2 * ((d + 4) // 3)
+        assert max(peak_activations(one_f_one_b(d, n)).values()) == d  # whole shares
+
+
+@pytest.mark.parametrize("d", [4, 8])
+def test_memory_model_gives_the_papers_fraction_of_one_f_one_b(d: int) -> None:
+    # Even layers (explicit layers_per_stage) so a chunk is exactly half a share: the memory model's
+    # activation estimate of V-Half / V-Min over 1F1B's is the paper's (p+2)//2 / p and (p+4)//3 / p
+    # (up to the embeddings' output, which stage 0 holds in both).
+    bert = BertConfig(num_layers=4 * d, hidden_size=64, num_heads=2, vocab_size=128)
+    one = RunShape(bert, "1f1b", d, 4 * d, 4, layers_per_stage=[4] * d, seq_len=32, max_predictions=4)
+    base = estimate_memory(one, "nvlamb", one.build_schedule()).activations
+    for method, paper in (("v-half", (d + 2) // 2 / d), ("v-min", (d + 4) // 3 / d), ("zb-v", 1.0)):
+        run = RunShape(bert, method, d, 4 * d, 4, num_virtual=2, layers_per_stage=[2] * (2 * d), seq_len=32,
+                       max_predictions=4)
+        assert estimate_memory(run, "nvlamb", run.build_schedule()).activations / base == pytest.approx(paper, rel=0.03)
+
+
+# -- bubble -----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("d", [4, 8])
+def test_less_memory_costs_bubble_between_zb_v_and_one_f_one_b(d: int) -> None:
+    # Simulated, F = I = W per chunk, N = 4D. The paper's rates: V-Half ~ p/2m (about half of
+    # 1F1B's bubble), V-Min ~ 2p/3m (two thirds). The list scheduler reaches 0.28x / 0.72x at D=4 and
+    # 0.64x / 0.79x at D=8 (v_schedules.py's table): short of the paper's hand-placed blocks at D=8.
+    n = 4 * d
+    one = _bubble(one_f_one_b(d, n), d)
+    assert one == 6 * (d - 1)  # (D-1)(F+I+W) per share
+    zbv, half, vmin = (_bubble(g(d, n, merge=False), d) for g in (zb_v, v_half, v_min))
+    assert zbv < half < vmin < one
+    assert half <= 0.65 * one and vmin <= 0.8 * one
+
+
+@pytest.mark.parametrize("d", [1, 2])
+def test_two_workers_leave_no_memory_to_save_and_give_zb_v_order(d: int) -> None:
+    # (p+2)//2 = (p+4)//3 = p for p <= 2: the same cap, the same list-scheduler run.
+    for g in (v_half, v_min):
+        assert g(d, 4 * d).actions == zb_v(d, 4 * d).actions
+
+
+# -- checker and config -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("method", ["v-half", "v-min"])
+@pytest.mark.parametrize("d,n,w", [(2, 4, 2), (3, 6, 1), (4, 8, 1), (4, 9, 2), (8, 16, 1), (8, 40, 1)])
+def test_built_schedules_pass_the_checker(method: str, d: int, n: int, w: int) -> None:
+    s = build_schedule(method, d, n, w, num_virtual=2, stage_costs=[0.05] + [1.0] * (2 * d - 2) + [2.4])
+    assert s.method == method and s.num_stages == 2 * d and s.num_workers == d * w
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (["pipeline=v-half", "stages=2", "num_micro_batches=3"], "num_micro_batches=3: v-half needs at least 2 x stages = 4"),
+    (["pipeline=v-min", "stages=2", "pipeline.num_virtual=1"], "pipeline.num_virtual=1: v-min places exactly 2"),
+    (["pipeline=v-min", "stages=2", "pipeline.order_costs=[1,1,1]"], "only pipeline=zb-v orders its actions"),
+])
+def test_config_refuses_bad_shapes_before_workers_start(overrides: list[str], message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        compose_train(overrides)
+
+
+def test_train_config_runs_the_v_schedule_on_the_v_partition() -> None:
+    from pipefisher.runtime.build import schedule_for
+
+    cfg = compose_train(["pipeline=v-min", "stages=4", "model.num_layers=6", "model.hidden_size=32",
+                         "model.num_heads=2"])
+    assert cfg.num_micro_batches == 8
+    schedule = schedule_for(cfg)
+    assert schedule.method == "v-min" and max(peak_activations(schedule).values()) <= 2 * ((4 + 4) // 3)
