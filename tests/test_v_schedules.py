@@ -111,3 +111,13 @@ def test_train_config_runs_the_v_schedule_on_the_v_partition() -> None:
     assert cfg.num_micro_batches == 8
     schedule = schedule_for(cfg)
     assert schedule.method == "v-min" and max(peak_activations(schedule).values()) <= 2 * ((4 + 4) // 3)
+
+
+def test_front_reports_the_papers_memory_and_keeps_the_least_memory_on_it() -> None:
+    from pipefisher.planning.front import memory_step_front
+
+    points = {p.method: p for p in memory_step_front(4, 16)}
+    assert points["1f1b"].step_vs_1f1b == 1.0 and points["1f1b"].memory_vs_1f1b == 1.0
+    assert [points[m].memory_vs_1f1b for m in ("zb-v", "v-half", "v-min", "dualpipev")] == [1.0, 0.75, 0.5, 9 / 8]
+    assert points["v-min"].on_front and not points["1f1b"].on_front  # zb-h1 is as small and faster
+    assert points["v-half"].step_vs_1f1b < 1.0 and points["v-half"].on_front
