@@ -25,7 +25,9 @@ What it does (bench/README.md §7 has the choices and the figures):
 - Arms: ``nvlamb``, ``adamw``, ``muon``, ``kfac-kK`` (critical-path K-FAC refreshing every K steps,
   used at once) and ``kfac-kK-deferred`` (inverses used from the next cycle on: PipeFisher's
   numerics at interval K). ``pipefisher`` is ``kfac-kP-deferred`` with P the interval PipeFisher's
-  planner picks in the setting (``--pipefisher-k``). Every K-FAC arm's factor decay is
+  planner picks in the setting (``--pipefisher-k``). ``ekfac-kK[-deferred]`` (family ``ekfac``, its own lr
+  grid ``--grid-ekfac`` at ekfac-k1, no damping): optimizer=ekfac, Adam in the eigenbasis of K-FAC's
+  factors (issue 28 item 3), bases refreshed every K steps, used at once or from the next cycle on. Every K-FAC arm's factor decay is
   ``--decay-per-step`` ** K per refresh, so the running average remembers the same number of steps
   whatever K (bench/README.md §10; train.py's default ``optimizer.factor_decay_per=step`` does the same,
   the arms spell it out per refresh). PipeFisher's k per setting (default D=2:7, D=8:5) is what its
@@ -63,9 +65,16 @@ def arm_overrides(arm: str, decay_per_step: float) -> list[str]:
     """train.py overrides of ``arm`` (see the module docstring)."""
     if arm in ("nvlamb", "adamw", "muon"):
         return [f"optimizer={arm}"]
+    eparsed = ca.ekfac_arm(arm)
+    if eparsed is not None:  # Adam in K-FAC's eigenbasis: K-FAC's intervals, decay and deferral
+        k, deferred = eparsed
+        return ["optimizer=ekfac", f"optimizer.curvature_interval={k}", f"optimizer.inverse_interval={k}",
+                f"optimizer.deferred_inverse={str(deferred).lower()}",
+                f"optimizer.factor_decay={decay_per_step ** k:.6g}", "optimizer.factor_decay_per=refresh"]
     parsed = ca.kfac_arm(arm)
     if parsed is None:
-        raise ValueError(f"unknown arm {arm!r}: nvlamb, adamw, muon or a K-FAC arm (kfac-kK[-iM][-deferred|-ready])")
+        raise ValueError(f"unknown arm {arm!r}: nvlamb, adamw, muon, a K-FAC arm (kfac-kK[-iM][-deferred|-ready]) "
+                         "or ekfac-kK[-deferred]")
     k, i, mode = parsed
     return ["optimizer=kfac", f"optimizer.curvature_interval={k}", f"optimizer.inverse_interval={i}",
             f"optimizer.deferred_inverse={str(mode != 'fresh').lower()}",
@@ -75,10 +84,11 @@ def arm_overrides(arm: str, decay_per_step: float) -> list[str]:
 
 QUICK = {"model": "bert-tiny", "batches": "32", "steps": "120", "eval_every": 20, "eval_batches": 8, "seeds": 2,
          "grid_nvlamb": "5e-3,1e-2", "grid_adamw": "2e-3,4e-3", "grid_muon": "2e-3,4e-3", "grid_kfac": "5e-3,1e-2",
-         "damping": "1e-3", "stale": "kfac-k2-deferred", "drops": "0.05,0.1", "max_extend": 0, "dupe_factor": 1}
+         "grid_ekfac": "5e-3,1e-2", "damping": "1e-3", "stale": "kfac-k2-deferred", "drops": "0.05,0.1",
+         "max_extend": 0, "dupe_factor": 1}
 FULL = {"model": "bert-tiny", "batches": "32", "steps": "2000", "eval_every": 50, "eval_batches": 24, "seeds": 3,
         "grid_nvlamb": "5e-3,1e-2,2e-2", "grid_adamw": "1e-3,2e-3,4e-3", "grid_muon": "1e-3,2e-3,4e-3",
-        "grid_kfac": "5e-3,1e-2,2e-2", "damping": "1e-3,1e-2",
+        "grid_kfac": "5e-3,1e-2,2e-2", "grid_ekfac": "2.5e-3,5e-3,1e-2", "damping": "1e-3,1e-2",
         "stale": "kfac-k1-deferred,kfac-k2,kfac-k2-deferred,kfac-k4,kfac-k4-deferred,kfac-k8,kfac-k8-deferred",
         "drops": "0.2,0.3", "max_extend": 2, "dupe_factor": 3}
 
@@ -104,7 +114,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--eval-every", type=int)
     p.add_argument("--eval-batches", type=int, help="held-out micro-batches per evaluation")
     p.add_argument("--seeds", type=int)
-    for fam in ("nvlamb", "adamw", "muon", "kfac"):
+    for fam in ("nvlamb", "adamw", "muon", "kfac", "ekfac"):
         p.add_argument(f"--grid-{fam}", help=f"initial lr grid of {fam}")
     p.add_argument("--damping", help="K-FAC damping grid at kfac-k1's lr (the first is the lr grid's)")
     p.add_argument("--max-extend", type=int, help="grid values added past an edge")
@@ -155,7 +165,7 @@ def study_spec(args: argparse.Namespace) -> ca.StudySpec:
     if args.final:
         final = [a for a in args.final.split(",") if a]
     else:
-        final = [("kfac-k1" if f == "kfac" else f) for f in families]
+        final = [ca.tuned_arm(f) for f in families]
         if "kfac" in families:
             try:
                 ks = ca.pipefisher_ks(args.pipefisher_k)

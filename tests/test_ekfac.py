@@ -296,3 +296,27 @@ def test_resumed_ekfac_run_equals_uninterrupted_run_with_bases_and_moments_resto
         a = load_shard(step_dir(tmp_path / "straight" / "checkpoints", 5), rank)
         b = load_shard(step_dir(tmp_path / "resumed" / "checkpoints", 5), rank)
         _assert_same_state(a, b, f"ekfac worker {rank}")
+
+
+# -- the convergence study's ekfac arms -------------------------------------------------------------
+
+
+def test_convergence_study_ekfac_arms_compose_and_tune_their_own_lr() -> None:
+    from tests.test_convergence_bench import _load
+
+    ca, cv = _load("convergence_analysis"), _load("convergence")
+    overrides = cv.arm_overrides("ekfac-k5-deferred", 0.95)
+    o = compose_train(overrides).optimizer
+    assert (o.name, o.preconditioner, o.curvature_interval, o.inverse_interval, o.deferred_inverse) == \
+        ("kfac", "ekfac", 5, 5, True)
+    assert o.factor_decay == pytest.approx(0.95 ** 5, rel=1e-5) and o.factor_decay_per == "refresh"
+    assert compose_train(cv.arm_overrides("ekfac-k1", 0.95)).optimizer.deferred_inverse is False
+    assert [ca.family(a) for a in ("ekfac-k1", "ekfac-k7-deferred", "kfac-k1")] == ["ekfac", "ekfac", "kfac"]
+    spec = ca.StudySpec(steps={32: 100}, lr_grid={"ekfac": [5e-3]}, final_arms=["ekfac-k1", "ekfac-k5-deferred"],
+                        seeds=1)
+    todo, _ = ca.plan_runs(spec, {})
+    assert [(r.arm, r.lr, r.damping) for r in todo] == [("ekfac-k1", 5e-3, None)]  # the grid first, no damping
+    todo, _ = ca.plan_runs(spec, {todo[0].key: 6.2})
+    assert [r.arm for r in todo] == ["ekfac-k5-deferred"]
+    with pytest.raises(ValueError, match="ekfac-kK or ekfac-kK-deferred"):
+        cv.arm_overrides("ekfac-k2-ready", 0.95)
