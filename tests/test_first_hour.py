@@ -169,7 +169,7 @@ def test_help_lists_the_training_groups_without_task_or_schemas() -> None:
     assert "_schema" not in proc.stdout
     assert "task:" not in groups and "toy" not in groups
     for line in ("model: bert-base, bert-large, bert-medium, bert-mini, bert-small, bert-tiny",
-                 "pipeline: 1f1b, chimera, csv, dualpipev, gpipe, interleaved, v-half, v-min, zb-h1, zb-v", "optimizer: adamw, kfac, muon, nvlamb, pipefisher",
+                 "pipeline: 1f1b, chimera, csv, dualpipev, gpipe, interleaved, v-half, v-min, zb-h1, zb-v", "optimizer: adamw, ekfac, kfac, muon, nvlamb, pipefisher",
                  "data: hdf5, synthetic", "cluster: local, slurm"):
         assert line in groups
     assert "stages: 1" in proc.stdout  # the config is still shown
