@@ -29,7 +29,8 @@ This is SOAP's rule with K-FAC's factors (E[x xᵀ], E[g gᵀ] per token) in pla
 eigenbasis with per-example second moments E[(Q_Bᵀ g_t x̃_tᵀ Q_A)²], re-estimated from the rows of
 a batch; that needs every row's projected gradient outer product (T·O·Ĩ extra work per micro-batch),
 which one step's bubbles cannot pay. The running second moment of the mini-batch gradient costs
-two extra matrix products per layer per step, as K-FAC's preconditioning does.
+four matrix products per layer per step (projection and back), twice K-FAC's B⁻¹ G A⁻¹; the
+refresh's eigh costs several times a Cholesky inversion (``bench/ekfac_costs.py``).
 
 [Note: first moment]
 The preconditioner keeps no first moment: the update rule behind it has one (NVLAMB's m, or the
