@@ -190,7 +190,9 @@ def describe_kfac(cfg: TrainConfig, assignment: Assignment) -> str:
     when = ("from the step after their INVERT" if promote == "when_ready" else "from the next cycle") \
         if assignment.deferred else "used at once"
     factors = f" (factors every {assignment.factor_every})" if assignment.factor_every != k else ""
-    parts = [f"K-FAC ({cfg.optimizer.name}): {kfac_plan_label(assignment)}; refresh every k={k} step(s){factors}, "
+    kind = "" if cfg.optimizer.preconditioner == "kfac" else \
+        f", preconditioner {cfg.optimizer.preconditioner}: INVERT computes eigenbases, PRECOND rescales in them"
+    parts = [f"K-FAC ({cfg.optimizer.name}{kind}): {kfac_plan_label(assignment)}; refresh every k={k} step(s){factors}, "
              f"curvature from {f'{subset} micro-batch(es)' if subset else 'every micro-batch'} per pipe; "
              f"inverses {when}, curvature age <= {age} step(s)"
              + (f" (optimizer.max_staleness={cfg.optimizer.max_staleness})" if cfg.optimizer.max_staleness else "")]
