@@ -42,10 +42,12 @@ reshard_after_forward=true (an all-gather per F and per B: not searched).
 [Note: the memory model] (bytes per worker, the largest over the pipeline's workers; p the
 parameters of the stage replicas a worker holds on its tp rank)::
 
-    sdp = 1   weights 4p, gradients 4p, optimizer 8p (NVLAMB's two moments): planning.memory's
+    sdp = 1   weights 4p, gradients 4p, optimizer 8p (NVLAMB's two moments): planning.memory's (but for
+              the tied weight at one stage, counted once here, twice there)
     sdp = k   weights 4p/k sharded + 4p gathered for the step (reshard_after_forward=false), gradients
               4p accumulated unsharded over the step's micro-batches (gradient sync off until the
-              stage's last backward) + 4p/k after the reduce-scatter, optimizer 8p/k
+              stage's last backward; the 4p/k shard the reduce-scatter writes replaces them),
+              optimizer 8p/k
     activations  peak in-flight micro-batches (the schedule's) × per encoder layer
               S·b·H·(10 + 24/tp + 5·A·S/(H·tp)) bytes at 16 bits, twice in fp32 (Korthikanti et al.
               2022, Table 2, tensor parallel without sequence parallel; at tp = 1 planning.memory's
@@ -158,9 +160,15 @@ def tp_sharded_parameters(bert: BertConfig) -> int:
 
 
 def _local_parameters(run: RunShape, tp: int) -> list[float]:
-    """Parameters of each model stage on one tp rank."""
+    """Parameters of each model stage on one tp rank. ``stage_parameters`` counts the tied word embedding
+    in stage 0 and again, as the MLM decoder, in the last stage; at one stage both are one tensor, counted
+    once here (planning.memory counts it twice there: 4·V·H bytes too many weights, gradients and twice
+    that of moments)."""
     shard = tp_sharded_parameters(run.bert) * (1 - 1 / tp)
-    return [p - n * shard for p, n in zip(stage_parameters(run.bert, run.partition), run.encoder_layers)]
+    params = [p - n * shard for p, n in zip(stage_parameters(run.bert, run.partition), run.encoder_layers)]
+    if len(params) == 1:
+        params[0] -= _tied_parameters(run.bert)
+    return params
 
 
 def _tied_parameters(bert: BertConfig) -> int:
@@ -168,11 +176,11 @@ def _tied_parameters(bert: BertConfig) -> int:
 
 
 def _untied(params: Sequence[float], bert: BertConfig) -> list[float]:
-    """Each stage's parameters without its copies of the tied word embedding (``stage_parameters``
-    counts one in stage 0 and one in the last stage, both in a single stage): the executor leaves
-    the tied weight out of SYNC_GRAD and all-reduces it at STEP."""
+    """Each stage's parameters (``_local_parameters``) without its copy of the tied word embedding
+    (stage 0 and the last stage hold one each): the executor leaves the tied weight out of SYNC_GRAD
+    and all-reduces it at STEP."""
     d, tied = len(params), _tied_parameters(bert)
-    return [p - tied * ((s == 0) + (s == d - 1)) for s, p in enumerate(params)]
+    return [p - tied * (s in (0, d - 1)) for s, p in enumerate(params)]
 
 
 def _stages_of(schedule: Schedule, worker: int) -> list[int]:
@@ -252,8 +260,7 @@ def hybrid_memory_per_worker(run: RunShape, sdp: int = 1, tp: int = 1,
             buffers = 4.0 * sum(untied[s] for s in stages) if replicas > 1 else 0.0
             out[w] = HybridMemory(w, 4.0 * p, 4.0 * p, 8.0 * p, act, 0.0, buffers)
         else:
-            out[w] = HybridMemory(w, 4.0 * p / sdp + 4.0 * p, 4.0 * p + 4.0 * p / sdp, 8.0 * p / sdp, act, 0.0,
-                                  4.0 * p)
+            out[w] = HybridMemory(w, 4.0 * p / sdp + 4.0 * p, 4.0 * p, 8.0 * p / sdp, act, 0.0, 4.0 * p)
     return out
 
 
