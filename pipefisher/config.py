@@ -797,9 +797,6 @@ def _validate_tp(cfg: TrainConfig) -> None:
     if cfg.optimizer.name not in TP_OPTIMIZERS:
         _fail("tp", k, f"optimizer={cfg.optimizer.name} is not built for tensor-parallel weights yet; use "
               "optimizer=nvlamb or tp=1")
-    if cfg.sdp > 1:
-        _fail("tp", k, f"sdp={cfg.sdp} with tp>1 needs FSDP2 over a 2-D (sdp, tp) mesh (not built yet); use sdp=1 "
-              "(data_parallel works beside tp) or tp=1")
     if cfg.pipeline.method in ("zb-h1", "zb-v"):
         _fail("tp", k, f"pipeline={cfg.pipeline.method}'s split backward is not built for tensor-parallel layers yet; "
               "use pipeline=1f1b (or gpipe, chimera, interleaved) or tp=1")

@@ -36,19 +36,21 @@ MODEL = ["model.num_layers=2", "model.hidden_size=32", "model.num_heads=2", "mod
          "optimizer.max_grad_norm=0.05"] + DROPOUT_ON
 STEPS = 5
 
-# (method, stages, micro-batches, data_parallel, tp, recompute): <= 4 processes.
+# (method, stages, micro-batches, data_parallel, sdp, tp, recompute): <= 4 processes.
 CASES = [
-    ("1f1b", 2, 4, 1, 2, False),  # python train.py stages=2 tp=2: activations tp index to tp index, tied weight
-    ("gpipe", 1, 2, 1, 2, False),  # python train.py tp=2
-    ("gpipe", 1, 2, 2, 2, True),  # data_parallel beside tp: gradient groups per tp index; recompute
-    ("chimera", 2, 4, 1, 2, False),  # two stage replicas per worker, each split over the same tp group
+    ("1f1b", 2, 4, 1, 1, 2, False),  # python train.py stages=2 tp=2: activations tp index to tp index, tied weight
+    ("gpipe", 1, 2, 1, 1, 2, False),  # python train.py tp=2
+    ("gpipe", 1, 2, 2, 1, 2, True),  # data_parallel beside tp: gradient groups per tp index; recompute
+    ("chimera", 2, 4, 1, 1, 2, False),  # two stage replicas per worker, each split over the same tp group
+    ("gpipe", 1, 2, 1, 2, 2, False),  # sdp beside tp: FSDP2 over a 2-D (sdp, tp) mesh
 ]
-IDS = [f"{m}-D{d}-N{n}-W{w}-tp{k}" + ("-recompute" if c else "") for m, d, n, w, k, c in CASES]
+IDS = [f"{m}-D{d}-N{n}-W{w}" + (f"-sdp{k}" if k > 1 else "") + f"-tp{t}" + ("-recompute" if c else "")
+       for m, d, n, w, k, t, c in CASES]
 
 
-def _cfg(method: str, d: int, n: int, w: int, k: int, recompute: bool) -> TrainConfig:
-    return compose_train(MODEL + [f"pipeline={method}", f"stages={d}", f"num_micro_batches={n}",
-                                  f"data_parallel={w}", f"tp={k}", f"recompute={str(recompute).lower()}"])
+def _cfg(method: str, d: int, n: int, w: int, k: int, t: int, recompute: bool) -> TrainConfig:
+    return compose_train(MODEL + [f"pipeline={method}", f"stages={d}", f"num_micro_batches={n}", f"data_parallel={w}",
+                                  f"sdp={k}", f"tp={t}", f"recompute={str(recompute).lower()}"])
 
 
 @pytest.fixture(scope="module")
@@ -62,7 +64,7 @@ def tp_results(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple, dict[int
 def test_tp_first_step_loss_and_every_gradient_equal_single_process(case, tp_results) -> None:
     cfg = _cfg(*case)
     results = tp_results[case]
-    assert len(results) == cfg.stages * cfg.data_parallel * cfg.tp
+    assert len(results) == cfg.stages * cfg.data_parallel * cfg.sdp * cfg.tp
     # Every process's loss (the loss counted once over tp ranks), every gradient gathered whole from
     # its parts on every tp rank, the decoder's gradient equal to the tied sum.
     ref_grads = equiv.assert_first_step_equals_single_process(cfg, results)
@@ -127,7 +129,7 @@ def _trap_worker(rank: int, cfg: TrainConfig, out: str) -> None:
 @pytest.fixture(scope="module")
 def trap_results(tmp_path_factory: pytest.TempPathFactory) -> tuple[TrainConfig, list[dict]]:
     out = tmp_path_factory.mktemp("tp_traps")
-    cfg = _cfg("gpipe", 1, 2, 1, 2, False)
+    cfg = _cfg("gpipe", 1, 2, 1, 1, 2, False)
     mp.start_processes(_trap_worker, args=(cfg, str(out)), nprocs=2, join=True, start_method="spawn")
     return cfg, [torch.load(out / f"trap{r}.pt", weights_only=True) for r in range(2)]
 
@@ -185,7 +187,6 @@ def test_tp_counts_in_the_world_not_the_batch() -> None:
     (["tp=2", "optimizer=kfac"], r"^tp=2: optimizer=kfac needs whole weights: .*factors sharded"),
     (["tp=2", "optimizer=pipefisher"], r"^tp=2: optimizer=pipefisher needs whole weights"),
     (["tp=2", "optimizer=adamw"], r"^tp=2: optimizer=adamw is not built for tensor-parallel weights"),
-    (["tp=2", "sdp=2"], r"^tp=2: sdp=2 with tp>1 needs FSDP2 over a 2-D"),
     (["tp=2", "stages=2", "pipeline=zb-h1"], r"^tp=2: pipeline=zb-h1's split backward"),
     (["tp=2", "precision=bf16"], r"^precision='bf16': tp=2 runs in fp32 only"),
     (["tp=2", "checkpoint.every_steps=2"], r"^checkpoint.every_steps=2: checkpoints of tensor-parallel runs"),

@@ -38,7 +38,7 @@ tensors sharing a device and dtype; keep fp32 master weights for mixed precision
 ``Shard`` placements, issue 27; tensor parallel's ``Replicate`` biases count as whole tensors) are
 bucketed apart by mesh and placement (one ``_foreach_norm`` cannot mix Tensors and DTensors); their
 update runs on the local shards (Adam's moments are elementwise) and each trust ratio's two norms are
-summed over the sharded mesh dimension (one all-reduce per bucket), so the update equals the
+summed over the sharded mesh dimensions (one all-reduce per bucket and dimension), so the update equals the
 unsharded one. The caller passes the global gradient norm.
 """
 
@@ -52,7 +52,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor
 
 __all__ = [
     "GlobalNormClipStep",
@@ -148,34 +148,31 @@ def _local(t: Tensor) -> Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
-def _shard_group(t: Tensor) -> Any:
-    """The process group over which a sharded tensor's norms are summed; None for a plain tensor
-    and for a DTensor replicated on every mesh dimension (its local tensor is the whole tensor:
-    tensor parallel's row-parallel biases).
+def _shard_groups(t: Tensor) -> list[Any]:
+    """The process groups over which a sharded tensor's norms are summed, one per mesh dimension it
+    is sharded on (FSDP's sdp, tensor parallel's tp, or both); none for a plain tensor and for a
+    DTensor replicated on every dimension (its local tensor is the whole tensor: tensor parallel's
+    row-parallel biases).
 
     Raises:
-        NotImplementedError: placements other than ``Shard`` on one mesh dimension and ``Replicate``
-            on the others (a ``Partial`` one, or shards on several dimensions).
+        NotImplementedError: a ``Partial`` placement (the local tensors are not parts of the tensor).
     """
     if not isinstance(t, DTensor):
-        return None
-    sharded = [d for d, p in enumerate(t.placements) if isinstance(p, Shard)]
-    if len(sharded) > 1 or not all(isinstance(p, (Shard, Replicate)) for p in t.placements):
-        raise NotImplementedError(f"NVLAMB: DTensor placements {t.placements} on a {t.device_mesh.ndim}-D mesh; "
-                                  "only Shard on one mesh dimension (FSDP's or tensor parallel's) and Replicate "
-                                  "on the others are supported")
-    if not sharded:
-        return None
-    return t.device_mesh.get_group(sharded[0])
+        return []
+    if any(p.is_partial() for p in t.placements):
+        raise NotImplementedError(f"NVLAMB: DTensor placements {t.placements}: a Partial parameter has no "
+                                  "local part to update; only sharded and replicated dimensions are supported")
+    return [t.device_mesh.get_group(d) for d, p in enumerate(t.placements) if not p.is_replicate()]
 
 
-def _norm_pairs(a: list[Tensor], b: list[Tensor], group: Any) -> tuple[Tensor, Tensor]:
+def _norm_pairs(a: list[Tensor], b: list[Tensor], groups: list[Any]) -> tuple[Tensor, Tensor]:
     """Per-tensor L2 norms of ``a`` and of ``b``, stacked; of the whole tensors when they are shards
-    over ``group`` (one all-reduce of the squares)."""
+    over ``groups`` (one all-reduce of the squares per sharded mesh dimension)."""
     norms = torch.stack(torch._foreach_norm([*a, *b]))
-    if group is not None:
+    if groups:
         sq = norms.pow(2)
-        dist.all_reduce(sq, group=group)
+        for group in groups:
+            dist.all_reduce(sq, group=group)
         norms = sq.sqrt()
     return norms[:len(a)], norms[len(a):]
 
@@ -424,7 +421,7 @@ class NVLAMB(torch.optim.Optimizer):
             exp_avgs.append(_local(state["exp_avg"]))
             exp_avg_sqs.append(_local(state["exp_avg_sq"]))
             steps.append(state["step"])
-        shards = _shard_group(params[0])  # sharded parameters: [Note: sharded parameters]
+        shards = _shard_groups(params[0])  # sharded parameters: [Note: sharded parameters]
         params = [_local(p) for p in params]
 
         if grad_norm is not None:

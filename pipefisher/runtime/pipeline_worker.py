@@ -31,7 +31,7 @@ from pipefisher.runtime.init_weights import load_initial_weights
 from pipefisher.runtime.faults import fault_here, inject_fault, poison_outputs
 from pipefisher.runtime.kfac_work import KfacWork
 from pipefisher.runtime.sharding import local, sdp_groups, shard_stages
-from pipefisher.runtime.tensor_parallel import parallelize_stages, schedule_worker, tp_group, tp_index
+from pipefisher.runtime.tensor_parallel import parallelize_stages, schedule_worker, stage_meshes, tp_group, tp_index
 from pipefisher.runtime.state import (capture_rng_state, kfac_state, load_kfac_state, load_module_states,
                                       load_optimizer_state, module_key, optimizer_state, restore_rng_state, to_cpu)
 from pipefisher.schedules.kfac import Assignment
@@ -62,14 +62,18 @@ class PipelineWorker:
         for m in self.modules.values():
             m.to(device).train()
         grad_groups, tied_group = new_groups(self.schedule, rank, cfg.sdp, cfg.tp)
-        self.sdp = None  # sharded data parallel: before anything holds a parameter (fully_shard replaces them)
+        # Tensor parallel, then sharded data parallel, before anything holds a parameter (both replace
+        # them): TP on the tp (sub)mesh, then fully_shard on the sdp one (DESIGN.md, "Hybrid parallelism").
+        timeout = datetime.timedelta(seconds=cfg.cluster.worker_timeout_s)
+        groups = sdp_groups(self.schedule, cfg.sdp, rank, timeout, cfg.tp) if cfg.sdp > 1 else {}
+        meshes = {}
+        if cfg.tp > 1:
+            group = tp_group(self.schedule.num_workers, cfg.tp, rank, timeout)
+            meshes = stage_meshes(self.schedule, rank, cfg.tp, group, cfg.sdp, groups, device.type)
+            parallelize_stages(self.modules, meshes)
+        self.sdp = None
         if cfg.sdp > 1:
-            groups = sdp_groups(self.schedule, cfg.sdp, rank, datetime.timedelta(seconds=cfg.cluster.worker_timeout_s))
-            self.sdp = shard_stages(self.modules, groups, cfg.sdp_reshard_after_forward, device.type)
-        if cfg.tp > 1:  # tensor parallel: before anything holds a parameter (the split replaces them)
-            group = tp_group(self.schedule.num_workers, cfg.tp, rank,
-                             datetime.timedelta(seconds=cfg.cluster.worker_timeout_s))
-            parallelize_stages(self.modules, group, device.type)
+            self.sdp = shard_stages(self.modules, groups, cfg.sdp_reshard_after_forward, device.type, meshes=meshes)
         tied = (tied_params(self.modules, self.schedule.num_stages), tied_group) if tied_group is not None else None
         named = [(f"{pipe}.{stage}.{n}", p) for (pipe, stage), m in sorted(self.modules.items())
                  for n, p in m.named_parameters()]

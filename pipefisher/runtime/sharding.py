@@ -59,8 +59,10 @@ def dp_block(dp_group: int, sdp: int) -> int:
     return dp_group // sdp
 
 
-def sdp_groups(schedule: Schedule, sdp: int, rank: int, timeout: datetime.timedelta) -> dict[StageKey, dist.ProcessGroup]:
-    """One process group per (block, pipe, stage): the ``sdp`` workers sharding that stage replica.
+def sdp_groups(schedule: Schedule, sdp: int, rank: int, timeout: datetime.timedelta,
+               tp: int = 1) -> dict[StageKey, dist.ProcessGroup]:
+    """One process group per (block, pipe, stage): the ``sdp`` workers sharding that stage replica
+    (with ``tp`` > 1 one per tp index, over the processes of that index: ``runtime.tensor_parallel``).
 
     Every rank creates every group in one order (``new_group`` is a collective over the world).
 
@@ -72,10 +74,12 @@ def sdp_groups(schedule: Schedule, sdp: int, rank: int, timeout: datetime.timede
     for (g, pipe, stage), worker in sorted(placement.workers.items()):
         by_replica.setdefault((dp_block(g, sdp), pipe, stage), []).append(worker)
     mine: dict[StageKey, dist.ProcessGroup] = {}
-    for (_block, pipe, stage), ranks in sorted(by_replica.items()):
-        group = dist.new_group(sorted(ranks), timeout=timeout)
-        if rank in ranks:
-            mine[(pipe, stage)] = group
+    for t in range(tp):
+        for (_block, pipe, stage), workers in sorted(by_replica.items()):
+            ranks = sorted(w * tp + t for w in workers)
+            group = dist.new_group(ranks, timeout=timeout)
+            if rank in ranks:
+                mine[(pipe, stage)] = group
     return mine
 
 
@@ -128,15 +132,22 @@ class ShardedStages:
 
 
 def shard_stages(modules: dict[StageKey, nn.Module], groups: dict[StageKey, dist.ProcessGroup],
-                 reshard_after_forward: bool, device_type: str) -> ShardedStages:
+                 reshard_after_forward: bool, device_type: str,
+                 meshes: dict[StageKey, DeviceMesh] | None = None) -> ShardedStages:
     """Wrap each stage replica with ``fully_shard`` on its sdp group, in place (the module's class
     becomes its FSDP subclass; parameters become DTensors sharded on dim 0).
+
+    ``meshes``: under tensor parallel, each replica's 2-D (sdp, tp) mesh, whose tp dimension its
+    layers were split on (``runtime.tensor_parallel.stage_meshes``); FSDP shards on its first.
 
     Every FSDP module gets a divide factor of 1 and sum reductions: gloo has no PREMUL_SUM, and
     the loss is already scaled by 1/(N·replicas).
     """
     for key in sorted(modules):
-        mesh = DeviceMesh.from_group(groups[key], device_type, mesh_dim_names=(f"sdp{next(_MESH_IDS)}",))
+        if meshes:
+            mesh = meshes[key][meshes[key].mesh_dim_names[0]]
+        else:
+            mesh = DeviceMesh.from_group(groups[key], device_type, mesh_dim_names=(f"sdp{next(_MESH_IDS)}",))
         fully_shard(modules[key], mesh=mesh, reshard_after_forward=reshard_after_forward)
         for sub in modules[key].modules():
             if isinstance(sub, FSDPModule):  # neither setting recurses: issue 27

@@ -1,8 +1,8 @@
 """Tensor parallel inside the pipeline (``tp`` > 1): each encoder layer of a stage split Megatron-style
 over the ``tp`` processes of one pipeline worker, with torch's DTensor ``parallelize_module``.
 
-Entry points: :func:`tp_group` (every rank creates every group, in one order), :func:`parallelize_stages`
-(splits the modules in place), :func:`is_tp_sharded` and the rank arithmetic :func:`schedule_worker`,
+Entry points: :func:`tp_group` (every rank creates every group, in one order), :func:`stage_meshes`,
+:func:`parallelize_stages` (splits the modules in place), :func:`is_tp_sharded` and the rank arithmetic :func:`schedule_worker`,
 :func:`tp_index`, :func:`process_rank`.
 
 [Note: tp inside the pipeline]
@@ -46,14 +46,15 @@ import itertools
 import torch.distributed as dist
 from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 from pipefisher.model import BertStage
 from pipefisher.model.rng import KeyedDropout
 from pipefisher.runtime.kfac_work import StageKey
+from pipefisher.schedules.ir import Schedule
 
-__all__ = ["tp_plan", "tp_group", "parallelize_stages", "is_tp_sharded", "schedule_worker", "tp_index",
+__all__ = ["tp_plan", "tp_group", "stage_meshes", "parallelize_stages", "is_tp_sharded", "schedule_worker", "tp_index",
            "process_rank"]
 
 # A process-unique mesh dimension name per module: DeviceMesh equality ignores process groups (see
@@ -101,31 +102,61 @@ def tp_group(num_workers: int, tp: int, rank: int, timeout: datetime.timedelta) 
     return mine
 
 
-def parallelize_stages(modules: dict[StageKey, BertStage], group: dist.ProcessGroup, device_type: str) -> None:
-    """Split every encoder layer of every stage replica over ``group`` in place (``tp_plan``).
+def stage_meshes(schedule: Schedule, rank: int, tp: int, group: dist.ProcessGroup, sdp: int,
+                 sdp_groups: dict[StageKey, dist.ProcessGroup], device_type: str) -> dict[StageKey, DeviceMesh]:
+    """The mesh of each of ``rank``'s stage replicas: 1-D over its worker's tp ``group``, or with
+    ``sdp`` > 1 2-D (sdp, tp) over the replica's sdp group (``runtime.sharding.sdp_groups``, per tp
+    index) and the tp group, as FSDP2 over tensor-parallel layers needs (one root mesh).
 
-    The split layers' Linear weights become DTensors on a 1-D mesh over ``group``; the attention
-    dropouts draw their slice of the full mask.
+    Dimension names are unique in the process (``_MESH_IDS``); the tp dimension's starts with "tp".
+    """
+    worker = schedule_worker(rank, tp)
+    meshes: dict[StageKey, DeviceMesh] = {}
+    for g, pipe, stage in schedule.placement.stages_of(worker):
+        n = next(_MESH_IDS)
+        if sdp == 1:
+            meshes[(pipe, stage)] = DeviceMesh.from_group(group, device_type, mesh_dim_names=(f"tp{n}",))
+            continue
+        block = g // sdp
+        copies = sorted(schedule.placement.worker_of(block * sdp + i, pipe, stage) for i in range(sdp))
+        ranks = [[process_rank(w, i, tp) for i in range(tp)] for w in copies]  # [sdp, tp]
+        meshes[(pipe, stage)] = DeviceMesh.from_group([sdp_groups[(pipe, stage)], group], device_type,
+                                                      mesh=ranks, mesh_dim_names=(f"sdp-of-tp{n}", f"tp{n}"))
+    return meshes
+
+
+def parallelize_stages(modules: dict[StageKey, BertStage], meshes: dict[StageKey, DeviceMesh]) -> None:
+    """Split every encoder layer of every stage replica over its mesh's tp dimension in place
+    (``tp_plan``).
+
+    The split layers' Linear weights become DTensors; the attention dropouts draw their slice of
+    the full mask.
 
     Raises:
-        ValueError: the heads or the FFN width do not divide over the group (config checks this
+        ValueError: the heads or the FFN width do not divide over the tp ranks (config checks this
             before workers start).
     """
-    tp, index = group.size(), group.rank()
     for key in sorted(modules):
         stage = modules[key]
+        mesh = meshes[key]
+        tp_mesh = mesh[mesh.mesh_dim_names[-1]] if mesh.ndim > 1 else mesh
+        tp, index = tp_mesh.size(), tp_mesh.get_local_rank()
         heads, ffn = stage.config.num_heads, stage.config.intermediate_size
         if heads % tp or ffn % tp:
             raise ValueError(f"tp={tp} must divide num_heads={heads} and intermediate_size={ffn}")
-        mesh = DeviceMesh.from_group(group, device_type, mesh_dim_names=(f"tp{next(_MESH_IDS)}",))
         for layer in stage.bert.encoder.layer.values():
-            parallelize_module(layer, mesh, tp_plan())
+            parallelize_module(layer, tp_mesh, tp_plan())
             dropout = layer.attention.self.dropout
             assert isinstance(dropout, KeyedDropout)
             dropout.shard = (1, index, tp)  # probabilities [B, A/tp, S, S]: the local heads
 
 
 def is_tp_sharded(t: Tensor) -> bool:
-    """Whether ``t`` (a parameter or gradient) is split over tp ranks: a DTensor with a ``Shard``
-    placement; plain tensors and ``Replicate`` DTensors are whole on every rank."""
-    return isinstance(t, DTensor) and any(isinstance(p, Shard) for p in t.placements)
+    """Whether ``t`` (a parameter or gradient) is split over tp ranks: a DTensor sharded on a mesh
+    dimension named tp*; plain tensors, ``Replicate`` DTensors and FSDP's shards alone (sdp) are
+    whole on every tp rank of a worker."""
+    if not isinstance(t, DTensor):
+        return False
+    names = t.device_mesh.mesh_dim_names or ()
+    return any(name.startswith("tp") and not (p.is_replicate() or p.is_partial())
+               for name, p in zip(names, t.placements))
