@@ -5,6 +5,7 @@ bound, and PipeFisher's K-FAC work on each schedule.
     python bench/zero_bubble.py             # bert-mini, D=2, N=8, B=4, 12 paired rounds + simulation (~15 min)
     python bench/zero_bubble.py --quick     # B=2, 3 rounds, the PipeFisher simulation at D=8 only (~3 min)
     python bench/zero_bubble.py --sim-only  # the simulation tables, with I/W/B ratios given on the command line
+    python bench/zero_bubble.py --quick --model bert-medium --dualpipev --no-pipefisher   # + DualPipeV, ours and torch's
 
 Measured variants (every one in the same two worker processes, rotated every round, DESIGN.md
 "Conventions" and ``_harness`` [Note: measuring on a shared CPU]):
@@ -16,6 +17,8 @@ Measured variants (every one in the same two worker processes, rotated every rou
   zb-v (two per rank, V placement). Stages are wrapped as in ``vs_torch_pipelining.py`` ([Note: one
   BERT stage, two calling conventions]) with one batch feed per stage (each stage runs its forwards
   in micro-batch order in both torch schedules).
+- with ``--dualpipev``: ``ours-dualpipev`` (pipeline=dualpipev) and ``torch-dualpipev``
+  (``ScheduleDualPipeV`` on the same V stages; its OVERLAP_F_B runs forward then backward, as ours).
 
 Every variant's step: forward and backward of N micro-batches, the tied word-embedding/decoder
 gradient summed over its copies, the global gradient norm, an NVLAMB update; dropout 0, so the
@@ -49,8 +52,10 @@ from pipefisher.simulate import CostModel, simulate, simulate_phases
 VARIANTS = ("ours-1f1b", "ours-zb-h1", "ours-zb-v", "torch-izb", "torch-zbv")
 # PipeFisher (K-FAC in the bubbles, planned from the built-in CPU estimate) on our schedules.
 PF_VARIANTS = ("pf-1f1b", "pf-zb-h1", "pf-zb-v")
+DPV_VARIANTS = ("ours-dualpipev", "torch-dualpipev")  # --dualpipev
 _METHOD = {"ours-1f1b": "1f1b", "ours-zb-h1": "zb-h1", "ours-zb-v": "zb-v", "torch-izb": "zb-h1", "torch-zbv": "zb-v",
-           "pf-1f1b": "1f1b", "pf-zb-h1": "zb-h1", "pf-zb-v": "zb-v"}
+           "pf-1f1b": "1f1b", "pf-zb-h1": "zb-h1", "pf-zb-v": "zb-v", "ours-dualpipev": "dualpipev",
+           "torch-dualpipev": "dualpipev"}
 
 
 class _TorchZeroBubble:
@@ -59,6 +64,7 @@ class _TorchZeroBubble:
 
     def __init__(self, cfg: TrainConfig, rank: int, world: int, kind: str) -> None:
         from torch.distributed.pipelining import PipelineStage, ScheduleInterleavedZeroBubble, ScheduleZBVZeroBubble
+        from torch.distributed.pipelining.schedules import ScheduleDualPipeV
 
         self.cfg, self.rank = cfg, rank
         self.worker = PipelineWorker(cfg, rank, world, torch.device("cpu"))
@@ -76,7 +82,7 @@ class _TorchZeroBubble:
         self.has_first = any(st.stage_index == 0 for st in stages)
         self.has_last = any(st.stage_index == total - 1 for st in stages)
         scale = 1.0 / n
-        schedule_cls = ScheduleZBVZeroBubble if kind == "zbv" else ScheduleInterleavedZeroBubble
+        schedule_cls = {"zbv": ScheduleZBVZeroBubble, "dualpipev": ScheduleDualPipeV}.get(kind, ScheduleInterleavedZeroBubble)
         self.schedule = schedule_cls(stages, n, loss_fn=lambda out, _t: out.float().sum() * scale, scale_grads=False)
         self.root, self.target = torch.zeros(n, 1), torch.zeros(n)
 
@@ -159,7 +165,8 @@ def _measure(args: argparse.Namespace) -> dict[str, float]:
                  f"steps={warmup + repeats + 24}", "model.hidden_dropout=0.0", "model.attention_dropout=0.0",
                  "optimizer=nvlamb"]
     load_before = h.load()
-    variants = VARIANTS + (PF_VARIANTS if args.pipefisher else ())
+    measured = VARIANTS + (DPV_VARIANTS if args.dualpipev else ())
+    variants = measured + (PF_VARIANTS if args.pipefisher else ())
     results = [r["result"] for r in h.launch(_run, 2, overrides, warmup, repeats, variants)]
     out = results[0]
     warmup, repeats = out["warmup"], out["repeats"]  # PipeFisher: after its first refresh cycle, whole cycles
@@ -173,7 +180,7 @@ def _measure(args: argparse.Namespace) -> dict[str, float]:
     print(f"{args.model}, D=2, N={args.micro_batches}, B={b}, seq 128, fp32, NVLAMB, dropout 0; {repeats} paired rounds "
           f"after {warmup} warm-up, order rotated; gloo on CPU")
     rows = []
-    for v in VARIANTS:
+    for v in measured:
         dloss = max(abs(x - y) for x, y in zip(out["losses"][v], base_loss))
         rows.append([v, 1e3 * h.median(times[v]), 1e3 * min(times[v]), f"{dloss:.1e}"])
     print(h.table(["variant", "median ms", "min ms", "max |Δloss| vs ours-1f1b"], rows))
@@ -193,6 +200,9 @@ def _measure(args: argparse.Namespace) -> dict[str, float]:
         print()
     pairs = [("ours-zb-v", "ours-1f1b"), ("ours-zb-h1", "ours-1f1b"), ("ours-zb-v", "torch-zbv"),
              ("ours-zb-h1", "torch-izb"), ("torch-zbv", "ours-1f1b")]
+    if args.dualpipev:
+        pairs += [("ours-dualpipev", "torch-dualpipev"), ("ours-dualpipev", "ours-zb-v"), ("ours-dualpipev", "ours-1f1b"),
+                  ("torch-dualpipev", "ours-1f1b")]
     print(h.table(["ratio", "paired median", "paired range"], [[f"{a} / {c}", *paired(a, c)] for a, c in pairs]))
     print()
     # Measured action costs (ms, mean over both workers' actions): what the simulation below uses.
@@ -298,6 +308,7 @@ def main() -> None:
     parser.add_argument("--sim-only", action="store_true", help="skip the measured part")
     parser.add_argument("--ratios", default="1,2,1.2,1", help="F,B,I,W for --sim-only (F = 1)")
     parser.add_argument("--model", default="bert-mini")
+    parser.add_argument("--dualpipev", action="store_true", help="also measure ours-dualpipev and torch-dualpipev")
     parser.add_argument("--micro-batches", type=int, default=8)
     parser.add_argument("--micro-batch-size", type=int, default=None)
     parser.add_argument("--repeats", type=int, default=None)

@@ -30,7 +30,8 @@ WORD = "bert.embeddings.word_embeddings.weight"
 DECODER = "cls.predictions.decoder.weight"
 CASES = [("chimera", 2, 4, 1), ("1f1b", 2, 2, 2), ("gpipe", 4, 4, 1), ("zb-h1", 2, 4, 1), ("zb-v", 2, 4, 1),
          ("1f1b", 2, 4, 2, "optimizer.curvature_micro_batches=1", "optimizer.clip_before_precondition=false"),
-         ("chimera", 2, 4, 1, "pipeline.chimera_stacking=doubling")]  # forward doubling (issue 26)
+         ("chimera", 2, 4, 1, "pipeline.chimera_stacking=doubling"),  # forward doubling (issue 26)
+         ("dualpipev", 2, 4, 1), ("v-min", 3, 6, 1)]  # the other V schedules (issue 26): v-min holds 4 of 6 chunks
 
 
 def _cfg(method: str, d: int, n: int, w: int, *extra: str) -> TrainConfig:

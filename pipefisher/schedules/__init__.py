@@ -71,7 +71,7 @@ def build_schedule(method: str, num_stages: int, num_micro_batches: int, dp_widt
 
     Args:
         method: a name in ``GENERATORS`` (``gpipe``, ``1f1b``, ``chimera``, ``interleaved``, ``zb-h1``, ``zb-v``,
-            ``chimera-doubling``).
+            ``chimera-doubling``, ``dualpipev``, ``v-half``, ``v-min``).
         num_stages: D, workers per pipeline (for ``interleaved`` the model has D·num_virtual stages).
         num_micro_batches: N, micro-batches per step per data-parallel group.
         dp_width: W, data-parallel copies of the pipeline (or Chimera pair).
