@@ -143,9 +143,10 @@ def test_pipefisher_plans_and_checks_on_dualpipev() -> None:
     assert assignment.interval >= 1
 
 
-# -- one run against single-process training (the grid is slow, in test_pipeline_equivalence) ---
+# -- one run against single-process training (the grid: test_pipeline_equivalence) -------------
 
 
+@pytest.mark.slow
 def test_dualpipev_gives_single_process_loss_and_gradients(tmp_path) -> None:
     cfg = _cfg("dualpipev", 2, 4, 1)  # 2 processes, dropout on; data parallel: the slow grid
     (results,) = run_cases([(cfg, 1)], tmp_path)
