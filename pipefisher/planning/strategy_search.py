@@ -78,6 +78,7 @@ from pipefisher.planning.costs import (STEP_BYTES_PER_PARAM, Hardware, RunShape,
 from pipefisher.planning.memory import estimate_memory
 from pipefisher.planning.predict import predict_assignment, predict_schedule
 from pipefisher.planning.whatif import METHODS, OPTIMIZERS, SPLIT_BACKWARD_RATIO, SPLIT_METHODS, split_backward_costs
+from pipefisher.planning.whatif import _Progress
 from pipefisher.planning.whatif import _shape_problem as _pipeline_problem
 from pipefisher.schedules import Schedule
 from pipefisher.schedules.kfac import critical_path_assignment
@@ -380,9 +381,11 @@ def search_strategies(bert: BertConfig, *, devices: int, memory_gb: float, globa
     budget = memory_gb * GB
     ranked, excluded = [], []
     divisors = [x for x in range(1, devices + 1) if devices % x == 0]
+    progress = _Progress(len(methods) * len(divisors))  # one log line per (method, pp) group, with an ETA
     for method in methods:
         v = num_virtual if method == "interleaved" else 2 if method == "zb-v" else 1
         for d in divisors:
+            progress.start(f"{method} pp={d}")
             for tp in (t for t in sorted(set(tp_degrees)) if devices % (d * t) == 0):
                 for sdp in (k for k in sorted(set(sdp_degrees)) if devices % (d * tp * k) == 0):
                     dp = devices // (d * tp * sdp)
@@ -401,7 +404,7 @@ def search_strategies(bert: BertConfig, *, devices: int, memory_gb: float, globa
                                              refusal)
                             ranked += r
                             excluded += x
-    log.info("strategy search: %d ranked, %d excluded", len(ranked), len(excluded))
+    progress.done(len(ranked), len(excluded))
     ranked.sort(key=lambda c: -c.samples_per_s)
     return ranked + excluded
 
