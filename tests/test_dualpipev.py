@@ -151,3 +151,32 @@ def test_dualpipev_gives_single_process_loss_and_gradients(tmp_path) -> None:
     cfg = _cfg("dualpipev", 2, 4, 1)  # 2 processes, dropout on; data parallel: the slow grid
     (results,) = run_cases([(cfg, 1)], tmp_path)
     assert_first_step_equals_single_process(cfg, results)
+
+
+@pytest.mark.slow
+def test_pipefisher_on_dualpipev_equals_kfac_with_the_same_plan(tmp_path) -> None:
+    # As test_pipeline_kfac's Chimera case: PipeFisher's units in DualPipeV's bubbles give the
+    # parameters of K-FAC running the same plan's units after the flush (same interval, staleness).
+    import dataclasses
+
+    import torch
+
+    from pipefisher.runtime.worker import CPU_HARDWARE, encoder_layers_per_stage, run_shape, schedule_for
+    from pipefisher.schedules.kfac import assignment_to_json, kfac_layer_counts
+    from tests.test_pipeline_kfac import _cfg as kfac_cfg
+
+    base = kfac_cfg("dualpipev", 2, 4, 1)
+    schedule = schedule_for(base)
+    layers = kfac_layer_counts(schedule, encoder_layers_per_stage(base, schedule.num_stages))
+    plan = plan_pipefisher(schedule, estimate_run_costs(run_shape(base), CPU_HARDWARE), layers)
+    path = tmp_path / "assignment.json"
+    assignment_to_json(plan, path)
+    steps = 2 * plan.interval + 1
+    cases = [dataclasses.replace(kfac_cfg("dualpipev", 2, 4, 1, *extra, f"optimizer.schedule={path}"), steps=steps)
+             for extra in (("optimizer=pipefisher",), ())]
+    pipefisher, kfac = run_cases([(c, steps) for c in cases], tmp_path)
+    for rank in pipefisher:
+        for key, value in pipefisher[rank]["params"].items():
+            torch.testing.assert_close(value, kfac[rank]["params"][key], rtol=1e-5, atol=1e-6,
+                                       msg=lambda m, kk=key: f"{kk}: {m}")
+    assert [sum(v) for v in pipefisher[0]["losses"]] == pytest.approx([sum(v) for v in kfac[0]["losses"]], rel=1e-5)

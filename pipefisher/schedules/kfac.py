@@ -65,6 +65,7 @@ from pipefisher.atomic import write_text_atomic
 from pipefisher.schedules.checks import ScheduleError, check_schedule
 from pipefisher.schedules.generators import get_generator
 from pipefisher.schedules.ir import Action, ActionKind, Schedule
+from pipefisher.schedules.v_schedules import V_METHODS
 
 __all__ = [
     "ASSIGNMENT_FORMAT",
@@ -614,8 +615,9 @@ def assignment_from_dict(data: Mapping[str, Any], source: str = "assignment") ->
     factor_interval = data.get("factor_interval", 0)
     if not isinstance(factor_interval, int) or isinstance(factor_interval, bool) or factor_interval < 0:
         raise ValueError(f"{source}: field 'factor_interval' = {factor_interval!r} must be an integer >= 0; {_REGENERATE}")
-    options = {"num_virtual": num_virtual} if method == "interleaved" else {}
-    if method != "interleaved" and num_virtual != 1:
+    chunked = method == "interleaved" or method in V_METHODS  # the V schedules: exactly 2, their generators check
+    options = {"num_virtual": num_virtual} if chunked else {}
+    if not chunked and num_virtual != 1:
         raise ValueError(f"{source}: field 'num_virtual' = {num_virtual} but method {method!r} has one "
                          f"chunk per worker; {_REGENERATE}")
     try:
