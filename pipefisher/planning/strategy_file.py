@@ -41,7 +41,7 @@ from pathlib import Path
 from typing import Any
 
 from pipefisher.atomic import write_text_atomic
-from pipefisher.config import (PIPELINE_METHODS, ConfigError, DataConfig, ModelConfig, OptimizerConfig, PipelineConfig,
+from pipefisher.config import (PIPELINE_METHODS, V_METHODS, ConfigError, DataConfig, ModelConfig, OptimizerConfig, PipelineConfig,
                                TrainConfig)
 from pipefisher.planning.strategy_search import Strategy, tp_available
 
@@ -79,7 +79,7 @@ def strategy_document(s: Strategy, model: ModelConfig, data: DataConfig, precisi
         "model": {k: getattr(model, k) for k in _MODEL_KEYS},
         "data": {"seq_len": data.seq_len, "max_predictions": data.max_predictions},
         "per_stage": [{"dp_type": "sdp" if s.sdp > 1 else "dp", "tp": s.tp, "checkpoint": s.recompute}
-                      for _ in range(s.stages * (s.num_virtual if s.method in ("interleaved", "zb-v") else 1))],
+                      for _ in range(s.stages * (s.num_virtual if s.method in ("interleaved", *V_METHODS) else 1))],
         "predicted": {"step_time_s": s.step_time_s, "samples_per_s": s.samples_per_s,
                       "peak_memory_bytes": max(per_worker), "peak_memory_per_worker_bytes": per_worker,
                       "memory_model": "planning.strategy_search [Note: the memory model]: model state, "

@@ -68,7 +68,7 @@ import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields, replace
 
-from pipefisher.config import TrainConfig
+from pipefisher.config import V_METHODS, TrainConfig
 from pipefisher.model.config import BertConfig
 from pipefisher.model.partition import layer_costs
 from pipefisher.planning.assign import plan_pipefisher
@@ -137,7 +137,7 @@ class Strategy:
 
     @property
     def label(self) -> str:
-        v = f" v={self.num_virtual}" if self.method in ("interleaved", "zb-v") else ""
+        v = f" v={self.num_virtual}" if self.method in ("interleaved", *V_METHODS) else ""
         return (f"{self.method} pp={self.stages}{v} dp={self.dp} sdp={self.sdp} tp={self.tp} "
                 f"mbs={self.micro_batch_size} N={self.num_micro_batches or '-'} "
                 f"recompute={str(self.recompute).lower()} {self.optimizer}")
@@ -383,7 +383,7 @@ def search_strategies(bert: BertConfig, *, devices: int, memory_gb: float, globa
     divisors = [x for x in range(1, devices + 1) if devices % x == 0]
     progress = _Progress(len(methods) * len(divisors))  # one log line per (method, pp) group, with an ETA
     for method in methods:
-        v = num_virtual if method == "interleaved" else 2 if method == "zb-v" else 1
+        v = num_virtual if method == "interleaved" else 2 if method in V_METHODS else 1
         for d in divisors:
             progress.start(f"{method} pp={d}")
             for tp in (t for t in sorted(set(tp_degrees)) if devices % (d * t) == 0):
