@@ -180,3 +180,13 @@ def test_pipefisher_on_dualpipev_equals_kfac_with_the_same_plan(tmp_path) -> Non
             torch.testing.assert_close(value, kfac[rank]["params"][key], rtol=1e-5, atol=1e-6,
                                        msg=lambda m, kk=key: f"{kk}: {m}")
     assert [sum(v) for v in pipefisher[0]["losses"]] == pytest.approx([sum(v) for v in kfac[0]["losses"]], rel=1e-5)
+
+
+def test_a_dualpipev_profile_is_inferred_as_dualpipev_not_zb_v() -> None:
+    # zb-v's order depends on stage costs, so inference accepts any V order with zb-v's actions; an
+    # exact order match (DualPipeV's is fixed) wins over that.
+    from pipefisher.planning.infer import infer_shape
+
+    s = build_schedule("dualpipev", 2, 4, num_virtual=2)
+    shape = infer_shape(simulate(s, _chunk_costs(2, 1, 1, 1)))
+    assert (shape.methods, shape.stages, shape.num_micro_batches, shape.num_virtual) == (("dualpipev",), 2, 4, 2)

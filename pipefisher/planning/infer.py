@@ -121,9 +121,13 @@ def infer_shape(events: Sequence[Event]) -> ProfiledShape | None:
         # placement, the same actions on the same workers, identifies it.
         # Which I+W pairs merged into a B depends on that order too, so compare with B as I and W.
         same = (lambda x, y: _as_split(x) == _as_split(y)) if method == "zb-v" else (lambda x, y: x == y)
-        if all(same([str(a) for a in schedule.actions.get(worker, ()) if a.kind.value in _COMPUTE], names)
-               for worker, names in orders.items()):
-            matches.append((method, d, w, v))
+        ours = {worker: [str(a) for a in schedule.actions.get(worker, ()) if a.kind.value in _COMPUTE]
+                for worker in orders}
+        if all(same(ours[worker], names) for worker, names in orders.items()):
+            matches.append((method, d, w, v, ours == orders))
+    if any(m[-1] for m in matches):  # an exact order (e.g. dualpipev's) beats zb-v's loose match
+        matches = [m for m in matches if m[-1]]
+    matches = [m[:-1] for m in matches]
     if not matches:
         guess = (model_stages, workers // model_stages if workers % model_stages == 0 else 1, 1)
         return ProfiledShape((), guess[0], n, guess[1], 1, model_stages, workers)
