@@ -797,9 +797,6 @@ def _validate_tp(cfg: TrainConfig) -> None:
     if cfg.optimizer.name not in TP_OPTIMIZERS:
         _fail("tp", k, f"optimizer={cfg.optimizer.name} is not built for tensor-parallel weights yet; use "
               "optimizer=nvlamb or tp=1")
-    if cfg.pipeline.method in ("zb-h1", "zb-v"):
-        _fail("tp", k, f"pipeline={cfg.pipeline.method}'s split backward is not built for tensor-parallel layers yet; "
-              "use pipeline=1f1b (or gpipe, chimera, interleaved) or tp=1")
     if cfg.precision != "fp32":
         _fail("precision", cfg.precision, f"tp={k} runs in fp32 only so far (autocast over DTensor layers is "
               "untested); use precision=fp32 or tp=1")
@@ -809,9 +806,6 @@ def _validate_tp(cfg: TrainConfig) -> None:
                              else ("checkpoint.every_minutes", cfg.checkpoint.every_minutes))
         _fail(field_name, value, f"checkpoints of tensor-parallel runs (tp={k}) need torch.distributed.checkpoint "
               "(not built yet); use tp=1, or leave checkpoints off")
-    if cfg.eval.every_steps:
-        _fail("eval.every_steps", cfg.eval.every_steps, f"held-out evaluation runs one process per pipeline worker "
-              f"(not built for tp={k}); use eval.every_steps=0 or tp=1")
     if cfg.profile.enabled:
         _fail("profile.enabled", True, f"profiles map one process to one pipeline worker (not built for tp={k}); "
               "profile with tp=1")

@@ -38,8 +38,8 @@ tensors sharing a device and dtype; keep fp32 master weights for mixed precision
 ``Shard`` placements, issue 27; tensor parallel's ``Replicate`` biases count as whole tensors) are
 bucketed apart by mesh and placement (one ``_foreach_norm`` cannot mix Tensors and DTensors); their
 update runs on the local shards (Adam's moments are elementwise) and each trust ratio's two norms are
-summed over the sharded mesh dimensions (one all-reduce per bucket and dimension), so the update equals the
-unsharded one. The caller passes the global gradient norm.
+summed over the sharded mesh dimensions (one all-reduce per bucket and dimension), so the update
+equals the unsharded one. The caller passes the global gradient norm.
 """
 
 from __future__ import annotations

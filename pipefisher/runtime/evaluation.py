@@ -46,13 +46,18 @@ def pass_actions(schedule: Schedule, rank: int, total: int, base: int) -> list[A
 
 def run_forward_pass(actions: Sequence[Action], schedule: Schedule, modules: dict[StageKey, nn.Module],
                      comm: CommSpec, get_batch: Callable[[int], dict[str, torch.Tensor]],
-                     autocast: Callable[[], Any], eager_recv: bool) -> torch.Tensor:
+                     autocast: Callable[[], Any], eager_recv: bool,
+                     peer_rank: Callable[[int], int] = lambda worker: worker) -> torch.Tensor:
     """Run one pass of forward-only ``actions`` (no grad; the modules in eval mode).
+
+    ``peer_rank``: the process rank of a peer worker (under tp: the same tp index of that worker,
+    ``runtime.tensor_parallel``).
 
     Returns:
         The [6] evaluation sums of the micro-batches whose heads are on this worker (zeros elsewhere).
     """
-    recvs = {a: post_recv(a, comm, schedule) for a in actions if a.kind == ActionKind.RECV_F} if eager_recv else {}
+    recvs = {a: post_recv(a, comm, schedule, peer_rank(a.peer)) for a in actions
+             if a.kind == ActionKind.RECV_F} if eager_recv else {}
     received: dict[tuple[int, int, int], torch.Tensor] = {}
     outputs: dict[tuple[int, int, int], torch.Tensor] = {}
     batches: dict[int, dict[str, torch.Tensor]] = {}
@@ -61,7 +66,7 @@ def run_forward_pass(actions: Sequence[Action], schedule: Schedule, modules: dic
     for a in actions:
         key = (a.pipe, a.stage, a.micro_batch)
         if a.kind == ActionKind.RECV_F:
-            buf, work = recvs.pop(a) if a in recvs else post_recv(a, comm, schedule)
+            buf, work = recvs.pop(a) if a in recvs else post_recv(a, comm, schedule, peer_rank(a.peer))
             work.wait()
             received[key] = buf
         elif a.kind == ActionKind.FORWARD:
@@ -78,7 +83,7 @@ def run_forward_pass(actions: Sequence[Action], schedule: Schedule, modules: dic
                 outputs[key] = y
         elif a.kind == ActionKind.SEND_F:
             y = outputs.pop(key).contiguous()
-            sends.append((dist.isend(y, dst=a.peer, tag=action_tag(a, schedule)), y))
+            sends.append((dist.isend(y, dst=peer_rank(a.peer), tag=action_tag(a, schedule)), y))
         else:  # pragma: no cover - forward_only keeps nothing else
             raise NotImplementedError(f"forward-only pass has no handler for {a}")
     for work, _ in sends:
@@ -117,15 +122,20 @@ class PipelineEvaluator:
         sums = torch.zeros(len(EVAL_SUMS), dtype=torch.float64, device=worker.device)
         try:
             with torch.no_grad():
+                w, tp = worker.schedule_worker, cfg.tp  # a worker is tp processes: runtime.tensor_parallel
                 for p in range(self.passes):
-                    base = pass_base(s, worker.rank, p)
-                    actions = pass_actions(s, worker.rank, cfg.eval.batches, base)
+                    base = pass_base(s, w, p)
+                    actions = pass_actions(s, w, cfg.eval.batches, base)
                     sums += run_forward_pass(actions, s, modules, self.comm,
                                              lambda j, base=base: eval_batch(self.source, cfg, base + j, worker.device),
-                                             lambda: autocast_context(cfg, worker.device), self.eager_recv)
+                                             lambda: autocast_context(cfg, worker.device), self.eager_recv,
+                                             lambda peer: peer * tp + worker.tp_index)
         finally:
             for m in modules.values():
                 m.train()
-        # Chimera's twins both hold the heads stage, each for its own pipe's micro-batches: a sum counts each once.
+        # Chimera's twins both hold the heads stage, each for its own pipe's micro-batches: a sum counts each once;
+        # the tp ranks of a worker computed the same sums: tp index 0 alone adds them.
+        if worker.tp_index != 0:
+            sums.zero_()
         dist.all_reduce(sums)
         return eval_figures(sums, time.perf_counter() - start)

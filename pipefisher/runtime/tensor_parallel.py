@@ -2,8 +2,8 @@
 over the ``tp`` processes of one pipeline worker, with torch's DTensor ``parallelize_module``.
 
 Entry points: :func:`tp_group` (every rank creates every group, in one order), :func:`stage_meshes`,
-:func:`parallelize_stages` (splits the modules in place), :func:`is_tp_sharded` and the rank arithmetic :func:`schedule_worker`,
-:func:`tp_index`, :func:`process_rank`.
+:func:`parallelize_stages` (splits the modules in place), :func:`is_tp_sharded` and the rank
+arithmetic :func:`schedule_worker`, :func:`tp_index`, :func:`process_rank`.
 
 [Note: tp inside the pipeline]
 The schedule is built for ``stages x data_parallel x sdp`` workers, as without tp; each worker is ``tp``
@@ -15,7 +15,11 @@ All ``tp`` processes of a worker run the worker's action list. Activations betwe
 replicated over the tp ranks (every RowwiseParallel output is all-reduced), so tp index ``i`` of a
 stage sends to and receives from tp index ``i`` of the next one: ``tp`` parallel copies of each
 message, none of them shared. Data-parallel gradient groups, the tied weight's group and the sdp
-groups are built per tp index in the same way (``runtime.build.new_groups``).
+groups are built per tp index in the same way (``runtime.build.new_groups``,
+``runtime.sharding.sdp_groups``). With ``sdp`` > 1 each stage replica gets a 2-D (sdp, tp) mesh
+(FSDP2 needs the tp mesh of a DTensor parameter and its own to share one root mesh): the layers are
+split on its tp dimension first, then ``fully_shard`` shards every parameter on its sdp dimension
+(a column-parallel weight becomes ``(_StridedShard(0), Shard(0))``).
 
 Within a stage only the encoder layers are split: q, k, v and the FFN's first Linear by output
 features (``ColwiseParallel``: weight and bias ``Shard(0)``), the attention output and the FFN's
@@ -54,8 +58,8 @@ from pipefisher.model.rng import KeyedDropout
 from pipefisher.runtime.kfac_work import StageKey
 from pipefisher.schedules.ir import Schedule
 
-__all__ = ["tp_plan", "tp_group", "stage_meshes", "parallelize_stages", "is_tp_sharded", "schedule_worker", "tp_index",
-           "process_rank"]
+__all__ = ["tp_plan", "tp_group", "stage_meshes", "parallelize_stages", "is_tp_sharded", "schedule_worker",
+           "tp_index", "process_rank"]
 
 # A process-unique mesh dimension name per module: DeviceMesh equality ignores process groups (see
 # runtime.sharding's _MESH_IDS), and Chimera's two replicas on one worker get a mesh each.
