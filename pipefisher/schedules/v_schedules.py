@@ -32,7 +32,7 @@ ZB-H2 (one stage per worker, no bubble at about 2p micro-batches) is not built: 
 schedule needs at least N(F+I+W) + (D−1)·F per worker share, which zb-v reaches within (D−1)·F/2 at
 p micro-batches, so on the memory / step-time front zb-v dominates it.
 
-The front with the built schedules (receives placed by ``passes``, which cost the V schedules 1–10 %
+The front with the built schedules (receives placed by ``passes``, which cost the V schedules up to 11 %
 over their compute orders at D=8): ``python -m pipefisher.planning.front``.
 """
 
