@@ -157,7 +157,9 @@ def _run(dcfg: DictConfig) -> float:
              "data_parallel %d%s, %s, %d steps; run folder %s",
              cfg.model.name, cfg.model.num_layers, cfg.model.hidden_size, f"pipeline={cfg.pipeline.method}"
              if cfg.num_workers > 1 else "one process", cfg.stages, cfg.global_batch_size, cfg.micro_batch_size,
-             cfg.num_micro_batches, cfg.data_parallel, f" x sdp {cfg.sdp} (sharded)" if cfg.sdp > 1 else "",
+             cfg.num_micro_batches, cfg.data_parallel, (f" x sdp {cfg.sdp} (sharded)" if cfg.sdp > 1 else "")
+             + (f", tp={cfg.tp} (each worker's layers split over {cfg.tp} processes: {cfg.num_workers} in all)"
+                if cfg.tp > 1 else ""),
              f"optimizer={cfg.optimizer.name}", cfg.steps,
              _shown(hc.runtime.output_dir))
     _check_schedule_file(cfg)
