@@ -78,8 +78,8 @@ from pipefisher.planning.costs import (STEP_BYTES_PER_PARAM, Hardware, RunShape,
 from pipefisher.planning.memory import estimate_memory
 from pipefisher.planning.predict import predict_assignment, predict_schedule
 from pipefisher.planning.whatif import METHODS, OPTIMIZERS, SPLIT_BACKWARD_RATIO, SPLIT_METHODS, split_backward_costs
-from pipefisher.planning.whatif import _Progress
-from pipefisher.planning.whatif import _shape_problem as _pipeline_problem
+from pipefisher.planning.whatif import Progress, ranking_lines
+from pipefisher.planning.whatif import shape_problem as _pipeline_problem
 from pipefisher.schedules import Schedule
 from pipefisher.schedules.kfac import critical_path_assignment
 from pipefisher.simulate import CostModel, peak_activations
@@ -381,7 +381,7 @@ def search_strategies(bert: BertConfig, *, devices: int, memory_gb: float, globa
     budget = memory_gb * GB
     ranked, excluded = [], []
     divisors = [x for x in range(1, devices + 1) if devices % x == 0]
-    progress = _Progress(len(methods) * len(divisors))  # one log line per (method, pp) group, with an ETA
+    progress = Progress(len(methods) * len(divisors))  # one log line per (method, pp) group, with an ETA
     for method in methods:
         v = num_virtual if method == "interleaved" else 2 if method in V_METHODS else 1
         for d in divisors:
@@ -459,14 +459,7 @@ def format_strategies(strategies: Sequence[Strategy], top: int = 20) -> str:
     """The ranking and the exclusions as text (at most ``top`` lines of each)."""
     ranked = [c for c in strategies if c.excluded is None]
     excluded = [c for c in strategies if c.excluded is not None]
-    lines = [f"{'rank':>4}  {'samples/s':>10}  {'step ms':>9}  {'util':>6}  {'k':>2}  {'mem GB':>7}  strategy"]
-    for i, c in enumerate(ranked[:top], 1):
-        lines.append(f"{i:>4}  {c.samples_per_s:>10.1f}  {c.step_time_s * 1e3:>9.2f}  {c.utilization:>6.1%}  "
-                     f"{c.interval:>2}  {c.memory_gb:>7.2f}  {c.label}")
-    if len(ranked) > top:
-        lines.append(f"      … {len(ranked) - top} more feasible strategies")
-    if not ranked:
-        lines.append("      no strategy fits: raise memory_gb or devices, or lower the batch")
+    lines = ranking_lines(ranked, top, "strategy", "strategies", memory_decimals=2)
     groups: dict[str, list[str]] = {}
     for c in excluded:
         groups.setdefault(c.excluded, []).append(c.label)

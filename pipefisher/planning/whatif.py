@@ -25,6 +25,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence
+from typing import Any
 from dataclasses import dataclass, replace
 
 from pipefisher.config import V_METHODS
@@ -89,7 +90,7 @@ class Candidate:
         return f"{self.shape} {self.optimizer}"
 
 
-def _shape_problem(bert: BertConfig, method: str, d: int, v: int, n: int) -> str | None:
+def shape_problem(bert: BertConfig, method: str, d: int, v: int, n: int) -> str | None:
     if method in ("chimera", "chimera-doubling") and d % 2:
         return f"{method} needs an even number of stages (stages={d})"
     if method == "chimera-doubling" and n % (2 * d):
@@ -142,7 +143,7 @@ def what_if(bert: BertConfig, *, devices: int, memory_gb: float, global_batch: i
     excluded: list[Candidate] = []
     budget = memory_gb * 1e9
     divisors = [x for x in range(1, devices + 1) if devices % x == 0]
-    progress = _Progress(len(methods) * len(divisors))
+    progress = Progress(len(methods) * len(divisors))
     for method in methods:
         v = num_virtual if method == "interleaved" else 2 if method in V_METHODS else 1
         for d in divisors:
@@ -158,7 +159,7 @@ def what_if(bert: BertConfig, *, devices: int, memory_gb: float, global_batch: i
                         continue
                     n = global_batch // (mbs * w)
                     base = replace(base, num_micro_batches=n)
-                    problem = _shape_problem(bert, method, d, v, n)
+                    problem = shape_problem(bert, method, d, v, n)
                     if problem:
                         excluded += [replace(base, optimizer=o, excluded=problem) for o in optimizers]
                         continue
@@ -172,7 +173,7 @@ def what_if(bert: BertConfig, *, devices: int, memory_gb: float, global_batch: i
     return ranked + excluded
 
 
-class _Progress:
+class Progress:
     """One log line per (method, stages) group of the search, with the elapsed time and a rough
     ETA (the mean time of the groups so far), so a search of a minute or more is not silent (issue 16)."""
 
@@ -230,18 +231,26 @@ def _evaluate(run: RunShape, base: Candidate, optimizers: Sequence[str], hardwar
     return ranked, excluded
 
 
+def ranking_lines(ranked: Sequence[Any], top: int, noun: str, plural: str, memory_decimals: int) -> list[str]:
+    """Header and one line per ranked row (at most ``top``; rows with ``samples_per_s``, ``step_time_s``,
+    ``utilization``, ``interval``, ``memory_gb`` and ``label``), then what was left off or that nothing fits:
+    the ranking of :func:`format_candidates` and of the strategy search's ``format_strategies``."""
+    lines = [f"{'rank':>4}  {'samples/s':>10}  {'step ms':>9}  {'util':>6}  {'k':>2}  {'mem GB':>7}  {noun}"]
+    for i, c in enumerate(ranked[:top], 1):
+        lines.append(f"{i:>4}  {c.samples_per_s:>10.1f}  {c.step_time_s * 1e3:>9.2f}  {c.utilization:>6.1%}  "
+                     f"{c.interval:>2}  {c.memory_gb:>7.{memory_decimals}f}  {c.label}")
+    if len(ranked) > top:
+        lines.append(f"      … {len(ranked) - top} more feasible {plural}")
+    if not ranked:
+        lines.append(f"      no {noun} fits: raise memory_gb or devices, or lower the batch")
+    return lines
+
+
 def format_candidates(candidates: Sequence[Candidate], top: int = 20) -> str:
     """The ranking and the exclusions as text (at most ``top`` lines of each)."""
     ranked = [c for c in candidates if c.excluded is None]
     excluded = [c for c in candidates if c.excluded is not None]
-    lines = [f"{'rank':>4}  {'samples/s':>10}  {'step ms':>9}  {'util':>6}  {'k':>2}  {'mem GB':>7}  configuration"]
-    for i, c in enumerate(ranked[:top], 1):
-        lines.append(f"{i:>4}  {c.samples_per_s:>10.1f}  {c.step_time_s * 1e3:>9.2f}  {c.utilization:>6.1%}  "
-                     f"{c.interval:>2}  {c.memory_gb:>7.1f}  {c.label}")
-    if len(ranked) > top:
-        lines.append(f"      … {len(ranked) - top} more feasible configurations")
-    if not ranked:
-        lines.append("      no configuration fits: raise memory_gb or devices, or lower the batch")
+    lines = ranking_lines(ranked, top, "configuration", "configurations", memory_decimals=1)
     # One line per configuration and reason (listing its optimizers); over-budget ones first.
     groups: dict[tuple[str, str], list[str]] = {}
     for c in excluded:
