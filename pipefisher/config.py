@@ -759,9 +759,7 @@ def _validate_sdp(cfg: TrainConfig) -> None:
         _fail("sdp_reshard_after_forward", True, f"pipeline={cfg.pipeline.method}'s deferred weight gradients (W) "
               "need the gathered weights after I; use sdp_reshard_after_forward=false")
     if cfg.checkpoint.enabled or cfg.resume != "none":
-        field_name, value = (("resume", cfg.resume) if cfg.resume != "none" else
-                             ("checkpoint.every_steps", cfg.checkpoint.every_steps) if cfg.checkpoint.every_steps
-                             else ("checkpoint.every_minutes", cfg.checkpoint.every_minutes))
+        field_name, value = _checkpoint_field(cfg)
         _fail(field_name, value, f"checkpoints of sharded runs (sdp={k}) need torch.distributed.checkpoint (not "
               "built yet); use sdp=1, or leave checkpoints off")
     if cfg.eval.every_steps:
@@ -774,6 +772,15 @@ def _validate_sdp(cfg: TrainConfig) -> None:
     if cfg.checkpoint.on_stop_after_s >= 0:  # no sharded checkpoint on Ctrl-C either
         log.info("sdp=%d: no checkpoint on Ctrl-C/SIGTERM (sharded checkpoints are not built)", k)
         cfg.checkpoint.on_stop_after_s = -1.0
+
+
+def _checkpoint_field(cfg: TrainConfig) -> tuple[str, Any]:
+    """The key that asked for checkpoints or resume (resume first), for refusals that name it."""
+    if cfg.resume != "none":
+        return "resume", cfg.resume
+    if cfg.checkpoint.every_steps:
+        return "checkpoint.every_steps", cfg.checkpoint.every_steps
+    return "checkpoint.every_minutes", cfg.checkpoint.every_minutes
 
 
 def _validate_tp(cfg: TrainConfig) -> None:
@@ -801,9 +808,7 @@ def _validate_tp(cfg: TrainConfig) -> None:
         _fail("precision", cfg.precision, f"tp={k} runs in fp32 only so far (autocast over DTensor layers is "
               "untested); use precision=fp32 or tp=1")
     if cfg.checkpoint.enabled or cfg.resume != "none":
-        field_name, value = (("resume", cfg.resume) if cfg.resume != "none" else
-                             ("checkpoint.every_steps", cfg.checkpoint.every_steps) if cfg.checkpoint.every_steps
-                             else ("checkpoint.every_minutes", cfg.checkpoint.every_minutes))
+        field_name, value = _checkpoint_field(cfg)
         _fail(field_name, value, f"checkpoints of tensor-parallel runs (tp={k}) need torch.distributed.checkpoint "
               "(not built yet); use tp=1, or leave checkpoints off")
     if cfg.profile.enabled:
