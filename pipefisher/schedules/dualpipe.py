@@ -45,7 +45,7 @@ from __future__ import annotations
 from collections import deque
 
 from pipefisher.schedules.ir import Action, ActionKind, Schedule
-from pipefisher.schedules.shapes import check_common, linear_placement, replicate
+from pipefisher.schedules.shapes import check_v_shape, linear_placement, replicate
 from pipefisher.schedules.zero_bubble import merge_adjacent_backwards, v_position
 
 __all__ = ["dualpipev", "dualpipev_order"]
@@ -150,14 +150,9 @@ def dualpipev(num_stages: int, num_micro_batches: int, dp_width: int = 1, num_vi
     Raises:
         ValueError: N < 2D or num_virtual != 2, naming the field and the fix.
     """
-    check_common(num_stages, num_micro_batches, dp_width)
+    check_v_shape("dualpipev", num_stages, num_micro_batches, dp_width, num_virtual,
+                  why="micro-batches (one per model stage)")
     d, n = num_stages, num_micro_batches
-    if num_virtual != 2:
-        raise ValueError(f"pipeline.num_virtual={num_virtual!r}: dualpipev places exactly 2 model chunks per "
-                         f"worker; use pipeline.num_virtual=2 (what pipeline=dualpipev sets)")
-    if n < 2 * d:
-        raise ValueError(f"num_micro_batches={n}: dualpipev needs at least 2 x stages = {2 * d} micro-batches "
-                         f"(one per model stage); use num_micro_batches={2 * d} or more")
     positions = [v_position(s, d) for s in range(2 * d)]
     schedule = Schedule(
         method="dualpipev",

@@ -7,7 +7,7 @@ from collections.abc import Callable, Sequence
 
 from pipefisher.schedules.ir import Action, Placement
 
-__all__ = ["bidirectional_placement", "check_common", "linear_placement", "multiple_hint", "replicate"]
+__all__ = ["bidirectional_placement", "check_common", "check_v_shape", "linear_placement", "multiple_hint", "replicate"]
 
 
 def check_common(num_stages: int, num_micro_batches: int, dp_width: int) -> None:
@@ -16,6 +16,19 @@ def check_common(num_stages: int, num_micro_batches: int, dp_width: int) -> None
                         ("data_parallel", dp_width)):
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ValueError(f"{name}={value!r}: must be a positive integer; use {name}=1 or more")
+
+
+def check_v_shape(method: str, num_stages: int, num_micro_batches: int, dp_width: int, num_virtual: int,
+                  why: str = "micro-batches to fill its V", alternative: str = "") -> None:
+    """:func:`check_common`, then what every V schedule (two chunks per worker) needs: num_virtual = 2
+    and N >= 2D; ``why`` and ``alternative`` finish the message of the second."""
+    check_common(num_stages, num_micro_batches, dp_width)
+    if num_virtual != 2:
+        raise ValueError(f"pipeline.num_virtual={num_virtual!r}: {method} places exactly 2 model chunks per "
+                         f"worker; use pipeline.num_virtual=2 (what pipeline={method} sets)")
+    if num_micro_batches < 2 * num_stages:
+        raise ValueError(f"num_micro_batches={num_micro_batches}: {method} needs at least 2 x stages = "
+                         f"{2 * num_stages} {why}; use num_micro_batches={2 * num_stages} or more{alternative}")
 
 
 def multiple_hint(value: int, of: int) -> str:

@@ -41,7 +41,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from pipefisher.schedules.ir import Schedule
-from pipefisher.schedules.shapes import check_common
+from pipefisher.schedules.shapes import check_v_shape
 from pipefisher.schedules.zero_bubble import capped_v_schedule
 
 __all__ = ["V_METHODS", "v_half", "v_half_cap", "v_min", "v_min_cap"]
@@ -61,15 +61,8 @@ def v_min_cap(num_stages: int) -> int:
 
 def _v(method: str, cap: int, num_stages: int, num_micro_batches: int, dp_width: int, num_virtual: int,
        merge: bool, order_costs: Sequence[float] | None, stage_costs: Sequence[float] | None) -> Schedule:
-    check_common(num_stages, num_micro_batches, dp_width)
-    d, n = num_stages, num_micro_batches
-    if num_virtual != 2:
-        raise ValueError(f"pipeline.num_virtual={num_virtual!r}: {method} places exactly 2 model chunks per "
-                         f"worker; use pipeline.num_virtual=2 (what pipeline={method} sets)")
-    if n < 2 * d:
-        raise ValueError(f"num_micro_batches={n}: {method} needs at least 2 x stages = {2 * d} micro-batches "
-                         f"to fill its V; use num_micro_batches={2 * d} or more")
-    return capped_v_schedule(method, d, n, dp_width, cap, merge, order_costs, stage_costs)
+    check_v_shape(method, num_stages, num_micro_batches, dp_width, num_virtual)
+    return capped_v_schedule(method, num_stages, num_micro_batches, dp_width, cap, merge, order_costs, stage_costs)
 
 
 def v_half(num_stages: int, num_micro_batches: int, dp_width: int = 1, num_virtual: int = 2, merge: bool = True,

@@ -27,7 +27,7 @@ from collections.abc import Sequence
 from dataclasses import replace
 
 from pipefisher.schedules.ir import Action, ActionKind, Schedule
-from pipefisher.schedules.shapes import check_common, linear_placement, replicate
+from pipefisher.schedules.shapes import check_common, check_v_shape, linear_placement, replicate
 
 __all__ = ["zb_h1", "zb_v", "capped_v_schedule", "greedy_split_orders", "merge_adjacent_backwards", "v_position"]
 
@@ -252,15 +252,8 @@ def zb_v(num_stages: int, num_micro_batches: int, dp_width: int = 1, num_virtual
     Raises:
         ValueError: N < 2D, num_virtual != 2, or a bad order_costs / activation_memory, with the fix.
     """
-    check_common(num_stages, num_micro_batches, dp_width)
+    check_v_shape("zb-v", num_stages, num_micro_batches, dp_width, num_virtual, alternative=" (or pipeline=zb-h1)")
     d, n = num_stages, num_micro_batches
-    if num_virtual != 2:
-        raise ValueError(f"pipeline.num_virtual={num_virtual!r}: zb-v places exactly 2 model chunks per "
-                         f"worker; use pipeline.num_virtual=2 (what pipeline=zb-v sets)")
-    if n < 2 * d:
-        raise ValueError(f"num_micro_batches={n}: zb-v needs at least 2 x stages = {2 * d} "
-                         f"micro-batches to fill its V; use num_micro_batches={2 * d} or more "
-                         f"(or pipeline=zb-h1)")
     if not activation_memory >= 1.0:
         raise ValueError(f"pipeline.activation_memory={activation_memory!r}: the bound is a multiple of 1F1B's "
                          f"peak, at least 1.0 (1.5 gives zb-v's order more room)")
