@@ -251,6 +251,37 @@ def test_estimate_costs_follows_the_flop_formulas():
     assert single.sync_ns == (0, 0) and single.sync_factor_ns[0][0] == 0  # one replica: no all-reduce
 
 
+def test_ekfac_estimates_price_eigendecompositions_and_two_projections():
+    kfac = estimate_costs(TINY, 2, 2, 32, 5, 1e12, 1e10)
+    ekfac = estimate_costs(TINY, 2, 2, 32, 5, 1e12, 1e10, preconditioner="ekfac")
+    assert ekfac.invert_ns[0][0] == round(2 * 128 ** 3 * 4.0 / 1e3)  # eigh: ~4 n³ per factor
+    assert ekfac.invert_ns[0][0] / kfac.invert_ns[0][0] == pytest.approx(4.0 / (2 / 3 + 1), rel=1e-3)
+    dims = [(128, 128)] * 4 + [(128, 512), (512, 128)]
+    assert ekfac.precond_ns[0] == round(sum(4 * i * o * (i + o) + 10 * i * o for i, o in dims) / 1e3)
+    assert (ekfac.curv_a_ns, ekfac.curv_b_ns, ekfac.forward_ns) == (kfac.curv_a_ns, kfac.curv_b_ns, kfac.forward_ns)
+    with pytest.raises(ValueError, match="preconditioner='shampoo'"):
+        RunShape(TINY, "1f1b", 2, 4, 2, preconditioner="shampoo")
+
+
+def test_train_and_schedule_configs_carry_the_preconditioner_into_the_run_shape(make_cfg):
+    from pipefisher.runtime.build import run_shape
+    assert run_shape(make_cfg("optimizer=ekfac", "stages=2")).preconditioner == "ekfac"
+    assert RunShape.from_train_config(asdict(make_cfg("optimizer=ekfac", "stages=2"))).preconditioner == "ekfac"
+    assert run_shape(make_cfg("optimizer=kfac", "stages=2")).preconditioner == "kfac"
+    with pytest.raises(Exception, match="preconditioner='shampoo'"):
+        _compose(["preconditioner=shampoo"])
+    assert _compose(["preconditioner=ekfac"]).preconditioner == "ekfac"
+
+
+def test_a_kfac_profile_refuses_to_be_planned_as_ekfac(tmp_path: Path, make_cfg):
+    from pipefisher.planning.cli import _run_from_profile
+    metadata = {"config": asdict(make_cfg("optimizer=kfac", "stages=2"))}
+    with pytest.raises(ValueError, match="preconditioner='ekfac' \\(the profiled run has optimizer.preconditioner='kfac'"):
+        _run_from_profile(_compose(["preconditioner=ekfac"]), tmp_path / "p.sqlite", metadata, {"preconditioner"})
+    ekfac_run = {"config": asdict(make_cfg("optimizer=ekfac", "stages=2"))}
+    assert _run_from_profile(_compose([]), tmp_path / "p.sqlite", ekfac_run, set()).preconditioner == "ekfac"
+
+
 def _profile(tmp_path: Path, make_cfg, method: str = "1f1b", *, kfac: bool = False, extra=()) -> tuple[Path, CostModel]:
     cfg = make_cfg(f"pipeline={method}", "stages=2", "num_micro_batches=4", *extra)
     s = build_schedule(method, 2, 4)
@@ -335,6 +366,17 @@ def test_memory_counts_optimizer_state_activations_and_captures():
     assert kfac.optimizer > nvlamb.optimizer and kfac.captures > 0
     assert estimate_memory(replace(run, recompute=True), "nvlamb", s).activations < nvlamb.activations
     assert "GB on worker" in kfac.describe()
+
+
+def test_ekfac_memory_adds_each_layers_second_moment_in_the_eigenbasis():
+    run = RunShape(BertConfig.from_size("mini"), "1f1b", 2, 4, 8, seq_len=64, max_predictions=10)
+    kfac = estimate_memory_per_worker(run, "kfac")
+    ekfac = estimate_memory_per_worker(replace(run, preconditioner="ekfac"), "kfac")
+    h, f = 256, 1024  # bert-mini: 6 Linear layers per encoder layer
+    per_layer = 4 * ((h + 1) * h * 4 + (h + 1) * f + (f + 1) * h)
+    assert [ekfac[w].optimizer - kfac[w].optimizer for w in (0, 1)] == [n * per_layer for n in run.encoder_layers]
+    assert estimate_memory_per_worker(replace(run, preconditioner="ekfac"), "nvlamb") == \
+        estimate_memory_per_worker(run, "nvlamb")
 
 
 def test_memory_model_knows_forward_doubling_holds_7_8_8_7_activations_at_d4():

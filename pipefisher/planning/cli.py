@@ -90,7 +90,8 @@ def _run_from_config(cfg: ScheduleConfig) -> RunShape:
     lps = cfg.pipeline.layers_per_stage
     return RunShape(_bert(cfg), _method(cfg), cfg.stages, cfg.num_micro_batches, cfg.micro_batch_size,
                     cfg.data_parallel, cfg.pipeline.num_virtual, cfg.data.seq_len, cfg.data.max_predictions,
-                    tuple(lps) if lps else None, cfg.recompute, cfg.precision)
+                    tuple(lps) if lps else None, cfg.recompute, cfg.precision,
+                    preconditioner=cfg.preconditioner)
 
 
 def _norm(value: Any) -> Any:
@@ -110,6 +111,11 @@ def _conflicts(cfg: ScheduleConfig, run_cfg: Mapping[str, Any], requested: Colle
                     out.append(f"{head}.{name}={mine!r} (the profiled run has {theirs!r})")
         elif key in _RUN_KEYS and getattr(cfg, key) != run_cfg.get(key):
             out.append(f"{key}={getattr(cfg, key)!r} (the profiled run has {run_cfg.get(key)!r})")
+        elif key == "preconditioner":
+            theirs = (run_cfg.get("optimizer") or {}).get("preconditioner", "kfac")
+            if cfg.preconditioner != theirs:
+                out.append(f"preconditioner={cfg.preconditioner!r} (the profiled run has optimizer.preconditioner="
+                           f"{theirs!r})")
     return out
 
 

@@ -66,6 +66,7 @@ class ScheduleConfig:
     curvature_micro_batches: int = 0  # K-FAC curvature from the first n micro-batches of each pipe; 0 = all
     curvature_placement: str = "after_capture"  # after_capture (after F / B or I) or beside_w (after the micro-batch's W; zero-bubble schedules)
     kfac_interval: int = 1  # refresh interval of the kfac (critical path) baseline in the summary
+    preconditioner: str = "kfac"  # kfac (Cholesky inverses) or ekfac (eigenbases): what INVERT and PRECOND cost when estimated; a profile's run config and events take precedence
     gpu: str = "auto"  # profile times: auto = kernel time when the profile has CUDA kernels (nsys --trace=cuda); true; false = CPU ranges
     warmup_steps: int = 1  # steps dropped from the start of an nsys export (profile.py's own profiles dropped theirs already)
     ranges: RangeNames = field(default_factory=RangeNames)  # how an nsys export's range names map to actions (group `ranges`: ours, megatron_zb)
@@ -94,6 +95,9 @@ class ScheduleConfig:
         if self.curvature_placement not in ("after_capture", "beside_w"):
             raise ConfigError(f"curvature_placement={self.curvature_placement!r}: use after_capture (curvature "
                               f"after its F / its B or I) or beside_w (after the micro-batch's W)")
+        if self.preconditioner not in ("kfac", "ekfac"):
+            raise ConfigError(f"preconditioner={self.preconditioner!r}: use kfac or ekfac (optimizer=ekfac's "
+                              f"eigenbases)")
         if self.promote_inverses not in ("at_cycle_end", "when_ready"):
             raise ConfigError(f"promote_inverses={self.promote_inverses!r}: use at_cycle_end or when_ready")
         if self.curvature_micro_batches < 0:

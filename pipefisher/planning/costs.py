@@ -16,6 +16,18 @@ layer with ``in``/``out`` features; 2 FLOPs per multiply-add)::
     CURV_A = 2 T in²      CURV_B = 2 T out²                       per micro-batch, per layer
     INVERT = (in³ + out³) (2/3 + 1)   Cholesky of each damped factor and the inverse from it
     PRECOND= 2 in out (in + out)      B⁻¹ G A⁻¹, per layer, summed over the stage
+
+With ``preconditioner="ekfac"`` (eigenbases, Adam in them: ``optim.ekfac``) the refresh and the
+per-step rescaling cost more::
+
+    INVERT = 4 (in³ + out³)               eigh with eigenvectors: 8/3 n³ to reduce to tridiagonal
+                                          form and build Q, ~4/3 n³ for divide and conquer (Demmel,
+                                          Applied Numerical Linear Algebra, §5.3)
+    PRECOND= 4 in out (in + out) + 10 in out   Q_Bᵀ G Q_A, the second moment and division, Q_B (.) Q_Aᵀ
+
+so ekfac's INVERT is 2.4× K-FAC's and PRECOND a little over 2×; ``bench/ekfac_costs.py`` measured
+2.7× and 3.1× on one CPU core (the elementwise work is memory-bound there). A profile's own units
+replace these estimates.
     all-reduce of n bytes over r replicas (ring) = 2 (r−1)/r · n / bandwidth; 0 for r = 1
 
 Gradients and factors travel in fp32. The optimizer step is memory-bound: 28 bytes per parameter
@@ -57,6 +69,9 @@ log = logging.getLogger(__name__)
 K = ActionKind
 
 INVERT_FLOPS_PER_N3 = 2.0 / 3.0 + 1.0  # Cholesky + inverse from the factor, per n³
+EIGH_FLOPS_PER_N3 = 4.0  # symmetric eigendecomposition with eigenvectors (ekfac's INVERT), per n³
+EKFAC_ELEMENTWISE_FLOPS = 10.0  # ekfac's per-element second moment, bias correction and division
+PRECONDITIONERS = ("kfac", "ekfac")
 STEP_BYTES_PER_PARAM = 28  # LAMB: read w, g, m, v (16 B); write w, m, v (12 B), fp32
 
 
@@ -141,6 +156,7 @@ class RunShape:
         precision: fp32 or bf16 (bytes of activations).
         order_costs: zb-v: the relative [F, I, W] its list scheduler orders by (None: equal).
         activation_memory: zb-v: the activation bound as a multiple of 1F1B's peak.
+        preconditioner: kfac (Cholesky inverses) or ekfac (eigenbases): what INVERT and PRECOND cost.
     """
 
     bert: BertConfig
@@ -157,6 +173,11 @@ class RunShape:
     precision: str = "fp32"
     order_costs: tuple[float, ...] | None = None
     activation_memory: float = 1.0
+    preconditioner: str = "kfac"
+
+    def __post_init__(self) -> None:
+        if self.preconditioner not in PRECONDITIONERS:
+            raise ValueError(f"preconditioner={self.preconditioner!r}: must be one of {', '.join(PRECONDITIONERS)}")
 
     @property
     def num_model_stages(self) -> int:
@@ -231,17 +252,23 @@ class RunShape:
                    layers_per_stage=tuple(lps) if lps else None, recompute=bool(cfg.get("recompute", False)),
                    precision=cfg.get("precision", "fp32"),
                    order_costs=tuple(p["order_costs"]) if p.get("order_costs") else None,
-                   activation_memory=float(p.get("activation_memory", 1.0)))
+                   activation_memory=float(p.get("activation_memory", 1.0)),
+                   preconditioner=str(cfg.get("optimizer", {}).get("preconditioner", "kfac")))
 
 
-def _kfac_flops(bert: BertConfig, encoder_layers: Sequence[int], tokens: int) -> dict[str, list[list[float]]]:
+def _kfac_flops(bert: BertConfig, encoder_layers: Sequence[int], tokens: int,
+                preconditioner: str = "kfac") -> dict[str, list[list[float]]]:
+    """FLOPs of each K-FAC unit per stage and layer ([Note: FLOP estimates])."""
+    ekfac = preconditioner == "ekfac"
+    per_n3 = EIGH_FLOPS_PER_N3 if ekfac else INVERT_FLOPS_PER_N3
     out: dict[str, list[list[float]]] = {"curv_a": [], "curv_b": [], "invert": [], "precond": []}
     for n in encoder_layers:
         dims = kfac_linear_dims(bert, n)
         out["curv_a"].append([2.0 * tokens * i * i for i, _ in dims])
         out["curv_b"].append([2.0 * tokens * o * o for _, o in dims])
-        out["invert"].append([(i ** 3 + o ** 3) * INVERT_FLOPS_PER_N3 for i, o in dims])
-        out["precond"].append([2.0 * i * o * (i + o) for i, o in dims])
+        out["invert"].append([(i ** 3 + o ** 3) * per_n3 for i, o in dims])
+        out["precond"].append([(4.0 * i * o * (i + o) + EKFAC_ELEMENTWISE_FLOPS * i * o) if ekfac
+                               else 2.0 * i * o * (i + o) for i, o in dims])
     return out
 
 
@@ -256,7 +283,7 @@ def estimate_costs(bert_config: BertConfig, num_stages: int, micro_batch_size: i
                    layers_per_stage: Sequence[int] | None = None, num_replicas: int = 1,
                    stages_per_worker: int = 1, allreduce_bytes_per_s: float | None = None,
                    memory_bytes_per_s: float = 1.5e12, bytes_per_element: int = 4,
-                   recompute: bool = False) -> CostModel:
+                   recompute: bool = False, preconditioner: str = "kfac") -> CostModel:
     """A FLOP-based cost model with K-FAC unit costs ([Note: FLOP estimates]).
 
     Args:
@@ -275,6 +302,7 @@ def estimate_costs(bert_config: BertConfig, num_stages: int, micro_batch_size: i
         memory_bytes_per_s: memory bandwidth (optimizer step).
         bytes_per_element: activation bytes per element in messages (4 fp32, 2 bf16).
         recompute: the backward recomputes the forward (B = 3F).
+        preconditioner: kfac or ekfac (the INVERT and PRECOND estimates).
 
     Returns:
         The cost model; ``cost.kfac_layers`` is 6 per encoder layer of each stage.
@@ -287,7 +315,7 @@ def estimate_costs(bert_config: BertConfig, num_stages: int, micro_batch_size: i
            stage_costs(layer_costs(bert_config, seq_len, max_predictions), partition)]
     params = stage_parameters(bert_config, partition)
     bandwidth = allreduce_bytes_per_s or p2p_bytes_per_s
-    kfac = _kfac_flops(bert_config, encoder, micro_batch_size * seq_len)
+    kfac = _kfac_flops(bert_config, encoder, micro_batch_size * seq_len, preconditioner)
 
     def table(name: str) -> tuple[tuple[int, ...], ...]:
         return tuple(tuple(_ns(x / flops_per_s) for x in row) for row in kfac[name])
@@ -314,7 +342,8 @@ def estimate_run_costs(run: RunShape, hardware: Hardware = Hardware()) -> CostMo
                           stages_per_worker=run.stages_per_worker,
                           allreduce_bytes_per_s=hardware.allreduce_bytes_per_s,
                           memory_bytes_per_s=hardware.memory_bytes_per_s,
-                          bytes_per_element=run.bytes_per_element, recompute=run.recompute)
+                          bytes_per_element=run.bytes_per_element, recompute=run.recompute,
+                          preconditioner=run.preconditioner)
 
 
 # -- from a profile ----------------------------------------------------------------------------
@@ -417,7 +446,7 @@ def costs_from_profile(profile: Profile, run: RunShape | None = None, *,
     flops_fwd = [c * run.micro_batch_size for c in
                  stage_costs(layer_costs(run.bert, run.seq_len, run.max_predictions), partition)]
     rate = [flops_fwd[s] / fwd[s] if fwd[s] > 0 else 1.0 for s in range(d)]  # FLOPs per ns
-    est = _kfac_flops(run.bert, run.encoder_layers, run.micro_batch_size * run.seq_len)
+    est = _kfac_flops(run.bert, run.encoder_layers, run.micro_batch_size * run.seq_len, run.preconditioner)
 
     def table(kind: str, name: str) -> tuple[tuple[int, ...], ...]:
         rows = []

@@ -6,7 +6,9 @@
     optimizer state      NVLAMB, AdamW: 2 moments, 8 per parameter (Muon: 4, one moment, for the
                          encoder's Linear weights); K-FAC adds per Linear layer the two
                          factors and their inverses, 4·((in+1)² + out²) each set: 2 sets for kfac,
-                         3 for PipeFisher (deferred: the inverses in use and the ones being built)
+                         3 for PipeFisher (deferred: the inverses in use and the ones being built);
+                         with ``preconditioner="ekfac"`` the eigenbases take the inverses' place and
+                         each layer adds its second moment in the eigenbasis, 4·(in+1)·out
     activations          peak in-flight micro-batches of the schedule (``peak_activations``) × the
                          activations one micro-batch leaves in the largest stage it holds: per encoder
                          layer S·b·H·(34 + 5·A·S/H) bytes at 16 bits (Korthikanti et al., 2022,
@@ -124,6 +126,8 @@ def estimate_memory_per_worker(run: RunShape, optimizer: str, schedule: Schedule
         factors = sum(4.0 * ((i + 1) ** 2 + o * o) for s in stages for i, o in kfac_linear_dims(run.bert, encoder[s]))
         act = peaks[w] * max(_activation_bytes(run, encoder[s], s == 0) for s in stages)
         moments = 8.0 * p
+        if run.preconditioner == "ekfac" and optimizer in KFAC_OPTIMIZERS:  # v in the eigenbasis
+            moments += 4.0 * sum((i + 1) * o for s in stages for i, o in kfac_linear_dims(run.bert, encoder[s]))
         if optimizer == "muon":  # one moment for the encoder's Linear weights
             moments -= 4.0 * sum(i * o for s in stages for i, o in kfac_linear_dims(run.bert, encoder[s]))
         captures = 0.0

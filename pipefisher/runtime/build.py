@@ -225,6 +225,7 @@ def run_shape(cfg: TrainConfig) -> RunShape:
         precision=cfg.precision,
         order_costs=tuple(cfg.pipeline.order_costs) if cfg.pipeline.order_costs else None,
         activation_memory=cfg.pipeline.activation_memory,
+        preconditioner=cfg.optimizer.preconditioner,
     )
 
 
