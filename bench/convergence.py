@@ -130,6 +130,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--measure-d2", action="store_true",
                    help="time every arm's real pipeline at D=2 (chimera) in rotated rounds into <out>/step_costs.json, "
                         "then report; run it on a quiet machine")
+    p.add_argument("--add-simulated", type=Path, action="append", default=[], metavar="FILE",
+                   help="a bench/step_costs.py --json file: its simulated arms (pipefisher-kK included) go into "
+                        "<out>/step_costs.json as 'D=<stages> simulated, batch <B>' (repeatable)")
     p.add_argument("--timing-rounds", type=int, default=3)
     p.add_argument("--timing-steps", type=int, default=40, help="steps per timing run (whole cycles after two)")
     p.add_argument("--timeout-s", type=float, default=7200.0, help="per run")
@@ -505,6 +508,14 @@ def main() -> None:
         for batch in spec.steps:
             costs[f"D=2 measured, batch {batch}"] = measure_d2(args, data, out, batch, args.timing_rounds,
                                                                args.timing_steps)
+        path.write_text(json.dumps(costs, indent=1) + "\n")
+    if args.add_simulated:
+        path = out / "step_costs.json"
+        costs = json.loads(path.read_text()) if path.is_file() else {}
+        for sim in args.add_simulated:
+            setting, arms = ca.simulated_setting(json.loads(sim.read_text()))
+            costs[setting] = {**costs.get(setting, {}), **arms}
+            print(f"{path}: {setting} from {sim} ({len(arms)} arms)")
         path.write_text(json.dumps(costs, indent=1) + "\n")
     args.step_costs = step_costs_file(out, args)
     import convergence_report

@@ -288,8 +288,8 @@ def staleness_multipliers(steps: Mapping[str, Mapping[int, float | None]], mode:
     seeds. ``steps``: arm -> {seed: steps, None where the run missed the target}. A k with a seed that
     missed the target (or whose kfac-k1 seed did) is left out: its multiplier is unknown, not large.
     Decoupled arms (``-iM``) are left out. k = 1 is ``kfac-k1-<mode>`` where it ran, else 1.0 with 0 seeds."""
-    if mode not in PROMOTE_OF_MODE:
-        raise ValueError(f"mode={mode!r}: deferred or ready")
+    if mode not in (*PROMOTE_OF_MODE, "fresh"):
+        raise ValueError(f"mode={mode!r}: deferred, ready or fresh")
     ref = steps.get("kfac-k1", {})
     out: dict[int, tuple[float, int]] = {1: (1.0, 0)}
     for arm, by_seed in steps.items():
@@ -302,6 +302,80 @@ def staleness_multipliers(steps: Mapping[str, Mapping[int, float | None]], mode:
         out[parsed[0]] = (statistics.fmean(by_seed[s] for s in seeds) / statistics.fmean(ref[s] for s in seeds),
                           len(seeds))
     return dict(sorted(out.items()))
+
+
+@dataclass(frozen=True)
+class TradeOff:
+    """One refresh interval k on the trade-off curve of one step-cost setting: what k costs per step
+    (against NVLAMB's step) and in steps (against K-FAC every step), and the time to target both give,
+    against NVLAMB's. ``pipefisher_*``: PipeFisher's bubble plan at k with deferred inverses;
+    ``kfac_*``: K-FAC refreshing every k steps on the critical path, inverses used at once.
+    ``ready_*``: PipeFisher's plan with ``promote_inverses=when_ready`` (the same plan, so the same
+    step cost; inverses used from the step after their inversion).
+    A figure is None where its step cost or steps multiplier was not measured."""
+
+    k: int
+    pipefisher_step: float | None
+    deferred_steps: float | None
+    deferred_seeds: int
+    ready_steps: float | None
+    ready_seeds: int
+    kfac_step: float | None
+    fresh_steps: float | None
+    fresh_seeds: int
+    steps_kfac1_over_nvlamb: float
+
+    def _time(self, step: float | None, steps: float | None) -> float | None:
+        return None if step is None or steps is None else step * steps * self.steps_kfac1_over_nvlamb
+
+    @property
+    def pipefisher_time(self) -> float | None:
+        """PipeFisher at k: time to target over NVLAMB's = step ratio × steps multiplier × kfac-k1's steps
+        over NVLAMB's."""
+        return self._time(self.pipefisher_step, self.deferred_steps)
+
+    @property
+    def ready_time(self) -> float | None:
+        """PipeFisher at k with inverses promoted when ready, over NVLAMB's time."""
+        return self._time(self.pipefisher_step, self.ready_steps)
+
+    @property
+    def kfac_time(self) -> float | None:
+        """K-FAC every k steps on the critical path, over NVLAMB's time."""
+        return self._time(self.kfac_step, self.fresh_steps)
+
+
+def trade_off(costs: Mapping[str, float], multipliers: Mapping[str, Mapping[int, tuple[float, int]]],
+              steps_kfac1_over_nvlamb: float) -> list[TradeOff]:
+    """The trade-off curve of one setting: for every k with a ``pipefisher-kK`` or ``kfac-kK`` step cost
+    in ``costs`` (seconds per step, beside ``nvlamb``) and a steps multiplier of the matching mode
+    (``multipliers[mode]`` of :func:`staleness_multipliers` for ``deferred``, ``ready`` and ``fresh``;
+    the k = 1 entry with 0 seeds that it adds for a mode with no k = 1 arm is not a measurement)."""
+    base = costs["nvlamb"]
+
+    def measured(mode: str, k: int) -> tuple[float | None, int]:
+        m, n = multipliers.get(mode, {}).get(k, (None, 0))
+        return (None, 0) if n == 0 and not (mode == "fresh" and k == 1) else (m, n)
+
+    out = []
+    for k in sorted(set().union(*(set(m) for m in multipliers.values()))):
+        pf, kf = costs.get(f"pipefisher-k{k}"), costs.get(f"kfac-k{k}")
+        f = (1.0, 0) if k == 1 and "fresh" not in multipliers else measured("fresh", k)
+        row = TradeOff(k, None if pf is None else pf / base, *measured("deferred", k), *measured("ready", k),
+                       None if kf is None else kf / base, *f, steps_kfac1_over_nvlamb)
+        if any(t is not None for t in (row.pipefisher_time, row.ready_time, row.kfac_time)):
+            out.append(row)
+    return out
+
+
+def simulated_setting(doc: Mapping[str, Any]) -> tuple[str, dict[str, float]]:
+    """The step-cost setting of a ``bench/step_costs.py --json`` file: ``"D=<stages> simulated, batch <B>"``
+    (B = micro-batch size × micro-batches × data-parallel width of its simulated run) and its arms'
+    seconds per step (``pipefisher-kK`` included), as the study's step_costs.json holds them."""
+    run = doc["simulated_run"]
+    batch = run["micro_batch_size"] * run["num_micro_batches"] * run.get("dp_width", 1)
+    return (f"D={run['stages']} simulated, batch {batch}",
+            {arm: float(row["step_s"]) for arm, row in doc["simulated"].items()})
 
 
 def pipefisher_arm(k: int) -> str:

@@ -129,7 +129,13 @@ def write(out: Path, args: argparse.Namespace, spec: ca.StudySpec, data: Any, re
                     lines.append(f"| {a} | {len(curves[batch][a])} | {g[0]:+.3f} | {g[1]} |")
             batch_report["max_gap_to_kfac_k1"] = {a: g for a, g in gaps.items() if g is not None}
         if hardest is not None:
-            _write_staleness_curves(out, batch, targets, results, picks, spec, arms)
+            stale_steps = _write_staleness_curves(out, batch, targets, results, picks, spec, arms)
+            hard = min(targets, key=targets.get)
+            nv, k1 = steps_by_arm.get("nvlamb", {}).get(hard), steps_by_arm.get("kfac-k1", {}).get(hard)
+            if nv is not None and k1 is not None and nv.complete and k1.complete:
+                tradeoff = _trade_off_lines(costs, batch, stale_steps, k1.mean / nv.mean, hard)
+                lines += tradeoff[0]
+                batch_report["trade_off"] = tradeoff[1]
         stale = list(dict.fromkeys(["kfac-k1"] + list(spec.stale_arms)))
         marks = [steps // 4, steps // 2, 3 * steps // 4, steps]
         lines += ["", "Staleness at seed 0: held-out loss after equal steps (k = refresh interval; deferred: inverses "
@@ -156,11 +162,40 @@ def write(out: Path, args: argparse.Namespace, spec: ca.StudySpec, data: Any, re
     print("\n".join(lines))
 
 
+def _trade_off_lines(costs: dict[str, dict[str, float]], batch: int, steps: dict[str, dict[int, float | None]],
+                     kfac1_over_nvlamb: float, target: str) -> tuple[list[str], dict[str, Any]]:
+    """The trade-off tables of ``batch`` (one per step-cost setting with ``pipefisher-kK`` or more than one
+    ``kfac-kK`` entry) and their figures for results.json."""
+    multipliers = {mode: ca.staleness_multipliers(steps, mode) for mode in ("deferred", "ready", "fresh")}
+    lines: list[str] = []
+    report: dict[str, Any] = {}
+    for setting, cost in _settings(costs, batch).items():
+        rows = ca.trade_off(cost, multipliers, kfac1_over_nvlamb) if "nvlamb" in cost else []
+        if not any(r.pipefisher_step is not None for r in rows) and sum(r.kfac_step is not None for r in rows) < 2:
+            continue
+        lines += ["", f"Trade-off, {setting}: what a refresh every k steps costs per step and in steps to {target} "
+                  f"(steps multiplier: mean steps of kfac-kK[-deferred] over kfac-k1's on the same seeds; time × "
+                  f"nvlamb = step × multiplier × kfac-k1's mean steps over NVLAMB's, {kfac1_over_nvlamb:.3f}):", "",
+                  "| k | PipeFisher step × nvlamb | deferred: steps × (seeds) | time × nvlamb | when_ready: steps × "
+                  "(seeds) | time × nvlamb | K-FAC fresh, critical path: step × nvlamb | steps × (seeds) | "
+                  "time × nvlamb |", "|---|---|---|---|---|---|---|---|---|"]
+        for r in rows:
+            lines.append(f"| {r.k} | {_num(r.pipefisher_step)} | {_num(r.deferred_steps)} ({r.deferred_seeds}) | "
+                         f"{_num(r.pipefisher_time)} | {_num(r.ready_steps)} ({r.ready_seeds}) | {_num(r.ready_time)} | "
+                         f"{_num(r.kfac_step)} | {_num(r.fresh_steps)} ({r.fresh_seeds}) | {_num(r.kfac_time)} |")
+        report[setting] = [dict(vars(r), pipefisher_time=r.pipefisher_time, ready_time=r.ready_time,
+                                kfac_time=r.kfac_time) for r in rows]
+    return lines, report
+
+
 def _write_staleness_curves(out: Path, batch: int, targets: dict[str, float], results: dict[str, dict[str, Any]],
-                            picks: ca.Picks, spec: ca.StudySpec, arms: list[str]) -> None:
+                            picks: ca.Picks, spec: ca.StudySpec, arms: list[str]) -> dict[str, dict[int, float | None]]:
     """staleness_b<batch>.json (deferred arms: promote_inverses=at_cycle_end) and
     staleness_b<batch>_when_ready.json (``-ready`` arms), the files ``optimizer.staleness_curve``
-    takes: steps multiplier per k at the hardest target (pipefisher.planning.staleness)."""
+    takes: steps multiplier per k at the hardest target (pipefisher.planning.staleness).
+
+    Returns:
+        arm -> {seed: steps to the hardest target, None where missed} of the K-FAC arms."""
     name, target = min(targets.items(), key=lambda kv: kv[1])
     steps: dict[str, dict[int, float | None]] = {}
     for arm in dict.fromkeys(["kfac-k1", *spec.stale_arms, *arms]):
@@ -178,6 +213,7 @@ def _write_staleness_curves(out: Path, batch: int, targets: dict[str, float], re
                "source": f"bench/convergence.py study {out.name}, global batch {batch}: steps of kfac-kK-{mode} / "
                          f"kfac-k1 over the same seeds"}
         (out / f"staleness_b{batch}{suffix}.json").write_text(json.dumps(doc, indent=1) + "\n")
+    return steps
 
 
 def _cost_arm(arm: str, pf: dict[str, str], setting: str) -> str:

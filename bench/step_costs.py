@@ -28,6 +28,8 @@ can stand beside the measured D=2 step times. Importable API: :func:`profile_ove
    - ``nvlamb``: the pipeline alone (also the figure for adamw and muon);
    - ``kfac-k{K}``: ``critical_path_assignment(..., interval=K)``, all of a refresh after phase 0's
      flush, PRECOND in every step;
+   - ``pipefisher-k{K}``: ``plan_interval(..., K)``, PipeFisher's bubble plan at a forced interval
+     (what each k costs, for the trade-off against stale curvature's steps);
    - ``pipefisher``: ``plan_pipefisher`` (``max_interval`` 8), the k it picks reported.
 
    The step time of every arm is the same estimator (:func:`steady_step_ns`): simulate one whole
@@ -72,7 +74,7 @@ from pathlib import Path
 from typing import Any
 
 import _harness as h
-from pipefisher.planning.assign import plan_pipefisher
+from pipefisher.planning.assign import plan_interval, plan_pipefisher
 from pipefisher.planning.costs import RunShape, costs_from_profile
 from pipefisher.profiling import read_profile
 from pipefisher.schedules import ActionKind, Schedule
@@ -221,9 +223,10 @@ def arm_step_costs(schedule: Schedule, cost: CostModel, kfac_layers: Sequence[in
 
     Returns:
         ``{arm: {"step_s", "k", "ratio_to_nvlamb", "note"}}`` for ``nvlamb`` (k None),
-        ``kfac-k{K}`` for K in ``intervals`` (critical path) and ``pipefisher`` (its planned k;
-        its note gives the planner's lower bound k_min, the share of a refresh the plan puts in
-        bubbles, and whether the planner fell back to the critical path).
+        ``kfac-k{K}`` for K in ``intervals`` (critical path), ``pipefisher-k{K}`` (the bubble plan
+        at the forced interval K: its step cost for the trade-off against staleness) and
+        ``pipefisher`` (its planned k; its note gives the planner's lower bound k_min, the share of
+        a refresh the plan puts in bubbles, and whether the planner fell back to the critical path).
     """
     out: dict[str, dict[str, Any]] = {}
 
@@ -234,6 +237,11 @@ def arm_step_costs(schedule: Schedule, cost: CostModel, kfac_layers: Sequence[in
     for k in intervals:
         a = critical_path_assignment(schedule, kfac_layers, k, curvature_micro_batches=curvature_micro_batches)
         add(f"kfac-k{k}", steady_step_ns(a.phases, cost, cycles), k)
+    for k in intervals:
+        a, stats = plan_interval(schedule, cost, kfac_layers, k, curvature_micro_batches=curvature_micro_batches)
+        exposed = stats.spilled_ns + stats.tail_ns
+        add(f"pipefisher-k{k}", steady_step_ns(a.phases, cost, cycles), k,
+            f"{exposed / 1e6:.2f} ms of a refresh outside the bubbles" if exposed else "refresh within the bubbles")
     plan = plan_pipefisher(schedule, cost, kfac_layers, max_interval=max_interval,
                            curvature_micro_batches=curvature_micro_batches)
     meta = plan.metadata

@@ -317,5 +317,25 @@ def test_staleness_multipliers_pair_seeds_and_leave_out_unknown_intervals(ca) ->
     # k=2 against seed 0 only; k=4 missed the target at seed 1: unknown; k=8 over both seeds; k=1 not run: 1.0
     assert m == {1: (1.0, 0), 2: (pytest.approx(1.1), 1), 8: (pytest.approx(3300 / 2200), 2)}
     assert ca.staleness_multipliers(steps, "ready") == {1: (1.0, 0), 4: (pytest.approx(0.9), 1)}
-    with pytest.raises(ValueError, match="deferred or ready"):
-        ca.staleness_multipliers(steps, "fresh")
+    assert ca.staleness_multipliers(steps, "fresh") == {1: (pytest.approx(1.0), 2)}  # kfac-k1 is its own reference
+    with pytest.raises(ValueError, match="deferred, ready or fresh"):
+        ca.staleness_multipliers(steps, "stale")
+
+
+def test_trade_off_prices_each_interval_by_its_step_and_its_steps(ca) -> None:
+    costs = {"nvlamb": 0.2, "kfac-k1": 0.4, "kfac-k4": 0.25, "pipefisher-k1": 0.3, "pipefisher-k4": 0.21}
+    multipliers = {"deferred": {1: (1.0, 0), 4: (1.1, 3), 8: (1.3, 1)}, "ready": {1: (1.0, 0), 4: (1.05, 1)},
+                   "fresh": {1: (1.0, 3), 4: (1.02, 1)}}
+    rows = ca.trade_off(costs, multipliers, steps_kfac1_over_nvlamb=0.8)
+    assert [r.k for r in rows] == [1, 4]  # k=8 has no step cost of either kind
+    k1, k4 = rows
+    assert (k1.pipefisher_step, k1.deferred_steps, k1.ready_steps) == (pytest.approx(1.5), None, None)
+    assert k1.kfac_time == pytest.approx(2.0 * 1.0 * 0.8)  # K-FAC every step: 2x the step, 0.8x the steps
+    assert k4.pipefisher_time == pytest.approx(1.05 * 1.1 * 0.8) and k4.deferred_seeds == 3
+    assert k4.ready_time == pytest.approx(1.05 * 1.05 * 0.8) and k4.kfac_time == pytest.approx(1.25 * 1.02 * 0.8)
+
+
+def test_simulated_setting_names_the_stage_count_and_global_batch(ca) -> None:
+    doc = {"simulated_run": {"stages": 8, "micro_batch_size": 16, "num_micro_batches": 8, "dp_width": 1},
+           "simulated": {"nvlamb": {"step_s": 0.1, "k": None}, "pipefisher-k2": {"step_s": 0.12, "k": 2}}}
+    assert ca.simulated_setting(doc) == ("D=8 simulated, batch 128", {"nvlamb": 0.1, "pipefisher-k2": 0.12})

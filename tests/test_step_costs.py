@@ -107,7 +107,8 @@ def test_without_kfac_work_every_arm_is_nvlamb(sc, method, d, n) -> None:
     schedule = build_schedule(method, d, n)
     cost = _cost(d, kfac=False)
     arms = sc.arm_step_costs(schedule, cost, [6] * d)
-    assert set(arms) == {"nvlamb", "kfac-k1", "kfac-k2", "kfac-k4", "kfac-k8", "pipefisher"}
+    assert set(arms) == {"nvlamb", "kfac-k1", "kfac-k2", "kfac-k4", "kfac-k8", "pipefisher",
+                         "pipefisher-k1", "pipefisher-k2", "pipefisher-k4", "pipefisher-k8"}
     for arm, row in arms.items():
         assert row["step_s"] == arms["nvlamb"]["step_s"], arm
         assert row["ratio_to_nvlamb"] == 1.0
@@ -122,6 +123,9 @@ def test_pipefisher_lies_between_nvlamb_and_critical_path_kfac_at_its_k(sc, meth
     assert 1 <= pf["k"] <= 8
     assert arms["nvlamb"]["step_s"] <= pf["step_s"] <= arms[f"kfac-k{pf['k']}"]["step_s"] * (1 + 1e-9)
     assert "k_min=" in pf["note"]
+    assert pf["step_s"] == arms[f"pipefisher-k{pf['k']}"]["step_s"]  # the forced-k plan at the planner's k
+    for k in range(1, 9):  # every forced k: no slower than the critical path at k, no faster than no K-FAC
+        assert arms["nvlamb"]["step_s"] <= arms[f"pipefisher-k{k}"]["step_s"] <= arms[f"kfac-k{k}"]["step_s"] * (1 + 1e-9)
 
 
 # --- scaling to D stages --------------------------------------------------------------------------
@@ -234,7 +238,7 @@ def test_cli_profiles_a_tiny_run_and_prints_both_tables(sc, tmp_path, capsys) ->
     assert "Simulated: chimera, D=4, N=4" in text and "Simulated at the measured shape: chimera, D=2, N=4" in text
     data = json.loads(out.read_text())
     for table in ("simulated", "measured_shape"):
-        assert set(data[table]) == {"nvlamb", "kfac-k1", "kfac-k2", "pipefisher"}
+        assert set(data[table]) == {"nvlamb", "kfac-k1", "kfac-k2", "pipefisher", "pipefisher-k1", "pipefisher-k2"}
         assert data[table]["nvlamb"]["step_s"] > 0
         assert data[table]["kfac-k1"]["step_s"] > data[table]["nvlamb"]["step_s"]
     assert data["measured_run"]["bert"]["vocab_size"] == 512
