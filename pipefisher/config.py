@@ -758,10 +758,6 @@ def _validate_sdp(cfg: TrainConfig) -> None:
     if cfg.sdp_reshard_after_forward and cfg.pipeline.method in ("zb-h1", *V_METHODS):
         _fail("sdp_reshard_after_forward", True, f"pipeline={cfg.pipeline.method}'s deferred weight gradients (W) "
               "need the gathered weights after I; use sdp_reshard_after_forward=false")
-    if cfg.checkpoint.enabled or cfg.resume != "none":
-        field_name, value = _checkpoint_field(cfg)
-        _fail(field_name, value, f"checkpoints of sharded runs (sdp={k}) need torch.distributed.checkpoint (not "
-              "built yet); use sdp=1, or leave checkpoints off")
     if cfg.eval.every_steps:
         _fail("eval.every_steps", cfg.eval.every_steps, f"held-out evaluation calls the stages outside FSDP's forward "
               f"hooks (not built for sdp={k}: the shards need gathering around it); use eval.every_steps=0 or sdp=1")
@@ -769,18 +765,6 @@ def _validate_sdp(cfg: TrainConfig) -> None:
         _fail("comm_ablation", True, f"FSDP's all-gathers and reduce-scatters (sdp={k}) cannot be ablated; use sdp=1")
     if cfg.cluster.name == "slurm":
         _fail("sdp", k, "the SLURM launcher counts stages x data_parallel tasks, not sdp yet; run sdp>1 locally")
-    if cfg.checkpoint.on_stop_after_s >= 0:  # no sharded checkpoint on Ctrl-C either
-        log.info("sdp=%d: no checkpoint on Ctrl-C/SIGTERM (sharded checkpoints are not built)", k)
-        cfg.checkpoint.on_stop_after_s = -1.0
-
-
-def _checkpoint_field(cfg: TrainConfig) -> tuple[str, Any]:
-    """The key that asked for checkpoints or resume (resume first), for refusals that name it."""
-    if cfg.resume != "none":
-        return "resume", cfg.resume
-    if cfg.checkpoint.every_steps:
-        return "checkpoint.every_steps", cfg.checkpoint.every_steps
-    return "checkpoint.every_minutes", cfg.checkpoint.every_minutes
 
 
 def _validate_tp(cfg: TrainConfig) -> None:
@@ -807,10 +791,6 @@ def _validate_tp(cfg: TrainConfig) -> None:
     if cfg.precision != "fp32":
         _fail("precision", cfg.precision, f"tp={k} runs in fp32 only so far (autocast over DTensor layers is "
               "untested); use precision=fp32 or tp=1")
-    if cfg.checkpoint.enabled or cfg.resume != "none":
-        field_name, value = _checkpoint_field(cfg)
-        _fail(field_name, value, f"checkpoints of tensor-parallel runs (tp={k}) need torch.distributed.checkpoint "
-              "(not built yet); use tp=1, or leave checkpoints off")
     if cfg.profile.enabled:
         _fail("profile.enabled", True, f"profiles map one process to one pipeline worker (not built for tp={k}); "
               "profile with tp=1")
@@ -818,9 +798,6 @@ def _validate_tp(cfg: TrainConfig) -> None:
         _fail("comm_ablation", True, f"the tensor-parallel all-reduces (tp={k}) cannot be ablated; use tp=1")
     if cfg.cluster.name == "slurm":
         _fail("tp", k, "the SLURM launcher counts stages x data_parallel tasks, not tp yet; run tp>1 locally")
-    if cfg.checkpoint.on_stop_after_s >= 0:  # no checkpoint on Ctrl-C either
-        log.info("tp=%d: no checkpoint on Ctrl-C/SIGTERM (tensor-parallel checkpoints are not built)", k)
-        cfg.checkpoint.on_stop_after_s = -1.0
 
 
 def _validate_checkpoint(cfg: TrainConfig) -> None:

@@ -231,8 +231,6 @@ def test_tp_counts_in_the_world_not_the_batch() -> None:
     (["tp=2", "optimizer=pipefisher"], r"^tp=2: optimizer=pipefisher needs whole weights"),
     (["tp=2", "optimizer=adamw"], r"^tp=2: optimizer=adamw is not built for tensor-parallel weights"),
     (["tp=2", "precision=bf16"], r"^precision='bf16': tp=2 runs in fp32 only"),
-    (["tp=2", "checkpoint.every_steps=2"], r"^checkpoint.every_steps=2: checkpoints of tensor-parallel runs"),
-    (["tp=2", "resume=auto"], r"^resume='auto': checkpoints of tensor-parallel runs"),
     (["tp=2", "profile.enabled=true"], r"^profile.enabled=True: profiles map one process"),
     (["tp=2", "comm_ablation=true"], r"^comm_ablation=True: the tensor-parallel all-reduces"),
     (["tp=2", "cluster=slurm", "device=cpu"], r"^tp=2: the SLURM launcher counts"),

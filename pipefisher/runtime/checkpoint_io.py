@@ -22,7 +22,7 @@ import torch.distributed as dist
 from pipefisher.atomic import fsync_path, temp_beside
 from pipefisher.config import ConfigError, TrainConfig
 
-__all__ = ['CHECKPOINT_FORMAT', 'MANIFEST', 'MATCHING_FIELDS', 'CheckpointError', 'ShardInfo', 'atomic_write', 'check_compatible', 'checkpoint_root', 'config_fields', 'config_hash', 'find_latest', 'list_checkpoints', 'load_shard', 'prune_checkpoints', 'save_checkpoint', 'shard_name', 'step_dir', 'verify_checkpoint', 'write_manifest', 'write_shard']
+__all__ = ['CHECKPOINT_FORMAT', 'MANIFEST', 'MATCHING_FIELDS', 'CheckpointError', 'ShardInfo', 'atomic_write', 'check_compatible', 'checkpoint_root', 'config_fields', 'config_hash', 'file_info', 'find_latest', 'list_checkpoints', 'load_shard', 'prune_checkpoints', 'save_checkpoint', 'shard_name', 'step_dir', 'verify_checkpoint', 'write_manifest', 'write_shard']
 
 log = logging.getLogger("pipefisher.runtime.checkpoint")  # the public module's name: one logger for checkpoints
 
@@ -31,7 +31,10 @@ MANIFEST = "manifest.json"
 #: Config fields a checkpoint must agree on to be loadable (the state's shapes and placement, and
 #: the data and weight streams). ``model`` and ``pipeline`` stand for all their fields.
 MATCHING_FIELDS = ("model", "pipeline", "stages", "data_parallel", "num_micro_batches", "micro_batch_size",
-                   "seed", "optimizer.name")
+                   "seed", "optimizer.name", "sdp", "tp")
+#: Matching fields recorded only when they differ from these values, so that checkpoints written
+#: before the fields existed keep their hash: sharded data parallel and tensor parallel (issue 27).
+_UNLESS = {"sdp": 1, "tp": 1}
 #: Fields whose change on resume is not worth a warning (they do not change the trajectory).
 _QUIET_FIELDS = ("resume", "eval.", "checkpoint.", "fault.", "progress", "wandb.", "cluster.", "log_every", "profile.",
                  "device", "save_final", "init_from")  # init_from: the checkpoint's weights replace its weights
@@ -112,6 +115,12 @@ def atomic_write(path: str | os.PathLike, write: Callable[[IO[bytes]], None]) ->
     return ShardInfo(path.name, size, digest.hexdigest())
 
 
+def file_info(folder: str | os.PathLike, name: str) -> ShardInfo:
+    """Size and sha256 of the file ``name`` (a path relative to ``folder``), for a manifest."""
+    size, digest = _file_digest(Path(folder) / name)
+    return ShardInfo(name, size, digest)
+
+
 def _file_digest(path: Path) -> tuple[int, str]:
     digest = hashlib.sha256()
     size = 0
@@ -137,7 +146,8 @@ def _flatten(obj: Any, prefix: str = "") -> dict[str, Any]:
 def config_fields(cfg: TrainConfig) -> dict[str, Any]:
     """The :data:`MATCHING_FIELDS` of ``cfg``, flattened to ``{"model.hidden_size": 128, …}``."""
     flat = _flatten(asdict(cfg))
-    return {k: v for k, v in sorted(flat.items()) if any(k == f or k.startswith(f + ".") for f in MATCHING_FIELDS)}
+    return {k: v for k, v in sorted(flat.items()) if any(k == f or k.startswith(f + ".") for f in MATCHING_FIELDS)
+            and not (k in _UNLESS and v == _UNLESS[k])}
 
 
 def config_hash(fields: Mapping[str, Any]) -> str:
@@ -159,8 +169,9 @@ def check_compatible(manifest: Mapping[str, Any], cfg: TrainConfig, world_size: 
     problems = []
     if manifest.get("config_hash") != config_hash(fields):
         for key in sorted(set(fields) | set(saved)):
-            if saved.get(key, "<absent>") != fields.get(key, "<absent>"):
-                problems.append(f"{key}: checkpoint {saved.get(key, '<absent>')!r}, this run {fields.get(key, '<absent>')!r}")
+            was, now = saved.get(key, _UNLESS.get(key, "<absent>")), fields.get(key, _UNLESS.get(key, "<absent>"))
+            if was != now:
+                problems.append(f"{key}: checkpoint {was!r}, this run {now!r}")
         if not problems:
             problems.append("config hash differs (checkpoint written by another version of pipefisher)")
     if manifest.get("world_size") != world_size:
@@ -169,7 +180,8 @@ def check_compatible(manifest: Mapping[str, Any], cfg: TrainConfig, world_size: 
         problems.append(f"K-FAC refresh interval: checkpoint {manifest.get('kfac_interval')}, this run "
                         f"{kfac_interval} (set by optimizer.curvature_interval or the plan in optimizer.schedule)")
     if problems:
-        fix = " ".join(f"{p.split(':')[0]}={saved[p.split(':')[0]]!r}" for p in problems if p.split(":")[0] in saved)
+        was = {**_UNLESS, **saved}
+        fix = " ".join(f"{p.split(':')[0]}={was[p.split(':')[0]]!r}" for p in problems if p.split(":")[0] in was)
         raise ConfigError(
             f"checkpoint {where} does not fit this run:\n  " + "\n  ".join(problems)
             + f"\nFix: resume with the checkpoint's values{' (' + fix + ')' if fix else ''}, or start afresh with "
@@ -196,8 +208,11 @@ def write_shard(folder: str | os.PathLike, rank: int, state: Mapping[str, Any]) 
 
 
 def write_manifest(folder: str | os.PathLike, step: int, cfg: TrainConfig, world_size: int,
-                   shards: list[ShardInfo], kfac_interval: int | None = None) -> Path:
-    """Atomically write ``manifest.json``, which marks the checkpoint complete; returns its path."""
+                   shards: list[ShardInfo], kfac_interval: int | None = None,
+                   files: list[ShardInfo] | None = None) -> Path:
+    """Atomically write ``manifest.json``, which marks the checkpoint complete; returns its path.
+
+    ``files``: further files of the checkpoint (the DCP folders of sharded runs), checked like shards."""
     fields = config_fields(cfg)
     manifest = {
         "format": CHECKPOINT_FORMAT,
@@ -208,6 +223,7 @@ def write_manifest(folder: str | os.PathLike, step: int, cfg: TrainConfig, world
         "kfac_interval": kfac_interval,
         "created_unix_s": time.time(),
         "shards": [asdict(s) | {"rank": r} for r, s in enumerate(shards)],
+        **({"files": [asdict(f) for f in files]} if files else {}),
         "config": asdict(cfg),
     }
     text = json.dumps(manifest, indent=1, default=str).encode()
@@ -240,10 +256,13 @@ def prune_checkpoints(root: str | os.PathLike, keep_last: int, current: int) -> 
 
 
 def save_checkpoint(root: str | os.PathLike, step: int, rank: int, world_size: int, state: Mapping[str, Any],
-                    cfg: TrainConfig, kfac_interval: int | None) -> Path:
+                    cfg: TrainConfig, kfac_interval: int | None,
+                    write_more: Callable[[Path], list[ShardInfo]] | None = None) -> Path:
     """Write the checkpoint after ``step``; every worker calls it (a collective).
 
-    Each worker writes its shard; rank 0 waits for all of them, writes the manifest and prunes.
+    Each worker writes its shard (and, with ``write_more``, whatever it writes into the folder: the
+    DCP folders of sharded runs, returning the files to list); rank 0 waits for all of them, writes
+    the manifest and prunes.
 
     Returns:
         The checkpoint's folder.
@@ -253,14 +272,16 @@ def save_checkpoint(root: str | os.PathLike, step: int, rank: int, world_size: i
     if rank == 0:  # a folder re-written after a resume: it is no longer complete until the new manifest
         (folder / MANIFEST).unlink(missing_ok=True)
     info = write_shard(folder, rank, state)
-    gathered: list[ShardInfo | None] | None = [None] * world_size if rank == 0 else None
-    dist.gather_object(info, gathered, dst=0)  # the barrier: every shard is on disk
+    more = write_more(folder) if write_more is not None else []
+    gathered: list[Any] | None = [None] * world_size if rank == 0 else None
+    dist.gather_object((info, more), gathered, dst=0)  # the barrier: every shard is on disk
     if rank == 0:
         assert gathered is not None and all(s is not None for s in gathered)
-        write_manifest(folder, step, cfg, world_size, list(gathered), kfac_interval)  # type: ignore[arg-type]
+        shards, files = [s for s, _ in gathered], [f for _, fs in gathered for f in fs]
+        write_manifest(folder, step, cfg, world_size, shards, kfac_interval, files)
         log.info("checkpoint %s written: the state after %d steps (%s counts from step_0, as metrics.jsonl "
                  "does; %d shards, %.1f MB)", folder, step + 1, folder.name, world_size,
-                 sum(s.size for s in gathered) / 1e6)  # type: ignore[union-attr]
+                 sum(s.size for s in shards + files) / 1e6)
         prune_checkpoints(root, cfg.checkpoint.keep_last, step)
     return folder
 
@@ -310,7 +331,7 @@ def verify_checkpoint(folder: str | os.PathLike) -> dict[str, Any]:
     if len(manifest["shards"]) != manifest.get("world_size"):
         raise CheckpointError(f"checkpoint {folder}: {len(manifest['shards'])} shards for world size "
                               f"{manifest.get('world_size')}")
-    for entry in manifest["shards"]:
+    for entry in [*manifest["shards"], *manifest.get("files", [])]:
         _check_shard(folder, entry)
     return manifest
 

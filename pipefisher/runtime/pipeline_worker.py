@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.api import CheckpointException
 
 from pipefisher.config import KFAC_OPTIMIZERS, TrainConfig
 from pipefisher.data import get_micro_batch
@@ -30,7 +31,8 @@ from pipefisher.runtime.executor import CommSpec, StepResult, WorkerExecutor
 from pipefisher.runtime.init_weights import load_initial_weights
 from pipefisher.runtime.faults import fault_here, inject_fault, poison_outputs
 from pipefisher.runtime.kfac_work import KfacWork
-from pipefisher.runtime.sharding import local, sdp_groups, shard_stages
+from pipefisher.runtime.sharded_checkpoint import ShardedCheckpointer, checkpoint_groups
+from pipefisher.runtime.sharding import dp_block, local, sdp_groups, shard_stages
 from pipefisher.runtime.tensor_parallel import parallelize_stages, schedule_worker, stage_meshes, tp_group, tp_index
 from pipefisher.runtime.state import (capture_rng_state, kfac_state, load_kfac_state, load_module_states,
                                       load_optimizer_state, module_key, optimizer_state, restore_rng_state, to_cpu)
@@ -66,7 +68,7 @@ class PipelineWorker:
         # them): TP on the tp (sub)mesh, then fully_shard on the sdp one (DESIGN.md, "Hybrid parallelism").
         timeout = datetime.timedelta(seconds=cfg.cluster.worker_timeout_s)
         groups = sdp_groups(self.schedule, cfg.sdp, rank, timeout, cfg.tp) if cfg.sdp > 1 else {}
-        meshes = {}
+        meshes, group = {}, None
         if cfg.tp > 1:
             group = tp_group(self.schedule.num_workers, cfg.tp, rank, timeout)
             meshes = stage_meshes(self.schedule, rank, cfg.tp, group, cfg.sdp, groups, device.type)
@@ -78,6 +80,12 @@ class PipelineWorker:
         named = [(f"{pipe}.{stage}.{n}", p) for (pipe, stage), m in sorted(self.modules.items())
                  for n, p in m.named_parameters()]
         self.optimizer, self.scheduler = make_optimizer(cfg, named, device)
+        self.dcp: ShardedCheckpointer | None = None  # sdp/tp: replicas and moments go through DCP
+        if cfg.sdp > 1 or cfg.tp > 1:
+            writes = {(p, s) for g, p, s in self.schedule.placement.stages_of(self.schedule_worker)
+                      if dp_block(g, cfg.sdp) == 0}
+            self.dcp = ShardedCheckpointer(self.modules, self.optimizer,
+                                           checkpoint_groups(list(self.modules), groups, group, meshes, timeout), writes)
         self._norm_params = norm_params(self.modules, self.schedule, rank, cfg.sdp, cfg.tp)
         self.before_optimizer_step: list[Callable[[], None]] = []
         loss_scale = 1.0 / (cfg.num_micro_batches * cfg.data_replicas)
@@ -164,9 +172,15 @@ class PipelineWorker:
         restore_rng_state(state["rng"], self.device)
 
     def save_checkpoint(self, root: Path, step: int) -> Path:
-        """Write this worker's shard of the checkpoint after ``step`` (a collective: every worker calls it)."""
-        return save_checkpoint(root, step, self.rank, self.world_size, {"step": step, **self.state_dict()},
-                               self.cfg, self.kfac_interval)
+        """Write this worker's shard of the checkpoint after ``step`` (a collective: every worker calls it);
+        under sdp/tp the stage replicas and optimizer moments go to DCP folders beside it
+        ([Note: sharded checkpoint layout])."""
+        state = {"step": step, **self.state_dict()}
+        if self.dcp is None:
+            return save_checkpoint(root, step, self.rank, self.world_size, state, self.cfg, self.kfac_interval)
+        plain, tensors = self.dcp.split(state)
+        return save_checkpoint(root, step, self.rank, self.world_size, plain, self.cfg, self.kfac_interval,
+                               write_more=lambda folder: self.dcp.save(folder, tensors))
 
     def load_checkpoint(self, folder: Path) -> int:
         """Load this worker's shard of the checkpoint in ``folder`` (a collective); returns its step.
@@ -177,18 +191,31 @@ class PipelineWorker:
         error, step = None, -1
         try:
             state = load_shard(folder, self.rank)
-            self.load_state_dict(state)
-            step = int(state["step"])
         except (CheckpointError, ValueError, RuntimeError, KeyError) as err:
             error = f"worker {self.rank}: {type(err).__name__}: {err}"
+        if self.dcp is not None:  # DCP's reads are collectives: every shard must have been read
+            self._raise_errors(folder, error)
+        if error is None:
+            try:
+                if self.dcp is not None:
+                    state = self.dcp.merge(folder, state)
+                self.load_state_dict(state)
+                step = int(state["step"])
+            except (CheckpointError, ValueError, RuntimeError, KeyError, CheckpointException) as err:
+                error = f"worker {self.rank}: {type(err).__name__}: {err}"
+        answers = self._raise_errors(folder, error, step)
+        if len({s for _, s in answers}) != 1:
+            raise CheckpointError(f"cannot resume from {folder}: the shards hold different steps {[s for _, s in answers]}")
+        return step
+
+    def _raise_errors(self, folder: Path, error: str | None, step: int = -1) -> list[tuple[str | None, int]]:
+        """Every worker's (error, step); raises CheckpointError on every worker when any failed (a collective)."""
         answers: list[Any] = [None] * self.world_size
         dist.all_gather_object(answers, (error, step))
         errors = [e for e, _ in answers if e]
         if errors:
-            raise CheckpointError(f"cannot resume from {folder}: " + "; ".join(errors))
-        if len({s for _, s in answers}) != 1:
-            raise CheckpointError(f"cannot resume from {folder}: the shards hold different steps {[s for _, s in answers]}")
-        return step
+            raise CheckpointError(f"cannot resume from {folder}: " + "; ".join(dict.fromkeys(errors)))
+        return answers
 
     def global_grad_norm(self) -> torch.Tensor:
         """L2 norm of the gradient over all stages, each stage and the tied weight counted once.

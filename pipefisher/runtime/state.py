@@ -34,6 +34,7 @@ from typing import Any
 import numpy as np
 import torch
 from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
 
 from pipefisher.optim import KFACPreconditioner
 
@@ -58,7 +59,10 @@ def module_key(pipe: int, stage: int) -> str:
 
 
 def to_cpu(obj: Any) -> Any:
-    """A copy of a nest of dicts, lists and tuples with every tensor detached and on the CPU."""
+    """A copy of a nest of dicts, lists and tuples with every tensor detached and on the CPU (a
+    DTensor only detached: ``torch.distributed.checkpoint`` writes it from its device)."""
+    if isinstance(obj, DTensor):
+        return obj.detach()
     if isinstance(obj, Tensor):
         return obj.detach().cpu()
     if isinstance(obj, Mapping):

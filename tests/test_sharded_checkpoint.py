@@ -1,0 +1,215 @@
+"""Checkpoints of sharded runs (``sdp`` > 1, ``tp`` > 1; issue 27) through torch.distributed.checkpoint:
+a run stopped after step 4 and resumed with ``resume=auto`` logs bit-identical losses and ends with
+bit-identical parameters, optimizer moments and shards to an uninterrupted run; a checkpoint of
+another sdp/tp is refused naming the field; DCP's metadata is read without unsafe unpickling.
+
+As ``test_checkpoint``: the runs go through ``train_worker`` in one spawn of 4 processes walking
+all jobs; a run is interrupted by ``fault.mode=raise`` at step 4 on every worker.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import json
+import logging
+import pickle
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from pipefisher.config import ConfigError, TrainConfig
+from pipefisher.runtime.checkpoint import (MANIFEST, check_compatible, find_latest, list_checkpoints, load_shard,
+                                           step_dir, write_manifest, write_shard)
+from pipefisher.runtime.sharded_checkpoint import IN_DCP, _SafeUnpickler, dcp_folder
+from pipefisher.runtime.worker import train_worker
+from pipefisher.tracking import read_metrics
+from tests.conftest import compose_train
+
+MODEL = ["model.num_layers=2", "model.hidden_size=32", "model.num_heads=2", "model.intermediate_size=64",
+         "model.vocab_size=128", "data.seq_len=16", "data.max_predictions=3", "micro_batch_size=2", "lr=0.01",
+         "steps=6", "optimizer.max_grad_norm=0.05", "model.hidden_dropout=0.1", "model.attention_dropout=0.1",
+         "cluster.worker_timeout_s=120", "wandb.mode=disabled", "progress=false"]
+# Each case: 4 processes.
+CASES = {
+    "sdp2-1f1b-D2": ["pipeline=1f1b", "stages=2", "num_micro_batches=2", "sdp=2"],
+    "tp2-1f1b-D2": ["pipeline=1f1b", "stages=2", "num_micro_batches=2", "tp=2"],
+    # FSDP2 over tensor-parallel layers: a 2-D (sdp, tp) mesh, DCP over all 4 processes
+    "sdp2-tp2-D1": ["pipeline=gpipe", "stages=1", "num_micro_batches=2", "sdp=2", "tp=2"],
+    # data_parallel beside sdp: block 0 writes, block 1 reads block 0's folder over its own group
+    "sdp2-W2-D1": ["pipeline=gpipe", "stages=1", "num_micro_batches=2", "sdp=2", "data_parallel=2"],
+}
+INTERRUPT_AT = 4  # saves after steps 1 and 3 (every_steps=2), fails at the start of step 4
+WORLD = 4
+
+Job = tuple[list[TrainConfig], str, bool]
+
+
+def _cfg(case: str, *extra: str) -> TrainConfig:
+    return compose_train(MODEL + CASES[case] + list(extra))
+
+
+def _worker(rank: int, jobs: list[Job], rendezvous: str) -> None:
+    torch.set_num_threads(1)
+    logging.basicConfig(level=logging.WARNING, format=f"[worker {rank}] %(levelname)s %(name)s: %(message)s")
+    for i, (cfgs, out_dir, interrupted) in enumerate(jobs):
+        dist.init_process_group("gloo", init_method=f"file://{rendezvous}/pg{i}", rank=rank, world_size=WORLD,
+                                timeout=datetime.timedelta(seconds=120))
+        try:
+            train_worker(cfgs[rank], rank, WORLD, torch.device("cpu"), out_dir)
+            assert not interrupted, f"job {i} should have stopped at step {INTERRUPT_AT}"
+        except RuntimeError as err:
+            if not (interrupted and "injected fault" in str(err)):
+                raise
+        finally:
+            dist.destroy_process_group()
+
+
+def _interrupted(cfg: TrainConfig, step: int = INTERRUPT_AT) -> list[TrainConfig]:
+    """One config per rank, each failing at the start of ``step`` on its own rank."""
+    return [dataclasses.replace(cfg, fault=dataclasses.replace(cfg.fault, mode="raise", rank=r, step=step))
+            for r in range(WORLD)]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Per case ``<case>/straight`` (6 steps, one checkpoint after the last) and ``<case>/resumed``
+    (checkpoints every 2 steps, stopped at step 4, resumed with resume=auto)."""
+    tmp = tmp_path_factory.mktemp("sharded_ckpt")
+    jobs: list[Job] = []
+    for case in CASES:
+        straight = _cfg(case, "checkpoint.every_steps=6")
+        jobs.append(([straight] * WORLD, str(tmp / case / "straight"), False))
+        jobs.append((_interrupted(_cfg(case, "checkpoint.every_steps=2")), str(tmp / case / "resumed"), True))
+        # A fault at step 2 that only a run starting over would reach: the resume must continue at step 4.
+        resume = _cfg(case, "checkpoint.every_steps=2", "resume=auto")
+        jobs.append((_interrupted(resume, step=2), str(tmp / case / "resumed"), False))
+    (tmp / "pg").mkdir()
+    mp.start_processes(_worker, args=(jobs, str(tmp / "pg")), nprocs=WORLD, join=True, start_method="spawn")
+    return tmp
+
+
+def _losses(run_dir: Path) -> tuple[list[int], list[float]]:
+    rows = read_metrics(run_dir / "metrics.jsonl")
+    return [r["step"] for r in rows], [r["loss"] for r in rows]
+
+
+def _dcp_tensors(folder: Path) -> dict[str, torch.Tensor]:
+    """Every DCP folder of a checkpoint, read whole in this process: ``<folder>/<key>`` -> tensor."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    out = {}
+    for sub in sorted(p for p in folder.iterdir() if p.is_dir()):
+        dcp_to_torch_save(sub, folder.parent / f"{sub.name}.whole.pt")
+        whole = torch.load(folder.parent / f"{sub.name}.whole.pt", weights_only=True)
+        out.update({f"{sub.name}/{k}": v for k, v in whole.items()})
+    return out
+
+
+def _assert_same(a: Any, b: Any, where: str) -> None:
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor) and torch.equal(a, b), where
+    elif isinstance(a, dict):
+        assert set(a) == set(b), f"{where}: keys {sorted(map(str, a))} != {sorted(map(str, b))}"
+        for k in a:
+            _assert_same(a[k], b[k], f"{where}/{k}")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b)):
+            _assert_same(x, y, f"{where}[{i}]")
+    else:
+        assert a == b, f"{where}: {a!r} != {b!r}"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", list(CASES))
+def test_resumed_sharded_run_equals_uninterrupted_run_bit_for_bit(case: str, runs: Path) -> None:
+    steps, straight = _losses(runs / case / "straight")
+    resumed_steps, resumed = _losses(runs / case / "resumed")
+    assert steps == resumed_steps == list(range(6))
+    assert resumed == straight  # exact: the same reductions in the same order (fixed groups and sizes)
+    a_dir, b_dir = (step_dir(runs / case / run / "checkpoints", 5) for run in ("straight", "resumed"))
+    for rank in range(WORLD):  # step, scheduler, generators, NVLAMB's step counts
+        _assert_same(load_shard(a_dir, rank), load_shard(b_dir, rank), f"{case} worker {rank}")
+    a, b = _dcp_tensors(a_dir), _dcp_tensors(b_dir)
+    assert {k.split("/")[0] for k in a} == {dcp_folder((0, s)) for s in range(_cfg(case).stages)}
+    assert any(".exp_avg_sq" in k for k in a) and any("/model." in k for k in a)
+    _assert_same(a, b, case)  # parameters and moments, gathered whole
+    assert [s for s, _ in list_checkpoints(runs / case / "resumed" / "checkpoints")] == [INTERRUPT_AT - 1, 5]
+
+
+@pytest.mark.slow
+def test_sharded_checkpoint_holds_no_tensor_twice_and_lists_its_dcp_files(runs: Path) -> None:
+    folder = step_dir(runs / "sdp2-1f1b-D2" / "resumed" / "checkpoints", INTERRUPT_AT - 1)
+    manifest = json.loads((folder / MANIFEST).read_text())
+    files = {f["file"] for f in manifest["files"]}
+    assert {f.split("/")[0] for f in files} == {dcp_folder((0, 0)), dcp_folder((0, 1))}
+    assert all(f.split("/")[1] == ".metadata" or f.endswith(".distcp") for f in files)
+    assert not [p for p in folder.iterdir() if p.name.endswith(".tmp")]
+    shard = load_shard(folder, 0)
+    assert set(shard["modules"]["0.0"].values()) == {IN_DCP}
+    assert {v for s in shard["optimizer"]["state"].values() for k, v in s.items() if k != "step"} == {IN_DCP}
+    # A damaged DCP file fails the manifest's hash: resume=auto takes the previous checkpoint.
+    distcp = folder / sorted(f for f in files if f.endswith(".distcp"))[0]
+    data = bytearray(distcp.read_bytes())
+    data[-1] ^= 0xFF
+    distcp.write_bytes(bytes(data))
+    assert find_latest(folder.parent) == step_dir(folder.parent, 5)
+    (step_dir(folder.parent, 5) / MANIFEST).unlink()  # and a checkpoint whose manifest was never written
+    assert find_latest(folder.parent) is None
+
+
+@pytest.mark.slow
+def test_checkpoint_of_sdp2_refuses_a_tp2_resume_naming_both_fields(runs: Path) -> None:
+    folder = step_dir(runs / "sdp2-1f1b-D2" / "straight" / "checkpoints", 5)
+    manifest = json.loads((folder / MANIFEST).read_text())
+    with pytest.raises(ConfigError) as err:
+        check_compatible(manifest, _cfg("tp2-1f1b-D2"), WORLD, None, folder)
+    assert "sdp: checkpoint 2, this run 1" in str(err.value) and "tp: checkpoint 1, this run 2" in str(err.value)
+    assert "(sdp=2 tp=1)" in str(err.value)
+
+
+# -- fast: no processes --------------------------------------------------------------------------
+
+
+def test_config_accepts_checkpoints_resume_and_ctrl_c_saves_for_sdp_and_tp() -> None:
+    for case in CASES:
+        cfg = _cfg(case, "checkpoint.every_steps=2", "resume=auto")
+        assert cfg.checkpoint.enabled and cfg.resume == "auto"
+        assert _cfg(case).checkpoint.on_stop_after_s >= 0  # Ctrl-C/SIGTERM save as for unsharded runs
+
+
+def test_checkpoint_of_another_sdp_or_tp_is_refused_naming_the_field(tmp_path: Path) -> None:
+    saved = _cfg("sdp2-1f1b-D2")
+    folder = step_dir(tmp_path, 3)
+    folder.mkdir(parents=True)
+    write_manifest(folder, 3, saved, WORLD, [write_shard(folder, r, {"step": 3}) for r in range(WORLD)])
+    manifest = json.loads((folder / MANIFEST).read_text())
+    check_compatible(manifest, saved, WORLD, None, folder)
+    with pytest.raises(ConfigError, match=r"sdp: checkpoint 2, this run 1(.|\n)*tp: checkpoint 1, this run 2"):
+        check_compatible(manifest, _cfg("tp2-1f1b-D2"), WORLD, None, folder)
+    fewer = compose_train(MODEL + ["pipeline=1f1b", "stages=2", "num_micro_batches=2"])
+    with pytest.raises(ConfigError, match=r"sdp: checkpoint 2, this run 1(.|\n)*Fix: .*\(sdp=2\)"):
+        check_compatible(manifest, fewer, 2, None, folder)
+
+
+def test_unsharded_checkpoints_keep_their_hash_without_sdp_and_tp_fields() -> None:
+    from pipefisher.runtime.checkpoint import config_fields
+
+    fields = config_fields(compose_train(MODEL + ["stages=2", "num_micro_batches=2"]))
+    assert "sdp" not in fields and "tp" not in fields  # as before issue 27: old checkpoints still fit
+    assert config_fields(_cfg("sdp2-1f1b-D2"))["sdp"] == 2
+
+
+def test_dcp_metadata_is_read_without_unsafe_unpickling() -> None:
+    class Evil:
+        def __reduce__(self):
+            return (print, ("pwned",))
+
+    with pytest.raises(pickle.UnpicklingError, match="builtins.print is not part of DCP's metadata"):
+        import io
+        _SafeUnpickler(io.BytesIO(pickle.dumps(Evil()))).load()
