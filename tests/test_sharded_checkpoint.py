@@ -213,3 +213,37 @@ def test_dcp_metadata_is_read_without_unsafe_unpickling() -> None:
     with pytest.raises(pickle.UnpicklingError, match="builtins.print is not part of DCP's metadata"):
         import io
         _SafeUnpickler(io.BytesIO(pickle.dumps(Evil()))).load()
+
+
+# -- Ctrl-C: the same save, through train.py ----------------------------------------------------
+
+
+@pytest.mark.slow
+def test_ctrl_c_of_an_sdp_run_checkpoints_and_resume_auto_continues(tmp_path: Path) -> None:
+    import os
+    import re
+    import signal
+    import subprocess
+    import sys
+
+    from tests.conftest import REPO, TINY
+    from tests.test_signals import START_TIMEOUT_S, _start, _stop, _wait_for_step
+
+    run = ["pipeline=gpipe", "stages=1", "sdp=2", "num_micro_batches=1", "cluster.worker_timeout_s=120", *TINY]
+    run_dir = tmp_path / "run"
+    proc, log = _start(run_dir, "checkpoint.every_steps=100000", run=run)
+    _wait_for_step(proc, run_dir, log)
+    code, out, _ = _stop(proc, log, lambda: os.kill(proc.pid, signal.SIGINT))
+    assert code == 130, out[-3000:]
+    found = re.search(r"interrupted at step (\d+); last checkpoint: (\S+)", out)
+    assert found, out[-3000:]
+    step, folder = int(found.group(1)), Path(found.group(2))
+    assert find_latest(run_dir / "checkpoints") == folder == step_dir(run_dir / "checkpoints", step)
+    assert (folder / dcp_folder((0, 0)) / ".metadata").is_file()
+    env = {**os.environ, "WANDB_MODE": "disabled", "OMP_NUM_THREADS": "1"}
+    again = subprocess.run([sys.executable, "train.py", *run, f"steps={step + 3}", "resume=auto",
+                            f"hydra.run.dir={run_dir}"], cwd=REPO, env=env, capture_output=True, text=True,
+                           timeout=START_TIMEOUT_S)
+    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+    assert f"continuing at step {step + 1}" in again.stdout + again.stderr
+    assert [r["step"] for r in read_metrics(run_dir / "metrics.jsonl")][-3:] == [step, step + 1, step + 2]
