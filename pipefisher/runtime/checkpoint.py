@@ -12,6 +12,10 @@ What a shard holds and why resume is exact: :mod:`pipefisher.runtime.state`.
       step_<n>/                           the state after step n (the "step" of metrics.jsonl,
                                           counted from 0: after n + 1 steps, see below)
         worker_<r>.pt                     worker r's shard: torch.save of tensors and primitives
+        sharded_<pipe>.<stage>/           sdp/tp runs: the stage replicas and optimizer moments,
+                                          written with torch.distributed.checkpoint by the processes
+                                          sharing them ([Note: sharded checkpoint layout] in
+                                          ``pipefisher.runtime.sharded_checkpoint``)
         manifest.json                     written last, by rank 0: marks the checkpoint complete
 
 Each worker writes its shard to a temporary file in the same folder, fsyncs it and renames it
