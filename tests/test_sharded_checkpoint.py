@@ -42,6 +42,8 @@ CASES = {
     "sdp2-tp2-D1": ["pipeline=gpipe", "stages=1", "num_micro_batches=2", "sdp=2", "tp=2"],
     # data_parallel beside sdp: block 0 writes, block 1 reads block 0's folder over its own group
     "sdp2-W2-D1": ["pipeline=gpipe", "stages=1", "num_micro_batches=2", "sdp=2", "data_parallel=2"],
+    # two stage replicas per worker, each written over its own sdp group (in one sorted order)
+    "sdp2-chimera-D2": ["pipeline=chimera", "stages=2", "num_micro_batches=2", "sdp=2"],
 }
 INTERRUPT_AT = 4  # saves after steps 1 and 3 (every_steps=2), fails at the start of step 4
 WORLD = 4
@@ -136,7 +138,8 @@ def test_resumed_sharded_run_equals_uninterrupted_run_bit_for_bit(case: str, run
     for rank in range(WORLD):  # step, scheduler, generators, NVLAMB's step counts
         _assert_same(load_shard(a_dir, rank), load_shard(b_dir, rank), f"{case} worker {rank}")
     a, b = _dcp_tensors(a_dir), _dcp_tensors(b_dir)
-    assert {k.split("/")[0] for k in a} == {dcp_folder((0, s)) for s in range(_cfg(case).stages)}
+    pipes = 2 if "chimera" in case else 1
+    assert {k.split("/")[0] for k in a} == {dcp_folder((p, s)) for p in range(pipes) for s in range(_cfg(case).stages)}
     assert any(".exp_avg_sq" in k for k in a) and any("/model." in k for k in a)
     _assert_same(a, b, case)  # parameters and moments, gathered whole
     assert [s for s, _ in list_checkpoints(runs / case / "resumed" / "checkpoints")] == [INTERRUPT_AT - 1, 5]
