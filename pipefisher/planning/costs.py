@@ -118,14 +118,17 @@ def kfac_linear_dims(config: BertConfig, encoder_layers: int) -> list[tuple[int,
 
 
 def stage_parameters(config: BertConfig, partition: Sequence[tuple[int, int]]) -> list[int]:
-    """Parameters of each stage; the last stage counts its copy of the tied word embeddings."""
+    """Parameters of each stage; the last stage counts its copy of the tied word embeddings, except
+    where one stage holds the embeddings and the heads: there the word embedding is the decoder, one
+    tensor, counted once."""
     h, v = config.hidden_size, config.vocab_size
     f = config.intermediate_size or 4 * h
     embeddings = (v + config.max_position_embeddings + config.type_vocab_size) * h + 2 * h
     encoder = 4 * (h * h + h) + (h * f + f) + (f * h + h) + 4 * h
     heads = (h * h + h + 2 * h + v) + v * h + (h * h + h) + (2 * h + 2)
     per_layer = [embeddings] + [encoder] * config.num_layers + [heads]
-    return [sum(per_layer[first:last + 1]) for first, last in partition]
+    last = len(per_layer) - 1
+    return [sum(per_layer[first:end + 1]) - (v * h if first == 0 and end == last else 0) for first, end in partition]
 
 
 def _allreduce_s(num_bytes: float, replicas: int, bandwidth: float) -> float:

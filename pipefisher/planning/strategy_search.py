@@ -161,15 +161,10 @@ def tp_sharded_parameters(bert: BertConfig) -> int:
 
 
 def _local_parameters(run: RunShape, tp: int) -> list[float]:
-    """Parameters of each model stage on one tp rank. ``stage_parameters`` counts the tied word embedding
-    in stage 0 and again, as the MLM decoder, in the last stage; at one stage both are one tensor, counted
-    once here (planning.memory counts it twice there: 4·V·H bytes too many weights, gradients and twice
-    that of moments)."""
+    """Parameters of each model stage on one tp rank (``stage_parameters``: the tied word embedding in
+    stage 0 and again, as the MLM decoder, in the last stage; once where one stage holds both)."""
     shard = tp_sharded_parameters(run.bert) * (1 - 1 / tp)
-    params = [p - n * shard for p, n in zip(stage_parameters(run.bert, run.partition), run.encoder_layers)]
-    if len(params) == 1:
-        params[0] -= _tied_parameters(run.bert)
-    return params
+    return [p - n * shard for p, n in zip(stage_parameters(run.bert, run.partition), run.encoder_layers)]
 
 
 def _tied_parameters(bert: BertConfig) -> int:
