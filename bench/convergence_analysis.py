@@ -371,11 +371,12 @@ def trade_off(costs: Mapping[str, float], multipliers: Mapping[str, Mapping[int,
 def simulated_setting(doc: Mapping[str, Any]) -> tuple[str, dict[str, float]]:
     """The step-cost setting of a ``bench/step_costs.py --json`` file: ``"D=<stages> simulated, batch <B>"``
     (B = micro-batch size × micro-batches × data-parallel width of its simulated run) and its arms'
-    seconds per step (``pipefisher-kK`` included), as the study's step_costs.json holds them."""
+    seconds per step (``pipefisher-kK`` included), as the study's step_costs.json holds them. AdamW and
+    Muon get NVLAMB's step, as step_costs.py states (their optimizer work is not in the profile)."""
     run = doc["simulated_run"]
     batch = run["micro_batch_size"] * run["num_micro_batches"] * run.get("dp_width", 1)
-    return (f"D={run['stages']} simulated, batch {batch}",
-            {arm: float(row["step_s"]) for arm, row in doc["simulated"].items()})
+    arms = {arm: float(row["step_s"]) for arm, row in doc["simulated"].items()}
+    return f"D={run['stages']} simulated, batch {batch}", {**arms, "adamw": arms["nvlamb"], "muon": arms["nvlamb"]}
 
 
 def pipefisher_arm(k: int) -> str:

@@ -338,4 +338,5 @@ def test_trade_off_prices_each_interval_by_its_step_and_its_steps(ca) -> None:
 def test_simulated_setting_names_the_stage_count_and_global_batch(ca) -> None:
     doc = {"simulated_run": {"stages": 8, "micro_batch_size": 16, "num_micro_batches": 8, "dp_width": 1},
            "simulated": {"nvlamb": {"step_s": 0.1, "k": None}, "pipefisher-k2": {"step_s": 0.12, "k": 2}}}
-    assert ca.simulated_setting(doc) == ("D=8 simulated, batch 128", {"nvlamb": 0.1, "pipefisher-k2": 0.12})
+    assert ca.simulated_setting(doc) == ("D=8 simulated, batch 128", {"nvlamb": 0.1, "pipefisher-k2": 0.12,
+                                                                       "adamw": 0.1, "muon": 0.1})
