@@ -167,19 +167,23 @@ def _losses(run_dir: Path) -> tuple[list[int], list[float]]:
     return [r["step"] for r in rows], [r["loss"] for r in rows]
 
 
-def _assert_same_state(a: Any, b: Any, where: str) -> None:
-    """Two shards (nests of tensors and primitives) are equal; ``where`` names the first difference."""
+def _assert_same_state(a: Any, b: Any, where: str, *, exact: bool = False) -> None:
+    """Two shards (nests of tensors and primitives) are equal, tensors to rtol 1e-6 or, with ``exact``,
+    bit for bit (``torch.equal``); ``where`` names the first difference."""
     if isinstance(a, torch.Tensor):
         assert isinstance(b, torch.Tensor), where
-        torch.testing.assert_close(a, b, rtol=1e-6, atol=0.0, msg=lambda m: f"{where}: {m}")
+        if exact:
+            assert torch.equal(a, b), where
+        else:
+            torch.testing.assert_close(a, b, rtol=1e-6, atol=0.0, msg=lambda m: f"{where}: {m}")
     elif isinstance(a, dict):
         assert set(a) == set(b), f"{where}: keys {sorted(map(str, a))} != {sorted(map(str, b))}"
         for k in a:
-            _assert_same_state(a[k], b[k], f"{where}/{k}")
+            _assert_same_state(a[k], b[k], f"{where}/{k}", exact=exact)
     elif isinstance(a, (list, tuple)):
         assert len(a) == len(b), where
         for i, (x, y) in enumerate(zip(a, b)):
-            _assert_same_state(x, y, f"{where}[{i}]")
+            _assert_same_state(x, y, f"{where}[{i}]", exact=exact)
     else:
         assert a == b, f"{where}: {a!r} != {b!r}"
 

@@ -161,16 +161,10 @@ def test_pipefisher_on_dualpipev_equals_kfac_with_the_same_plan(tmp_path) -> Non
 
     import torch
 
-    from pipefisher.runtime.worker import CPU_HARDWARE, encoder_layers_per_stage, run_shape, schedule_for
-    from pipefisher.schedules.kfac import assignment_to_json, kfac_layer_counts
-    from tests.test_pipeline_kfac import _cfg as kfac_cfg
+    from tests.test_pipeline_kfac import _cfg as kfac_cfg, _planned
 
-    base = kfac_cfg("dualpipev", 2, 4, 1)
-    schedule = schedule_for(base)
-    layers = kfac_layer_counts(schedule, encoder_layers_per_stage(base, schedule.num_stages))
-    plan = plan_pipefisher(schedule, estimate_run_costs(run_shape(base), CPU_HARDWARE), layers)
     path = tmp_path / "assignment.json"
-    assignment_to_json(plan, path)
+    plan = _planned(kfac_cfg("dualpipev", 2, 4, 1), path)
     steps = 2 * plan.interval + 1
     cases = [dataclasses.replace(kfac_cfg("dualpipev", 2, 4, 1, *extra, f"optimizer.schedule={path}"), steps=steps)
              for extra in (("optimizer=pipefisher",), ())]

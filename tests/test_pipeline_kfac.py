@@ -18,7 +18,7 @@ from pipefisher.optim import KFACPreconditioner, global_grad_norm
 from pipefisher.planning.assign import plan_pipefisher
 from pipefisher.planning.costs import estimate_run_costs
 from pipefisher.runtime.worker import CPU_HARDWARE, encoder_layers_per_stage, run_shape, schedule_for
-from pipefisher.schedules.kfac import assignment_to_json, kfac_layer_counts
+from pipefisher.schedules.kfac import Assignment, assignment_to_json, kfac_layer_counts
 from pipefisher.training import bert_config, data_plan, data_source, make_optimizer
 from tests.conftest import compose_train
 from tests.dist_harness import run_cases
@@ -72,18 +72,23 @@ def _single_process_kfac(cfg: TrainConfig, steps: int):
     return first, {n: p.detach() for n, p in model.named_parameters()}
 
 
+def _planned(cfg: TrainConfig, path: Path) -> Assignment:
+    """PipeFisher's plan for ``cfg`` from the CPU cost estimate (the interval its planner picks), written to
+    ``path`` for ``optimizer.schedule``."""
+    schedule = schedule_for(cfg)
+    layers = kfac_layer_counts(schedule, encoder_layers_per_stage(cfg, schedule.num_stages))
+    assignment = plan_pipefisher(schedule, estimate_run_costs(run_shape(cfg), CPU_HARDWARE), layers)
+    assignment_to_json(assignment, path)
+    return assignment
+
+
 @pytest.fixture(scope="module")
 def kfac_results(tmp_path_factory: pytest.TempPathFactory):
     tmp = tmp_path_factory.mktemp("kfac")
     cases = [(_cfg(*c), 4) for c in CASES]
     # PipeFisher with the interval its planner picks, and K-FAC running the same plan's units after the flush.
-    pf = _cfg("chimera", 2, 4, 1)
-    schedule = schedule_for(pf)
-    layers = kfac_layer_counts(schedule, encoder_layers_per_stage(pf, schedule.num_stages))
-    assignment = plan_pipefisher(schedule, estimate_run_costs(run_shape(pf), CPU_HARDWARE), layers)
     path = tmp / "assignment.json"
-    assignment_to_json(assignment, path)
-    k = assignment.interval
+    k = _planned(_cfg("chimera", 2, 4, 1), path).interval
     steps = 2 * k + 1
     cases.append((dataclasses.replace(_cfg("chimera", 2, 4, 1, "optimizer=pipefisher", f"optimizer.schedule={path}"),
                                       steps=steps), steps))

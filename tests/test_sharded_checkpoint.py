@@ -15,7 +15,6 @@ import json
 import logging
 import pickle
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
@@ -27,8 +26,8 @@ from pipefisher.runtime.checkpoint import (MANIFEST, check_compatible, find_late
                                            step_dir, write_manifest, write_shard)
 from pipefisher.runtime.sharded_checkpoint import IN_DCP, _SafeUnpickler, dcp_folder
 from pipefisher.runtime.worker import train_worker
-from pipefisher.tracking import read_metrics
 from tests.conftest import compose_train
+from tests.test_checkpoint import _assert_same_state, _losses
 
 MODEL = ["model.num_layers=2", "model.hidden_size=32", "model.num_heads=2", "model.intermediate_size=64",
          "model.vocab_size=128", "data.seq_len=16", "data.max_predictions=3", "micro_batch_size=2", "lr=0.01",
@@ -95,11 +94,6 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp
 
 
-def _losses(run_dir: Path) -> tuple[list[int], list[float]]:
-    rows = read_metrics(run_dir / "metrics.jsonl")
-    return [r["step"] for r in rows], [r["loss"] for r in rows]
-
-
 def _dcp_tensors(folder: Path) -> dict[str, torch.Tensor]:
     """Every DCP folder of a checkpoint, read whole in this process: ``<folder>/<key>`` -> tensor."""
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
@@ -112,21 +106,6 @@ def _dcp_tensors(folder: Path) -> dict[str, torch.Tensor]:
     return out
 
 
-def _assert_same(a: Any, b: Any, where: str) -> None:
-    if isinstance(a, torch.Tensor):
-        assert isinstance(b, torch.Tensor) and torch.equal(a, b), where
-    elif isinstance(a, dict):
-        assert set(a) == set(b), f"{where}: keys {sorted(map(str, a))} != {sorted(map(str, b))}"
-        for k in a:
-            _assert_same(a[k], b[k], f"{where}/{k}")
-    elif isinstance(a, (list, tuple)):
-        assert len(a) == len(b), where
-        for i, (x, y) in enumerate(zip(a, b)):
-            _assert_same(x, y, f"{where}[{i}]")
-    else:
-        assert a == b, f"{where}: {a!r} != {b!r}"
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("case", list(CASES))
 def test_resumed_sharded_run_equals_uninterrupted_run_bit_for_bit(case: str, runs: Path) -> None:
@@ -136,12 +115,12 @@ def test_resumed_sharded_run_equals_uninterrupted_run_bit_for_bit(case: str, run
     assert resumed == straight  # exact: the same reductions in the same order (fixed groups and sizes)
     a_dir, b_dir = (step_dir(runs / case / run / "checkpoints", 5) for run in ("straight", "resumed"))
     for rank in range(WORLD):  # step, scheduler, generators, NVLAMB's step counts
-        _assert_same(load_shard(a_dir, rank), load_shard(b_dir, rank), f"{case} worker {rank}")
+        _assert_same_state(load_shard(a_dir, rank), load_shard(b_dir, rank), f"{case} worker {rank}", exact=True)
     a, b = _dcp_tensors(a_dir), _dcp_tensors(b_dir)
     pipes = 2 if "chimera" in case else 1
     assert {k.split("/")[0] for k in a} == {dcp_folder((p, s)) for p in range(pipes) for s in range(_cfg(case).stages)}
     assert any(".exp_avg_sq" in k for k in a) and any("/model." in k for k in a)
-    _assert_same(a, b, case)  # parameters and moments, gathered whole
+    _assert_same_state(a, b, case, exact=True)  # parameters and moments, gathered whole
     assert [s for s, _ in list_checkpoints(runs / case / "resumed" / "checkpoints")] == [INTERRUPT_AT - 1, 5]
 
 
@@ -224,13 +203,10 @@ def test_dcp_metadata_is_read_without_unsafe_unpickling() -> None:
 @pytest.mark.slow
 def test_ctrl_c_of_an_sdp_run_checkpoints_and_resume_auto_continues(tmp_path: Path) -> None:
     import os
-    import re
     import signal
-    import subprocess
-    import sys
 
-    from tests.conftest import REPO, TINY
-    from tests.test_signals import START_TIMEOUT_S, _start, _stop, _wait_for_step
+    from tests.conftest import TINY
+    from tests.test_signals import _assert_resume_continues, _interrupt_checkpoint, _start, _stop, _wait_for_step
 
     run = ["pipeline=gpipe", "stages=1", "sdp=2", "num_micro_batches=1", "cluster.worker_timeout_s=120", *TINY]
     run_dir = tmp_path / "run"
@@ -238,15 +214,7 @@ def test_ctrl_c_of_an_sdp_run_checkpoints_and_resume_auto_continues(tmp_path: Pa
     _wait_for_step(proc, run_dir, log)
     code, out, _ = _stop(proc, log, lambda: os.kill(proc.pid, signal.SIGINT))
     assert code == 130, out[-3000:]
-    found = re.search(r"interrupted at step (\d+); last checkpoint: (\S+)", out)
-    assert found, out[-3000:]
-    step, folder = int(found.group(1)), Path(found.group(2))
+    step, folder = _interrupt_checkpoint(out)
     assert find_latest(run_dir / "checkpoints") == folder == step_dir(run_dir / "checkpoints", step)
     assert (folder / dcp_folder((0, 0)) / ".metadata").is_file()
-    env = {**os.environ, "WANDB_MODE": "disabled", "OMP_NUM_THREADS": "1"}
-    again = subprocess.run([sys.executable, "train.py", *run, f"steps={step + 3}", "resume=auto",
-                            f"hydra.run.dir={run_dir}"], cwd=REPO, env=env, capture_output=True, text=True,
-                           timeout=START_TIMEOUT_S)
-    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
-    assert f"continuing at step {step + 1}" in again.stdout + again.stderr
-    assert [r["step"] for r in read_metrics(run_dir / "metrics.jsonl")][-3:] == [step, step + 1, step + 2]
+    _assert_resume_continues(run_dir, run, step)

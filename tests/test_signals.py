@@ -108,6 +108,24 @@ def _assert_nothing_left(below: set[int]) -> None:
 # --- the recording of signals, without processes --------------------------------------------------
 
 
+def _interrupt_checkpoint(out: str) -> tuple[int, Path]:
+    """(step, folder) of the checkpoint an interrupted train.py names in its last words."""
+    found = re.search(r"interrupted at step (\d+); last checkpoint: (\S+)", out)
+    assert found, out[-3000:]
+    return int(found.group(1)), Path(found.group(2))
+
+
+def _assert_resume_continues(run_dir: Path, run: list[str], step: int) -> None:
+    """``train.py <run> resume=auto`` in the same run directory continues after ``step`` and finishes."""
+    env = {**os.environ, "WANDB_MODE": "disabled", "OMP_NUM_THREADS": "1"}
+    again = subprocess.run([sys.executable, "train.py", *run, f"steps={step + 3}", "resume=auto",
+                            f"hydra.run.dir={run_dir}"], cwd=REPO, env=env, capture_output=True, text=True,
+                           timeout=START_TIMEOUT_S)
+    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+    assert f"continuing at step {step + 1}" in again.stdout + again.stderr
+    assert [r["step"] for r in read_metrics(run_dir / "metrics.jsonl")][-3:] == [step, step + 1, step + 2]
+
+
 @pytest.fixture()
 def _restore_handlers():
     before = {s: signal.getsignal(s) for s in preemption.INTERRUPT_SIGNALS}
@@ -189,21 +207,11 @@ def test_sigterm_checkpoints_exits_143_and_resume_auto_continues(tmp_path: Path)
     _wait_for_step(proc, run_dir, log)
     code, out, below = _stop(proc, log, lambda: os.kill(proc.pid, signal.SIGTERM))
     assert code == 143, out[-3000:]
-    found = re.search(r"interrupted at step (\d+); last checkpoint: (\S+)", out)
-    assert found, out[-3000:]
-    step, folder = int(found.group(1)), Path(found.group(2))
+    step, folder = _interrupt_checkpoint(out)
     assert folder == run_dir / "checkpoints" / f"step_{step}" and (folder / "manifest.json").is_file()
     assert read_metrics(run_dir / "metrics.jsonl")[-1]["step"] == step
     _assert_nothing_left(below)
-
-    # Same run directory, resume=auto: it continues after the checkpointed step and finishes.
-    env = {**os.environ, "WANDB_MODE": "disabled", "OMP_NUM_THREADS": "1"}
-    again = subprocess.run([sys.executable, "train.py", *RUN, f"steps={step + 3}", "resume=auto",
-                            f"hydra.run.dir={run_dir}"], cwd=REPO, env=env, capture_output=True, text=True,
-                           timeout=START_TIMEOUT_S)
-    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
-    assert f"continuing at step {step + 1}" in again.stdout + again.stderr
-    assert [r["step"] for r in read_metrics(run_dir / "metrics.jsonl")][-3:] == [step, step + 1, step + 2]
+    _assert_resume_continues(run_dir, RUN, step)
 
 
 @pytest.mark.slow
