@@ -129,11 +129,11 @@ def write(out: Path, args: argparse.Namespace, spec: ca.StudySpec, data: Any, re
                     lines.append(f"| {a} | {len(curves[batch][a])} | {g[0]:+.3f} | {g[1]} |")
             batch_report["max_gap_to_kfac_k1"] = {a: g for a, g in gaps.items() if g is not None}
         if hardest is not None:
-            stale_steps = _write_staleness_curves(out, batch, targets, results, picks, spec, arms)
+            multipliers = _write_staleness_curves(out, batch, targets, results, picks, spec, arms)
             hard = min(targets, key=targets.get)
             nv, k1 = steps_by_arm.get("nvlamb", {}).get(hard), steps_by_arm.get("kfac-k1", {}).get(hard)
             if nv is not None and k1 is not None and nv.complete and k1.complete:
-                tradeoff = _trade_off_lines(costs, batch, stale_steps, k1.mean / nv.mean, hard)
+                tradeoff = _trade_off_lines(costs, batch, multipliers, k1.mean / nv.mean, hard)
                 lines += tradeoff[0]
                 batch_report["trade_off"] = tradeoff[1]
         stale = list(dict.fromkeys(["kfac-k1"] + list(spec.stale_arms)))
@@ -162,11 +162,11 @@ def write(out: Path, args: argparse.Namespace, spec: ca.StudySpec, data: Any, re
     print("\n".join(lines))
 
 
-def _trade_off_lines(costs: dict[str, dict[str, float]], batch: int, steps: dict[str, dict[int, float | None]],
+def _trade_off_lines(costs: dict[str, dict[str, float]], batch: int,
+                     multipliers: dict[str, dict[int, tuple[float, int]]],
                      kfac1_over_nvlamb: float, target: str) -> tuple[list[str], dict[str, Any]]:
     """The trade-off tables of ``batch`` (one per step-cost setting with ``pipefisher-kK`` or more than one
     ``kfac-kK`` entry) and their figures for results.json."""
-    multipliers = {mode: ca.staleness_multipliers(steps, mode) for mode in ("deferred", "ready", "fresh")}
     lines: list[str] = []
     report: dict[str, Any] = {}
     for setting, cost in _settings(costs, batch).items():
@@ -189,13 +189,14 @@ def _trade_off_lines(costs: dict[str, dict[str, float]], batch: int, steps: dict
 
 
 def _write_staleness_curves(out: Path, batch: int, targets: dict[str, float], results: dict[str, dict[str, Any]],
-                            picks: ca.Picks, spec: ca.StudySpec, arms: list[str]) -> dict[str, dict[int, float | None]]:
+                            picks: ca.Picks, spec: ca.StudySpec,
+                            arms: list[str]) -> dict[str, dict[int, tuple[float, int]]]:
     """staleness_b<batch>.json (deferred arms: promote_inverses=at_cycle_end) and
     staleness_b<batch>_when_ready.json (``-ready`` arms), the files ``optimizer.staleness_curve``
     takes: steps multiplier per k at the hardest target (pipefisher.planning.staleness).
 
     Returns:
-        arm -> {seed: steps to the hardest target, None where missed} of the K-FAC arms."""
+        mode (deferred, ready, fresh) -> :func:`convergence_analysis.staleness_multipliers` of the K-FAC arms."""
     name, target = min(targets.items(), key=lambda kv: kv[1])
     steps: dict[str, dict[int, float | None]] = {}
     for arm in dict.fromkeys(["kfac-k1", *spec.stale_arms, *arms]):
@@ -204,8 +205,9 @@ def _write_staleness_curves(out: Path, batch: int, targets: dict[str, float], re
             r = results.get(run.key) if run is not None else None
             if r is not None and r["status"] == "ok":
                 steps.setdefault(arm, {})[seed] = ca.steps_to_target(r["curve"], target)
+    multipliers = {mode: ca.staleness_multipliers(steps, mode) for mode in ("deferred", "ready", "fresh")}
     for mode, suffix in (("deferred", ""), ("ready", "_when_ready")):
-        mult = ca.staleness_multipliers(steps, mode)
+        mult = multipliers[mode]
         if len(mult) < 2:
             continue
         doc = {"promote_inverses": ca.PROMOTE_OF_MODE[mode], "multiplier": {str(k): round(m, 4) for k, (m, _) in mult.items()},
@@ -213,7 +215,7 @@ def _write_staleness_curves(out: Path, batch: int, targets: dict[str, float], re
                "source": f"bench/convergence.py study {out.name}, global batch {batch}: steps of kfac-kK-{mode} / "
                          f"kfac-k1 over the same seeds"}
         (out / f"staleness_b{batch}{suffix}.json").write_text(json.dumps(doc, indent=1) + "\n")
-    return steps
+    return multipliers
 
 
 def _cost_arm(arm: str, pf: dict[str, str], setting: str) -> str:
