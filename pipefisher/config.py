@@ -116,13 +116,13 @@ class OptimizerConfig:
     factor_decay: float = 0.95  # K-FAC running-average decay of the factors (per step, or per refresh: factor_decay_per)
     factor_decay_per: str = "step"  # step: a refresh every k steps decays by factor_decay**k (the average spans the same steps at any k); refresh: by factor_decay
     deferred_inverse: bool = False  # kfac: use inverses from the next refresh cycle on, as pipefisher does
-    promote_inverses: str = "at_cycle_end"  # deferred inverses (pipefisher; kfac with deferred_inverse) in use from the next cycle (at_cycle_end, age <= 2k-1) or from the step after their INVERT (when_ready, age <= k + its phase lag)
+    promote_inverses: str = "at_cycle_end"  # deferred inverses (kfac with deferred_inverse or a schedule; pipefisher, whose group sets when_ready) in use from the next cycle (at_cycle_end, age <= 2k-1) or from the step after their INVERT (when_ready, age <= k + its phase lag)
     schedule: Optional[str] = None  # pipefisher: work-assignment JSON from schedule.py (kfac: run it on the critical path)
     inverse_dtype: str = "float32"  # K-FAC inversion precision: float32 (as ASDL), float64, or auto (float64 up to 1024 wide)
     curvature_micro_batches: int = 0  # K-FAC curvature from the first n micro-batches of each pipe per refresh; 0 = all
     curvature_placement: str = "after_capture"  # pipefisher planner: after_capture (after F / B or I) or beside_w (after the micro-batch's W; zero-bubble schedules)
     max_interval: int = 8  # pipefisher: the largest refresh interval k the planner tries
-    max_staleness: Optional[int] = None  # pipefisher: bound on the curvature age in steps (the plan's bound for promote_inverses <= it); None = no bound
+    max_staleness: Optional[int] = None  # pipefisher (its group sets 8): bound on the curvature age in steps (the plan's bound for promote_inverses <= it); None = no bound
     staleness_curve: Optional[str] = None  # pipefisher planner: JSON of steps multiplier per k measured by the convergence study (staleness_b<batch>.json); the planner then picks the k of least step time x multiplier; None = the smallest k whose bubbles hold the refresh
     kfac_update: str = "lamb"  # update of K-FAC layers: lamb (NVLAMB on the preconditioned gradient) or momentum (reference: no second moment)
     kfac_lr: Optional[float] = None  # kfac_update=momentum: peak lr of the K-FAC layers; None = lr

@@ -72,7 +72,7 @@ CASES = {
     # With a plan of refresh interval 2 (optimizer.schedule, see _pipefisher_plan): the planner's
     # own choice for this shape is longer than the run.
     "pipefisher-chimera-D2-k2": ["pipeline=chimera", "stages=2", "num_micro_batches=2", "optimizer=pipefisher",
-                                 "optimizer.damping=0.01"],
+                                 "optimizer.promote_inverses=at_cycle_end", "optimizer.damping=0.01"],
 }
 PIPEFISHER = "pipefisher-chimera-D2-k2"
 # The interrupted run saves after steps 1 and 3 (every_steps=2) and fails at the start of step 4;

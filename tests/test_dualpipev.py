@@ -164,10 +164,10 @@ def test_pipefisher_on_dualpipev_equals_kfac_with_the_same_plan(tmp_path) -> Non
     from tests.test_pipeline_kfac import _cfg as kfac_cfg, _planned
 
     path = tmp_path / "assignment.json"
-    plan = _planned(kfac_cfg("dualpipev", 2, 4, 1), path)
+    plan = _planned(kfac_cfg("dualpipev", 2, 4, 1, "optimizer=pipefisher"), path)
     steps = 2 * plan.interval + 1
     cases = [dataclasses.replace(kfac_cfg("dualpipev", 2, 4, 1, *extra, f"optimizer.schedule={path}"), steps=steps)
-             for extra in (("optimizer=pipefisher",), ())]
+             for extra in (("optimizer=pipefisher",), ("optimizer.promote_inverses=when_ready",))]  # as pipefisher's
     pipefisher, kfac = run_cases([(c, steps) for c in cases], tmp_path)
     for rank in pipefisher:
         for key, value in pipefisher[rank]["params"].items():

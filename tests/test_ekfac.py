@@ -231,6 +231,7 @@ def pipeline_results(tmp_path_factory: pytest.TempPathFactory):
     steps = 5  # two whole cycles of k=2 and one more step: deferred bases in use from step 2 on
     bubbles = dataclasses.replace(compose_train(MODEL + EPS + ["pipeline=chimera", "stages=2", "num_micro_batches=4",
                                                                "optimizer=pipefisher", "optimizer.preconditioner=ekfac",
+                                                               "optimizer.promote_inverses=at_cycle_end",  # as critical's
                                                                f"optimizer.schedule={path}"]), steps=steps)
     critical = dataclasses.replace(compose_train(MODEL + EKFAC + ["pipeline=chimera", "stages=2", "num_micro_batches=4",
                                                           f"optimizer.schedule={path}"]), steps=steps)

@@ -68,11 +68,15 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict]]:
     steps = "steps=6"
     return {
         "nvlamb": _run(tmp, "nvlamb", steps),
-        "pipefisher": _run(tmp, "pipefisher", steps, "optimizer=pipefisher", "optimizer.max_interval=3"),
-        "bounded": _run(tmp, "bounded", steps, "optimizer=pipefisher", "optimizer.max_staleness=1"),
+        # at_cycle_end (optimizer=pipefisher's default is when_ready, the "ready" runs): inverses from the next cycle
+        "pipefisher": _run(tmp, "pipefisher", steps, "optimizer=pipefisher", "optimizer.max_interval=3",
+                           "optimizer.promote_inverses=at_cycle_end"),
+        "bounded": _run(tmp, "bounded", steps, "optimizer=pipefisher", "optimizer.max_staleness=1",
+                        "optimizer.promote_inverses=at_cycle_end"),
         "kfac3": _run(tmp, "kfac3", steps, "optimizer=kfac", "optimizer.curvature_interval=3",
                       "optimizer.inverse_interval=3"),
-        "fallback": _run(tmp, "fallback", steps, "optimizer=pipefisher", f"optimizer.schedule={plan}"),
+        "fallback": _run(tmp, "fallback", steps, "optimizer=pipefisher", f"optimizer.schedule={plan}",
+                         "optimizer.promote_inverses=at_cycle_end"),
         # issue 28: deferred inverses in use from the step after their INVERT; factors every step, inverses every 3
         "ready": _run(tmp, "ready", steps, "optimizer=pipefisher", "optimizer.max_interval=3",
                       "optimizer.promote_inverses=when_ready"),
@@ -176,6 +180,12 @@ def test_planner_reports_k_min_and_respects_max_staleness() -> None:
     assert a.interval >= a.metadata["k_min"] and a.metadata["choice"].startswith(f"k={a.interval}")
     bounded = plan_pipefisher(s, cost, layers, max_staleness=3)
     assert 2 * bounded.interval - 1 <= 3 and bounded.metadata["max_staleness"] == 3
+    # optimizer=pipefisher's defaults (inverses when ready, age <= 8) keep this plan's curvature within 8 steps,
+    # where the old ones (from the next cycle, no bound) let it reach 2k - 1
+    o = cfg.optimizer
+    assert (o.promote_inverses, o.max_staleness) == ("when_ready", 8)
+    assert curvature_age_bound(kfac_assignment(cfg, s), "when_ready") <= 8
+    assert curvature_age_bound(plan_pipefisher(s, cost, layers), "at_cycle_end") > 8
     with pytest.raises(ValueError, match="max_staleness"):
         plan_pipefisher(s, cost, layers, max_staleness=0)
 

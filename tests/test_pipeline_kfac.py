@@ -15,10 +15,9 @@ from pipefisher.config import TrainConfig
 from pipefisher.data import get_micro_batch
 from pipefisher.model import build_full_model
 from pipefisher.optim import KFACPreconditioner, global_grad_norm
-from pipefisher.planning.assign import plan_pipefisher
-from pipefisher.planning.costs import estimate_run_costs
-from pipefisher.runtime.worker import CPU_HARDWARE, encoder_layers_per_stage, run_shape, schedule_for
-from pipefisher.schedules.kfac import Assignment, assignment_to_json, kfac_layer_counts
+from pipefisher.runtime.build import kfac_assignment
+from pipefisher.runtime.worker import schedule_for
+from pipefisher.schedules.kfac import Assignment, assignment_to_json
 from pipefisher.training import bert_config, data_plan, data_source, make_optimizer
 from tests.conftest import compose_train
 from tests.dist_harness import run_cases
@@ -73,27 +72,34 @@ def _single_process_kfac(cfg: TrainConfig, steps: int):
 
 
 def _planned(cfg: TrainConfig, path: Path) -> Assignment:
-    """PipeFisher's plan for ``cfg`` from the CPU cost estimate (the interval its planner picks), written to
-    ``path`` for ``optimizer.schedule``."""
-    schedule = schedule_for(cfg)
-    layers = kfac_layer_counts(schedule, encoder_layers_per_stage(cfg, schedule.num_stages))
-    assignment = plan_pipefisher(schedule, estimate_run_costs(run_shape(cfg), CPU_HARDWARE), layers)
+    """PipeFisher's plan for an ``optimizer=pipefisher`` config (the runtime's planner on the CPU cost
+    estimate, under its ``max_interval``, ``max_staleness`` and ``promote_inverses``), written to ``path``
+    for ``optimizer.schedule``."""
+    assert cfg.optimizer.name == "pipefisher" and not cfg.optimizer.schedule, cfg.optimizer
+    assignment = kfac_assignment(cfg, schedule_for(cfg))
     assignment_to_json(assignment, path)
     return assignment
+
+
+PROMOTE = ("at_cycle_end", "when_ready")  # optimizer.promote_inverses; when_ready is optimizer=pipefisher's default
 
 
 @pytest.fixture(scope="module")
 def kfac_results(tmp_path_factory: pytest.TempPathFactory):
     tmp = tmp_path_factory.mktemp("kfac")
     cases = [(_cfg(*c), 4) for c in CASES]
-    # PipeFisher with the interval its planner picks, and K-FAC running the same plan's units after the flush.
-    path = tmp / "assignment.json"
-    k = _planned(_cfg("chimera", 2, 4, 1), path).interval
-    steps = 2 * k + 1
-    cases.append((dataclasses.replace(_cfg("chimera", 2, 4, 1, "optimizer=pipefisher", f"optimizer.schedule={path}"),
-                                      steps=steps), steps))
-    cases.append((dataclasses.replace(_cfg("chimera", 2, 4, 1, f"optimizer.schedule={path}"), steps=steps), steps))
-    return run_cases(cases, tmp), k
+    # PipeFisher with the interval its planner picks under each promotion rule, and K-FAC running the same
+    # plan's units after the flush with the same rule.
+    intervals = {}
+    for promote in PROMOTE:
+        rule = f"optimizer.promote_inverses={promote}"
+        path = tmp / f"assignment-{promote}.json"
+        k = intervals[promote] = _planned(_cfg("chimera", 2, 4, 1, "optimizer=pipefisher", rule), path).interval
+        steps = 2 * k + 1
+        for optimizer in ("optimizer=pipefisher", "optimizer=kfac"):
+            cfg = _cfg("chimera", 2, 4, 1, optimizer, rule, f"optimizer.schedule={path}")
+            cases.append((dataclasses.replace(cfg, steps=steps), steps))
+    return run_cases(cases, tmp), intervals
 
 
 @pytest.mark.slow
@@ -122,10 +128,12 @@ def test_factors_preconditioned_gradients_and_parameters_equal_single_process(in
 
 
 @pytest.mark.slow
-def test_pipefisher_equals_kfac_with_the_same_interval_and_staleness(kfac_results) -> None:
-    results, k = kfac_results
-    pipefisher, kfac = results[len(CASES)], results[len(CASES) + 1]
-    assert k >= 1
+@pytest.mark.parametrize("promote", PROMOTE)
+def test_pipefisher_equals_kfac_with_the_same_interval_and_staleness(promote: str, kfac_results) -> None:
+    results, intervals = kfac_results
+    first = len(CASES) + 2 * PROMOTE.index(promote)
+    pipefisher, kfac = results[first], results[first + 1]
+    assert intervals[promote] >= 1
     for rank in pipefisher:
         for key, value in pipefisher[rank]["params"].items():
             torch.testing.assert_close(value, kfac[rank]["params"][key], rtol=1e-5, atol=1e-6,

@@ -90,20 +90,20 @@ def test_schedule_config_checks_the_curve_before_planning(tmp_path: Path) -> Non
     with pytest.raises(ConfigError, match="staleness_curve=.*no such file"):
         ScheduleConfig(staleness_curve=str(tmp_path / "missing.json"))
     f = tmp_path / "c.json"
-    f.write_text(json.dumps({"multiplier": {"1": 1.0, "2": 1.0}, "promote_inverses": "when_ready"}))
-    with pytest.raises(ConfigError, match="set promote_inverses=when_ready"):
-        ScheduleConfig(staleness_curve=str(f))
-    assert ScheduleConfig(staleness_curve=str(f), promote_inverses="when_ready").staleness_curve == str(f)
+    f.write_text(json.dumps({"multiplier": {"1": 1.0, "2": 1.0}, "promote_inverses": "at_cycle_end"}))
+    with pytest.raises(ConfigError, match="set promote_inverses=at_cycle_end"):
+        ScheduleConfig(staleness_curve=str(f))  # schedule.py's default is optimizer=pipefisher's: when_ready
+    assert ScheduleConfig(staleness_curve=str(f), promote_inverses="at_cycle_end").staleness_curve == str(f)
 
 
 def test_train_config_takes_a_curve_for_the_pipefisher_planner_only(tmp_path: Path, make_cfg) -> None:
     f = tmp_path / "curve.json"
     f.write_text(json.dumps({"multiplier": {"1": 1.0, "2": 1.01, "4": 1.05}}))
-    cfg = make_cfg("optimizer=pipefisher", f"optimizer.staleness_curve={f}")
+    cfg = make_cfg("optimizer=pipefisher", f"optimizer.staleness_curve={f}", "optimizer.promote_inverses=at_cycle_end")
     assert cfg.optimizer.staleness_curve == str(f)
     with pytest.raises(ConfigError, match="optimizer.staleness_curve=.*only the pipefisher planner"):
         make_cfg("optimizer=kfac", f"optimizer.staleness_curve={f}")
     with pytest.raises(ConfigError, match="optimizer.staleness_curve=.*no such file"):
         make_cfg("optimizer=pipefisher", f"optimizer.staleness_curve={tmp_path / 'none.json'}")
     with pytest.raises(ConfigError, match="set optimizer.promote_inverses=at_cycle_end"):
-        make_cfg("optimizer=pipefisher", f"optimizer.staleness_curve={f}", "optimizer.promote_inverses=when_ready")
+        make_cfg("optimizer=pipefisher", f"optimizer.staleness_curve={f}")  # pipefisher's default: when_ready

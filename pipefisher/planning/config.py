@@ -60,9 +60,9 @@ class ScheduleConfig:
     allreduce_bytes_per_s: Optional[float] = None  # all-reduce bandwidth; None = p2p_bytes_per_s
     memory_bytes_per_s: float = 1.5e12  # device memory bandwidth (optimizer step)
     max_interval: int = 8  # largest K-FAC refresh interval k PipeFisher may choose
-    max_staleness: Optional[int] = None  # bound on the curvature age (the plan's bound under promote_inverses <= it); None = no bound
+    max_staleness: Optional[int] = 8  # bound on the curvature age (the plan's bound under promote_inverses <= it), as optimizer=pipefisher's default; None = no bound
     staleness_curve: Optional[str] = None  # JSON of steps multiplier per k (the convergence study's staleness_b<batch>.json): pick the k of least step time x multiplier; None = the smallest k whose bubbles hold the refresh
-    promote_inverses: str = "at_cycle_end"  # when train.py's runtime uses deferred inverses: at_cycle_end (age <= 2k-1) or when_ready (the step after their INVERT)
+    promote_inverses: str = "when_ready"  # when train.py's runtime uses deferred inverses: when_ready (the step after their INVERT; optimizer=pipefisher's default) or at_cycle_end (age <= 2k-1)
     curvature_micro_batches: int = 0  # K-FAC curvature from the first n micro-batches of each pipe; 0 = all
     curvature_placement: str = "after_capture"  # after_capture (after F / B or I) or beside_w (after the micro-batch's W; zero-bubble schedules)
     kfac_interval: int = 1  # refresh interval of the kfac (critical path) baseline in the summary
