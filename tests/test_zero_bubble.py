@@ -185,7 +185,8 @@ def test_i_then_w_gives_the_gradients_of_one_backward(recompute: bool) -> None:
                         attention_dropout=0.0)
     plain = build_full_model(config, seed=3, recompute=recompute)
     split = copy.deepcopy(plain)
-    assert enable_split_backward([split]) == 2 * 6 + 4  # 6 per encoder layer; pooler, transform, decoder, NSP
+    # Linear: 6 per encoder layer; pooler, transform, decoder, NSP. Embedding: word, position, token type.
+    assert enable_split_backward([split]) == 2 * 6 + 4 + 3
     assert split.cls.predictions.decoder.weight is split.bert.embeddings.word_embeddings.weight
     source = SyntheticSource(seq_len=16, max_predictions=3, vocab_size=600, seed=0)
     batches = [source.get_samples(range(4 * j, 4 * j + 4)) for j in range(2)]
