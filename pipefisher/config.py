@@ -738,8 +738,8 @@ def _validate_eval(cfg: TrainConfig) -> None:
               f"`{prepare}` (it writes <output-dir>/heldout/), or set eval.every_steps=0")
 
 
-SDP_OPTIMIZERS = ("nvlamb",)  # the optimizers built for sharded (DTensor) weights
-TP_OPTIMIZERS = ("nvlamb",)  # the optimizers built for tensor-parallel (DTensor) weights
+SDP_OPTIMIZERS = ("nvlamb", "adamw", "muon")  # the optimizers built for sharded (DTensor) weights
+TP_OPTIMIZERS = ("nvlamb", "adamw", "muon")  # the optimizers built for tensor-parallel (DTensor) weights
 
 
 def _validate_sdp(cfg: TrainConfig) -> None:
@@ -752,9 +752,10 @@ def _validate_sdp(cfg: TrainConfig) -> None:
         return
     if cfg.optimizer.name in KFAC_OPTIMIZERS:
         _fail("sdp", k, f"optimizer={cfg.optimizer.name} needs whole weights: K-FAC with sharded weights needs its "
-              "factors and preconditioning sharded too (not built); use optimizer=nvlamb or sdp=1")
+              "factors and preconditioning sharded too (not built); use optimizer=nvlamb, adamw or muon, or sdp=1")
     if cfg.optimizer.name not in SDP_OPTIMIZERS:
-        _fail("sdp", k, f"optimizer={cfg.optimizer.name} is not built for sharded weights yet; use optimizer=nvlamb or sdp=1")
+        _fail("sdp", k, f"optimizer={cfg.optimizer.name} is not built for sharded weights yet; use optimizer="
+              f"{' / '.join(SDP_OPTIMIZERS)} or sdp=1")
     if cfg.sdp_reshard_after_forward and cfg.pipeline.method in ("zb-h1", *V_METHODS):
         _fail("sdp_reshard_after_forward", True, f"pipeline={cfg.pipeline.method}'s deferred weight gradients (W) "
               "need the gathered weights after I; use sdp_reshard_after_forward=false")
@@ -763,8 +764,6 @@ def _validate_sdp(cfg: TrainConfig) -> None:
               f"hooks (not built for sdp={k}: the shards need gathering around it); use eval.every_steps=0 or sdp=1")
     if cfg.comm_ablation:
         _fail("comm_ablation", True, f"FSDP's all-gathers and reduce-scatters (sdp={k}) cannot be ablated; use sdp=1")
-    if cfg.cluster.name == "slurm":
-        _fail("sdp", k, "the SLURM launcher counts stages x data_parallel tasks, not sdp yet; run sdp>1 locally")
 
 
 def _validate_tp(cfg: TrainConfig) -> None:
@@ -784,10 +783,10 @@ def _validate_tp(cfg: TrainConfig) -> None:
     if cfg.optimizer.name in KFAC_OPTIMIZERS:
         _fail("tp", k, f"optimizer={cfg.optimizer.name} needs whole weights: K-FAC with tensor-parallel layers needs "
               "its factors sharded by the layers' split (A of a row-parallel layer, B of a column-parallel one) and "
-              "its preconditioning on the shards (not built); use optimizer=nvlamb or tp=1")
+              "its preconditioning on the shards (not built); use optimizer=nvlamb, adamw or muon, or tp=1")
     if cfg.optimizer.name not in TP_OPTIMIZERS:
         _fail("tp", k, f"optimizer={cfg.optimizer.name} is not built for tensor-parallel weights yet; use "
-              "optimizer=nvlamb or tp=1")
+              f"optimizer={' / '.join(TP_OPTIMIZERS)} or tp=1")
     if cfg.precision != "fp32":
         _fail("precision", cfg.precision, f"tp={k} runs in fp32 only so far (autocast over DTensor layers is "
               "untested); use precision=fp32 or tp=1")
@@ -796,8 +795,6 @@ def _validate_tp(cfg: TrainConfig) -> None:
               "profile with tp=1")
     if cfg.comm_ablation:
         _fail("comm_ablation", True, f"the tensor-parallel all-reduces (tp={k}) cannot be ablated; use tp=1")
-    if cfg.cluster.name == "slurm":
-        _fail("tp", k, "the SLURM launcher counts stages x data_parallel tasks, not tp yet; run tp>1 locally")
 
 
 def _validate_checkpoint(cfg: TrainConfig) -> None:

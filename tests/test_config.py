@@ -109,6 +109,41 @@ def test_slurm_cluster_selects_the_submitit_launcher() -> None:
     assert "SlurmLauncher" in cfg.hydra.launcher._target_
 
 
+# -- hybrid parallelism: what sdp / tp accept (issue 27) ---------------------------------------
+
+_HYBRID = ["model.num_layers=2", "model.hidden_size=32", "model.num_heads=2", "model.vocab_size=128",
+           "data.seq_len=16", "data.max_predictions=3"]
+
+
+@pytest.mark.parametrize("split", ["sdp=2", "tp=2"])
+@pytest.mark.parametrize("optimizer", ["nvlamb", "adamw", "muon"])
+def test_sdp_and_tp_accept_nvlamb_adamw_and_muon(split: str, optimizer: str) -> None:
+    cfg = compose_train(_HYBRID + [split, f"optimizer={optimizer}"])  # tests/test_hybrid_optimizers.py trains them
+    assert cfg.optimizer.name == optimizer and cfg.num_workers == 2
+
+
+@pytest.mark.parametrize("split", ["sdp=2", "tp=2"])
+def test_sdp_and_tp_run_under_slurm_one_task_per_process(split: str) -> None:
+    cfg = compose_train(_HYBRID + [split, "stages=2", "cluster=slurm", "cluster.nodes=2"])
+    assert cfg.cluster.name == "slurm" and cfg.num_workers == 4  # the launcher asks 4 / 2 tasks per node
+
+
+@pytest.mark.parametrize("split", ["sdp", "tp"])
+@pytest.mark.parametrize("optimizer", ["kfac", "pipefisher"])
+def test_sdp_and_tp_still_refuse_kfac_naming_what_is_missing(split: str, optimizer: str) -> None:
+    with pytest.raises(ConfigError, match=rf"^{split}=2: optimizer={optimizer} needs whole weights: .*not built\); "
+                                          rf"use optimizer=nvlamb, adamw or muon, or {split}=1$") as err:
+        compose_train(_HYBRID + [f"{split}=2", f"optimizer={optimizer}"])
+    assert "\n" not in str(err.value)
+
+
+def test_sdp_and_tp_optimizers_are_every_optimizer_but_kfacs() -> None:
+    """No optimizer falls between the K-FAC refusal and the built ones (each name is tested above)."""
+    from pipefisher.config import KFAC_OPTIMIZERS, OPTIMIZERS, SDP_OPTIMIZERS, TP_OPTIMIZERS
+
+    assert set(SDP_OPTIMIZERS) == set(TP_OPTIMIZERS) == set(OPTIMIZERS) - set(KFAC_OPTIMIZERS)
+
+
 def test_factor_decay_per_step_scales_the_decay_of_a_refresh_every_k_steps() -> None:
     from pipefisher.training import refresh_decay
 

@@ -2,8 +2,8 @@
 
 The tests that call ``require_slurm`` need a running SLURM controller: start the cluster with
 ``sudo scripts/slurm/start.sh`` (one node; CI starts two with ``--nodes 2``, and these tests run
-on either). Without one they fail, on purpose; on a developer machine without SLURM,
-``PIPEFISHER_SKIP_SLURM=1`` skips them. Multi-node runs: tests/test_slurm_multinode.py.
+on either, except the sdp run, which needs the two). Without one they fail, on purpose; on a developer
+machine without SLURM, ``PIPEFISHER_SKIP_SLURM=1`` skips them. Multi-node runs: tests/test_slurm_multinode.py.
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ from tests.slurm_harness import (
     SUB_ENV,
     array_jobs,
     job_records,
+    losses,
     preempt,
     release_requeued,
     require_slurm,
@@ -177,8 +178,18 @@ def test_cluster_nodes_are_checked_before_workers_start() -> None:
 
 def test_uneven_split_over_nodes_names_the_fix() -> None:
     launcher = _launcher(["stages=3", "cluster.nodes=2"])
-    with pytest.raises(Exception, match=r"cluster.nodes=2.*stages\*data_parallel=3 workers.*\[1, 3\]"):
+    with pytest.raises(Exception, match=r"cluster.nodes=2: stages\*data_parallel\*sdp\*tp=3\*1\*1\*1=3 processes.*\[1, 3\]"):
         OmegaConf.to_container(launcher, resolve=True)
+
+
+def test_cluster_slurm_asks_one_task_per_sdp_and_tp_process() -> None:
+    # A pipeline worker is tp processes and each of its sdp replicas is a worker (TrainConfig.num_workers).
+    assert _launcher(["stages=2", "sdp=2"]).tasks_per_node == 4
+    assert _launcher(["stages=2", "sdp=2", "cluster.nodes=2"]).tasks_per_node == 2
+    assert _launcher(["stages=2", "data_parallel=2", "sdp=2", "tp=2", "cluster.nodes=4"]).tasks_per_node == 4
+    assert _launcher(["stages=1", "tp=2", "cluster.nodes=2"]).tasks_per_node == 1
+    with pytest.raises(Exception, match=r"cluster.nodes=4: stages\*data_parallel\*sdp\*tp=1\*1\*1\*2=2 processes"):
+        OmegaConf.to_container(_launcher(["tp=2", "cluster.nodes=4"]), resolve=True)
 
 
 # --- a real SLURM cluster --------------------------------------------------------------------------
@@ -375,3 +386,40 @@ def test_exception_in_a_slurm_worker_reaches_the_launcher_with_its_traceback(tmp
     assert res.returncode != 0 and time.monotonic() - start < 240
     assert "--- SLURM task 1 failed:" in res.stderr and "injected fault on worker 1 at step 2" in res.stderr, res.stderr[-3000:]
     assert "Traceback" in res.stderr and "inject_fault" in res.stderr
+
+
+# --- sharded data parallel: one SLURM task per process ----------------------------------------------
+
+
+SDP_RUN = ["model=bert-tiny", "model.vocab_size=512", "data.seq_len=32", "data.max_predictions=5", "stages=2",
+           "pipeline=1f1b", "sdp=2", "micro_batch_size=2", "num_micro_batches=2", "steps=3", "progress=false",
+           "wandb.mode=offline", "device=cpu"]
+
+
+@pytest.mark.slow
+def test_sdp_run_on_two_slurm_nodes_has_a_task_per_process_and_the_local_losses(tmp_path: Path) -> None:
+    # stages=2 x sdp=2: four processes, so four SLURM tasks, two on each node (the launcher counted
+    # stages x data_parallel = 2 before issue 27); the losses equal the same run's on this machine.
+    require_slurm(min_nodes=2)
+    sweep = tmp_path / "sweep"
+    cmd = [sys.executable, str(REPO / "train.py"), "-m", "cluster=slurm", "cluster.nodes=2", *SDP_RUN,
+           "hydra.launcher.timeout_min=5", f"hydra.sweep.dir={sweep}"]
+    try:
+        res = subprocess.run(cmd, cwd=tmp_path, env=SUB_ENV, capture_output=True, text=True, timeout=300)
+    except subprocess.TimeoutExpired:
+        subprocess.run(["scancel", submitit_job_id(sweep)], check=False, timeout=30)
+        raise
+    logs = "\n".join(f"== {p}\n{p.read_text()[-2000:]}" for p in sorted((sweep / ".submitit").glob("*/*_log.*")))
+    assert res.returncode == 0, f"{res.stdout[-3000:]}\n{res.stderr[-3000:]}\n{logs}"
+    job_id = submitit_job_id(sweep)
+    script = (sweep / ".submitit" / job_id / f"{job_id}_submission.sh").read_text()
+    assert "#SBATCH --nodes=2\n" in script and "#SBATCH --ntasks-per-node=2\n" in script, script
+    job = job_records(job_id)[0]
+    assert (job["NumNodes"], job["NumTasks"], job["JobState"]) == ("2", "4", "COMPLETED"), job
+    for rank in range(4):
+        assert f"rank {rank}/4" in task_log(sweep, job_id, rank), task_log(sweep, job_id, rank)[-2000:]
+    local = tmp_path / "local"
+    subprocess.run([sys.executable, str(REPO / "train.py"), *SDP_RUN, f"hydra.run.dir={local}"], cwd=tmp_path,
+                   env=SUB_ENV, check=True, capture_output=True, timeout=300)
+    got, want = losses(sweep / "0" / "metrics.jsonl"), losses(local / "metrics.jsonl")
+    assert len(got) == 3 and got == pytest.approx(want, rel=1e-6), (got, want)

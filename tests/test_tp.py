@@ -229,11 +229,9 @@ def test_tp_counts_in_the_world_not_the_batch() -> None:
     (["tp=2", "model.intermediate_size=65"], r"^tp=2: must divide .*intermediate_size=65.*use tp in \[1\]"),
     (["tp=2", "optimizer=kfac"], r"^tp=2: optimizer=kfac needs whole weights: .*factors sharded"),
     (["tp=2", "optimizer=pipefisher"], r"^tp=2: optimizer=pipefisher needs whole weights"),
-    (["tp=2", "optimizer=adamw"], r"^tp=2: optimizer=adamw is not built for tensor-parallel weights"),
     (["tp=2", "precision=bf16"], r"^precision='bf16': tp=2 runs in fp32 only"),
     (["tp=2", "profile.enabled=true"], r"^profile.enabled=True: profiles map one process"),
     (["tp=2", "comm_ablation=true"], r"^comm_ablation=True: the tensor-parallel all-reduces"),
-    (["tp=2", "cluster=slurm", "device=cpu"], r"^tp=2: the SLURM launcher counts"),
 ])
 def test_tp_refusals_name_the_field_and_the_fix(overrides, message) -> None:
     with pytest.raises(ConfigError, match=message) as err:

@@ -292,13 +292,21 @@ def _mul(*factors: Any) -> int:
     return math.prod(int(f) for f in factors)
 
 
-def _tasks_per_node(stages: Any, data_parallel: Any, nodes: Any) -> int:
-    """``${pf.tasks_per_node:stages,data_parallel,nodes}``: one SLURM task per worker, spread evenly."""
-    workers, nodes = int(stages) * int(data_parallel), int(nodes)
+def _tasks_per_node(stages: Any, data_parallel: Any, nodes: Any, sdp: Any = 1, tp: Any = 1) -> int:
+    """``${pf.tasks_per_node:stages,data_parallel,nodes,sdp,tp}``: one SLURM task per process, spread evenly.
+
+    A run has ``stages x data_parallel x sdp x tp`` processes (``TrainConfig.num_workers``: a pipeline
+    worker is ``tp`` processes, and each of its ``data_parallel x sdp`` replicas is a worker).
+
+    Raises:
+        ValueError: ``nodes`` does not divide that count (the message lists the divisors).
+    """
+    workers, nodes = int(stages) * int(data_parallel) * int(sdp) * int(tp), int(nodes)
     if nodes < 1 or workers % nodes:
         raise ValueError(
-            f"cluster.nodes={nodes}: stages*data_parallel={workers} workers (one SLURM task each) "
-            f"must split evenly over the nodes; use one of {[d for d in range(1, workers + 1) if workers % d == 0]}"
+            f"cluster.nodes={nodes}: stages*data_parallel*sdp*tp={stages}*{data_parallel}*{sdp}*{tp}={workers} "
+            f"processes (one SLURM task each) must split evenly over the nodes; use one of "
+            f"{[d for d in range(1, workers + 1) if workers % d == 0]}"
         )
     return workers // nodes
 
@@ -348,7 +356,7 @@ class CheckSlurmCommand(Callback):
 
     - ``cluster=slurm`` without ``-m`` outside a SLURM allocation: only Hydra's multirun goes through
       the launcher, and the run would train on this machine without a word (issue 24);
-    - a ``cluster.nodes`` that does not divide ``stages*data_parallel``: the launcher's
+    - a ``cluster.nodes`` that does not divide ``stages*data_parallel*sdp*tp``: the launcher's
       ``pf.tasks_per_node`` resolver would fail with Hydra's full traceback (issue 24).
 
     Hydra turns a callback's exception into a warning and goes on: the refusal is a ``SystemExit``.
@@ -361,6 +369,7 @@ class CheckSlurmCommand(Callback):
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
         try:
-            _tasks_per_node(config.stages, config.data_parallel, config.cluster.nodes)
+            _tasks_per_node(config.stages, config.data_parallel, config.cluster.nodes, config.get("sdp", 1),
+                            config.get("tp", 1))
         except ValueError as err:
             raise SystemExit(f"{_program()}: {err}") from None

@@ -20,6 +20,20 @@ its update the RMS of an AdamW update, so one ``lr`` (and one weight decay) serv
 optimizers' group dicts (Muon's first), so a scheduler built over it (``make_lr_scheduler``) sets
 the lr that both inner optimizers read. Its ``state_dict()`` has torch's layout, the Muon
 parameters numbered first; ``load_state_dict()`` splits it back and relinks the groups.
+
+[Note: Muon on sharded weights]
+Under ``sdp`` (FSDP2) or ``tp`` (tensor parallel) a weight is a DTensor and each process holds a
+part of it, but Newton–Schulz orthogonalizes the whole matrix: NS of the parts is not the parts of
+NS. :class:`ShardedMuon` therefore runs torch's Muon step with one change, as distributed Muon
+implementations do: the momentum (elementwise) runs on the local parts; the Nesterov update is
+gathered whole (``full_tensor()``: one all-gather over the mesh dimensions it is split on); every
+process of the group orthogonalizes it with torch's own ``_zeropower_via_newtonschulz`` (the same
+input, so the same bits as one process); and each applies its own part of the result
+(``distribute_tensor(..., src_data_rank=None)``: a local slice, no communication), scaled by
+``_adjust_lr`` of the *whole* shape. The update equals single-process Muon's up to the rounding of
+the gradients themselves (summed in another order by the reduce-scatter). Cost per step: one
+all-gather of each Muon matrix and the orthogonalization repeated on each process of its group.
+AdamW needs nothing of the kind: its update is elementwise, so torch's AdamW runs on the local parts.
 """
 
 from __future__ import annotations
@@ -30,14 +44,22 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 from pipefisher.optim.kfac import ENCODER_LINEAR_PATTERN
 from pipefisher.optim.nvlamb import GlobalNormClipStep, _closure_loss, clip_by_global_norm, param_groups
+
+try:  # torch >= 2.9: Muon's own Newton–Schulz and lr rule, reused by ShardedMuon
+    from torch.optim._muon import _adjust_lr, _zeropower_via_newtonschulz
+except ImportError:  # MuonAdamW refuses to build on such a torch
+    _adjust_lr = _zeropower_via_newtonschulz = None
+_MUON_BASE: type[torch.optim.Optimizer] = getattr(torch.optim, "Muon", torch.optim.Optimizer)
 
 __all__ = [
     "BASELINE_OPTIMIZERS",
     "GlobalNormAdamW",
     "MuonAdamW",
+    "ShardedMuon",
     "build_baseline_optimizer",
     "clip_by_global_norm",
     "is_muon_parameter",
@@ -61,6 +83,55 @@ class GlobalNormAdamW(GlobalNormClipStep, torch.optim.AdamW):
                  max_grad_norm: float) -> None:
         super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
         self.max_grad_norm = float(max_grad_norm)
+
+
+class ShardedMuon(_MUON_BASE):  # type: ignore[misc, valid-type]
+    """``torch.optim.Muon`` (same arguments, state and ``state_dict``) for weights that are DTensors:
+    FSDP2 shards (``sdp``) or tensor-parallel parts (``tp``); see [Note: Muon on sharded weights].
+    Plain tensors pass through unchanged (their gather and slice are the identity).
+
+    Every process holding a part of a weight must step together (the gather is a collective over
+    the weight's mesh), with its parameters in the same order.
+    """
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Tensor] | None = None) -> Tensor | None:  # type: ignore[override]
+        """One Muon step of every parameter with a gradient (collectives over each DTensor's mesh)."""
+        loss = _closure_loss(closure)
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                if "momentum_buffer" not in state:  # as torch's Muon: zeros like the gradient (a DTensor too)
+                    state["momentum_buffer"] = torch.zeros_like(p.grad, memory_format=torch.preserve_format)
+                _sharded_muon_update(p, p.grad, state["momentum_buffer"], group)
+        return loss
+
+
+def _sharded_muon_update(param: Tensor, grad: Tensor, buf: Tensor, group: dict[str, Any]) -> None:
+    """torch's ``_single_tensor_muon`` for one weight whose parts may be spread over processes: the
+    same operations in the same order, Newton–Schulz on the gathered whole update.
+
+    Args:
+        param, grad, buf: the weight, its gradient and its momentum buffer, alike in placement
+            ((A, B) DTensors or plain (A, B) tensors).
+        group: the parameter group (torch's Muon keys: lr, weight_decay, momentum, nesterov,
+            ns_coefficients, ns_steps, eps, adjust_lr_fn).
+    """
+    if grad.ndim != 2:
+        raise ValueError(f"ShardedMuon: a gradient of shape {tuple(grad.shape)}; Muon takes 2-D weights only")
+    momentum = group["momentum"]
+    buf.lerp_(grad, 1 - momentum)  # elementwise: on the local parts
+    update = grad.lerp(buf, momentum) if group["nesterov"] else buf
+    whole = update.full_tensor() if isinstance(update, DTensor) else update  # (A, B), the same on every process
+    ortho = _zeropower_via_newtonschulz(whole, group["ns_coefficients"], group["ns_steps"], group["eps"])
+    if isinstance(param, DTensor):  # this process's part of the (A, B) result: a slice, no communication
+        ortho = distribute_tensor(ortho, param.device_mesh, param.placements, src_data_rank=None)
+    lr = group["lr"]
+    lr = lr.item() if isinstance(lr, Tensor) else lr
+    param.mul_(1 - lr * group["weight_decay"])
+    param.add_(ortho, alpha=-_adjust_lr(lr, group["adjust_lr_fn"], param.shape))  # the whole shape
 
 
 class MuonAdamW(torch.optim.Optimizer):
@@ -97,7 +168,9 @@ class MuonAdamW(torch.optim.Optimizer):
         for p in muon_params:
             if p.ndim != 2:
                 raise ValueError(f"MuonAdamW: Muon takes 2-D weights only, got a tensor of shape {tuple(p.shape)}")
-        self.muon = torch.optim.Muon(muon_params, lr=lr, weight_decay=weight_decay, momentum=muon_momentum,
+        # DTensor weights (sdp, tp) need the whole matrix orthogonalized: [Note: Muon on sharded weights]
+        muon_class = ShardedMuon if any(isinstance(p, DTensor) for p in muon_params) else torch.optim.Muon
+        self.muon = muon_class(muon_params, lr=lr, weight_decay=weight_decay, momentum=muon_momentum,
                                      nesterov=True, adjust_lr_fn="match_rms_adamw") if muon_params else None
         self.adamw = (torch.optim.AdamW(adamw_groups, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
                       if adamw_groups else None)
@@ -164,6 +237,25 @@ def is_muon_parameter(name: str) -> bool:
     return leaf == "weight" and re.search(ENCODER_LINEAR_PATTERN, module) is not None
 
 
+def _split_by_kind(groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each group split in two with the same options: its plain tensors, then its DTensors.
+
+    torch's AdamW defaults to its ``_foreach`` kernels on CUDA, and one ``_foreach`` call cannot mix
+    Tensors and DTensors ("got mixed torch.Tensor and DTensor"), which a tensor-parallel stage holds
+    side by side (split weights beside whole embeddings and LayerNorms). A group without DTensors
+    comes back as it was (the same dict), so unsharded runs keep their groups.
+    """
+    out: list[dict[str, Any]] = []
+    for group in groups:
+        dtensors = [p for p in group["params"] if isinstance(p, DTensor)]
+        if not dtensors:
+            out.append(group)
+            continue
+        plain = [p for p in group["params"] if not isinstance(p, DTensor)]
+        out += [{**group, "params": params} for params in (plain, dtensors) if params]
+    return out
+
+
 def build_baseline_optimizer(
     name: str,
     named_parameters: Iterable[tuple[str, nn.Parameter]],
@@ -204,9 +296,9 @@ def build_baseline_optimizer(
     if not named:
         raise ValueError("build_baseline_optimizer: no trainable parameters were given")
     if key == "adamw":
-        return GlobalNormAdamW(param_groups(named, weight_decay), lr=lr, betas=betas, eps=eps,
+        return GlobalNormAdamW(_split_by_kind(param_groups(named, weight_decay)), lr=lr, betas=betas, eps=eps,
                                weight_decay=weight_decay, max_grad_norm=max_grad_norm)
     muon = [p for n, p in named if is_muon_parameter(n)]
-    rest = param_groups([(n, p) for n, p in named if not is_muon_parameter(n)], weight_decay)
+    rest = _split_by_kind(param_groups([(n, p) for n, p in named if not is_muon_parameter(n)], weight_decay))
     return MuonAdamW(muon, rest, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
                      muon_momentum=muon_momentum, max_grad_norm=max_grad_norm)
