@@ -84,11 +84,14 @@ class _DeferrableLinear(torch.autograd.Function):
         x, weight = ctx.saved_tensors
         need_x, need_w, need_b = ctx.needs_input_grad  # need_b is False without a bias
         grad_x = grad_w = grad_b = None
+        # [T, out]: one copy where grad is not contiguous (nn.Linear's backward copies it once in its
+        # view's backward; grad.matmul would copy it again beside this reshape).
+        g2 = grad.reshape(-1, grad.shape[-1])
         if need_x:
-            grad_x = grad.matmul(weight if weight.dtype == grad.dtype else weight.to(grad.dtype))
+            grad_x = g2.mm(weight if weight.dtype == grad.dtype else weight.to(grad.dtype))
+            grad_x = grad_x.view(*grad.shape[:-1], grad_x.shape[-1])
             if grad_x.dtype != x.dtype:
                 grad_x = grad_x.to(x.dtype)
-        g2 = grad.reshape(-1, grad.shape[-1])
         if need_b:
             grad_b = g2.sum(0)
         if need_w:
@@ -177,13 +180,20 @@ def deferring(store: WeightGradStore) -> Iterator[WeightGradStore]:
 
 
 def apply_weight_grads(store: WeightGradStore) -> None:
-    """Run the deferred products of one ``I`` and accumulate them into ``.grad`` (the ``W``)."""
-    for param, g2, x2 in store:
+    """Run the deferred products of one ``I`` and accumulate them into ``.grad`` (the ``W``).
+
+    The store is emptied as it goes, in filing order: each entry's operands are freed before the
+    next product, so a new ``.grad`` (a step's first micro-batch) can take memory the operands
+    held instead of fresh pages (bench/split_backward.py counts the page faults).
+    """
+    store.reverse()
+    while store:
+        param, g2, x2 = store.pop()
         if x2.is_floating_point():
             _accumulate_weight_grad(param, g2, x2)
         else:
             _accumulate_embedding_grad(param, g2, x2)
-    store.clear()
+        del g2, x2
 
 
 def _accumulate_weight_grad(param: nn.Parameter, g2: Tensor, x2: Tensor) -> None:
