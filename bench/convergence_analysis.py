@@ -310,8 +310,9 @@ class TradeOff:
     (against NVLAMB's step) and in steps (against K-FAC every step), and the time to target both give,
     against NVLAMB's. ``pipefisher_*``: PipeFisher's bubble plan at k with deferred inverses;
     ``kfac_*``: K-FAC refreshing every k steps on the critical path, inverses used at once.
-    ``ready_*``: PipeFisher's plan with ``promote_inverses=when_ready`` (the same plan, so the same
-    step cost; inverses used from the step after their inversion).
+    ``ready_*``: PipeFisher's plan at k whose curvature is at most k steps old with
+    ``promote_inverses=when_ready`` (``pipefisher-kK-ready`` of ``bench/step_costs.py``: every INVERT in
+    its curvature's phase, the numerics of the ``kfac-kK-ready`` arms).
     A figure is None where its step cost or steps multiplier was not measured."""
 
     k: int
@@ -324,6 +325,7 @@ class TradeOff:
     fresh_steps: float | None
     fresh_seeds: int
     steps_kfac1_over_nvlamb: float
+    ready_step: float | None = None
 
     def _time(self, step: float | None, steps: float | None) -> float | None:
         return None if step is None or steps is None else step * steps * self.steps_kfac1_over_nvlamb
@@ -337,7 +339,7 @@ class TradeOff:
     @property
     def ready_time(self) -> float | None:
         """PipeFisher at k with inverses promoted when ready, over NVLAMB's time."""
-        return self._time(self.pipefisher_step, self.ready_steps)
+        return self._time(self.ready_step, self.ready_steps)
 
     @property
     def kfac_time(self) -> float | None:
@@ -347,8 +349,8 @@ class TradeOff:
 
 def trade_off(costs: Mapping[str, float], multipliers: Mapping[str, Mapping[int, tuple[float, int]]],
               steps_kfac1_over_nvlamb: float) -> list[TradeOff]:
-    """The trade-off curve of one setting: for every k with a ``pipefisher-kK`` or ``kfac-kK`` step cost
-    in ``costs`` (seconds per step, beside ``nvlamb``) and a steps multiplier of the matching mode
+    """The trade-off curve of one setting: for every k with a ``pipefisher-kK``, ``pipefisher-kK-ready`` or
+    ``kfac-kK`` step cost in ``costs`` (seconds per step, beside ``nvlamb``) and a steps multiplier of the matching mode
     (``multipliers[mode]`` of :func:`staleness_multipliers` for ``deferred``, ``ready`` and ``fresh``;
     the k = 1 entry with 0 seeds that it adds for a mode with no k = 1 arm is not a measurement)."""
     base = costs["nvlamb"]
@@ -359,10 +361,11 @@ def trade_off(costs: Mapping[str, float], multipliers: Mapping[str, Mapping[int,
 
     out = []
     for k in sorted(set().union(*(set(m) for m in multipliers.values()))):
-        pf, kf = costs.get(f"pipefisher-k{k}"), costs.get(f"kfac-k{k}")
+        pf, kf, ready = costs.get(f"pipefisher-k{k}"), costs.get(f"kfac-k{k}"), costs.get(f"pipefisher-k{k}-ready")
         f = (1.0, 0) if k == 1 and "fresh" not in multipliers else measured("fresh", k)
         row = TradeOff(k, None if pf is None else pf / base, *measured("deferred", k), *measured("ready", k),
-                       None if kf is None else kf / base, *f, steps_kfac1_over_nvlamb)
+                       None if kf is None else kf / base, *f, steps_kfac1_over_nvlamb,
+                       None if ready is None else ready / base)
         if any(t is not None for t in (row.pipefisher_time, row.ready_time, row.kfac_time)):
             out.append(row)
     return out

@@ -176,12 +176,13 @@ def _trade_off_lines(costs: dict[str, dict[str, float]], batch: int,
         lines += ["", f"Trade-off, {setting}: what a refresh every k steps costs per step and in steps to {target} "
                   f"(steps multiplier: mean steps of kfac-kK[-deferred] over kfac-k1's on the same seeds; time × "
                   f"nvlamb = step × multiplier × kfac-k1's mean steps over NVLAMB's, {kfac1_over_nvlamb:.3f}):", "",
-                  "| k | PipeFisher step × nvlamb | deferred: steps × (seeds) | time × nvlamb | when_ready: steps × "
-                  "(seeds) | time × nvlamb | K-FAC fresh, critical path: step × nvlamb | steps × (seeds) | "
-                  "time × nvlamb |", "|---|---|---|---|---|---|---|---|---|"]
+                  "| k | PipeFisher step × nvlamb | deferred: steps × (seeds) | time × nvlamb | when_ready plan (age ≤ k): "
+                  "step × nvlamb | steps × (seeds) | time × nvlamb | K-FAC fresh, critical path: step × nvlamb | "
+                  "steps × (seeds) | time × nvlamb |", "|---|---|---|---|---|---|---|---|---|---|"]
         for r in rows:
             lines.append(f"| {r.k} | {_num(r.pipefisher_step)} | {_num(r.deferred_steps)} ({r.deferred_seeds}) | "
-                         f"{_num(r.pipefisher_time)} | {_num(r.ready_steps)} ({r.ready_seeds}) | {_num(r.ready_time)} | "
+                         f"{_num(r.pipefisher_time)} | {_num(r.ready_step)} | {_num(r.ready_steps)} ({r.ready_seeds}) | "
+                         f"{_num(r.ready_time)} | "
                          f"{_num(r.kfac_step)} | {_num(r.fresh_steps)} ({r.fresh_seeds}) | {_num(r.kfac_time)} |")
         report[setting] = [dict(vars(r), pipefisher_time=r.pipefisher_time, ready_time=r.ready_time,
                                 kfac_time=r.kfac_time) for r in rows]

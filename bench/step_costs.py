@@ -30,7 +30,13 @@ can stand beside the measured D=2 step times. Importable API: :func:`profile_ove
      flush, PRECOND in every step;
    - ``pipefisher-k{K}``: ``plan_interval(..., K)``, PipeFisher's bubble plan at a forced interval
      (what each k costs, for the trade-off against stale curvature's steps);
-   - ``pipefisher``: ``plan_pipefisher`` (``max_interval`` 8), the k it picks reported.
+   - ``pipefisher-k{K}-ready``: the fastest plan at K whose curvature is at most K steps old with
+     inverses promoted when ready: the plain plan if every INVERT is in its curvature's phase, else
+     ``plan_interval(..., K, max_invert_lag=0)`` (the numerics of the ``kfac-kK-ready`` arms);
+   - ``pipefisher``: ``plan_pipefisher`` under optimizer=pipefisher's defaults (``max_interval`` 8,
+     ``promote="when_ready"``, ``max_staleness`` 8), the k it picks reported.
+
+   PipeFisher rows carry ``curvature_age``: the plan's age bound under when_ready promotion.
 
    The step time of every arm is the same estimator (:func:`steady_step_ns`): simulate one whole
    refresh cycle (k steps; 1 for nvlamb) as warm-up and ``cycles`` (2) more, and divide the time
@@ -75,6 +81,7 @@ from typing import Any
 
 import _harness as h
 from pipefisher.planning.assign import plan_interval, plan_pipefisher
+from pipefisher.schedules.kfac import curvature_age_bound
 from pipefisher.planning.costs import RunShape, costs_from_profile
 from pipefisher.profiling import read_profile
 from pipefisher.schedules import ActionKind, Schedule
@@ -218,7 +225,8 @@ def steady_step_ns(phases: Sequence[Schedule], cost: CostModel, cycles: int = 2)
 
 def arm_step_costs(schedule: Schedule, cost: CostModel, kfac_layers: Sequence[int], *,
                    intervals: Sequence[int] = INTERVALS, max_interval: int = 8, curvature_micro_batches: int = 0,
-                   cycles: int = 2) -> dict[str, dict[str, Any]]:
+                   cycles: int = 2, max_staleness: int | None = 8,
+                   promote: str = "when_ready") -> dict[str, dict[str, Any]]:
     """Simulated step time of each optimizer arm on ``schedule`` under ``cost``.
 
     Returns:
@@ -230,8 +238,13 @@ def arm_step_costs(schedule: Schedule, cost: CostModel, kfac_layers: Sequence[in
     """
     out: dict[str, dict[str, Any]] = {}
 
-    def add(arm: str, step_ns: float, k: int | None, note: str = "") -> None:
-        out[arm] = {"step_s": step_ns / 1e9, "k": k, "note": note}
+    def add(arm: str, step_ns: float, k: int | None, note: str = "", age: int | None = None) -> None:
+        out[arm] = {"step_s": step_ns / 1e9, "k": k, "note": note,
+                    **({"curvature_age": age} if age is not None else {})}
+
+    def exposed_note(spilled_ns: int, tail_ns: int) -> str:
+        exposed = spilled_ns + tail_ns
+        return f"{exposed / 1e6:.2f} ms of a refresh outside the bubbles" if exposed else "refresh within the bubbles"
 
     add("nvlamb", steady_step_ns((schedule,), cost, cycles), None)
     for k in intervals:
@@ -239,18 +252,25 @@ def arm_step_costs(schedule: Schedule, cost: CostModel, kfac_layers: Sequence[in
         add(f"kfac-k{k}", steady_step_ns(a.phases, cost, cycles), k)
     for k in intervals:
         a, stats = plan_interval(schedule, cost, kfac_layers, k, curvature_micro_batches=curvature_micro_batches)
-        exposed = stats.spilled_ns + stats.tail_ns
+        age = curvature_age_bound(a, "when_ready")
         add(f"pipefisher-k{k}", steady_step_ns(a.phases, cost, cycles), k,
-            f"{exposed / 1e6:.2f} ms of a refresh outside the bubbles" if exposed else "refresh within the bubbles")
-    plan = plan_pipefisher(schedule, cost, kfac_layers, max_interval=max_interval,
-                           curvature_micro_batches=curvature_micro_batches)
+            exposed_note(stats.spilled_ns, stats.tail_ns), age)
+        if age > k:  # some INVERT lags its curvature: plan k keeping each in its curvature's phase
+            a, stats = plan_interval(schedule, cost, kfac_layers, k, curvature_micro_batches=curvature_micro_batches,
+                                     max_invert_lag=0)
+            age = curvature_age_bound(a, "when_ready")
+        add(f"pipefisher-k{k}-ready", steady_step_ns(a.phases, cost, cycles), k,
+            exposed_note(stats.spilled_ns, stats.tail_ns), age)
+    plan = plan_pipefisher(schedule, cost, kfac_layers, max_interval=max_interval, max_staleness=max_staleness,
+                           promote=promote, curvature_micro_batches=curvature_micro_batches)
     meta = plan.metadata
     work = meta.get("kfac_work_ns", 0)
     exposed = meta.get("spilled_ns", 0) + meta.get("tail_ns", 0)
     note = f"k_min={meta.get('k_min')}, {1 - exposed / work if work else 1:.0%} of a refresh in bubbles"
     if meta.get("fallback"):
         note += "; critical path was faster (planner's fallback)"
-    add("pipefisher", steady_step_ns(plan.phases, cost, cycles), plan.interval, note)
+    add("pipefisher", steady_step_ns(plan.phases, cost, cycles), plan.interval, note,
+        curvature_age_bound(plan, promote))
     base = out["nvlamb"]["step_s"]
     for row in out.values():
         row["ratio_to_nvlamb"] = row["step_s"] / base
@@ -304,9 +324,9 @@ def _cost_line(cost: CostModel) -> str:
 
 
 def _table(rows: dict[str, dict[str, Any]]) -> str:
-    return h.table(["arm", "k", "step ms", "step / nvlamb", "note"],
-                   [[arm, "" if r["k"] is None else r["k"], 1e3 * r["step_s"], r["ratio_to_nvlamb"], r["note"]]
-                    for arm, r in rows.items()])
+    return h.table(["arm", "k", "step ms", "step / nvlamb", "curvature age (when ready)", "note"],
+                   [[arm, "" if r["k"] is None else r["k"], 1e3 * r["step_s"], r["ratio_to_nvlamb"],
+                     r.get("curvature_age", ""), r["note"]] for arm, r in rows.items()])
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -330,6 +350,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--micro-batches", type=int, default=None, help="N at --stages (default 2 x stages)")
     parser.add_argument("--intervals", default=",".join(map(str, INTERVALS)), help="K of the kfac-k<K> arms")
     parser.add_argument("--max-interval", type=int, default=8, help="the largest k PipeFisher's planner tries")
+    parser.add_argument("--max-staleness", type=int, default=8, help="the planner's bound on the curvature age "
+                        "(optimizer.max_staleness; 0 = none)")
+    parser.add_argument("--promote-inverses", default="when_ready", choices=("when_ready", "at_cycle_end"),
+                        help="optimizer.promote_inverses of the planned pipefisher arm")
     parser.add_argument("--curvature-micro-batches", type=int, default=0,
                         help="a refresh's curvature from the first n micro-batches per pipe (0: all)")
     parser.add_argument("--cycles", type=int, default=2, help="refresh cycles averaged after the warm-up cycle")
@@ -349,7 +373,8 @@ def main(argv: Sequence[str] | None = None) -> None:
               f"--profile {path})")
     cost, measured = load_costs(path)
     options = {"intervals": [int(k) for k in args.intervals.split(",")], "max_interval": args.max_interval,
-               "curvature_micro_batches": args.curvature_micro_batches, "cycles": args.cycles}
+               "curvature_micro_batches": args.curvature_micro_batches, "cycles": args.cycles,
+               "max_staleness": args.max_staleness or None, "promote": args.promote_inverses}
     target = simulated_run(measured, args.stages, args.method, args.micro_batches)
     sim = simulated_step_costs(cost, measured, args.stages, args.method, args.micro_batches, **options)
     at_measured = measured_step_costs(cost, measured, **options)

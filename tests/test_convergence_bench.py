@@ -323,7 +323,8 @@ def test_staleness_multipliers_pair_seeds_and_leave_out_unknown_intervals(ca) ->
 
 
 def test_trade_off_prices_each_interval_by_its_step_and_its_steps(ca) -> None:
-    costs = {"nvlamb": 0.2, "kfac-k1": 0.4, "kfac-k4": 0.25, "pipefisher-k1": 0.3, "pipefisher-k4": 0.21}
+    costs = {"nvlamb": 0.2, "kfac-k1": 0.4, "kfac-k4": 0.25, "pipefisher-k1": 0.3, "pipefisher-k4": 0.21,
+             "pipefisher-k4-ready": 0.22}  # the plan with every INVERT in its curvature's phase
     multipliers = {"deferred": {1: (1.0, 0), 4: (1.1, 3), 8: (1.3, 1)}, "ready": {1: (1.0, 0), 4: (1.05, 1)},
                    "fresh": {1: (1.0, 3), 4: (1.02, 1)}}
     rows = ca.trade_off(costs, multipliers, steps_kfac1_over_nvlamb=0.8)
@@ -332,7 +333,8 @@ def test_trade_off_prices_each_interval_by_its_step_and_its_steps(ca) -> None:
     assert (k1.pipefisher_step, k1.deferred_steps, k1.ready_steps) == (pytest.approx(1.5), None, None)
     assert k1.kfac_time == pytest.approx(2.0 * 1.0 * 0.8)  # K-FAC every step: 2x the step, 0.8x the steps
     assert k4.pipefisher_time == pytest.approx(1.05 * 1.1 * 0.8) and k4.deferred_seeds == 3
-    assert k4.ready_time == pytest.approx(1.05 * 1.05 * 0.8) and k4.kfac_time == pytest.approx(1.25 * 1.02 * 0.8)
+    assert k4.ready_time == pytest.approx(1.1 * 1.05 * 0.8) and k4.kfac_time == pytest.approx(1.25 * 1.02 * 0.8)
+    assert k1.ready_step is None and k1.ready_time is None  # no when-ready plan priced at k=1
 
 
 def test_simulated_setting_names_the_stage_count_and_global_batch(ca) -> None:

@@ -14,7 +14,13 @@ import torch
 
 from pipefisher.launch import launch_workers
 from pipefisher.optim import NVLAMB, param_groups
-from pipefisher.planning.assign import _no_slower_than_critical_path, plan_pipefisher, work_and_bubbles
+from pipefisher.planning.assign import (
+    _no_slower_than_critical_path,
+    _step_ns,
+    plan_interval,
+    plan_pipefisher,
+    work_and_bubbles,
+)
 from pipefisher.planning.costs import estimate_run_costs
 from pipefisher.runtime.build import kfac_assignment
 from pipefisher.runtime.worker import CPU_HARDWARE, encoder_layers_per_stage, run_shape, schedule_for
@@ -186,6 +192,38 @@ def test_planner_reports_k_min_and_respects_max_staleness() -> None:
     assert (o.promote_inverses, o.max_staleness) == ("when_ready", 8)
     assert curvature_age_bound(kfac_assignment(cfg, s), "when_ready") <= 8
     assert curvature_age_bound(plan_pipefisher(s, cost, layers), "at_cycle_end") > 8
+
+
+def test_when_ready_plans_invert_in_the_curvatures_phase_to_meet_the_bound() -> None:
+    """[Note: inverting in the curvature's phase], bert-mini D=2 1F1B N=8 (no k <= 8 hides its refresh):
+    the plain plan at k=7 inverts some layers phases after their curvature (age 9 > 8 under when_ready,
+    13 under at_cycle_end); keeping room for each INVERT in its curvature's phase gives age k = 7
+    at a predicted step within 2 % of the plain plan's; a lag of at most 1 gives age <= 8, which
+    optimizer=pipefisher's defaults take."""
+    from pipefisher.schedules.kfac import _curvature_and_inverse_phases
+
+    cfg = compose_train(["model=bert-mini", "pipeline=1f1b", "stages=2", "num_micro_batches=8", "micro_batch_size=4",
+                         "data.seq_len=128", "optimizer=pipefisher"])
+    s = schedule_for(cfg)
+    layers = kfac_layer_counts(s, encoder_layers_per_stage(cfg, s.num_stages))
+    cost = estimate_run_costs(run_shape(cfg), CPU_HARDWARE)
+    plain, _ = plan_interval(s, cost, layers, 7)
+    kept, _ = plan_interval(s, cost, layers, 7, max_invert_lag=0)
+    lag1, _ = plan_interval(s, cost, layers, 7, max_invert_lag=1)
+    assert curvature_age_bound(plain, "when_ready") > 8
+    assert any(p_c < p_i for p_c, p_i in _curvature_and_inverse_phases(plain))
+    assert all(p_c == p_i for p_c, p_i in _curvature_and_inverse_phases(kept))
+    assert curvature_age_bound(kept, "when_ready") == 7
+    assert all(p_i - p_c <= 1 for p_c, p_i in _curvature_and_inverse_phases(lag1))
+    assert curvature_age_bound(lag1, "when_ready") <= 8
+    assert _step_ns(kept, cost) <= 1.02 * _step_ns(plain, cost)
+    default = kfac_assignment(cfg, s)  # max_staleness 8 at k=7: a lag of 1 allowed
+    assert default.metadata.get("max_invert_lag") == 1 and default.interval == 7
+    assert curvature_age_bound(default, "when_ready") <= 8
+    # at_cycle_end gains nothing from it (its age is 2k - 1 - p_c): the planner does not try it there
+    assert "max_invert_lag" not in plan_pipefisher(s, cost, layers, max_staleness=13).metadata
+    with pytest.raises(ValueError, match="max_invert_lag"):
+        plan_interval(s, cost, layers, 7, max_invert_lag=-1)
     with pytest.raises(ValueError, match="max_staleness"):
         plan_pipefisher(s, cost, layers, max_staleness=0)
 

@@ -108,7 +108,7 @@ def test_without_kfac_work_every_arm_is_nvlamb(sc, method, d, n) -> None:
     cost = _cost(d, kfac=False)
     arms = sc.arm_step_costs(schedule, cost, [6] * d)
     assert set(arms) == {"nvlamb", "kfac-k1", "kfac-k2", "kfac-k4", "kfac-k8", "pipefisher",
-                         "pipefisher-k1", "pipefisher-k2", "pipefisher-k4", "pipefisher-k8"}
+                         *(f"pipefisher-k{k}{ready}" for k in (1, 2, 4, 8) for ready in ("", "-ready"))}
     for arm, row in arms.items():
         assert row["step_s"] == arms["nvlamb"]["step_s"], arm
         assert row["ratio_to_nvlamb"] == 1.0
@@ -123,9 +123,17 @@ def test_pipefisher_lies_between_nvlamb_and_critical_path_kfac_at_its_k(sc, meth
     assert 1 <= pf["k"] <= 8
     assert arms["nvlamb"]["step_s"] <= pf["step_s"] <= arms[f"kfac-k{pf['k']}"]["step_s"] * (1 + 1e-9)
     assert "k_min=" in pf["note"]
-    assert pf["step_s"] == arms[f"pipefisher-k{pf['k']}"]["step_s"]  # the forced-k plan at the planner's k
+    # the forced-k plan at the planner's k, or one re-planned with its INVERTs nearer their curvature
+    # because the plain plan's curvature is older than optimizer=pipefisher's max_staleness (8, when ready)
+    plain = arms[f"pipefisher-k{pf['k']}"]
+    assert pf["curvature_age"] <= 8
+    if plain["curvature_age"] <= 8:
+        assert pf["step_s"] == plain["step_s"]
     for k in range(1, 9):  # every forced k: no slower than the critical path at k, no faster than no K-FAC
         assert arms["nvlamb"]["step_s"] <= arms[f"pipefisher-k{k}"]["step_s"] <= arms[f"kfac-k{k}"]["step_s"] * (1 + 1e-9)
+        ready = arms[f"pipefisher-k{k}-ready"]
+        assert ready["curvature_age"] == k <= arms[f"pipefisher-k{k}"]["curvature_age"]  # the kfac-kK-ready numerics
+        assert arms["nvlamb"]["step_s"] <= ready["step_s"]
 
 
 # --- scaling to D stages --------------------------------------------------------------------------
@@ -238,7 +246,8 @@ def test_cli_profiles_a_tiny_run_and_prints_both_tables(sc, tmp_path, capsys) ->
     assert "Simulated: chimera, D=4, N=4" in text and "Simulated at the measured shape: chimera, D=2, N=4" in text
     data = json.loads(out.read_text())
     for table in ("simulated", "measured_shape"):
-        assert set(data[table]) == {"nvlamb", "kfac-k1", "kfac-k2", "pipefisher", "pipefisher-k1", "pipefisher-k2"}
+        assert set(data[table]) == {"nvlamb", "kfac-k1", "kfac-k2", "pipefisher", "pipefisher-k1", "pipefisher-k2",
+                                    "pipefisher-k1-ready", "pipefisher-k2-ready"}
         assert data[table]["nvlamb"]["step_s"] > 0
         assert data[table]["kfac-k1"]["step_s"] > data[table]["nvlamb"]["step_s"]
     assert data["measured_run"]["bert"]["vocab_size"] == 512

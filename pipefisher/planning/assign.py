@@ -39,6 +39,19 @@ and output gradients the curvature reads, so a capture then lives no longer than
 and costs no activation memory of its own. ``after_capture`` (the default) lets them run as early
 as their data exists, which hides more in short bubbles but keeps captures alive longer.
 
+[Note: inverting in the curvature's phase]
+Step 1 fills each phase's bubbles with curvature before any INVERT is placed, so a layer's INVERT
+often lands phases after its curvature: with inverses promoted when ready the curvature age is
+k + p_i − p_c, and on bert-mini at D=2 (k=7) that lag reaches 2, at D=8 (chimera, bert-tiny) 6.
+``max_invert_lag`` L bounds it: an INVERT not placed by phase p_c + L runs there anyway, before
+STEP (spilled), so the age is at most k + L. With L = 0 step 1 also keeps, per worker and phase,
+room for the INVERTs of the layers whose curvature it put there: a layer's curvature goes into
+phase p only if the free time of p's windows at or after its last curvature unit, less the INVERT
+time already reserved in p on that worker, still holds its own INVERT (free time, not where it
+lies: a window can be too short); layers it pushes past the last phase spill as in 2.
+:func:`plan_pipefisher` re-plans a k with L = max_staleness − k under ``promote="when_ready"`` only
+when its plain plan exceeds ``max_staleness``.
+
 k is the smallest interval with no spill; when every interval up to ``max_interval`` spills, the
 smallest one predicted within 2 % of the fastest ([Note: choosing k]). The work does not slow the pipeline: every inserted
 unit ends before the action after its window needs the worker, so the simulated times of the
@@ -123,7 +136,8 @@ class _Sync:
 
 class _Planner:
     def __init__(self, schedule: Schedule, cost: CostModel, kfac_layers: Sequence[int], interval: int,
-                 curvature_micro_batches: int = 0, curvature_placement: str = "after_capture") -> None:
+                 curvature_micro_batches: int = 0, curvature_placement: str = "after_capture",
+                 max_invert_lag: int | None = None) -> None:
         if curvature_placement not in CURVATURE_PLACEMENTS:
             raise ValueError(f"optimizer.curvature_placement={curvature_placement!r}: use one of "
                              f"{', '.join(CURVATURE_PLACEMENTS)}")
@@ -160,6 +174,11 @@ class _Planner:
         self.syncs: dict[tuple[int, int], _Sync] = {}
         self.pending: list[tuple[int, int]] = []  # (stage, layer) whose inverts are not placed
         self.inverts_left: dict[tuple[int, int], set[int]] = {}  # workers still to invert
+        # [Note: inverting in the curvature's phase]: INVERT ns reserved per (phase, worker), or None
+        if max_invert_lag is not None and max_invert_lag < 0:
+            raise ValueError(f"max_invert_lag={max_invert_lag}: an INVERT cannot run before its curvature")
+        self.max_invert_lag = max_invert_lag
+        self.reserved: dict[tuple[int, int], int] | None = defaultdict(int) if max_invert_lag == 0 else None
 
     # -- windows --------------------------------------------------------------------------------
 
@@ -234,6 +253,21 @@ class _Planner:
                     return None
                 placed.append(_Placed(w, win, self._add(win, t, c, act), how))
         return placed
+
+    def _reserve_inverts(self, p: int, stage: int, layer: int, placed: list[_Placed]) -> bool:
+        """Reserve (stage, layer)'s INVERTs in phase p if every replica's worker has the free time
+        for them after its last curvature unit there ([Note: inverting in the curvature's phase])."""
+        assert self.reserved is not None
+        c = self.cost.kfac_ns(K.INVERT, stage, layer)
+        workers = {w for w, _ in self.replicas[stage]}
+        for w in workers:
+            last = max(u.window.point for u in placed if u.worker == w)
+            free = sum(max(0, x.end - x.start - x.busy_ns) for x in self.windows[p][w] if x.point >= last)
+            if free < self.reserved[(p, w)] + c:
+                return False
+        for w in workers:
+            self.reserved[(p, w)] += c
+        return True
 
     @staticmethod
     def _undo(placed: list[_Placed]) -> None:
@@ -349,6 +383,10 @@ class _Planner:
                 self._add(win, t, c, act)
                 left.discard(w)
 
+    def _due(self, p: int, key: tuple[int, int]) -> bool:
+        """Whether (stage, layer)'s INVERT must run in phase p ([Note: inverting in the curvature's phase])."""
+        return self.max_invert_lag is not None and p - self.syncs[key].phase >= self.max_invert_lag
+
     # -- the phases -----------------------------------------------------------------------------
 
     def _oversized(self) -> set[tuple[int, int]]:
@@ -411,6 +449,10 @@ class _Planner:
                 for stage in sorted(todo):
                     for layer in list(todo[stage]):
                         placed = self._place_curvature(p, stage, layer)
+                        if placed is not None and self.reserved is not None \
+                                and not self._reserve_inverts(p, stage, layer, placed):
+                            self._undo(placed)  # no room left for its INVERT in this phase: try the next
+                            placed = None
                         if placed is not None:
                             todo[stage].remove(layer)
                             committed[p].append((stage, layer, self._commit(placed, False)))
@@ -431,10 +473,10 @@ class _Planner:
                 self.inverts_left[(stage, layer)] = {w for w, _ in self.replicas[stage]}
             self._repair(p)
             for key in self.pending:
-                self._place_inverts(p, key, force=last)
+                self._place_inverts(p, key, force=last or self._due(p, key))
             new = sorted((self.syncs[(s, l)].time, s, l) for _, s, l, _ in entries)
             for _, s, l in new:
-                self._place_inverts(p, (s, l), force=last)
+                self._place_inverts(p, (s, l), force=last or self._due(p, (s, l)))
             self.pending = [key for key in self.pending + [(s, l) for _, s, l in new] if self.inverts_left[key]]
         assert not self.pending
         phases = tuple(self._build(p) for p in range(self.k))
@@ -443,13 +485,15 @@ class _Planner:
 
 
 def plan_interval(schedule: Schedule, cost: CostModel, kfac_layers: Sequence[int], interval: int, *,
-                  curvature_micro_batches: int = 0,
-                  curvature_placement: str = "after_capture") -> tuple[Assignment, PlanStats]:
+                  curvature_micro_batches: int = 0, curvature_placement: str = "after_capture",
+                  max_invert_lag: int | None = None) -> tuple[Assignment, PlanStats]:
     """The PipeFisher plan for a given refresh interval ([Note: the list scheduler]).
 
     ``curvature_micro_batches``: curvature from the first n micro-batches of each pipe (0: all;
     ``pipefisher.schedules.kfac`` [Note: curvature from part of the batch]).
     ``curvature_placement``: ``after_capture`` or ``beside_w`` ([Note: curvature beside W]).
+    ``max_invert_lag``: every INVERT at most this many phases after its curvature (0: in its phase,
+    with room kept for it; None: no bound) ([Note: inverting in the curvature's phase]).
 
     Returns:
         ``(assignment, stats)``; the assignment is checked.
@@ -461,10 +505,11 @@ def plan_interval(schedule: Schedule, cost: CostModel, kfac_layers: Sequence[int
         raise ValueError(f"kfac_layers={list(kfac_layers)} but the cost model has K-FAC costs for "
                          f"{list(cost.kfac_layers)} layers per stage; build both for the same model")
     phases, stats = _Planner(schedule, cost, kfac_layers, interval, curvature_micro_batches,
-                             curvature_placement).run()
+                             curvature_placement, max_invert_lag).run()
     a = Assignment(interval, phases, True, tuple(kfac_layers), metadata={
         "planner": "pipefisher", "spilled_ns": stats.spilled_ns, "tail_ns": stats.tail_ns,
-        "mid_step_syncs": stats.mid_step_syncs, "curvature_placement": curvature_placement},
+        "mid_step_syncs": stats.mid_step_syncs, "curvature_placement": curvature_placement,
+        **({"max_invert_lag": max_invert_lag} if max_invert_lag is not None else {})},
         curvature_micro_batches=curvature_micro_batches)
     check_assignment(a)
     return a, stats
@@ -537,6 +582,14 @@ def plan_pipefisher(schedule: Schedule, cost: CostModel, kfac_layers: Sequence[i
                                  curvature_placement=curvature_placement)
         age = curvature_age_bound(a, promote)
         log.debug("interval %d: spilled %d ns, tail %d ns, curvature age <= %d", k, stats.spilled_ns, stats.tail_ns, age)
+        if max_staleness is not None and age > max_staleness >= k and promote == "when_ready":
+            # [Note: inverting in the curvature's phase]: the INVERTs' lag may be what breaks the bound
+            b, b_stats = plan_interval(schedule, cost, kfac_layers, k, curvature_micro_batches=curvature_micro_batches,
+                                       curvature_placement=curvature_placement, max_invert_lag=max_staleness - k)
+            if (b_age := curvature_age_bound(b, promote)) <= max_staleness:
+                a, stats, age = b, b_stats, b_age
+                log.debug("interval %d: INVERTs kept near their curvature: spilled %d ns, curvature age <= %d",
+                          k, stats.spilled_ns, age)
         if max_staleness is not None and age > max_staleness:
             continue  # k = 1 always passes: its bound is 1 under either rule
         tried.append((a, stats, _step_ns(a, cost)))
