@@ -288,3 +288,30 @@ def test_adamw_groups_never_mix_tensors_and_dtensors() -> None:
             opt.step(grad_norm=1.0)  # raises "got mixed torch.Tensor and DTensor" on a mixed group
     finally:
         dist.destroy_process_group()
+
+
+# -- checkpoints of sharded AdamW / Muon runs ----------------------------------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("optimizer", ["adamw", "muon"])
+def test_sdp_run_with_adamw_or_muon_resumes_to_the_uninterrupted_losses(optimizer: str, tmp_path: Path) -> None:
+    """torch.distributed.checkpoint holds the moments (sharded like their parameters); AdamW's 0-d step
+    count stays in the .pt shard (written to DCP, it failed to load into a parameter-shaped template:
+    "Size mismatch between saved torch.Size([]) and current ...")."""
+    from pipefisher.launch.local import run_training  # what train.py calls
+    from tests.test_checkpoint import _losses
+
+    common = [x for x in MODEL if not x.startswith("steps=")] + [
+        f"optimizer={optimizer}", "stages=1", "sdp=2", "num_micro_batches=1", "steps=6", "wandb.mode=disabled",
+        "progress=false", "cluster.worker_timeout_s=120"]
+    run_training(compose_train(common + ["checkpoint.every_steps=6"]), tmp_path / "straight")
+    with pytest.raises(Exception, match="injected fault"):  # saved after steps 1 and 3, stopped at step 4
+        run_training(compose_train(common + ["checkpoint.every_steps=2", "fault.mode=raise", "fault.step=4"]),
+                     tmp_path / "resumed")
+    # A fault at step 2 that only a run starting over would reach: the resume must continue at step 4.
+    run_training(compose_train(common + ["checkpoint.every_steps=2", "resume=auto", "fault.mode=raise",
+                                         "fault.step=2"]), tmp_path / "resumed")
+    steps, straight = _losses(tmp_path / "straight")
+    resumed_steps, resumed = _losses(tmp_path / "resumed")
+    assert steps == resumed_steps == list(range(6)) and resumed == straight

@@ -157,10 +157,12 @@ class ShardedCheckpointer:
         optim = dict(state["optimizer"])
         per_param = {}
         for index, entry in optim["state"].items():
-            key, name, _ = self._index[index]
+            key, name, param = self._index[index]
             kept = {}
             for k, v in entry.items():
-                if isinstance(v, Tensor):
+                # Moments shaped like their parameter go to DCP (sharded as it is); other tensors (AdamW's
+                # 0-d step count) stay in the .pt shard: :meth:`merge` reads DCP into parameter-shaped templates.
+                if isinstance(v, Tensor) and v.shape == param.shape:
                     tensors[key][f"optimizer.{name}.{k}"] = v
                     kept[k] = IN_DCP
                 else:
