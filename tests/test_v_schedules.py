@@ -121,3 +121,21 @@ def test_front_reports_the_papers_memory_and_keeps_the_least_memory_on_it() -> N
     assert [points[m].memory_vs_1f1b for m in ("zb-v", "v-half", "v-min", "dualpipev")] == [1.0, 0.75, 0.5, 9 / 8]
     assert points["v-min"].on_front and not points["1f1b"].on_front  # zb-h1 is as small and faster
     assert points["v-half"].step_vs_1f1b < 1.0 and points["v-half"].on_front
+
+
+@pytest.mark.parametrize("method,d,n", [("v-min", 4, 8), ("v-half", 4, 8), ("zb-v", 4, 8), ("v-min", 6, 12),
+                                        ("v-half", 2, 4)])
+def test_a_profile_is_read_as_the_v_schedule_that_ran(method: str, d: int, n: int) -> None:
+    """[Note: V schedules in a profile]: the run's cost-ordered schedule, simulated, is inferred as its own
+    method first; at D=2 the caps are zb-v's and the three schedules one, so zb-v comes first there."""
+    from pipefisher.planning.infer import infer_shape
+    from pipefisher.runtime.build import schedule_for
+
+    cfg = compose_train([f"pipeline={method}", f"stages={d}", f"num_micro_batches={n}", "model=bert-mini",
+                         f"model.num_layers={2 * d}"])
+    schedule = schedule_for(cfg)
+    shape = infer_shape(simulate(schedule, CostModel.uniform(2 * d, U, 2 * U, input_grad_ns=U, weight_grad_ns=U)))
+    assert (shape.stages, shape.num_micro_batches, shape.num_virtual) == (d, n, 2)
+    assert shape.methods[0] == (method if d > 2 else "zb-v") and method in shape.methods
+    if method == "zb-v":  # its peak is above both caps
+        assert shape.methods == ("zb-v",)
