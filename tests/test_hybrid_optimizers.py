@@ -69,6 +69,7 @@ CASES = [
 REPLAY = [
     ("muon", "1f1b", 2, 4, 1, 2),  # column- (Shard(0)) and row-parallel (Shard(1)) weights
     ("muon", "1f1b", 2, 4, 2, 1),  # FSDP2's dim-0 shards, the tied weight across stages
+    ("muon", "gpipe", 1, 2, 2, 2),  # FSDP2 over tp parts: a 2-D (sdp, tp) mesh, strided shards
 ]
 
 
