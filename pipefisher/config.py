@@ -155,7 +155,7 @@ class ClusterConfig:
     master_port: int = 0  # local: rendezvous port; 0 picks a free one
     worker_timeout_s: float = 600.0  # a worker silent for this long ends the job
     requeue: bool = True  # slurm: on SIGUSR2 (preemption or time limit) checkpoint at the next step end and requeue
-    nodes: int = 1  # slurm: nodes per run; the stages*data_parallel workers (one SLURM task each) split evenly over them
+    nodes: int = 1  # slurm: nodes per run; the stages*data_parallel*sdp*tp processes (one SLURM task each) split evenly over them
     partition: Optional[str] = None  # slurm: partition (sbatch --partition); None = the cluster's default
     account: Optional[str] = None  # slurm: account charged (sbatch --account); None = the user's default
 
@@ -458,7 +458,7 @@ def _check_cluster(cfg: TrainConfig) -> None:
         _fail("cluster.nodes", nodes, "runs on several nodes go through SLURM: add cluster=slurm and run with -m")
     if cfg.num_workers % nodes:
         divisors = [d for d in range(1, cfg.num_workers + 1) if cfg.num_workers % d == 0]
-        _fail("cluster.nodes", nodes, f"stages*data_parallel={cfg.num_workers} workers (one SLURM task each) must "
+        _fail("cluster.nodes", nodes, f"stages*data_parallel*sdp*tp={cfg.num_workers} processes (one SLURM task each) must "
               f"split evenly over the nodes; use one of {divisors}")
 
 

@@ -103,8 +103,8 @@ def test_cluster_slurm_without_multirun_is_refused_in_one_line(tmp_path: Path) -
 
 def test_nodes_that_do_not_divide_the_workers_are_refused_in_one_line(tmp_path: Path) -> None:
     assert _refused(tmp_path, "-m", "cluster=slurm", "cluster.nodes=2", "stages=3") == (
-        "train.py: cluster.nodes=2: stages*data_parallel=3 workers (one SLURM task each) must split evenly "
-        "over the nodes; use one of [1, 3]")
+        "train.py: cluster.nodes=2: stages*data_parallel*sdp*tp=3*1*1*1=3 processes (one SLURM task each) must "
+        "split evenly over the nodes; use one of [1, 3]")
 
 
 # --- a real SLURM cluster ----------------------------------------------------------------------------
