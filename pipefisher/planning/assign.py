@@ -42,7 +42,7 @@ as their data exists, which hides more in short bubbles but keeps captures alive
 [Note: inverting in the curvature's phase]
 Step 1 fills each phase's bubbles with curvature before any INVERT is placed, so a layer's INVERT
 often lands phases after its curvature: with inverses promoted when ready the curvature age is
-k + p_i − p_c, and on bert-mini at D=2 (k=7) that lag reaches 2, at D=8 (chimera, bert-tiny) 6.
+k + p_i − p_c, and on bert-mini at D=2 (k=7) that lag reaches 2, at D=8 (chimera, bert-tiny, k=5–8) 3.
 ``max_invert_lag`` L bounds it: an INVERT not placed by phase p_c + L runs there anyway, before
 STEP (spilled), so the age is at most k + L. With L = 0 step 1 also keeps, per worker and phase,
 room for the INVERTs of the layers whose curvature it put there: a layer's curvature goes into
@@ -531,8 +531,10 @@ def plan_pipefisher(schedule: Schedule, cost: CostModel, kfac_layers: Sequence[i
     k_min = ⌈K-FAC work of one refresh / bubble time of one step⌉ (both summed over workers) is a
     lower bound: no plan hides a refresh in fewer steps. The planner tries k = 1, 2, … up to
     ``max_interval`` (and up to (max_staleness + 1) / 2, so that 2k − 1 stays within the bound;
-    with ``promote="when_ready"`` up to max_staleness, skipping a k whose plan's bound
-    k + p_i − p_c exceeds it: ``schedules.kfac.curvature_age_bound``)
+    with ``promote="when_ready"`` up to max_staleness, re-planning a k whose plan's bound
+    k + p_i − p_c exceeds it with its INVERTs at most max_staleness − k phases late and skipping it
+    if that still exceeds it: ``schedules.kfac.curvature_age_bound``, [Note: inverting in the
+    curvature's phase])
     and takes the first k with no spilled work. When every k spills, spilled work lengthens one
     step per cycle; the planner takes the smallest k whose predicted mean step time is within 2 %
     of the best k's (a larger k buys at most that much speed, and costs freshness), and says so.
