@@ -197,11 +197,14 @@ def _add(into: dict[str, list[float]], ops: dict[str, tuple[int, float]], rounds
         into[name][1] += ms / rounds
 
 
-def _profile(case: _Case, rounds: int, top: int) -> list[list]:
+def _profile(case: _Case, rounds: int, top: int, fresh: bool = False) -> list[list]:
     """The ops whose self time per backward differs most between B and I+W, as rows (op, calls in
     B, calls in I+W, self ms in B, I, W, and I+W-B), then the totals; forwards run outside the profiler."""
     per: dict[str, dict[str, list[float]]] = {k: defaultdict(lambda: [0.0, 0.0]) for k in ("B", "I", "W")}
     for _ in range(rounds):
+        if fresh:
+            case.plain.zero_grad(set_to_none=True)
+            case.split.zero_grad(set_to_none=True)
         y = case.forward(case.plain)
         _add(per["B"], _profile_ops(lambda: case.backward(y)), rounds)
         y = case.forward(case.split)
@@ -223,6 +226,49 @@ def _profile(case: _Case, rounds: int, top: int) -> list[list]:
     return rows[:top] + [total]
 
 
+def _apply_concatenated(stores: list[list]) -> None:
+    """W of several micro-batches of one stage as one product per weight over their concatenated
+    rows (torch.cat of the g and x operands, then one addmm_ / index_add_), the issue's proposal for
+    back-to-back Ws; what ``apply_weight_grads`` does one store at a time."""
+    for entries in zip(*stores):  # every store files the same weights in the same order
+        param = entries[0][0]
+        g = torch.cat([e[1] for e in entries])
+        x = torch.cat([e[2] for e in entries])
+        apply_weight_grads([(param, g, x)])
+    for store in stores:
+        store.clear()
+
+
+def _time_concatenated(case: _Case, k: int, rounds: int) -> list[list]:
+    """k pending Ws of the stage applied one after the other against concatenated, paired per round
+    (every ``.grad`` exists, the order alternates); rows for the table."""
+    def stores() -> list[list]:
+        out = []
+        for _ in range(k):
+            y = case.forward(case.split)
+            with deferring([]) as store:
+                case.backward(y)
+            out.append(store)
+        return out
+
+    times: dict[str, list[float]] = defaultdict(list)
+    for r in range(rounds + 1):
+        for variant in (("separate", "concatenated") if r % 2 else ("concatenated", "separate")):
+            pending = stores()
+            t0 = time.thread_time()
+            if variant == "separate":
+                for store in pending:
+                    apply_weight_grads(store)
+            else:
+                _apply_concatenated(pending)
+            if r:  # round 0 warms up
+                times[variant].append(time.thread_time() - t0)
+    ratio = [c / s for c, s in zip(times["concatenated"], times["separate"])]
+    return [[f"{k} Ws separate", 1e3 * statistics.median(times["separate"]), "", ""],
+            [f"{k} Ws concatenated", 1e3 * statistics.median(times["concatenated"]), statistics.median(ratio),
+             _spread(ratio)]]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="bert-mini")
@@ -234,6 +280,8 @@ def main() -> None:
     parser.add_argument("--fresh-grads", action="store_true",
                         help="every .grad None before each backward (a step's first micro-batch), not accumulating")
     parser.add_argument("--cold", action="store_true", help="an untimed forward between I and W (as in a schedule)")
+    parser.add_argument("--concat-ws", type=int, default=0,
+                        help="also time this many back-to-back Ws applied separately against concatenated")
     parser.add_argument("--profile-rounds", type=int, default=3)
     parser.add_argument("--no-profile", action="store_true")
     parser.add_argument("--top", type=int, default=15, help="rows of the op table")
@@ -251,10 +299,14 @@ def main() -> None:
         print(h.table(["action", "median ms", "min ms", "median CPU ms", "min CPU ms", "minor faults"], ms))
         print()
         print(h.table(["paired ratio", "median", "range", "q1", "q3"], ratios))
+        if args.concat_ws > 1:
+            print(f"\n{args.concat_ws} pending Ws of the stage, CPU ms (median of {args.repeats} paired rounds)")
+            print(h.table(["W", "median CPU ms", "concatenated / separate", "range"],
+                          _time_concatenated(case, args.concat_ws, args.repeats)))
         if not args.no_profile:
             print(f"\nops by |I+W - B| self time, ms per backward (torch.profiler, {args.profile_rounds} rounds)")
             print(h.table(["op", "calls B", "calls I+W", "B ms", "I ms", "W ms", "I+W-B ms"],
-                          _profile(case, args.profile_rounds, args.top)))
+                          _profile(case, args.profile_rounds, args.top, args.fresh_grads)))
     print(f"\n{h.load()} at the end")
 
 
