@@ -245,7 +245,8 @@ class TrainConfig:
     seed: int = 0  # seed of weights and data order
     lr: float = 1e-3  # peak learning rate
     precision: str = "fp32"  # fp32 or bf16 (autocast)
-    recompute: bool = False  # recompute encoder-layer activations in the backward pass
+    recompute: bool = False  # recompute encoder-layer activations in the backward pass, in every model stage
+    recompute_stages: Optional[list[int]] = None  # recompute in these model stages only (0 .. stages*pipeline.num_virtual-1), e.g. [0, 1]; null: as recompute says; not with recompute=true
     device: str = "auto"  # auto (cuda if available), cpu or cuda
     log_every: int = 10  # wandb, progress-bar loss and the simulated utilization every n steps (and the last); metrics.jsonl gets every step
     progress: bool = True  # show a progress bar on rank 0
@@ -264,6 +265,11 @@ class TrainConfig:
     def num_workers(self) -> int:
         """Worker processes the run needs (a pipeline worker is tp processes)."""
         return self.stages * self.data_parallel * self.sdp * self.tp
+
+    def recomputes(self, stage: int) -> bool:
+        """Whether model stage ``stage`` recomputes its encoder layers' activations in the backward
+        (``recompute`` for every stage, or membership in ``recompute_stages``)."""
+        return self.recompute or stage in (self.recompute_stages or ())
 
     @property
     def data_replicas(self) -> int:
@@ -611,6 +617,7 @@ def validate(cfg: TrainConfig) -> None:
         _fail("pipeline.num_virtual", cfg.pipeline.num_virtual,
               "only pipeline=interleaved and the V schedules (zb-v, dualpipev, v-half, v-min) use virtual stages; "
               "set it to 1")
+    _check_recompute_stages(cfg, total_stages)
     lps = cfg.pipeline.layers_per_stage
     if lps is not None:
         if len(lps) != total_stages or any(n < 1 for n in lps[1:-1]) or min(lps) < 0 or sum(lps) != m.num_layers:
@@ -706,6 +713,23 @@ def validate(cfg: TrainConfig) -> None:
 
         if not torch.cuda.is_available():
             _fail("device", "cuda", "no CUDA device is visible; use device=cpu or device=auto")
+
+
+def _check_recompute_stages(cfg: TrainConfig, total_stages: int) -> None:
+    """``recompute_stages``: distinct model-stage indices in range, beside ``recompute=false``, in a pipeline."""
+    chosen = cfg.recompute_stages
+    if chosen is None:
+        return
+    chosen = list(chosen)
+    if cfg.recompute:
+        _fail("recompute_stages", chosen, "recompute=true already recomputes every stage; set recompute=false to "
+              "recompute only these stages, or recompute_stages=null")
+    if total_stages == 1:
+        _fail("recompute_stages", chosen, "a run of one model stage recomputes all or nothing: use recompute=true "
+              "(or false) and recompute_stages=null")
+    if not chosen or len(set(chosen)) != len(chosen) or any(s < 0 or s >= total_stages for s in chosen):
+        _fail("recompute_stages", chosen, f"give distinct model-stage indices in 0..{total_stages - 1} "
+              f"(stages*pipeline.num_virtual={total_stages}), e.g. recompute_stages=[0], or null for none")
 
 
 def _validate_eval(cfg: TrainConfig) -> None:

@@ -175,8 +175,11 @@ def test_strategy_file_sets_train_keys_galvatron_names_map_to():
     ({"pp_deg": 0}, "field pp_deg is 0"),
     ({"checkpoint": "yes"}, "field checkpoint"),
     ({"pipeline": {"method": "pipedream", "num_virtual": 1}}, "field pipeline.method is 'pipedream'"),
-    ({"per_stage": [{"dp_type": "dp", "tp": 1, "checkpoint": False}, {"dp_type": "dp", "tp": 1, "checkpoint": True}]},
-     "field per_stage[1].checkpoint is True, but train.py runs one choice for every stage"),
+    ({"checkpoint": True, "per_stage": [{"dp_type": "dp", "tp": 1, "checkpoint": False},
+                                        {"dp_type": "dp", "tp": 1, "checkpoint": True}]},
+     "field per_stage[0].checkpoint is False, but checkpoint=True"),
+    ({"per_stage": [{"dp_type": "dp", "tp": 1, "checkpoint": "yes"}] * 2}, "field per_stage[0].checkpoint is 'yes'"),
+    ({"per_stage": [{"dp_type": "dp", "tp": 1, "checkpoint": False}] * 3}, "field per_stage has 3 entries for 2"),
     ({"per_stage": [{"dp_type": "sdp", "tp": 1, "checkpoint": False}] * 2}, "field per_stage[0].dp_type is 'sdp'"),
 ])
 def test_bad_strategy_files_are_refused_naming_the_field(tmp_path: Path, change, field):

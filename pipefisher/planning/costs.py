@@ -155,7 +155,9 @@ class RunShape:
         seq_len: S.
         max_predictions: P, masked positions per sequence.
         layers_per_stage: encoder layers per model stage; None balances by estimated cost.
-        recompute: activation recomputation in the backward.
+        recompute: activation recomputation in the backward, in every model stage.
+        recompute_stages: the model stages that recompute (``recompute`` False), or None: as ``recompute``
+            says; ``recompute_flags`` gives the per-stage answer either way.
         precision: fp32 or bf16 (bytes of activations).
         order_costs: zb-v: the relative [F, I, W] its list scheduler orders by (None: equal).
         activation_memory: zb-v: the activation bound as a multiple of 1F1B's peak.
@@ -177,10 +179,21 @@ class RunShape:
     order_costs: tuple[float, ...] | None = None
     activation_memory: float = 1.0
     preconditioner: str = "kfac"
+    recompute_stages: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         if self.preconditioner not in PRECONDITIONERS:
             raise ValueError(f"preconditioner={self.preconditioner!r}: must be one of {', '.join(PRECONDITIONERS)}")
+        chosen = self.recompute_stages
+        if chosen is not None and (self.recompute or any(not 0 <= s < self.num_model_stages for s in chosen)):
+            raise ValueError(f"recompute_stages={list(chosen)}: give model-stage indices in "
+                             f"0..{self.num_model_stages - 1} with recompute=False (recompute=True means every stage)")
+
+    @property
+    def recompute_flags(self) -> tuple[bool, ...]:
+        """Per model stage, whether its backward recomputes the forward (B = 3F, less activation memory)."""
+        chosen = set(self.recompute_stages or ())
+        return tuple(self.recompute or s in chosen for s in range(self.num_model_stages))
 
     @property
     def num_model_stages(self) -> int:
@@ -253,6 +266,7 @@ class RunShape:
                    dp_width=cfg.get("data_parallel", 1), num_virtual=p.get("num_virtual", 1),
                    seq_len=d["seq_len"], max_predictions=d["max_predictions"],
                    layers_per_stage=tuple(lps) if lps else None, recompute=bool(cfg.get("recompute", False)),
+                   recompute_stages=tuple(cfg["recompute_stages"]) if cfg.get("recompute_stages") else None,
                    precision=cfg.get("precision", "fp32"),
                    order_costs=tuple(p["order_costs"]) if p.get("order_costs") else None,
                    activation_memory=float(p.get("activation_memory", 1.0)),
@@ -286,7 +300,7 @@ def estimate_costs(bert_config: BertConfig, num_stages: int, micro_batch_size: i
                    layers_per_stage: Sequence[int] | None = None, num_replicas: int = 1,
                    stages_per_worker: int = 1, allreduce_bytes_per_s: float | None = None,
                    memory_bytes_per_s: float = 1.5e12, bytes_per_element: int = 4,
-                   recompute: bool = False, preconditioner: str = "kfac") -> CostModel:
+                   recompute: bool | Sequence[bool] = False, preconditioner: str = "kfac") -> CostModel:
     """A FLOP-based cost model with K-FAC unit costs ([Note: FLOP estimates]).
 
     Args:
@@ -304,7 +318,8 @@ def estimate_costs(bert_config: BertConfig, num_stages: int, micro_batch_size: i
         allreduce_bytes_per_s: all-reduce bandwidth; None means ``p2p_bytes_per_s``.
         memory_bytes_per_s: memory bandwidth (optimizer step).
         bytes_per_element: activation bytes per element in messages (4 fp32, 2 bf16).
-        recompute: the backward recomputes the forward (B = 3F).
+        recompute: the backward recomputes the forward (B = 3F): in every stage (a bool) or per stage (one
+            flag per stage).
         preconditioner: kfac or ekfac (the INVERT and PRECOND estimates).
 
     Returns:
@@ -319,13 +334,16 @@ def estimate_costs(bert_config: BertConfig, num_stages: int, micro_batch_size: i
     params = stage_parameters(bert_config, partition)
     bandwidth = allreduce_bytes_per_s or p2p_bytes_per_s
     kfac = _kfac_flops(bert_config, encoder, micro_batch_size * seq_len, preconditioner)
+    flags = [recompute] * num_stages if isinstance(recompute, bool) else list(recompute)
+    if len(flags) != num_stages:
+        raise ValueError(f"recompute has {len(flags)} per-stage flags for {num_stages} stages; give one per stage")
 
     def table(name: str) -> tuple[tuple[int, ...], ...]:
         return tuple(tuple(_ns(x / flops_per_s) for x in row) for row in kfac[name])
 
     return CostModel(
         forward_ns=tuple(_ns(f) for f in fwd),
-        backward_ns=tuple(_ns(f * (3.0 if recompute else 2.0)) for f in fwd),
+        backward_ns=tuple(_ns(f * (3.0 if rc else 2.0)) for f, rc in zip(fwd, flags)),
         p2p_ns=_ns(micro_batch_size * seq_len * bert_config.hidden_size * bytes_per_element / p2p_bytes_per_s),
         sync_ns=tuple(_ns(_allreduce_s(4.0 * p, num_replicas, bandwidth)) for p in params),
         step_ns=_ns(max(params) * stages_per_worker * STEP_BYTES_PER_PARAM / memory_bytes_per_s),
@@ -345,7 +363,7 @@ def estimate_run_costs(run: RunShape, hardware: Hardware = Hardware()) -> CostMo
                           stages_per_worker=run.stages_per_worker,
                           allreduce_bytes_per_s=hardware.allreduce_bytes_per_s,
                           memory_bytes_per_s=hardware.memory_bytes_per_s,
-                          bytes_per_element=run.bytes_per_element, recompute=run.recompute,
+                          bytes_per_element=run.bytes_per_element, recompute=run.recompute_flags,
                           preconditioner=run.preconditioner)
 
 

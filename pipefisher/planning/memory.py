@@ -13,7 +13,8 @@
                          activations one micro-batch leaves in the largest stage it holds: per encoder
                          layer S·b·H·(34 + 5·A·S/H) bytes at 16 bits (Korthikanti et al., 2022,
                          "Reducing activation recomputation"), twice that in fp32; with recomputation
-                         only each layer's input (S·b·H elements) plus one layer's full activations
+                         only each layer's input (S·b·H elements) plus one layer's full activations,
+                         stage by stage (``RunShape.recompute_flags``: recompute may cover some stages)
     captures (K-FAC)     a layer's input x (T × in) from its F until its CURV_A, its output gradient
                          (T × out) from its B until its CURV_B, for the layers refreshed in a step:
                          the peak over the worker's action list, the largest over the phases
@@ -64,12 +65,14 @@ class MemoryEstimate:
         return f"{self.total_gb:.1f} GB on worker {self.worker} ({parts} GB)"
 
 
-def _activation_bytes(run: RunShape, encoder_layers: int, first: bool) -> float:
+def _activation_bytes(run: RunShape, stage: int) -> float:
+    """Activations one micro-batch leaves in model stage ``stage`` (its own recompute flag)."""
+    encoder_layers, first = run.encoder_layers[stage], stage == 0
     b, s = run.micro_batch_size, run.seq_len
     h, a = run.bert.hidden_size, run.bert.num_heads
     per_layer_16 = s * b * h * (34 + 5 * a * s / h)
     scale = run.bytes_per_element / 2
-    if run.recompute:
+    if run.recompute_flags[stage]:
         layers = encoder_layers * s * b * h * run.bytes_per_element + per_layer_16 * scale
     else:
         layers = encoder_layers * per_layer_16 * scale
@@ -124,7 +127,7 @@ def estimate_memory_per_worker(run: RunShape, optimizer: str, schedule: Schedule
         stages = [s for (_, _, s) in schedule.placement.stages_of(w)]
         p = sum(params[s] for s in stages)
         factors = sum(4.0 * ((i + 1) ** 2 + o * o) for s in stages for i, o in kfac_linear_dims(run.bert, encoder[s]))
-        act = peaks[w] * max(_activation_bytes(run, encoder[s], s == 0) for s in stages)
+        act = peaks[w] * max(_activation_bytes(run, s) for s in stages)
         moments = 8.0 * p
         if run.preconditioner == "ekfac" and optimizer in KFAC_OPTIMIZERS:  # v in the eigenbasis
             moments += 4.0 * sum((i + 1) * o for s in stages for i, o in kfac_linear_dims(run.bert, encoder[s]))

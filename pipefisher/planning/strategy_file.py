@@ -12,13 +12,15 @@ checks accept a candidate), :func:`report_strategy_run` (the prediction beside w
     sdp_deg, tp_deg        parallel; their product is the world size
     pipeline               {"method", "num_virtual", "chimera_stacking"}
     global_bsz, micro_batch_size, chunks     global batch = micro_batch_size x chunks x dp_deg x sdp_deg
-    checkpoint             activation recomputation (train.py's recompute)
+    checkpoint             activation recomputation in every stage (train.py's recompute)
     optimizer, precision   train.py's optimizer name and precision
     model, data            the model (name, num_layers, hidden_size, num_heads, intermediate_size,
                            vocab_size) and the sequence shape (seq_len, max_predictions) it was chosen for
-    per_stage              one {"dp_type": "dp" | "sdp", "tp": t, "checkpoint": bool} per pipeline stage
-                           (Galvatron's dp_types_enc / tp_sizes_enc per layer); train.py runs one choice
-                           for every stage, so they must agree with each other and with the degrees
+    per_stage              one {"dp_type": "dp" | "sdp", "tp": t, "checkpoint": bool} per model stage
+                           (Galvatron's dp_types_enc / tp_sizes_enc / checkpoint per layer); train.py runs
+                           one dp_type and tp for every stage, so those must agree with each other and
+                           with the degrees; checkpoint may differ (train.py's recompute_stages, issue 27),
+                           and is true in every stage where the top-level checkpoint is
     predicted              {"step_time_s", "samples_per_s", "peak_memory_bytes",
                            "peak_memory_per_worker_bytes", "memory_model"} (what the search predicted)
     search                 how it was found (devices, budget, cost sources), for the record
@@ -73,19 +75,23 @@ def strategy_document(s: Strategy, model: ModelConfig, data: DataConfig, precisi
         "pp_deg": s.stages, "dp_deg": s.dp, "sdp_deg": s.sdp, "tp_deg": s.tp,
         "pipeline": pipeline,
         "global_bsz": s.global_batch, "micro_batch_size": s.micro_batch_size, "chunks": s.num_micro_batches,
-        "checkpoint": s.recompute,
+        "checkpoint": all(s.recompute_flags),
         "optimizer": s.optimizer,
         "precision": precision,
         "model": {k: getattr(model, k) for k in _MODEL_KEYS},
         "data": {"seq_len": data.seq_len, "max_predictions": data.max_predictions},
-        "per_stage": [{"dp_type": "sdp" if s.sdp > 1 else "dp", "tp": s.tp, "checkpoint": s.recompute}
-                      for _ in range(s.stages * (s.num_virtual if s.method in ("interleaved", *V_METHODS) else 1))],
+        "per_stage": _per_stage(s),
         "predicted": {"step_time_s": s.step_time_s, "samples_per_s": s.samples_per_s,
                       "peak_memory_bytes": max(per_worker), "peak_memory_per_worker_bytes": per_worker,
                       "memory_model": "planning.strategy_search [Note: the memory model]: model state, "
                                       "activations and sync buffers; no framework overhead"},
         "search": dict(search or {}),
     }
+
+
+def _per_stage(s: Strategy) -> list[dict[str, Any]]:
+    """One {dp_type, tp, checkpoint} per model stage of ``s`` (checkpoint: that stage recomputes)."""
+    return [{"dp_type": "sdp" if s.sdp > 1 else "dp", "tp": s.tp, "checkpoint": rc} for rc in s.recompute_flags]
 
 
 def write_strategy(path: str | Path, doc: Mapping[str, Any]) -> Path:
@@ -154,14 +160,29 @@ def read_strategy(path: str | Path) -> dict[str, Any]:
     return doc
 
 
+def _num_model_stages(doc: Mapping[str, Any]) -> int:
+    pipeline = doc["pipeline"]
+    virtual = pipeline["method"] in ("interleaved", *V_METHODS)
+    return doc["pp_deg"] * (pipeline["num_virtual"] if virtual else 1)
+
+
 def _check_per_stage(doc: Mapping[str, Any], p: str) -> None:
-    """Per-stage choices must be uniform and match the degrees: train.py runs one of each."""
+    """Per-stage dp_type and tp must be uniform and match the degrees (train.py runs one of each);
+    per-stage checkpoint flags are booleans, one per model stage, all true where ``checkpoint`` is."""
     per_stage = doc.get("per_stage")
     if per_stage is None:
         return
     if not isinstance(per_stage, list) or not all(isinstance(x, dict) for x in per_stage) or not per_stage:
         raise _field(p, "per_stage", "is not a list of {dp_type, tp, checkpoint} objects")
-    want = {"dp_type": "sdp" if doc["sdp_deg"] > 1 else "dp", "tp": doc["tp_deg"], "checkpoint": doc["checkpoint"]}
+    if len(per_stage) != _num_model_stages(doc):
+        raise _field(p, "per_stage", f"has {len(per_stage)} entries for {_num_model_stages(doc)} model stages "
+                     f"(pp_deg x the pipeline's virtual stages); give one per model stage")
+    for i, stage in enumerate(per_stage):
+        flag = stage.get("checkpoint", doc["checkpoint"])
+        if not isinstance(flag, bool) or (doc["checkpoint"] and not flag):
+            raise _field(p, f"per_stage[{i}].checkpoint", f"is {flag!r}, but checkpoint={doc['checkpoint']!r}; give "
+                         f"true or false, and true in every stage where checkpoint is true")
+    want = {"dp_type": "sdp" if doc["sdp_deg"] > 1 else "dp", "tp": doc["tp_deg"]}
     for i, stage in enumerate(per_stage):
         for key, value in want.items():
             if stage.get(key, value) != value:
@@ -170,12 +191,24 @@ def _check_per_stage(doc: Mapping[str, Any], p: str) -> None:
                              f"make every stage's {key} {value!r}")
 
 
+def _recompute_keys(doc: Mapping[str, Any]) -> tuple[bool, list[int] | None]:
+    """train.py's (recompute, recompute_stages) from the file's checkpoint flags: every stage, or some."""
+    flags = [stage.get("checkpoint", doc["checkpoint"]) for stage in doc.get("per_stage") or ()]
+    if doc["checkpoint"] or not any(flags):
+        return bool(doc["checkpoint"]), None
+    if all(flags):
+        return True, None
+    return False, [i for i, flag in enumerate(flags) if flag]
+
+
 def strategy_overrides(doc: Mapping[str, Any]) -> dict[str, Any]:
     """The train.py keys (dotted) a checked strategy file sets, and their values."""
+    recompute, recompute_stages = _recompute_keys(doc)
     out: dict[str, Any] = {
         "stages": doc["pp_deg"], "data_parallel": doc["dp_deg"], "sdp": doc["sdp_deg"],
         "global_batch_size": doc["global_bsz"], "micro_batch_size": doc["micro_batch_size"],
-        "num_micro_batches": doc["chunks"], "recompute": doc["checkpoint"], "optimizer.name": doc["optimizer"],
+        "num_micro_batches": doc["chunks"], "recompute": recompute, "recompute_stages": recompute_stages,
+        "optimizer.name": doc["optimizer"],
         "pipeline.method": doc["pipeline"]["method"], "pipeline.num_virtual": doc["pipeline"]["num_virtual"],
         "pipeline.chimera_stacking": doc["pipeline"].get("chimera_stacking", "direct"),
     }
@@ -241,8 +274,8 @@ def refusal(s: Strategy, model: ModelConfig, data: DataConfig, precision: str = 
     """Why train.py's config checks refuse strategy ``s`` (their one-line message), or None."""
     doc = {"pp_deg": s.stages, "dp_deg": s.dp, "sdp_deg": s.sdp, "tp_deg": s.tp,
            "global_bsz": s.global_batch, "micro_batch_size": s.micro_batch_size, "chunks": s.num_micro_batches,
-           "checkpoint": s.recompute, "optimizer": s.optimizer, "precision": precision,
-           "pipeline": {**_pipeline_keys(s.method), "num_virtual": s.num_virtual},
+           "checkpoint": all(s.recompute_flags), "per_stage": _per_stage(s), "optimizer": s.optimizer,
+           "precision": precision, "pipeline": {**_pipeline_keys(s.method), "num_virtual": s.num_virtual},
            "model": {k: getattr(model, k) for k in _MODEL_KEYS}, "data": asdict(data)}
     if s.tp > 1 and not tp_available():
         return "tensor parallel (tp) is not in this version's train.py"

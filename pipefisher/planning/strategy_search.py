@@ -9,10 +9,11 @@ A candidate puts ``pp · dp · sdp · tp`` = ``devices`` workers on a mesh: ``pp
 (``stages``), ``tp`` tensor-parallel ranks inside each stage, ``sdp`` pipelines whose stage replicas
 shard their weights, gradients and optimizer state over each other (FSDP2), and ``dp`` such blocks
 replicated (plain data parallel). One pipeline is simulated (``simulate``), as in ``whatif``; the
-global batch is ``micro_batch_size · num_micro_batches · dp · sdp``. The choices are uniform over
-stages and layers: train.py runs one ``sdp``, ``tp`` and ``recompute`` for the whole model, and a
-strategy it cannot run is what the search is meant to end (Galvatron's per-layer ``tp_sizes_enc`` /
-``dp_types_enc`` are written per stage into the strategy file, all equal).
+global batch is ``micro_batch_size · num_micro_batches · dp · sdp``. ``sdp`` and ``tp`` are uniform over
+stages and layers: train.py runs one of each for the whole model, and a strategy it cannot run is what the search is meant to end (Galvatron's per-layer ``tp_sizes_enc`` /
+``dp_types_enc`` are written per stage into the strategy file, all equal). Recompute is chosen per model
+stage (issue 27; train.py's ``recompute_stages``): none, all, or, where recomputing nothing runs out of
+memory, the first j stages of :func:`recompute_order` (most activation memory first), j = 1 .. D-1.
 
 [Note: the time model] (per micro-batch; collectives priced by ``planning.comm_costs``: measured, or
 the ring model; compute from FLOPs at ``Hardware.flops_per_s``, which a measurement can set)::
@@ -20,7 +21,7 @@ the ring model; compute from FLOPs at ``Hardware.flops_per_s``, which a measurem
     F of stage s     FLOPs(embeddings, heads) + FLOPs(encoder layers) / tp, at flops_per_s
                      + tp > 1: 2 all_reduce(tp, b·S·H·bytes) per encoder layer (Megatron: after the
                        attention output and the FFN output projections), on the critical path
-    B                2 F's compute (3 F with recompute) + 2 all_reduce per layer (4 with recompute)
+    B                2 F's compute (3 F where the stage recomputes) + 2 all_reduce per layer (4 there)
     message          p2p(b·S·H·bytes) between neighbouring stages (each tp rank to its peer)
     SYNC_GRAD(s)     sdp > 1: reduce_scatter(sdp, 4·p_s) + all_reduce(dp·twins, 4·p'_s / sdp)
                      sdp = 1: all_reduce(dp·twins, 4·p'_s)      (p'_s: without the tied word embedding)
@@ -85,7 +86,7 @@ from pipefisher.schedules.kfac import critical_path_assignment
 from pipefisher.simulate import CostModel, peak_activations
 
 __all__ = ["HybridMemory", "Strategy", "format_strategies", "hybrid_costs", "hybrid_memory_per_worker",
-           "search_strategies", "tp_available", "tp_sharded_parameters"]
+           "recompute_order", "search_strategies", "tp_available", "tp_sharded_parameters"]
 
 log = logging.getLogger(__name__)
 GB = 1e9
@@ -103,7 +104,9 @@ class Strategy:
 
     Attributes:
         method, stages (pp), num_virtual, dp, sdp, tp, micro_batch_size, num_micro_batches, recompute,
-        optimizer: the configuration.
+        optimizer: the configuration (recompute: in every model stage).
+        recompute_stages: with ``recompute`` False, the model stages that recompute (partial recompute);
+            empty: none.
         samples_per_s, step_time_s, utilization, interval: the simulated step (interval: K-FAC's k).
         memory_gb: the most loaded worker's total; memory_per_worker_gb: every worker of a pipeline.
         excluded: why it cannot run, or None.
@@ -126,6 +129,7 @@ class Strategy:
     memory_gb: float | None = None
     memory_per_worker_gb: tuple[float, ...] = ()
     excluded: str | None = None
+    recompute_stages: tuple[int, ...] = ()
 
     @property
     def devices(self) -> int:
@@ -140,13 +144,30 @@ class Strategy:
         v = f" v={self.num_virtual}" if self.method in ("interleaved", *V_METHODS) else ""
         return (f"{self.method} pp={self.stages}{v} dp={self.dp} sdp={self.sdp} tp={self.tp} "
                 f"mbs={self.micro_batch_size} N={self.num_micro_batches or '-'} "
-                f"recompute={str(self.recompute).lower()} {self.optimizer}")
+                f"recompute={self._recompute_label} {self.optimizer}")
+
+    @property
+    def _recompute_label(self) -> str:
+        if self.recompute_stages and not self.recompute:
+            return "stages" + ",".join(map(str, self.recompute_stages))
+        return str(self.recompute).lower()
+
+    @property
+    def num_model_stages(self) -> int:
+        return self.stages * (self.num_virtual if self.method in ("interleaved", *V_METHODS) else 1)
+
+    @property
+    def recompute_flags(self) -> tuple[bool, ...]:
+        """Per model stage, whether it recomputes (what the strategy file's per_stage checkpoint says)."""
+        return tuple(self.recompute or s in self.recompute_stages for s in range(self.num_model_stages))
 
     def run_shape(self, bert: BertConfig, seq_len: int, max_predictions: int, precision: str = "fp32") -> RunShape:
         """The pipeline's shape (``dp_width`` counts every replica fed its own data: dp × sdp)."""
         return RunShape(bert, self.method, self.stages, self.num_micro_batches, self.micro_batch_size,
                         self.dp * self.sdp, self.num_virtual, seq_len, max_predictions, None, self.recompute,
-                        precision)
+                        precision,
+                        recompute_stages=tuple(self.recompute_stages) if self.recompute_stages and not self.recompute
+                        else None)
 
 
 # -- parameters ----------------------------------------------------------------------------------
@@ -220,9 +241,11 @@ def _layer_activation_bytes(run: RunShape, tp: int) -> float:
     return s * b * h * (10 + 24 / tp + 5 * a * s / (h * tp)) * run.bytes_per_element / 2
 
 
-def _stage_activation_bytes(run: RunShape, tp: int, encoder_layers: int, first: bool) -> float:
+def _stage_activation_bytes(run: RunShape, tp: int, stage: int) -> float:
+    """Activations one micro-batch leaves in model stage ``stage`` (its own recompute flag)."""
+    encoder_layers, first = run.encoder_layers[stage], stage == 0
     b, s, h, e = run.micro_batch_size, run.seq_len, run.bert.hidden_size, run.bytes_per_element
-    if run.recompute:
+    if run.recompute_flags[stage]:
         layers = encoder_layers * s * b * h * e + _layer_activation_bytes(run, tp)
     else:
         layers = encoder_layers * _layer_activation_bytes(run, tp)
@@ -251,7 +274,7 @@ def hybrid_memory_per_worker(run: RunShape, sdp: int = 1, tp: int = 1,
     for w in sorted(schedule.actions):
         stages = _stages_of(schedule, w)
         p = sum(params[s] for s in stages)
-        act = peaks[w] * max(_stage_activation_bytes(run, tp, run.encoder_layers[s], s == 0) for s in stages)
+        act = peaks[w] * max(_stage_activation_bytes(run, tp, s) for s in stages)
         if sdp == 1:
             buffers = 4.0 * sum(untied[s] for s in stages) if replicas > 1 else 0.0
             out[w] = HybridMemory(w, 4.0 * p, 4.0 * p, 8.0 * p, act, 0.0, buffers)
@@ -278,11 +301,11 @@ def hybrid_costs(run: RunShape, sdp: int, tp: int, hardware: Hardware, comm: Com
     activation = run.micro_batch_size * run.seq_len * bert.hidden_size * e
     tp_ar = comm.seconds("all_reduce", tp, activation)
     forward, backward = [], []
-    for (first, last), layers in zip(run.partition, run.encoder_layers):
+    for (first, last), layers, rc in zip(run.partition, run.encoder_layers, run.recompute_flags):
         whole = sum(costs[first:last + 1]) - layers * encoder_flops
         f = (whole + layers * encoder_flops / tp) * run.micro_batch_size / hardware.flops_per_s
         forward.append(f + 2 * layers * tp_ar)
-        backward.append(f * (3.0 if run.recompute else 2.0) + (4 if run.recompute else 2) * layers * tp_ar)
+        backward.append(f * (3.0 if rc else 2.0) + (4 if rc else 2) * layers * tp_ar)
     params = _local_parameters(run, tp)
     d = run.num_model_stages
     tied = _tied_parameters(bert)
@@ -394,14 +417,58 @@ def search_strategies(bert: BertConfig, *, devices: int, memory_gb: float, globa
                                     f"sdp={mbs * dp * sdp}")) for o in optimizers]
                                 continue
                             base = replace(base, num_micro_batches=global_batch // (mbs * dp * sdp))
-                            r, x = _evaluate(bert, base, optimizers, hw, comm, budget, seq_len,
-                                             max_predictions, precision, max_interval, split_backward_ratio, tp_ok,
-                                             refusal)
+
+                            def evaluate(cand: Strategy, hw: Hardware = hw) -> tuple[list[Strategy], list[Strategy]]:
+                                return _evaluate(bert, cand, optimizers, hw, comm, budget, seq_len, max_predictions,
+                                                 precision, max_interval, split_backward_ratio, tp_ok, refusal)
+
+                            r, x = evaluate(base)
+                            if not rc and True in recompute and _memory_bound(x):
+                                r2, x2 = _partial_recompute(base, bert, seq_len, max_predictions, precision, evaluate)
+                                r, x = r + r2, x + x2
                             ranked += r
                             excluded += x
     progress.done(len(ranked), len(excluded))
     ranked.sort(key=lambda c: -c.samples_per_s)
     return ranked + excluded
+
+
+def _memory_bound(excluded: Sequence[Strategy]) -> bool:
+    """Whether some of a candidate's optimizers were excluded for memory alone."""
+    return any(c.excluded and "exceeds memory_gb" in c.excluded for c in excluded)
+
+
+def recompute_order(run: RunShape, schedule: Schedule, tp: int = 1) -> list[int]:
+    """Model stages, most activation memory first: the in-flight micro-batches at the peak of the worker
+    holding the stage (``peak_activations``; the largest over its holders) × what one micro-batch leaves
+    in it without recompute. In 1F1B-like schedules the first stages hold the most in-flight micro-batches,
+    so they come first; recomputing a prefix of this order cuts the peak where it is highest."""
+    plain = replace(run, recompute=False, recompute_stages=None)
+    peaks = peak_activations(schedule)
+    held = [0.0] * run.num_model_stages
+    for w in schedule.actions:
+        for s in _stages_of(schedule, w):
+            held[s] = max(held[s], peaks[w] * _stage_activation_bytes(plain, tp, s))
+    return sorted(range(run.num_model_stages), key=lambda s: (-held[s], s))
+
+
+def _partial_recompute(base: Strategy, bert: BertConfig, seq_len: int, max_predictions: int, precision: str,
+                       evaluate: Callable[[Strategy], tuple[list[Strategy], list[Strategy]]]
+                       ) -> tuple[list[Strategy], list[Strategy]]:
+    """Candidates between none and all (issue 27): recompute the first j stages of :func:`recompute_order`,
+    j = 1 .. stages-1, until every optimizer fits (a larger j is only slower). ``base`` recomputes nothing
+    and ran out of memory for some optimizer."""
+    run = base.run_shape(bert, seq_len, max_predictions, precision)
+    order = recompute_order(run, run.build_schedule(dp_width=1), base.tp)
+    ranked: list[Strategy] = []
+    excluded: list[Strategy] = []
+    for j in range(1, run.num_model_stages):
+        r, x = evaluate(replace(base, recompute_stages=tuple(sorted(order[:j]))))
+        ranked += r
+        excluded += x
+        if not _memory_bound(x):
+            break
+    return ranked, excluded
 
 
 def _evaluate(bert: BertConfig, base: Strategy, optimizers: Sequence[str], hardware: Hardware, comm: CommCosts,

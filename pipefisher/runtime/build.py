@@ -58,7 +58,8 @@ def build_stage_modules(cfg: TrainConfig, schedule: Schedule, rank: int) -> dict
     modules: dict[StageKey, BertStage] = {}
     for _dp, pipe, stage in schedule.placement.stages_of(rank):
         first, last = slices[stage]
-        modules[(pipe, stage)] = BertStage(bert, first, last, seed=cfg.seed, recompute=cfg.recompute)
+        modules[(pipe, stage)] = BertStage(bert, first, last, seed=cfg.seed,
+                                           recompute=cfg.recomputes(stage))
     return modules
 
 
@@ -222,6 +223,7 @@ def run_shape(cfg: TrainConfig) -> RunShape:
         max_predictions=cfg.data.max_predictions,
         layers_per_stage=tuple(encoder_layers_per_stage(cfg, cfg.stages * cfg.pipeline.num_virtual)),
         recompute=cfg.recompute,
+        recompute_stages=tuple(cfg.recompute_stages) if cfg.recompute_stages else None,
         precision=cfg.precision,
         order_costs=tuple(cfg.pipeline.order_costs) if cfg.pipeline.order_costs else None,
         activation_memory=cfg.pipeline.activation_memory,
