@@ -135,6 +135,9 @@ def _parser() -> argparse.ArgumentParser:
                         "<out>/step_costs.json as 'D=<stages> simulated, batch <B>' (repeatable)")
     p.add_argument("--timing-rounds", type=int, default=3)
     p.add_argument("--timing-steps", type=int, default=40, help="steps per timing run (whole cycles after two)")
+    p.add_argument("--timing-arms", default=",".join(TIMED_ARMS),
+                   help=f"the arms --measure-d2 times (of {','.join(TIMED_ARMS)}); a subset replaces the setting's "
+                        "figures with the subset's, so give it another --out")
     p.add_argument("--timeout-s", type=float, default=7200.0, help="per run")
     return p
 
@@ -505,9 +508,12 @@ def main() -> None:
     if args.measure_d2:
         path = out / "step_costs.json"
         costs = json.loads(path.read_text()) if path.is_file() else {}
+        arms = tuple(a for a in args.timing_arms.split(",") if a)
+        if not arms or set(arms) - set(TIMED_ARMS):
+            raise SystemExit(f"--timing-arms {args.timing_arms!r}: choose from {','.join(TIMED_ARMS)}")
         for batch in spec.steps:
             costs[f"D=2 measured, batch {batch}"] = measure_d2(args, data, out, batch, args.timing_rounds,
-                                                               args.timing_steps)
+                                                               args.timing_steps, arms)
         path.write_text(json.dumps(costs, indent=1) + "\n")
     if args.add_simulated:
         path = out / "step_costs.json"
