@@ -170,7 +170,7 @@ def test_cluster_nodes_are_checked_before_workers_start() -> None:
     assert compose_train(["cluster=slurm", "cluster.nodes=2", "stages=2", "data_parallel=2"]).cluster.nodes == 2
     with pytest.raises(ConfigError, match=r"cluster.nodes.*cluster=slurm"):
         compose_train(["cluster.nodes=2", "stages=2"])  # cluster=local
-    with pytest.raises(ConfigError, match=r"cluster.nodes.*stages\*data_parallel=2 workers.*\[1, 2\]"):
+    with pytest.raises(ConfigError, match=r"cluster.nodes.*stages\*data_parallel\*sdp\*tp=2 processes.*\[1, 2\]"):
         compose_train(["cluster=slurm", "cluster.nodes=4", "stages=2"])
     with pytest.raises(ConfigError, match=r"cluster.nodes"):
         compose_train(["cluster=slurm", "cluster.nodes=0", "stages=2"])
