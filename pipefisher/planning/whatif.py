@@ -43,7 +43,7 @@ log = logging.getLogger(__name__)
 
 METHODS = ("gpipe", "1f1b", "chimera", "chimera-doubling", "interleaved", "zb-h1", *V_METHODS)
 SPLIT_METHODS = ("zb-h1", *V_METHODS)  # their backward is split into I and W
-SPLIT_BACKWARD_RATIO = 1.07  # (I+W)/B measured on bert-mini (bench/zero_bubble.py; issue 26)
+SPLIT_BACKWARD_RATIO = 1.0  # (I+W)/B: the same FLOPs as B; measured in the pipeline 0.96 (bert-mini) and 1.00 (bert-medium; bench/README.md §8, §13)
 OPTIMIZERS = ("nvlamb", "kfac", "pipefisher")
 
 
