@@ -43,9 +43,9 @@ from pathlib import Path
 from typing import Any
 
 from pipefisher.atomic import write_text_atomic
-from pipefisher.config import (PIPELINE_METHODS, V_METHODS, ConfigError, DataConfig, ModelConfig, OptimizerConfig, PipelineConfig,
+from pipefisher.config import (PIPELINE_METHODS, ConfigError, DataConfig, ModelConfig, OptimizerConfig, PipelineConfig,
                                TrainConfig)
-from pipefisher.planning.strategy_search import Strategy, tp_available
+from pipefisher.planning.strategy_search import Strategy, model_stages, tp_available
 
 __all__ = ["STRATEGY_FORMAT", "apply_strategy", "read_strategy", "refusal", "report_strategy_run",
            "strategy_document", "strategy_overrides", "write_strategy"]
@@ -161,9 +161,7 @@ def read_strategy(path: str | Path) -> dict[str, Any]:
 
 
 def _num_model_stages(doc: Mapping[str, Any]) -> int:
-    pipeline = doc["pipeline"]
-    virtual = pipeline["method"] in ("interleaved", *V_METHODS)
-    return doc["pp_deg"] * (pipeline["num_virtual"] if virtual else 1)
+    return model_stages(doc["pipeline"]["method"], doc["pp_deg"], doc["pipeline"]["num_virtual"])
 
 
 def _check_per_stage(doc: Mapping[str, Any], p: str) -> None:

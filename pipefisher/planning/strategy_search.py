@@ -86,7 +86,7 @@ from pipefisher.schedules.kfac import critical_path_assignment
 from pipefisher.simulate import CostModel, peak_activations
 
 __all__ = ["HybridMemory", "Strategy", "format_strategies", "hybrid_costs", "hybrid_memory_per_worker",
-           "recompute_order", "search_strategies", "tp_available", "tp_sharded_parameters"]
+           "model_stages", "recompute_order", "search_strategies", "tp_available", "tp_sharded_parameters"]
 
 log = logging.getLogger(__name__)
 GB = 1e9
@@ -154,7 +154,7 @@ class Strategy:
 
     @property
     def num_model_stages(self) -> int:
-        return self.stages * (self.num_virtual if self.method in ("interleaved", *V_METHODS) else 1)
+        return model_stages(self.method, self.stages, self.num_virtual)
 
     @property
     def recompute_flags(self) -> tuple[bool, ...]:
@@ -168,6 +168,11 @@ class Strategy:
                         precision,
                         recompute_stages=tuple(self.recompute_stages) if self.recompute_stages and not self.recompute
                         else None)
+
+
+def model_stages(method: str, stages: int, num_virtual: int) -> int:
+    """Model stages of a pipeline: ``stages`` × ``num_virtual`` for interleaved and the V schedules, else ``stages``."""
+    return stages * (num_virtual if method in ("interleaved", *V_METHODS) else 1)
 
 
 # -- parameters ----------------------------------------------------------------------------------
@@ -434,8 +439,9 @@ def search_strategies(bert: BertConfig, *, devices: int, memory_gb: float, globa
 
 
 def _memory_bound(excluded: Sequence[Strategy]) -> bool:
-    """Whether some of a candidate's optimizers were excluded for memory alone."""
-    return any(c.excluded and "exceeds memory_gb" in c.excluded for c in excluded)
+    """Whether some of a candidate's optimizers were excluded for memory alone: :func:`_evaluate` sets
+    ``memory_gb`` on an excluded candidate only when its memory exceeded the budget."""
+    return any(c.memory_gb is not None for c in excluded)
 
 
 def recompute_order(run: RunShape, schedule: Schedule, tp: int = 1) -> list[int]:
