@@ -220,6 +220,7 @@ def test_when_ready_plans_invert_in_the_curvatures_phase_to_meet_the_bound() -> 
     default = kfac_assignment(cfg, s)  # max_staleness 8 at k=7: a lag of 1 allowed
     assert default.metadata.get("max_invert_lag") == 1 and default.interval == 7
     assert curvature_age_bound(default, "when_ready") <= 8
+    assert _step_ns(default, cost) <= 1.02 * _step_ns(plain, cost)
     # at_cycle_end gains nothing from it (its age is 2k - 1 - p_c): the planner does not try it there
     assert "max_invert_lag" not in plan_pipefisher(s, cost, layers, max_staleness=13).metadata
     with pytest.raises(ValueError, match="max_invert_lag"):
