@@ -72,7 +72,8 @@ from torch import nn
 from pipefisher.model.rng import dropout_key
 from pipefisher.runtime.kfac_work import KfacWork, StageKey
 from pipefisher.runtime.sharding import ShardedStages, local
-from pipefisher.runtime.split_backward import WeightGradStore, apply_weight_grads, deferring, enable_split_backward
+from pipefisher.runtime.split_backward import (WeightGradStore, accumulating, apply_weight_grads, deferring,
+                                               enable_split_backward)
 from pipefisher.runtime.step_clock import StepClock
 from pipefisher.schedules.ir import Action, ActionKind, Schedule
 from pipefisher.timeline import Event
@@ -241,9 +242,9 @@ class WorkerExecutor:
             K.SEND_B: self._send, K.SYNC_GRAD: self._sync_grad, K.STEP: self._step,
             **{kind: self._kfac_unit for kind in ActionKind if kind.is_kfac},
         }
-        # Zero-bubble schedules split backwards into I and W: [Note: deferred weight gradients].
-        if any(a.kind == ActionKind.BACKWARD_WEIGHT for ph in self.phases for a in ph.actions[self.worker]):
-            enable_split_backward(modules.values())
+        # Zero-bubble schedules split backwards into I and W ([Note: deferred weight gradients]); a
+        # full B accumulates weight gradients as W does ([Note: a full backward accumulates in place]).
+        enable_split_backward(modules.values())
 
     # -- communication -------------------------------------------------------------------------
 
@@ -351,7 +352,7 @@ class WorkerExecutor:
         key = (a.pipe, a.stage, a.micro_batch)
         y = st.outputs.pop(key)
         split = deferring(st.deferred.setdefault(key, [])) if a.kind == ActionKind.BACKWARD_INPUT \
-            else contextlib.nullcontext()
+            else accumulating()
         with split:
             if y.dim() == 1:
                 (y.float().sum() * self.loss_scale).backward()
@@ -444,10 +445,12 @@ class WorkerExecutor:
                 dist.all_reduce(self.comm.message(None), group=group)
             elif len(params) == 1:  # one local copy (all but Chimera): reduce in place, no extra passes
                 dist.all_reduce(_grad(params[0]), group=group)
-            else:
-                total = torch.stack([_grad(p) for p in params]).sum(0)
+            else:  # summed into the first copy in place: no [V, H] temporaries (fresh pages on a CPU)
+                total = _grad(params[0])
+                for p in params[1:]:
+                    total.add_(_grad(p))
                 dist.all_reduce(total, group=group)
-                for p in params:
+                for p in params[1:]:
                     _grad(p).copy_(total)
         return waited
 

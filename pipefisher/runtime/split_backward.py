@@ -12,9 +12,19 @@ Megatron-based Zero Bubble code calls a weight-gradient store). W adds each prod
 :func:`_accumulate_weight_grad`), and the embedding lookups' gradients are deferred too ([Note:
 deferred embedding gradients]); everything else of the backward (attention, softmax, LayerNorm,
 GELU, biases, the input-gradient products) runs in I, which is why I costs more than half of B.
-Outside :func:`deferring` (a full ``B``, or a forward under ``torch.no_grad``) the functions
-compute the weight gradient at once, so one stage can run B for some micro-batches and I + W for
-others.
+Outside :func:`deferring` the functions compute the weight gradient at once, so one stage can run B
+for some micro-batches and I + W for others.
+
+[Note: a full backward accumulates in place]
+The executor runs every schedule's stages through these functions, and a full ``B`` under
+:func:`accumulating`: each weight gradient is added into ``.grad`` where it is computed, by W's own
+code (``addmm_`` into the gradient, ``index_add_`` of the looked-up rows), and autograd receives
+None for it. Autograd's own way makes a [out, in] product and AccumulateGrad adds it to ``.grad`` in
+a second pass; for the word embeddings it makes a dense [V, H] gradient of zeros per micro-batch
+(fresh pages on a CPU). Measured with ``bench/v_gap.py`` on bert-medium, a full B of zb-v's
+embedding-only stage took 88 ms where its I + W took 4. The numerics are W's: equal up to rounding.
+Outside :func:`accumulating` and :func:`deferring` (``bench/split_backward.py``'s ``Bd``) the
+gradient goes back to autograd as ``nn.Linear``'s backward returns it.
 
 [Note: deferred embedding gradients]
 ``nn.Embedding``'s backward makes a dense [V, H] gradient (zeros, then the looked-up rows added)
@@ -57,7 +67,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-__all__ = ["WeightGradStore", "enable_split_backward", "deferring", "apply_weight_grads"]
+__all__ = ["WeightGradStore", "accumulating", "apply_weight_grads", "deferring", "enable_split_backward"]
 
 WeightGradStore = list[tuple[nn.Parameter, Tensor, Tensor]]
 """Deferred weight gradients of one (stage, micro-batch): (weight, g [T, out], x [T, in]) of a
@@ -67,6 +77,8 @@ or (weight, g [T, H], ids [T]) of an embedding lookup (integer ids tell the two 
 # The store filed into while an I runs. A module global, not a thread-local: on CUDA the autograd
 # engine runs backward functions on its own device threads.
 _ACTIVE: WeightGradStore | None = None
+# Set while a full B accumulates its weight gradients in place (:func:`accumulating`).
+_IN_PLACE = False
 
 
 class _DeferrableLinear(torch.autograd.Function):
@@ -96,10 +108,12 @@ class _DeferrableLinear(torch.autograd.Function):
             grad_b = g2.sum(0)
         if need_w:
             x2 = x.reshape(-1, x.shape[-1])  # a view: filed as the forward saved it, cast in W
-            if _ACTIVE is None:
-                grad_w = g2.t().mm(x2.to(grad.dtype)).to(weight.dtype)
-            else:
+            if _ACTIVE is not None:
                 _ACTIVE.append((ctx.param, g2, x2))
+            elif _IN_PLACE:
+                _accumulate_weight_grad(ctx.param, g2, x2)
+            else:
+                grad_w = g2.t().mm(x2.to(grad.dtype)).to(weight.dtype)
         return grad_x, grad_w, grad_b
 
 
@@ -116,9 +130,12 @@ class _DeferrableEmbedding(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: Tensor) -> tuple[None, Tensor | None]:
         (ids,) = ctx.saved_tensors
-        if _ACTIVE is None:  # what nn.Embedding's backward computes (padding_idx -1: none)
+        if _ACTIVE is not None:
+            _ACTIVE.append((ctx.param, grad.reshape(-1, grad.shape[-1]), ids.reshape(-1)))
+        elif _IN_PLACE:
+            _accumulate_embedding_grad(ctx.param, grad.reshape(-1, grad.shape[-1]), ids.reshape(-1))
+        else:  # what nn.Embedding's backward computes (padding_idx -1: none)
             return None, torch.ops.aten.embedding_dense_backward(grad, ids, ctx.param.shape[0], -1, False)
-        _ACTIVE.append((ctx.param, grad.reshape(-1, grad.shape[-1]), ids.reshape(-1)))
         return None, None
 
 
@@ -177,6 +194,19 @@ def deferring(store: WeightGradStore) -> Iterator[WeightGradStore]:
         yield store
     finally:
         _ACTIVE = previous
+
+
+@contextlib.contextmanager
+def accumulating() -> Iterator[None]:
+    """While active, a backward through a switched ``nn.Linear`` or ``nn.Embedding`` adds its weight
+    gradient into ``.grad`` itself, as W does, instead of returning it to autograd (a full ``B``:
+    [Note: a full backward accumulates in place])."""
+    global _IN_PLACE
+    previous, _IN_PLACE = _IN_PLACE, True
+    try:
+        yield
+    finally:
+        _IN_PLACE = previous
 
 
 def apply_weight_grads(store: WeightGradStore) -> None:
