@@ -2,6 +2,7 @@
 
     python bench/v_gap.py                                    # bert-medium, D=2, N=8, B=2: 1f1b, zb-h1, zb-v, dualpipev
     python bench/v_gap.py --model bert-mini --rounds 4       # a model too shallow for a balanced V
+    python bench/v_gap.py --variants 1f1b zb-v zb-v+pipeline.layers_per_stage=[1,2,3,2]   # overrides after '+'
 
 Every variant runs ``PipelineWorker.train_step`` in the same two worker processes, rotated every
 round (``_harness`` [Note: measuring on a shared CPU]); dropout 0, NVLAMB. After each step both
@@ -119,7 +120,8 @@ def breakdown(events: list[Event]) -> dict[int, dict[str, int]]:
 
 
 def _run(rank: int, world: int, overrides: list[str], warmup: int, rounds: int, variants: tuple[str, ...]) -> dict:
-    workers = {v: PipelineWorker(h.compose(overrides + [f"pipeline={v}"]), rank, world, torch.device("cpu"))
+    workers = {v: PipelineWorker(h.compose(overrides + [f"pipeline={v.split('+')[0]}", *v.split("+")[1:]]), rank, world,
+                                 torch.device("cpu"))
                for v in variants}
     rows: dict[str, list[dict]] = {v: [] for v in variants}
     for step in range(warmup + rounds):
@@ -156,9 +158,10 @@ def main() -> None:
     p.add_argument("--micro-batch-size", type=int, default=2)
     p.add_argument("--rounds", type=int, default=6)
     p.add_argument("--warmup", type=int, default=1)
-    p.add_argument("--variants", default=",".join(VARIANTS))
+    p.add_argument("--variants", nargs="+", default=list(VARIANTS),
+                   help="pipeline methods, each optionally followed by '+key=value' overrides")
     args = p.parse_args()
-    variants = tuple(args.variants.split(","))
+    variants = tuple(args.variants)
     overrides = [f"model={args.model}", "stages=2", f"num_micro_batches={args.micro_batches}",
                  f"micro_batch_size={args.micro_batch_size}", f"steps={args.warmup + args.rounds + 1}",
                  "model.hidden_dropout=0.0", "model.attention_dropout=0.0", "optimizer=nvlamb"]

@@ -126,6 +126,8 @@ def estimate_memory_per_worker(run: RunShape, optimizer: str, schedule: Schedule
     for w in sorted(schedule.actions):
         stages = [s for (_, _, s) in schedule.placement.stages_of(w)]
         p = sum(params[s] for s in stages)
+        if 0 in stages and run.num_model_stages - 1 in stages and run.num_model_stages > 1:
+            p -= run.bert.vocab_size * run.bert.hidden_size  # one tied weight per worker (runtime.build.tie_local_copies)
         factors = sum(4.0 * ((i + 1) ** 2 + o * o) for s in stages for i, o in kfac_linear_dims(run.bert, encoder[s]))
         act = peaks[w] * max(_activation_bytes(run, s) for s in stages)
         moments = 8.0 * p

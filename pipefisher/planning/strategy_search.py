@@ -279,6 +279,8 @@ def hybrid_memory_per_worker(run: RunShape, sdp: int = 1, tp: int = 1,
     for w in sorted(schedule.actions):
         stages = _stages_of(schedule, w)
         p = sum(params[s] for s in stages)
+        if sdp == 1 and tp == 1 and 0 in stages and run.num_model_stages - 1 in stages and run.num_model_stages > 1:
+            p -= _tied_parameters(run.bert)  # one tied weight per worker (runtime.build.tie_local_copies)
         act = peaks[w] * max(_stage_activation_bytes(run, tp, s) for s in stages)
         if sdp == 1:
             buffers = 4.0 * sum(untied[s] for s in stages) if replicas > 1 else 0.0

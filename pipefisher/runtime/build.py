@@ -33,7 +33,7 @@ from pipefisher.schedules.kfac_baseline import on_critical_path
 from pipefisher.schedules.torch_csv import CSV_METHOD, build_from_torch_csv
 from pipefisher.training import bert_config, device_type
 
-__all__ = ["CPU_HARDWARE", "schedule_for", "build_stage_modules", "new_groups", "tied_params", "norm_params",
+__all__ = ["CPU_HARDWARE", "schedule_for", "build_stage_modules", "new_groups", "tie_local_copies", "tied_params", "norm_params",
            "stage_slices", "encoder_layers_per_stage", "kfac_assignment", "kfac_plan_label", "describe_kfac",
            "run_shape", "seed_worker_rngs", "check_world_size"]
 
@@ -60,7 +60,35 @@ def build_stage_modules(cfg: TrainConfig, schedule: Schedule, rank: int) -> dict
         first, last = slices[stage]
         modules[(pipe, stage)] = BertStage(bert, first, last, seed=cfg.seed,
                                            recompute=cfg.recomputes(stage))
+    if cfg.sdp == 1 and cfg.tp == 1:
+        tie_local_copies(modules, schedule.num_stages)
     return modules
+
+
+def tie_local_copies(modules: dict[StageKey, BertStage], num_stages: int) -> int:
+    """Make every copy of the tied word-embedding / decoder weight on this worker one Parameter.
+
+    [Note: one tied weight per worker]
+    A V schedule puts the first and the last stage on one worker, as Chimera does with its two
+    pipes. Each stage built alone owns a copy of the tied weight; kept apart, the worker would add
+    the copies' gradients, update each copy with the optimizer and hold each copy's moments: on
+    bert-medium that is a second [30522, 512] update, which made zb-v's worker 0 take 370 ms at STEP
+    against worker 1's 40 (``bench/v_gap.py``). Tied here, both uses accumulate into one ``.grad``
+    (as in single-process BERT) and the executor's sum over workers sees one local copy. Under sdp
+    or tp the copies are sharded or placed per stage, so they stay apart.
+
+    Returns:
+        How many copies now alias the first one.
+    """
+    holders = [m for (_, stage), m in sorted(modules.items())
+               if stage in (0, num_stages - 1) and m.tied_parameter_name is not None]
+    if len(holders) < 2:
+        return 0
+    shared = holders[0].get_parameter(holders[0].tied_parameter_name)
+    for m in holders[1:]:
+        owner, _, attr = m.tied_parameter_name.rpartition(".")
+        setattr(m.get_submodule(owner), attr, shared)
+    return len(holders) - 1
 
 
 def new_groups(schedule: Schedule, rank: int, sdp: int = 1, tp: int = 1) -> tuple[dict[int, Any], Any]:
@@ -93,10 +121,13 @@ def new_groups(schedule: Schedule, rank: int, sdp: int = 1, tp: int = 1) -> tupl
 
 
 def tied_params(modules: dict[StageKey, BertStage], num_stages: int) -> list[nn.Parameter]:
-    out = []
+    """This worker's distinct copies of the tied weight (one when tied: [Note: one tied weight per worker])."""
+    out: list[nn.Parameter] = []
     for (_, stage), m in sorted(modules.items()):
         if stage in (0, num_stages - 1) and m.tied_parameter_name is not None:
-            out.append(m.get_parameter(m.tied_parameter_name))
+            p = m.get_parameter(m.tied_parameter_name)
+            if all(p is not q for q in out):
+                out.append(p)
     return out
 
 

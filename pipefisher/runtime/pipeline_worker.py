@@ -77,8 +77,12 @@ class PipelineWorker:
         if cfg.sdp > 1:
             self.sdp = shard_stages(self.modules, groups, cfg.sdp_reshard_after_forward, device.type, meshes=meshes)
         tied = (tied_params(self.modules, self.schedule.num_stages), tied_group) if tied_group is not None else None
-        named = [(f"{pipe}.{stage}.{n}", p) for (pipe, stage), m in sorted(self.modules.items())
-                 for n, p in m.named_parameters()]
+        named, seen = [], set()  # a tied weight held once per worker is stepped once
+        for (pipe, stage), m in sorted(self.modules.items()):
+            for n, p in m.named_parameters():
+                if id(p) not in seen:
+                    seen.add(id(p))
+                    named.append((f"{pipe}.{stage}.{n}", p))
         self.optimizer, self.scheduler = make_optimizer(cfg, named, device)
         self.dcp: ShardedCheckpointer | None = None  # sdp/tp: replicas and moments go through DCP
         if cfg.sdp > 1 or cfg.tp > 1:
