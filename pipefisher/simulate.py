@@ -13,7 +13,7 @@ Chosen to match ``pipefisher.runtime.executor``:
 - ``RECV_*`` ends at max(worker free, send issued + ``cost.p2p_ns``); its event spans the wait.
 - ``SYNC_GRAD`` of stage s is an asynchronous all-reduce: it starts when every replica of the
   stage has reached its SYNC_GRAD and lasts ``cost.sync_ns[s]``; the worker does not wait for it.
-- ``STEP`` waits for the worker's all-reduces of the step, then lasts ``cost.step_ns``.
+- ``STEP`` waits for the worker's all-reduces of the step, then lasts ``cost.step_of(worker)``.
 - A compute-only schedule (no SEND/RECV) is simulated with its data dependencies instead: an F
   starts after the upstream F ended (+ ``p2p_ns`` across workers), a B or I after its own F and
   the downstream B or I, a W after its own I.
@@ -92,6 +92,9 @@ class CostModel:
         p2p_ns: latency of one point-to-point message (send issued → data received).
         sync_ns: gradient all-reduce cost of each stage (empty means 0 for every stage).
         step_ns: optimizer step cost per worker.
+        worker_step_ns: optimizer step cost of each worker, where they differ (empty: ``step_ns``
+            for every worker). A V schedule puts the embeddings and the heads on one worker, whose
+            step then updates far more parameters than the others' (``bench/v_gap.py``).
         curv_a_ns: K-FAC: ``[stage][layer]`` cost of one CURV_A unit (one layer, one micro-batch);
             ``()`` means K-FAC work costs nothing (a schedule without K-FAC actions).
         curv_b_ns: the same for CURV_B.
@@ -117,6 +120,7 @@ class CostModel:
     precond_ns: tuple[int, ...] = ()
     input_grad_ns: tuple[int, ...] = ()
     weight_grad_ns: tuple[int, ...] = ()
+    worker_step_ns: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         n = len(self.forward_ns)
@@ -138,6 +142,7 @@ class CostModel:
         object.__setattr__(self, "precond_ns", _as_tuple(precond, n, "precond_ns"))
         _as_tuple(self.p2p_ns, 1, "p2p_ns")
         _as_tuple(self.step_ns, 1, "step_ns")
+        object.__setattr__(self, "worker_step_ns", tuple(int(x) for x in self.worker_step_ns))
         for name in ("backward_ns", "sync_ns", "precond_ns", "input_grad_ns", "weight_grad_ns"):
             if len(getattr(self, name)) != n:
                 raise ValueError(f"CostModel.{name} has {len(getattr(self, name))} entries; "
@@ -257,6 +262,11 @@ class CostModel:
     @property
     def step(self) -> int:
         return self.step_ns
+
+    def step_of(self, worker: int) -> int:
+        """The optimizer step's cost on ``worker``: its ``worker_step_ns`` entry, else ``step_ns`` (a
+        model measured on fewer workers, e.g. a profile's costs priced on more data-parallel copies)."""
+        return self.worker_step_ns[worker] if 0 <= worker < len(self.worker_step_ns) else self.step_ns
 
 
 def compute_cost_fields(mean: dict[tuple[str, int], int], num_stages: int) -> dict[str, list[int]]:
@@ -391,7 +401,7 @@ class _Sim:
             if self.open_syncs[(k, w)]:
                 return False
             start = max(now, self.sync_end[(k, w)])
-            end = start + self.cost.step_ns
+            end = start + self.cost.step_of(w)
         elif a.kind in (K.CURV_A, K.CURV_B):
             start = now
             end = start + self.cost.kfac_ns(a.kind, a.stage, a.layer)
@@ -575,7 +585,7 @@ def simulated_bubble_ratio(schedule: Schedule, cost: CostModel | None = None) ->
     """
     if cost is None:
         cost = CostModel.uniform(schedule.num_stages, 1000)
-    cost = replace(cost, p2p_ns=0, sync_ns=(0,) * cost.num_stages, step_ns=0)
+    cost = replace(cost, p2p_ns=0, sync_ns=(0,) * cost.num_stages, step_ns=0, worker_step_ns=())
     fb = frozenset(k.value for k in (K.FORWARD, K.BACKWARD, K.BACKWARD_INPUT, K.BACKWARD_WEIGHT))
     events = [e for e in simulate(schedule, cost) if e.kind in fb]
     return 1.0 - bubble_utilization(events, schedule.num_workers, kinds=fb)

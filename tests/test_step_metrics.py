@@ -3,6 +3,8 @@ costs, K-FAC units included (pipefisher.runtime.step_metrics.measured_costs)."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from pipefisher.runtime.step_metrics import measured_costs as _measured_costs
@@ -27,3 +29,20 @@ def test_costs_read_back_from_a_step_timeline_include_its_kfac_units(method: str
     assert with_kfac == pytest.approx(bubble_utilization(events, 2))
     # Without the K-FAC units (the metric before) the step simulates as a different one.
     assert bubble_utilization(simulate(base, _measured_costs(events, base)), 2) != pytest.approx(with_kfac)
+
+
+def test_each_workers_step_is_simulated_at_its_own_measured_cost() -> None:
+    """A V schedule's worker 0 holds the embeddings and the heads: its STEP costs more than worker
+    1's. The cost model read from a timeline keeps each worker's STEP, and the simulated step ends
+    at the slower worker's STEP, as the run does."""
+    schedule = build_schedule("zb-v", 2, 4)
+    truth = CostModel.uniform(4, 1_000, 2_000, step_ns=0)
+    truth = replace(truth, worker_step_ns=(9_000, 1_000))
+    timeline = simulate(schedule, truth)
+    cost = _measured_costs(timeline, schedule)
+    assert cost.worker_step_ns == (9_000, 1_000)
+    span = max(e.end_ns for e in simulate(schedule, cost)) - min(e.start_ns for e in simulate(schedule, cost))
+    flat = replace(cost, worker_step_ns=(), step_ns=5_000)  # the mean over workers: shorter
+    flat_span = max(e.end_ns for e in simulate(schedule, flat))
+    assert span == max(e.end_ns for e in timeline) - min(e.start_ns for e in timeline)
+    assert span > flat_span

@@ -374,11 +374,17 @@ def _mean(values: Sequence[int]) -> int:
     return round(sum(values) / len(values))
 
 
+def _per_worker(durations: dict[int, list[int]]) -> tuple[int, ...]:
+    """Mean per worker 0..n−1, or () unless every one of them has a value."""
+    n = max(durations, default=-1) + 1
+    return tuple(_mean(durations[w]) for w in range(n)) if set(durations) == set(range(n)) else ()
+
+
 def costs_from_profile(profile: Profile, run: RunShape | None = None, *,
                        path: str | Path | None = None) -> CostModel:
     """Means per stage and kind of a profile's events, as a cost model for the simulator.
 
-    F, B, SYNC_GRAD (per stage) and STEP are the means of their events; the message latency is
+    F, B, SYNC_GRAD (per stage) and STEP (overall, and per worker) are the means of their events; the message latency is
     the median, over receives that waited, of receive end − matching send start. K-FAC units come
     from the profile when it recorded them (per stage and layer; a unit recorded for all layers at
     once is split in proportion to the FLOP estimate); units it lacks are estimated from FLOPs at
@@ -411,6 +417,7 @@ def costs_from_profile(profile: Profile, run: RunShape | None = None, *,
     kfac_layers = run.kfac_layers
     durations: dict[tuple[str, int, int | None], list[int]] = defaultdict(list)
     steps: list[int] = []
+    worker_steps: dict[int, list[int]] = defaultdict(list)
     sends: dict[tuple[int, int, str], int] = {}
     recvs: list[tuple[int, int, Action, int, int]] = []
     for e in profile.events:
@@ -422,6 +429,7 @@ def costs_from_profile(profile: Profile, run: RunShape | None = None, *,
             continue
         if a.kind == K.STEP:
             steps.append(e.duration_ns)
+            worker_steps[e.worker].append(e.duration_ns)
             continue
         if a.stage is not None and not 0 <= a.stage < d:
             raise ValueError(f"{where}: event {e.name!r} names stage {a.stage}, but the run has {d} stages "
@@ -520,6 +528,7 @@ def costs_from_profile(profile: Profile, run: RunShape | None = None, *,
         p2p_ns=round(statistics.median(latencies)) if latencies else 0,
         sync_ns=sync,
         step_ns=_mean(steps) if steps else 0,
+        worker_step_ns=_per_worker(worker_steps),
         curv_a_ns=table("CURV_A", "curv_a"),
         curv_b_ns=table("CURV_B", "curv_b"),
         sync_factor_ns=tuple(factor_sync),

@@ -31,7 +31,8 @@ def _mean_ns(durations: Sequence[int]) -> int:
 
 
 def measured_costs(events: list[Event], schedule: Schedule, kfac_layers: Sequence[int] = ()) -> CostModel:
-    """Mean F, B (and split I, W) time per stage in this step's timeline → a cost model for the simulator.
+    """Mean F, B (and split I, W) time per stage, and each worker's STEP, in this step's timeline → a
+    cost model for the simulator.
 
     With ``kfac_layers`` (K-FAC layers per stage) the K-FAC units the step ran are costed too, as
     measured (a unit run for all of a stage's layers at once is split evenly over them; what the
@@ -39,8 +40,11 @@ def measured_costs(events: list[Event], schedule: Schedule, kfac_layers: Sequenc
     """
     sums: dict[tuple[str, int], list[int]] = {}
     kfac: dict[tuple[str, int, int | None], list[int]] = {}
+    steps: dict[int, list[int]] = {}
     for e in events:
-        if e.kind in ("F", "B", "I", "W"):
+        if e.kind == "STEP":  # a wait of STEP has a collective's kind
+            steps.setdefault(e.worker, []).append(e.duration_ns)
+        elif e.kind in ("F", "B", "I", "W"):
             stage = int(e.name.split(e.kind, 1)[0])
             sums.setdefault((e.kind, stage), []).append(e.duration_ns)
         elif kfac_layers and e.kind in KFAC_KINDS and not is_wait(e):  # a wait costs no unit
@@ -49,6 +53,9 @@ def measured_costs(events: list[Event], schedule: Schedule, kfac_layers: Sequenc
     mean = {k: _mean_ns(v) for k, v in sums.items()}
     d = schedule.num_stages
     compute = compute_cost_fields(mean, d)
+    n = schedule.num_workers
+    if set(steps) == set(range(n)):  # each worker's STEP ([Note: simulated semantics]); not under tp, where ranks ≠ workers
+        compute["worker_step_ns"] = [_mean_ns(steps[w]) for w in range(n)]
     if not kfac_layers:
         return CostModel(**compute)
 
