@@ -65,13 +65,14 @@ def replay(schedule: Schedule, events: list[Event], p2p_ns: int) -> int:
     """Span of the schedule with every compute action at its own measured duration.
 
     Same rules as the simulator ([Note: simulated semantics]) for compute and point-to-point
-    actions; SYNC_GRAD and STEP at their measured durations after the worker's last action.
+    actions; STEP at each worker's measured duration once every worker has reached it.
     """
     took = {(e.worker, e.name): e.end_ns - e.start_ns for e in events
             if e.kind in ("F", "B", "I", "W", "STEP")}
     clock = {w: 0 for w in schedule.actions}
     ptr = {w: 0 for w in schedule.actions}
     sent: dict[tuple[int, str], int] = {}
+    ready: dict[int, int] = {}
     progress = True
     while progress:
         progress = False
@@ -85,6 +86,11 @@ def replay(schedule: Schedule, events: list[Event], p2p_ns: int) -> int:
                     clock[w] = max(clock[w], issued + p2p_ns)
                 elif a.kind in (K.SEND_F, K.SEND_B):
                     sent[(w, str(a))] = clock[w]
+                elif a.kind == K.STEP:  # the global norm's all-reduce joins every worker first
+                    ready[w] = clock[w]
+                    if len(ready) < len(schedule.actions):
+                        break
+                    clock[w] = max(ready.values()) + took.get((w, str(a)), 0)
                 else:
                     clock[w] += took.get((w, str(a)), 0)
                 ptr[w] += 1

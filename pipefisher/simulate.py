@@ -13,7 +13,8 @@ Chosen to match ``pipefisher.runtime.executor``:
 - ``RECV_*`` ends at max(worker free, send issued + ``cost.p2p_ns``); its event spans the wait.
 - ``SYNC_GRAD`` of stage s is an asynchronous all-reduce: it starts when every replica of the
   stage has reached its SYNC_GRAD and lasts ``cost.sync_ns[s]``; the worker does not wait for it.
-- ``STEP`` waits for the worker's all-reduces of the step, then lasts ``cost.step_of(worker)``.
+- ``STEP`` waits for the worker's all-reduces of the step and for every worker to reach its STEP
+  (the global gradient norm is an all-reduce over all workers), then lasts ``cost.step_of(worker)``.
 - A compute-only schedule (no SEND/RECV) is simulated with its data dependencies instead: an F
   starts after the upstream F ended (+ ``p2p_ns`` across workers), a B or I after its own F and
   the downstream B or I, a W after its own I.
@@ -331,6 +332,7 @@ class _Sim:
         # Factor all-reduces per (w, stage): layers in flight, and layer -> end of the latest.
         self.open_factors: dict[tuple[int, int], set[int | None]] = defaultdict(set)
         self.factor_end: dict[tuple[int, int], dict[int | None, int]] = defaultdict(dict)
+        self.step_ready: dict[int, dict[int, int]] = defaultdict(dict)  # step -> {worker: ready for STEP}
         self.events: list[Event] = []
         self.times: dict[tuple[int, int, int], ActionTime] = {}  # (step, w, index) -> times
 
@@ -400,7 +402,11 @@ class _Sim:
         elif a.kind == K.STEP:
             if self.open_syncs[(k, w)]:
                 return False
-            start = max(now, self.sync_end[(k, w)])
+            ready = self.step_ready[k]
+            ready[w] = max(now, self.sync_end[(k, w)])
+            if len(ready) < len(self.work):  # the global norm's all-reduce joins every worker
+                return False
+            start = max(ready.values())
             end = start + self.cost.step_of(w)
         elif a.kind in (K.CURV_A, K.CURV_B):
             start = now

@@ -75,7 +75,7 @@ def test_two_stage_timeline_with_message_sync_and_step_costs():
         (0, "0RECV_B0<1", 10, 50),
         (0, "0B0", 50, 70),
         (1, "1SYNC_GRAD", 45, 52),  # asynchronous all-reduce: the worker does not wait for it ...
-        (1, "STEP", 52, 55),  # ... but STEP does
+        (1, "STEP", 77, 80),  # ... but STEP does, and for every worker (the global norm's all-reduce)
         (0, "0SYNC_GRAD", 70, 77),
         (0, "STEP", 77, 80),
     }
