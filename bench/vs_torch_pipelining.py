@@ -34,6 +34,7 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGP
 
 import _harness as h
 from pipefisher.config import TrainConfig
+from pipefisher.runtime.split_backward import disable_split_backward
 from pipefisher.runtime.worker import PipelineWorker
 
 VARIANTS = ("ours-gpipe", "torch-gpipe", "ours-1f1b", "torch-1f1b")
@@ -54,6 +55,8 @@ class _TorchPipeline:
     def __init__(self, cfg: TrainConfig, rank: int, world: int, method: str) -> None:
         self.cfg, self.rank, self.world = cfg, rank, world
         self.worker = PipelineWorker(cfg, rank, world, torch.device("cpu"))
+        # torch's own runtime on plain layers: our executor's deferrable ones would make torch's I compute W too
+        disable_split_backward(self.worker.modules.values())
         self.feed = h.BatchFeed(self.worker)
         stage = self.worker.modules[(0, rank)]
         n, b, s, hid = cfg.num_micro_batches, cfg.micro_batch_size, cfg.data.seq_len, cfg.model.hidden_size

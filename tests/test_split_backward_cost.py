@@ -15,7 +15,8 @@ from torch import nn
 
 from pipefisher.data.synthetic import SyntheticSource
 from pipefisher.model import BertConfig, BertStage
-from pipefisher.runtime.split_backward import apply_weight_grads, deferring, enable_split_backward
+from pipefisher.runtime.split_backward import (accumulating, apply_weight_grads, deferring, disable_split_backward,
+                                               enable_split_backward)
 
 CONFIG = BertConfig(num_layers=2, hidden_size=32, num_heads=2, vocab_size=600, hidden_dropout=0.0,
                     attention_dropout=0.0)
@@ -102,3 +103,20 @@ def test_lookups_with_options_keep_their_own_backward() -> None:
             nn.Embedding(10, 4, scale_grad_by_freq=True), nn.Embedding(10, 4, sparse=True)]
     assert enable_split_backward(kept) == 0
     assert enable_split_backward([nn.Embedding(10, 4), nn.Linear(4, 4)]) == 2
+
+
+def test_a_full_backward_accumulating_in_place_equals_autograds() -> None:
+    """[Note: a full backward accumulates in place]: B under ``accumulating`` leaves the gradients
+    plain autograd leaves (two micro-batches, so the second adds into existing ``.grad``); undone,
+    the layers are plain again."""
+    plain = BertStage(CONFIG, 0, CONFIG.num_layers + 1, seed=0)
+    fused = copy.deepcopy(plain)
+    enable_split_backward([fused])
+    for batch in _batches(2):
+        (plain(None, batch).sum()).backward()
+        with accumulating():
+            (fused(None, batch).sum()).backward()
+    for (name, a), b in zip(plain.named_parameters(), fused.parameters()):
+        torch.testing.assert_close(b.grad, a.grad, rtol=1e-5, atol=1e-6, msg=name)
+    assert disable_split_backward([fused]) > 0
+    assert all("forward" not in m.__dict__ for m in fused.modules())  # nn.Linear's own forward again

@@ -67,7 +67,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-__all__ = ["WeightGradStore", "accumulating", "apply_weight_grads", "deferring", "enable_split_backward"]
+__all__ = ["WeightGradStore", "accumulating", "apply_weight_grads", "deferring", "disable_split_backward",
+           "enable_split_backward"]
 
 WeightGradStore = list[tuple[nn.Parameter, Tensor, Tensor]]
 """Deferred weight gradients of one (stage, micro-batch): (weight, g [T, out], x [T, in]) of a
@@ -181,6 +182,24 @@ def enable_split_backward(modules: Iterable[nn.Module]) -> int:
                 continue
             m._pf_deferrable = True
             switched += 1
+    return switched
+
+
+def disable_split_backward(modules: Iterable[nn.Module]) -> int:
+    """Undo :func:`enable_split_backward`: the layers run ``nn.Linear`` / ``nn.Embedding``'s own
+    forward and backward again (for another runtime on the same stages, e.g. torch's schedules in
+    ``bench/``, whose split backward asks autograd for input gradients only).
+
+    Returns:
+        How many layers were switched back.
+    """
+    switched = 0
+    for module in modules:
+        for m in module.modules():
+            if getattr(m, "_pf_deferrable", False):
+                del m.forward  # the instance attribute: the class's forward shows through again
+                m._pf_deferrable = False
+                switched += 1
     return switched
 
 
