@@ -3,7 +3,9 @@
 [Note: memory model] (bytes per worker; ``estimate_memory`` gives the one that needs the most)::
 
     weights, gradients   4 per parameter of every stage replica the worker holds (fp32 master)
-    optimizer state      NVLAMB, AdamW: 2 moments, 8 per parameter (Muon: 4, one moment, for the
+    optimizer            the step's temporary, 4 per parameter (NVLAMB holds one at a time: the clipped
+                         gradient copy, then the update, ``optim/nvlamb.py``), and the state:
+                         NVLAMB, AdamW: 2 moments, 8 per parameter (Muon: 4, one moment, for the
                          encoder's Linear weights); K-FAC adds per Linear layer the two
                          factors and their inverses, 4·((in+1)² + out²) each set: 2 sets for kfac,
                          3 for PipeFisher (deferred: the inverses in use and the ones being built);
@@ -14,7 +16,10 @@
                          layer S·b·H·(34 + 5·A·S/H) bytes at 16 bits (Korthikanti et al., 2022,
                          "Reducing activation recomputation"), twice that in fp32; with recomputation
                          only each layer's input (S·b·H elements) plus one layer's full activations,
-                         stage by stage (``RunShape.recompute_flags``: recompute may cover some stages)
+                         stage by stage (``RunShape.recompute_flags``: recompute may cover some stages);
+                         the last stage adds the MLM log-probabilities cross-entropy saves, b·P·V in
+                         fp32, and its worker two more of them for the heads' backward
+                         (:func:`heads_logits_bytes`; 19.5 MB per micro-batch on bert-mini at b=8)
     captures (K-FAC)     a layer's input x (T × in) from its F until its CURV_A, its output gradient
                          (T × out) from its B until its CURV_B, for the layers refreshed in a step:
                          the peak over the worker's action list, the largest over the phases
@@ -76,7 +81,15 @@ def _activation_bytes(run: RunShape, stage: int) -> float:
         layers = encoder_layers * s * b * h * run.bytes_per_element + per_layer_16 * scale
     else:
         layers = encoder_layers * per_layer_16 * scale
-    return layers + (s * b * h * run.bytes_per_element if first else 0)
+    return layers + (s * b * h * run.bytes_per_element if first else 0) + \
+        (heads_logits_bytes(run) if stage == run.num_model_stages - 1 else 0.0)
+
+
+def heads_logits_bytes(run: RunShape) -> float:
+    """One micro-batch's MLM log-probabilities, b·P·V in fp32: what cross-entropy saves for its
+    backward (fp32 under autocast too, ``model.bert``'s loss casts the logits); its backward makes
+    two more of that size at once (the loss's and the logits' gradients)."""
+    return 4.0 * run.micro_batch_size * run.max_predictions * run.bert.vocab_size
 
 
 def _capture_peak(phase: Schedule, worker: int, run: RunShape, kfac_layers: list[int]) -> float:
@@ -130,7 +143,9 @@ def estimate_memory_per_worker(run: RunShape, optimizer: str, schedule: Schedule
             p -= run.bert.vocab_size * run.bert.hidden_size  # one tied weight per worker (runtime.build.tie_local_copies)
         factors = sum(4.0 * ((i + 1) ** 2 + o * o) for s in stages for i, o in kfac_linear_dims(run.bert, encoder[s]))
         act = peaks[w] * max(_activation_bytes(run, s) for s in stages)
-        moments = 8.0 * p
+        if run.num_model_stages - 1 in stages:  # the heads' backward: two more b·P·V at once
+            act += 2.0 * heads_logits_bytes(run)
+        moments = 8.0 * p + 4.0 * p  # the state, and the step's one temporary per parameter
         if run.preconditioner == "ekfac" and optimizer in KFAC_OPTIMIZERS:  # v in the eigenbasis
             moments += 4.0 * sum((i + 1) * o for s in stages for i, o in kfac_linear_dims(run.bert, encoder[s]))
         if optimizer == "muon":  # one moment for the encoder's Linear weights

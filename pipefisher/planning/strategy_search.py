@@ -43,16 +43,17 @@ reshard_after_forward=true (an all-gather per F and per B: not searched).
 [Note: the memory model] (bytes per worker, the largest over the pipeline's workers; p the
 parameters of the stage replicas a worker holds on its tp rank)::
 
-    sdp = 1   weights 4p, gradients 4p, optimizer 8p (NVLAMB's two moments): planning.memory's (but for
-              the tied weight at one stage, counted once here, twice there)
+    sdp = 1   weights 4p, gradients 4p, optimizer 12p (NVLAMB's two moments and its step's one
+              temporary per parameter): planning.memory's
     sdp = k   weights 4p/k sharded + 4p gathered for the step (reshard_after_forward=false), gradients
               4p accumulated unsharded over the step's micro-batches (gradient sync off until the
               stage's last backward; the 4p/k shard the reduce-scatter writes replaces them),
-              optimizer 8p/k
+              optimizer 12p/k
     activations  peak in-flight micro-batches (the schedule's) × per encoder layer
               S·b·H·(10 + 24/tp + 5·A·S/(H·tp)) bytes at 16 bits, twice in fp32 (Korthikanti et al.
               2022, Table 2, tensor parallel without sequence parallel; at tp = 1 planning.memory's
-              34 + 5AS/H); recompute keeps each layer's input (S·b·H) and one layer's activations
+              34 + 5AS/H); recompute keeps each layer's input (S·b·H) and one layer's activations;
+              the last stage's MLM log-probabilities, as planning.memory counts them
     comm buffers the gradient sync's flat copy (sdp = 1 with replicas: 4p'), or FSDP's reduce-scatter
               input (sdp > 1: 4p); reported beside the rest, and in the total only as
               max(activations, comm buffers): the sync runs after the stage's last backward, when
@@ -76,7 +77,7 @@ from pipefisher.planning.assign import plan_pipefisher
 from pipefisher.planning.comm_costs import CommCosts
 from pipefisher.planning.costs import (STEP_BYTES_PER_PARAM, Hardware, RunShape, estimate_run_costs,
                                        stage_parameters)
-from pipefisher.planning.memory import estimate_memory
+from pipefisher.planning.memory import estimate_memory, heads_logits_bytes
 from pipefisher.planning.predict import predict_assignment, predict_schedule
 from pipefisher.planning.whatif import METHODS, OPTIMIZERS, SPLIT_BACKWARD_RATIO, SPLIT_METHODS, split_backward_costs
 from pipefisher.planning.whatif import Progress, ranking_lines
@@ -254,7 +255,7 @@ def _stage_activation_bytes(run: RunShape, tp: int, stage: int) -> float:
         layers = encoder_layers * s * b * h * e + _layer_activation_bytes(run, tp)
     else:
         layers = encoder_layers * _layer_activation_bytes(run, tp)
-    return layers + (s * b * h * e if first else 0)
+    return layers + (s * b * h * e if first else 0) + (heads_logits_bytes(run) if stage == run.num_model_stages - 1 else 0.0)
 
 
 def hybrid_memory_per_worker(run: RunShape, sdp: int = 1, tp: int = 1,
@@ -282,11 +283,13 @@ def hybrid_memory_per_worker(run: RunShape, sdp: int = 1, tp: int = 1,
         if sdp == 1 and tp == 1 and 0 in stages and run.num_model_stages - 1 in stages and run.num_model_stages > 1:
             p -= _tied_parameters(run.bert)  # one tied weight per worker (runtime.build.tie_local_copies)
         act = peaks[w] * max(_stage_activation_bytes(run, tp, s) for s in stages)
+        if run.num_model_stages - 1 in stages:  # the heads' backward (planning.memory.heads_logits_bytes)
+            act += 2.0 * heads_logits_bytes(run)
         if sdp == 1:
             buffers = 4.0 * sum(untied[s] for s in stages) if replicas > 1 else 0.0
-            out[w] = HybridMemory(w, 4.0 * p, 4.0 * p, 8.0 * p, act, 0.0, buffers)
+            out[w] = HybridMemory(w, 4.0 * p, 4.0 * p, 12.0 * p, act, 0.0, buffers)  # 2 moments + the step's temporary
         else:
-            out[w] = HybridMemory(w, 4.0 * p / sdp + 4.0 * p, 4.0 * p, 8.0 * p / sdp, act, 0.0, 4.0 * p)
+            out[w] = HybridMemory(w, 4.0 * p / sdp + 4.0 * p, 4.0 * p, 12.0 * p / sdp, act, 0.0, 4.0 * p)
     return out
 
 
