@@ -96,3 +96,41 @@ def test_measurement_at_world_2_writes_fits_the_search_reads(tmp_path: Path):
     assert costs.seconds("all_reduce", 2, 1 << 20) > 0
     rate = doc["compute"]["micro_batch"]["2"]
     assert rate["flops_per_s"] == pytest.approx(rate["flops_fb"] / rate["seconds_fb"])
+    assert doc["compute"]["tensor_parallel"]["2"]["2"]["seconds_fb"] > 0  # bert-tiny's 2 heads split over 2
+    assert CommCosts.from_json(out).tp_seconds_fb[(2, 2)] > 0
+
+
+def test_a_measured_tp_step_scales_the_modelled_tp_stage_costs(tmp_path: Path):
+    """A tensor-parallel forward + backward measured at 1.5x what FLOPs and all-reduces predict makes
+    every tp stage cost 1.5x; one process (tp=1), or a tp without a measurement, is left as modelled."""
+    from dataclasses import replace
+
+    from pipefisher.model.config import BertConfig
+    from pipefisher.planning.costs import Hardware, RunShape
+    from pipefisher.planning.strategy_search import hybrid_costs, tp_measured_over_modelled
+
+    fits = {"all_reduce": {2: LinkFit(50e-6, 2e9)}, "p2p": {2: LinkFit(20e-6, 4e9)}}
+    plain = CommCosts(fits, Hardware(), "test", {4: 5e10}, 4e9, {}, ("bert-mini", 64, 10))
+    assert tp_measured_over_modelled(plain, 2, 4) == 1.0
+    unit = replace(plain, tp_seconds_fb={(2, 4): 1.0})
+    modelled = 1.0 / tp_measured_over_modelled(unit, 2, 4)
+    slow = replace(plain, tp_seconds_fb={(2, 4): 1.5 * modelled})
+    assert tp_measured_over_modelled(slow, 2, 4) == pytest.approx(1.5)
+    assert tp_measured_over_modelled(slow, 4, 4) == 1.0  # not measured at tp=4
+    run = RunShape(BertConfig.from_size("mini"), "gpipe", 1, 2, 4, seq_len=64, max_predictions=10)
+    hw = plain.hardware_for(4)
+    base, scaled = hybrid_costs(run, 1, 2, hw, plain), hybrid_costs(run, 1, 2, hw, slow)
+    assert [s / b for s, b in zip(scaled.forward_ns + scaled.backward_ns, base.forward_ns + base.backward_ns)] == \
+        pytest.approx([1.5, 1.5], rel=1e-6)
+    assert hybrid_costs(run, 1, 1, hw, slow).forward_ns == hybrid_costs(run, 1, 1, hw, plain).forward_ns
+    # The file's field, read back.
+    doc = collectives_json("gloo", "cpu", 2, {"all_reduce": {2: [(4096, 1e-4), (1 << 20, 1e-3)]}},
+                           compute={"model": "bert-mini", "seq_len": 64, "max_predictions": 10,
+                                    "micro_batch": {"4": {"flops_per_s": 5e10}},
+                                    "optimizer_step": {"memory_bytes_per_s": 4e9},
+                                    "tensor_parallel": {"2": {"4": {"seconds_fb": 0.25}}}})
+    path = tmp_path / "c.json"
+    path.write_text(json.dumps(doc))
+    read = CommCosts.from_json(path)
+    assert read.tp_seconds_fb == {(2, 4): 0.25} and read.compute_model == ("bert-mini", 64, 10)
+    assert "tp=2 micro-batch 4: 250 ms" in read.describe()

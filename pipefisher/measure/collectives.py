@@ -141,6 +141,42 @@ def _compute_rate(model: str, micro_batch_size: int, seq_len: int, max_predictio
     return statistics.median(times), flops
 
 
+def _tp_seconds(model: str, micro_batch_size: int, seq_len: int, max_predictions: int, device: torch.device,
+                repeats: int, budget_s: float, world: int) -> float:
+    """Seconds of one forward + backward of the whole model on one micro-batch with its encoder
+    layers split over all ``world`` processes (train.py's tensor parallel, ``runtime.tensor_parallel``):
+    what the strategy search's time model sets its tp estimate against ([Note: the time model])."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from pipefisher.data.batches import get_micro_batch
+    from pipefisher.data.synthetic import SyntheticSource
+    from pipefisher.model.bert import build_full_model
+    from pipefisher.model.config import BertConfig
+    from pipefisher.runtime.tensor_parallel import parallelize_stages
+
+    bert = BertConfig.from_size(model.removeprefix("bert-"))
+    net = build_full_model(bert).to(device).train()
+    parallelize_stages({(0, 0): net}, {(0, 0): init_device_mesh(device.type, (world,), mesh_dim_names=("tp_measure",))})
+    source = SyntheticSource(seq_len, max_predictions, bert.vocab_size, seed=0)
+    batch = {k: v.to(device) for k, v in get_micro_batch(source, 0, 0, 0, micro_batch_size=micro_batch_size,
+                                                          num_micro_batches=1, dp_width=1).items()}
+    times = []
+    start = time.perf_counter()
+    for i in range(repeats + 2):
+        dist.barrier()
+        t0 = time.perf_counter()
+        net(None, batch).sum().backward()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        if i >= 2:
+            times.append(time.perf_counter() - t0)
+        stop = torch.tensor([1.0 if i >= 4 and time.perf_counter() - start > budget_s else 0.0], device=device)
+        dist.broadcast(stop, src=0)  # every rank runs the same number of collectives
+        if stop.item():
+            break
+    return statistics.median(times)
+
+
 def _optimizer_rate(model: str, device: torch.device, repeats: int, budget_s: float) -> tuple[float, int]:
     """(seconds of one NVLAMB step over the whole model's parameters, the parameter count)."""
     from pipefisher.model.bert import build_full_model
@@ -205,9 +241,21 @@ def _worker(rank: int, world: int, port: int, backend: str, sizes: Sequence[int]
             dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
             step = {"seconds": float(slowest.item()), "parameters": params,
                     "memory_bytes_per_s": STEP_BYTES_PER_PARAM * params / float(slowest.item())}
+            tp_rows = {}
+            from pipefisher.model.config import BertConfig
+
+            bert = BertConfig.from_size(compute["model"].removeprefix("bert-"))
+            splits = bert.num_heads % world == 0 and (bert.intermediate_size or 4 * bert.hidden_size) % world == 0
+            for mbs in compute["micro_batch_sizes"] if splits else ():
+                dist.barrier()
+                seconds = _tp_seconds(compute["model"], mbs, compute["seq_len"], compute["max_predictions"], device,
+                                      repeats, 2 * budget_s, world)
+                slowest = torch.tensor([seconds], dtype=torch.float64, device=device)
+                dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+                tp_rows[str(mbs)] = {"seconds_fb": float(slowest.item())}
             extra["compute"] = {"model": compute["model"], "seq_len": compute["seq_len"],
                                 "max_predictions": compute["max_predictions"], "processes": world, "micro_batch": rates,
-                                "optimizer_step": step}
+                                "optimizer_step": step, "tensor_parallel": {str(world): tp_rows}}
         if rank == 0:
             doc = collectives_json(backend, device.type if device.type == "cpu" else torch.cuda.get_device_name(device),
                                    world, points, threads_per_process=threads, torch=torch.__version__,
@@ -231,7 +279,9 @@ def measure_collectives(out: str | os.PathLike, world: int = 2, backend: str = "
         min_bytes, max_bytes: the range of message sizes (×4 apart).
         repeats: most timed repetitions per point (after 2 warm-ups).
         budget_s: a point stops repeating after this long (and at least 3 repeats).
-        model: a BERT size (``bert-mini``) whose forward + backward rate is measured too; None: none.
+        model: a BERT size (``bert-mini``) whose forward + backward rate is measured too, in one process
+            and with tensor parallel over all ``world`` processes (where ``world`` divides its heads and
+            FFN width); None: none.
         micro_batch_sizes, seq_len, max_predictions: the compute measurement's shapes.
 
     Raises:

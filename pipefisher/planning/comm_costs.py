@@ -104,6 +104,9 @@ class CommCosts:
         source: where the figures come from (a file, or ``analytic``), for messages.
         flops_per_s: micro-batch size -> the measured forward+backward FLOP rate (planner FLOPs), if any.
         memory_bytes_per_s: the optimizer step's measured rate at 28 bytes per parameter, if any.
+        tp_seconds_fb: (tp, micro-batch size) -> measured seconds of one forward + backward of the
+            whole ``compute_model`` with tensor parallel over tp processes, if any.
+        compute_model: the measured BERT size and shape, ``(size, seq_len, max_predictions)``, if any.
     """
 
     fits: Mapping[str, Mapping[int, LinkFit]] = field(default_factory=dict)
@@ -111,6 +114,8 @@ class CommCosts:
     source: str = "analytic"
     flops_per_s: Mapping[int, float] = field(default_factory=dict)
     memory_bytes_per_s: float | None = None
+    tp_seconds_fb: Mapping[tuple[int, int], float] = field(default_factory=dict)
+    compute_model: tuple[str, int, int] | None = None
 
     def hardware_for(self, micro_batch_size: int) -> Hardware:
         """``hardware`` with the measured compute rates where the file has them: the FLOP rate of the
@@ -180,12 +185,17 @@ class CommCosts:
             rates = {int(b): float(row["flops_per_s"]) for b, row in (compute.get("micro_batch") or {}).items()}
             step = compute.get("optimizer_step")
             memory = float(step["memory_bytes_per_s"]) if step else None
+            tp = {(int(t), int(b)): float(row["seconds_fb"])
+                  for t, rows in (compute.get("tensor_parallel") or {}).items() for b, row in rows.items()}
+            shape = (str(compute["model"]), int(compute["seq_len"]), int(compute["max_predictions"])) \
+                if compute.get("model") is not None else None
         except (KeyError, TypeError, ValueError, AttributeError):
-            raise ValueError(f"comm_costs={path}: field compute needs micro_batch.<size>.flops_per_s and "
-                             f"optimizer_step.memory_bytes_per_s (numbers); {make}") from None
-        if any(not r > 0 for r in rates.values()) or (memory is not None and not memory > 0):
-            raise ValueError(f"comm_costs={path}: field compute: rates must be positive; {make}")
-        return cls(fits, hardware, str(path), rates, memory)
+            raise ValueError(f"comm_costs={path}: field compute needs model, seq_len, max_predictions, "
+                             f"micro_batch.<size>.flops_per_s, optimizer_step.memory_bytes_per_s and, if present, "
+                             f"tensor_parallel.<tp>.<size>.seconds_fb (numbers); {make}") from None
+        if any(not r > 0 for r in [*rates.values(), *tp.values()]) or (memory is not None and not memory > 0):
+            raise ValueError(f"comm_costs={path}: field compute: rates and times must be positive; {make}")
+        return cls(fits, hardware, str(path), rates, memory, tp, shape)
 
     def describe(self) -> str:
         """One line: the source and each measured op's group sizes."""
@@ -202,6 +212,9 @@ class CommCosts:
                                                        for b, r in sorted(self.flops_per_s.items()))
         if self.memory_bytes_per_s:
             text += f"; optimizer step {self.memory_bytes_per_s / 1e9:.2f} GB/s"
+        if self.tp_seconds_fb:
+            text += "; tensor parallel forward+backward " + ", ".join(
+                f"tp={t} micro-batch {b}: {s * 1e3:.0f} ms" for (t, b), s in sorted(self.tp_seconds_fb.items()))
         return text
 
 

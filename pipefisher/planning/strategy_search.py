@@ -22,6 +22,9 @@ the ring model; compute from FLOPs at ``Hardware.flops_per_s``, which a measurem
                      + tp > 1: 2 all_reduce(tp, b·S·H·bytes) per encoder layer (Megatron: after the
                        attention output and the FFN output projections), on the critical path
     B                2 F's compute (3 F where the stage recomputes) + 2 all_reduce per layer (4 there)
+    tp > 1, measured F and B times the measured over the modelled forward + backward of the whole
+                     model at that tp (``tp_measured_over_modelled``; ``measure.collectives --model``
+                     times it): DTensor's dispatch and the split products' rate, which FLOPs miss
     message          p2p(b·S·H·bytes) between neighbouring stages (each tp rank to its peer)
     SYNC_GRAD(s)     sdp > 1: reduce_scatter(sdp, 4·p_s) + all_reduce(dp·twins, 4·p'_s / sdp)
                      sdp = 1: all_reduce(dp·twins, 4·p'_s)      (p'_s: without the tied word embedding)
@@ -35,8 +38,8 @@ the ring model; compute from FLOPs at ``Hardware.flops_per_s``, which a measurem
 
 Left out: overlap of the all-gather with the first forward and of the reduce-scatter with later
 backwards (both are charged in full: the executor waits for the gather before the first F, and the
-reduce-scatter runs when it is issued); tp's smaller matrix products running at another FLOP rate
-than the whole ones; contention between a worker's compute and its own collectives on CPU; the
+reduce-scatter runs when it is issued); without a tp measurement, tp's smaller matrix products running
+at another FLOP rate than the whole ones and DTensor's overhead; contention between a worker's compute and its own collectives on CPU; the
 vocabulary-parallel embedding (tp shards encoder layers only); sequence parallel; sdp with
 reshard_after_forward=true (an all-gather per F and per B: not searched).
 
@@ -311,11 +314,12 @@ def hybrid_costs(run: RunShape, sdp: int, tp: int, hardware: Hardware, comm: Com
     activation = run.micro_batch_size * run.seq_len * bert.hidden_size * e
     tp_ar = comm.seconds("all_reduce", tp, activation)
     forward, backward = [], []
+    measured = tp_measured_over_modelled(comm, tp, run.micro_batch_size)
     for (first, last), layers, rc in zip(run.partition, run.encoder_layers, run.recompute_flags):
         whole = sum(costs[first:last + 1]) - layers * encoder_flops
         f = (whole + layers * encoder_flops / tp) * run.micro_batch_size / hardware.flops_per_s
-        forward.append(f + 2 * layers * tp_ar)
-        backward.append(f * (3.0 if rc else 2.0) + (4 if rc else 2) * layers * tp_ar)
+        forward.append(measured * (f + 2 * layers * tp_ar))
+        backward.append(measured * (f * (3.0 if rc else 2.0) + (4 if rc else 2) * layers * tp_ar))
     params = _local_parameters(run, tp)
     d = run.num_model_stages
     tied = _tied_parameters(bert)
@@ -338,6 +342,24 @@ def hybrid_costs(run: RunShape, sdp: int, tp: int, hardware: Hardware, comm: Com
                    p2p_ns=_ns(comm.seconds("p2p", 2, activation)) if d > 1 else 0,
                    sync_ns=tuple(_ns(x) for x in sync), step_ns=_ns(step), input_grad_ns=(), weight_grad_ns=())
     return cost
+
+
+def tp_measured_over_modelled(comm: CommCosts, tp: int, micro_batch_size: int) -> float:
+    """How much longer than this model a tensor-parallel forward + backward measured: the whole
+    measured model (``comm.compute_model``) at ``tp`` and the nearest measured micro-batch size, against
+    3 forwards' FLOPs (the encoder's split over ``tp``) at the measured one-process rate plus 4
+    activation all-reduces per layer. 1 where nothing was measured at ``tp`` ([Note: the time model])."""
+    rows = {b: s for (t, b), s in comm.tp_seconds_fb.items() if t == tp}
+    if tp <= 1 or not rows or comm.compute_model is None:
+        return 1.0
+    b = min(rows, key=lambda m: (abs(m - micro_batch_size), -m))
+    size, seq_len, max_predictions = comm.compute_model
+    bert = BertConfig.from_size(size.removeprefix("bert-"))
+    costs = layer_costs(bert, seq_len, max_predictions)
+    layers, encoder = bert.num_layers, costs[1]
+    compute = 3.0 * (sum(costs) - layers * encoder + layers * encoder / tp) * b / comm.hardware_for(b).flops_per_s
+    modelled = compute + 4 * layers * comm.seconds("all_reduce", tp, 4.0 * b * seq_len * bert.hidden_size)
+    return rows[b] / modelled
 
 
 def _ns(seconds: float) -> int:
