@@ -103,8 +103,8 @@ class CostModel:
         invert_ns: ``[stage][layer]`` cost of inverting both factors of one layer.
         precond_ns: per-stage cost of preconditioning all the stage's gradients (empty: 0).
         input_grad_ns: per-stage cost of a split backward's I (input gradient); empty: the first
-            half of ``backward_ns`` (rounded up). Measured I + W is 7-12 % more than one B on
-            BERT stages (DESIGN.md, "Split backward"), so give measured values where you have them.
+            half of ``backward_ns`` (rounded up). Measured I + W is 1.01–1.04× one B on CPU BERT
+            stages (bench/README.md §8), so give measured values where you have them.
         weight_grad_ns: per-stage cost of a split backward's W (weight gradients); empty: the rest
             of ``backward_ns``.
     """

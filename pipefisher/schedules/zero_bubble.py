@@ -15,9 +15,10 @@ Two generators, with the signature of every generator (``pipefisher.schedules.ge
   N ≥ 2D. Its order comes from :func:`greedy_split_orders`, a list scheduler under unit costs.
 
 :func:`merge_adjacent_backwards` then turns an I that its own W immediately follows on its worker
-into one B where no other worker waits for that I's gradient: the split costs 7–12 % more than one
-full backward on CPU BERT stages, so a schedule should split only where W fills a bubble
-(DESIGN.md, "Split backward").
+into one B where no other worker waits for that I's gradient: a split pays two actions' overhead
+and holds W's operands from I until W, so a schedule should split only where W fills a bubble. On
+CPU BERT stages I + W measured 1.01–1.04× one B of the same stage (bench/README.md §8), where it
+had measured 1.07–1.12× before a full B accumulated its weight gradients as W does.
 """
 
 from __future__ import annotations
