@@ -111,34 +111,55 @@ def _time_op(op: str, g: int, rank: int, num_bytes: int, group: dist.ProcessGrou
     return t / 2 if op == "p2p" else t  # one way
 
 
-def _compute_rate(model: str, micro_batch_size: int, seq_len: int, max_predictions: int, device: torch.device,
-                  repeats: int, budget_s: float) -> tuple[float, float]:
-    """(seconds of one forward + backward of the whole model on one micro-batch, its planner FLOPs)."""
+def _model_and_batch(model: str, micro_batch_size: int, seq_len: int, max_predictions: int,
+                     device: torch.device) -> tuple[Any, Any, dict[str, torch.Tensor]]:
+    """(config, the whole model in train mode, one synthetic micro-batch) for the compute timings."""
+    from pipefisher.data.batches import get_micro_batch
     from pipefisher.data.synthetic import SyntheticSource
     from pipefisher.model.bert import build_full_model
     from pipefisher.model.config import BertConfig
-    from pipefisher.model.partition import layer_costs
 
     bert = BertConfig.from_size(model.removeprefix("bert-"))
     net = build_full_model(bert).to(device).train()
     source = SyntheticSource(seq_len, max_predictions, bert.vocab_size, seed=0)
-    from pipefisher.data.batches import get_micro_batch
-
     batch = {k: v.to(device) for k, v in get_micro_batch(source, 0, 0, 0, micro_batch_size=micro_batch_size,
                                                           num_micro_batches=1, dp_width=1).items()}
+    return bert, net, batch
+
+
+def _median_fb_seconds(net: Any, batch: dict[str, torch.Tensor], device: torch.device, repeats: int,
+                       budget_s: float, collective: bool = False) -> float:
+    """Median seconds of ``net``'s forward + backward after two warm-ups; with ``collective`` every
+    rank starts each one together and stops after the same count (rank 0 decides)."""
     times = []
     start = time.perf_counter()
     for i in range(repeats + 2):
+        if collective:
+            dist.barrier()
         t0 = time.perf_counter()
         net(None, batch).sum().backward()
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         if i >= 2:  # after two warm-ups
             times.append(time.perf_counter() - t0)
-        if i >= 4 and time.perf_counter() - start > budget_s:
+        done = i >= 4 and time.perf_counter() - start > budget_s
+        if collective:
+            stop = torch.tensor([1.0 if done else 0.0], device=device)
+            dist.broadcast(stop, src=0)
+            done = bool(stop.item())
+        if done:
             break
+    return statistics.median(times)
+
+
+def _compute_rate(model: str, micro_batch_size: int, seq_len: int, max_predictions: int, device: torch.device,
+                  repeats: int, budget_s: float) -> tuple[float, float]:
+    """(seconds of one forward + backward of the whole model on one micro-batch, its planner FLOPs)."""
+    from pipefisher.model.partition import layer_costs
+
+    bert, net, batch = _model_and_batch(model, micro_batch_size, seq_len, max_predictions, device)
     flops = 3.0 * micro_batch_size * sum(layer_costs(bert, seq_len, max_predictions))
-    return statistics.median(times), flops
+    return _median_fb_seconds(net, batch, device, repeats, budget_s), flops
 
 
 def _tp_seconds(model: str, micro_batch_size: int, seq_len: int, max_predictions: int, device: torch.device,
@@ -148,33 +169,11 @@ def _tp_seconds(model: str, micro_batch_size: int, seq_len: int, max_predictions
     what the strategy search's time model sets its tp estimate against ([Note: the time model])."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    from pipefisher.data.batches import get_micro_batch
-    from pipefisher.data.synthetic import SyntheticSource
-    from pipefisher.model.bert import build_full_model
-    from pipefisher.model.config import BertConfig
     from pipefisher.runtime.tensor_parallel import parallelize_stages
 
-    bert = BertConfig.from_size(model.removeprefix("bert-"))
-    net = build_full_model(bert).to(device).train()
+    _, net, batch = _model_and_batch(model, micro_batch_size, seq_len, max_predictions, device)
     parallelize_stages({(0, 0): net}, {(0, 0): init_device_mesh(device.type, (world,), mesh_dim_names=("tp_measure",))})
-    source = SyntheticSource(seq_len, max_predictions, bert.vocab_size, seed=0)
-    batch = {k: v.to(device) for k, v in get_micro_batch(source, 0, 0, 0, micro_batch_size=micro_batch_size,
-                                                          num_micro_batches=1, dp_width=1).items()}
-    times = []
-    start = time.perf_counter()
-    for i in range(repeats + 2):
-        dist.barrier()
-        t0 = time.perf_counter()
-        net(None, batch).sum().backward()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        if i >= 2:
-            times.append(time.perf_counter() - t0)
-        stop = torch.tensor([1.0 if i >= 4 and time.perf_counter() - start > budget_s else 0.0], device=device)
-        dist.broadcast(stop, src=0)  # every rank runs the same number of collectives
-        if stop.item():
-            break
-    return statistics.median(times)
+    return _median_fb_seconds(net, batch, device, repeats, budget_s, collective=True)
 
 
 def _optimizer_rate(model: str, device: torch.device, repeats: int, budget_s: float) -> tuple[float, int]:
