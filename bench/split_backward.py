@@ -9,12 +9,16 @@ One process, one intra-op thread (what each of two pipeline workers gets on two 
 "Conventions"). The stage is the module the pipeline runs: ``runtime.build.build_stage_modules``
 of a 2-stage zb-h1 run (``--stage 0`` / ``--stage 1``), or ``BertStage`` over the encoder layers
 (``--stage encoder``). Two copies with the same weights: ``plain`` keeps ``nn.Linear``'s own
-backward (what 1F1B runs), ``split`` has ``enable_split_backward`` (what zb-h1 and the V
-schedules run). Every round times, on the same micro-batch and upstream gradient, after an
-untimed forward each:
+backward (autograd's, what every schedule's B ran before the executor accumulated in place),
+``split`` has ``enable_split_backward`` (what every schedule runs now). Every round times, on the
+same micro-batch and upstream gradient, after an untimed forward each:
 
-- ``B``: a full backward of ``plain`` (the reference, cost 1);
-- ``Bd``: a full backward of ``split`` outside ``deferring`` (a merged B of a zero-bubble schedule);
+- ``B``: a full backward of ``plain`` (autograd's, cost 1 in the ``/B`` ratios);
+- ``Bd``: a full backward of ``split`` outside ``deferring`` and ``accumulating`` (autograd's own
+  weight gradients through the deferrable layers);
+- ``Ba``: a full backward of ``split`` under ``accumulating``: what every schedule's B runs since
+  ``executor`` adds weight gradients in place ([Note: a full backward accumulates in place]), so
+  ``(I+W)/Ba`` is the split's cost against the B it replaces;
 - ``I`` then ``W``: the split backward of ``split`` (``executor._backward`` under ``deferring``,
   then ``apply_weight_grads``), timed separately.
 
@@ -31,6 +35,7 @@ self time differs most between B and I+W, per backward.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import resource
 import statistics
@@ -46,10 +51,10 @@ from pipefisher.data.synthetic import SyntheticSource
 from pipefisher.model import BertStage
 from pipefisher.model.rng import dropout_key
 from pipefisher.runtime.build import build_stage_modules, schedule_for
-from pipefisher.runtime.split_backward import apply_weight_grads, deferring, enable_split_backward
+from pipefisher.runtime.split_backward import accumulating, apply_weight_grads, deferring, enable_split_backward
 from pipefisher.training import bert_config
 
-VARIANTS = ("B", "Bd", "IW")
+VARIANTS = ("B", "Bd", "Ba", "IW")
 
 
 class _Case:
@@ -117,7 +122,7 @@ class _Clock:
 
 def _run(case: _Case, variant: str, fresh: bool = False, cold: bool = False) -> dict[str, float]:
     """One untimed forward, then the timed backward of ``variant``: seconds (wall and CPU) and page
-    faults per part (B, Bd, or I and W and their sum IW).
+    faults per part (B, Bd, Ba, or I and W and their sum IW).
 
     Args:
         fresh: set every ``.grad`` to None first (a step's first micro-batch) instead of accumulating.
@@ -129,7 +134,8 @@ def _run(case: _Case, variant: str, fresh: bool = False, cold: bool = False) -> 
     y = case.forward(module)
     clock = _Clock()
     if variant != "IW":
-        case.backward(y)
+        with accumulating() if variant == "Ba" else contextlib.nullcontext():
+            case.backward(y)
         clock.mark(variant)
         return clock.parts
     with deferring([]) as store:
@@ -171,12 +177,12 @@ def _timing_rows(t: dict[str, list[float]]) -> tuple[list[list], list[list]]:
     """Rows of the time table (median and min ms, wall and CPU; faults) and of the paired ratios
     (per round, by CPU time and by wall time: median, range, quartiles)."""
     ms = [[k, 1e3 * statistics.median(t[k]), 1e3 * min(t[k]), 1e3 * statistics.median(t[f"{k}_cpu"]),
-           1e3 * min(t[f"{k}_cpu"]), statistics.median(t[f"flt_{k}"])] for k in ("B", "Bd", "I", "W", "IW")]
+           1e3 * min(t[f"{k}_cpu"]), statistics.median(t[f"flt_{k}"])] for k in ("B", "Bd", "Ba", "I", "W", "IW")]
     rows = []
     for suffix, clock in (("_cpu", "cpu"), ("", "wall")):
-        b = t[f"B{suffix}"]
-        for name, num in (("(I+W)/B", "IW"), ("I/B", "I"), ("W/B", "W"), ("Bd/B", "Bd")):
-            r = [x / y for x, y in zip(t[f"{num}{suffix}"], b)]
+        for name, num, den in (("(I+W)/Ba", "IW", "Ba"), ("(I+W)/B", "IW", "B"), ("I/B", "I", "B"), ("W/B", "W", "B"),
+                               ("Bd/B", "Bd", "B"), ("Ba/B", "Ba", "B")):
+            r = [x / y for x, y in zip(t[f"{num}{suffix}"], t[f"{den}{suffix}"])]
             q = statistics.quantiles(r, n=4)
             rows.append([f"{name} {clock}", statistics.median(r), _spread(r), q[0], q[2]])
     return ms, rows
@@ -274,7 +280,7 @@ def main() -> None:
     parser.add_argument("--model", default="bert-mini")
     parser.add_argument("--stage", default="0,1", help="comma-separated: 0, 1 (of a 2-stage partition), encoder")
     parser.add_argument("--micro-batch", type=int, default=4)
-    parser.add_argument("--repeats", type=int, default=40, help="timed rounds (each: B, Bd, I+W)")
+    parser.add_argument("--repeats", type=int, default=40, help="timed rounds (each: B, Bd, Ba, I+W)")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--threads", type=int, default=1, help="intra-op threads (1: a worker of D=2 on 2 cores)")
     parser.add_argument("--fresh-grads", action="store_true",
