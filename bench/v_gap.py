@@ -3,6 +3,7 @@
     python bench/v_gap.py                                    # bert-medium, D=2, N=8, B=2: 1f1b, zb-h1, zb-v, dualpipev
     python bench/v_gap.py --model bert-mini --rounds 4       # a model too shallow for a balanced V
     python bench/v_gap.py --variants 1f1b zb-v zb-v+pipeline.layers_per_stage=[1,2,3,2]   # overrides after '+'
+    python bench/v_gap.py --model bert-base --set data.seq_len=64 --variants 1f1b zb-v dualpipev   # 12 layers
 
 Every variant runs ``PipelineWorker.train_step`` in the same two worker processes, rotated every
 round (``_harness`` [Note: measuring on a shared CPU]); dropout 0, NVLAMB. After each step both
@@ -164,16 +165,18 @@ def main() -> None:
     p.add_argument("--micro-batch-size", type=int, default=2)
     p.add_argument("--rounds", type=int, default=6)
     p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--set", action="append", default=[], help="extra train.py override for every variant (repeatable)")
     p.add_argument("--variants", nargs="+", default=list(VARIANTS),
                    help="pipeline methods, each optionally followed by '+key=value' overrides")
     args = p.parse_args()
     variants = tuple(args.variants)
     overrides = [f"model={args.model}", "stages=2", f"num_micro_batches={args.micro_batches}",
                  f"micro_batch_size={args.micro_batch_size}", f"steps={args.warmup + args.rounds + 1}",
-                 "model.hidden_dropout=0.0", "model.attention_dropout=0.0", "optimizer=nvlamb"]
+                 "model.hidden_dropout=0.0", "model.attention_dropout=0.0", "optimizer=nvlamb", *args.set]
     load_before = h.load()
     rows = h.launch(_run, 2, overrides, args.warmup, args.rounds, variants)[0]["result"]
-    print(f"{args.model}, D=2, N={args.micro_batches}, B={args.micro_batch_size}, fp32, NVLAMB, dropout 0; "
+    model = " ".join([args.model, *args.set])
+    print(f"{model}, D=2, N={args.micro_batches}, B={args.micro_batch_size}, fp32, NVLAMB, dropout 0; "
           f"{args.rounds} rounds after {args.warmup} warm-up, order rotated; medians over rounds (ms)")
     med = lambda v, key: statistics.median(r[key] for r in rows[v]) / 1e6  # noqa: E731
     table = []
