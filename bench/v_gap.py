@@ -12,7 +12,7 @@ workers' timelines are gathered on rank 0 and set against three predictions from
 - ``sim``: ``simulate(schedule, measured_costs(events))``, the per-stage mean F/B/I/W of the step
   (so an unbalanced partition is in it), no communication cost;
 - ``sim+p2p``: the same with ``p2p_ns`` = the step's median message latency (receive end − send
-  start, over receives that waited), which a V schedule pays twice per micro-batch and direction;
+  start, over receives already waiting when the send was issued);
 - ``replay``: every action at its own measured duration (not the stage mean) on the schedule's
   order and dependencies, with the measured latency: what is left of the gap after it is neither
   cost, variance nor message latency, but time the executor spends outside the recorded actions.
@@ -49,7 +49,8 @@ def _span(events: list[Event]) -> int:
 
 
 def message_latency(events: list[Event]) -> int:
-    """Median over receives that waited of (receive end − matching send start), in ns; 0 if none waited."""
+    """Median, over receives already waiting when their send was issued, of (receive end − send
+    start), in ns; 0 if none was. (A receive reached after its send would add the time it arrived late.)"""
     sends = {(e.worker, e.name): e for e in events if e.kind in ("SEND_F", "SEND_B")}
     lat = []
     for e in events:
@@ -57,7 +58,7 @@ def message_latency(events: list[Event]) -> int:
             continue
         a = Action.from_str(e.name)
         send = sends.get((a.peer, str(matching_send(a, e.worker))))
-        if send is not None and e.end_ns > send.start_ns and e.end_ns - e.start_ns > 0:
+        if send is not None and e.start_ns <= send.start_ns < e.end_ns:  # it was waiting when the send left
             lat.append(e.end_ns - send.start_ns)
     return round(statistics.median(lat)) if lat else 0
 
