@@ -85,11 +85,7 @@ class _TorchPipeline:
         else:
             self.schedule.step()
         t1 = time.perf_counter_ns()
-        tied = w.executor.tied
-        if tied is not None:  # the word-embedding and decoder copies get the sum of both gradients
-            params, group = tied
-            for p in params:
-                dist.all_reduce(p.grad, group=group)
+        w.executor.reduce_tied_grads()  # the word-embedding and decoder copies get the sum of both gradients
         norm = w.global_grad_norm()
         t2 = time.perf_counter_ns()
         w.optimizer.step(grad_norm=norm)

@@ -98,14 +98,7 @@ class _TorchZeroBubble:
         kwargs = {"target": self.target, "losses": losses} if self.has_last else {}
         self.schedule.step(*args, **kwargs)
         total = torch.tensor([float(sum(x.detach().float() for x in losses))]) if losses else torch.zeros(1)
-        tied = w.executor.tied
-        if tied is not None:  # every copy of the tied weight gets the sum of all copies' gradients
-            params, group = tied
-            grad = torch.stack([p.grad for p in params]).sum(0) if len(params) > 1 else params[0].grad
-            dist.all_reduce(grad, group=group)
-            for p in params:
-                if p.grad is not grad:
-                    p.grad.copy_(grad)
+        w.executor.reduce_tied_grads()  # every copy of the tied weight gets the sum of all copies' gradients
         norm = w.global_grad_norm()
         w.optimizer.step(grad_norm=norm)
         w.scheduler.step()

@@ -438,21 +438,30 @@ class WorkerExecutor:
                     _grad(p).copy_(synced)
         if key is not None:
             return waited
-        if self.tied is not None:
-            waited = True
-            params, group = self.tied
-            if self.comm.ablate:
-                dist.all_reduce(self.comm.message(None), group=group)
-            elif len(params) == 1:  # one local copy (all but Chimera): reduce in place, no extra passes
-                dist.all_reduce(_grad(params[0]), group=group)
-            else:  # summed into the first copy in place: no [V, H] temporaries (fresh pages on a CPU)
-                total = _grad(params[0])
-                for p in params[1:]:
-                    total.add_(_grad(p))
-                dist.all_reduce(total, group=group)
-                for p in params[1:]:
-                    _grad(p).copy_(total)
-        return waited
+        return self.reduce_tied_grads() or waited
+
+    def reduce_tied_grads(self) -> bool:
+        """Give every local copy of the tied weight the sum of all holders' gradients ([Note: gradient
+        synchronization]): this worker's copies summed into the first in place (no [V, H] temporaries:
+        fresh pages on a CPU; one copy where the worker holds one), all-reduced over the holders, copied
+        back. Also for other runtimes on these stages (``bench/``).
+
+        Returns:
+            Whether there was a tied weight to reduce.
+        """
+        if self.tied is None:
+            return False
+        params, group = self.tied
+        if self.comm.ablate:
+            dist.all_reduce(self.comm.message(None), group=group)
+            return True
+        total = _grad(params[0])
+        for p in params[1:]:
+            total.add_(_grad(p))
+        dist.all_reduce(total, group=group)
+        for p in params[1:]:
+            _grad(p).copy_(total)
+        return True
 
 
 def _grad(p: nn.Parameter) -> torch.Tensor:
