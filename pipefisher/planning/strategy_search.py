@@ -316,10 +316,10 @@ def hybrid_costs(run: RunShape, sdp: int, tp: int, hardware: Hardware, comm: Com
     forward, backward = [], []
     measured = tp_measured_over_modelled(comm, tp, run.micro_batch_size)
     for (first, last), layers, rc in zip(run.partition, run.encoder_layers, run.recompute_flags):
-        whole = sum(costs[first:last + 1]) - layers * encoder_flops
-        f = (whole + layers * encoder_flops / tp) * run.micro_batch_size / hardware.flops_per_s
-        forward.append(measured * (f + 2 * layers * tp_ar))
-        backward.append(measured * (f * (3.0 if rc else 2.0) + (4 if rc else 2) * layers * tp_ar))
+        f, b = _stage_seconds(sum(costs[first:last + 1]), encoder_flops, layers, tp, tp_ar,
+                              run.micro_batch_size / hardware.flops_per_s, rc)
+        forward.append(measured * f)
+        backward.append(measured * b)
     params = _local_parameters(run, tp)
     d = run.num_model_stages
     tied = _tied_parameters(bert)
@@ -344,6 +344,15 @@ def hybrid_costs(run: RunShape, sdp: int, tp: int, hardware: Hardware, comm: Com
     return cost
 
 
+def _stage_seconds(stage_flops: float, encoder_flops: float, layers: int, tp: int, tp_all_reduce_s: float,
+                   seconds_per_flop: float, recompute: bool) -> tuple[float, float]:
+    """(F, B) of one micro-batch through a stage of ``stage_flops`` forward FLOPs, ``layers`` encoder
+    layers of ``encoder_flops`` each split over ``tp`` ranks ([Note: the time model])."""
+    f = (stage_flops - layers * encoder_flops + layers * encoder_flops / tp) * seconds_per_flop
+    return (f + 2 * layers * tp_all_reduce_s,
+            f * (3.0 if recompute else 2.0) + (4 if recompute else 2) * layers * tp_all_reduce_s)
+
+
 def tp_measured_over_modelled(comm: CommCosts, tp: int, micro_batch_size: int) -> float:
     """How much longer than this model a tensor-parallel forward + backward measured: the whole
     measured model (``comm.compute_model``) at ``tp`` and the nearest measured micro-batch size, against
@@ -356,10 +365,10 @@ def tp_measured_over_modelled(comm: CommCosts, tp: int, micro_batch_size: int) -
     size, seq_len, max_predictions = comm.compute_model
     bert = BertConfig.from_size(size.removeprefix("bert-"))
     costs = layer_costs(bert, seq_len, max_predictions)
-    layers, encoder = bert.num_layers, costs[1]
-    compute = 3.0 * (sum(costs) - layers * encoder + layers * encoder / tp) * b / comm.hardware_for(b).flops_per_s
-    modelled = compute + 4 * layers * comm.seconds("all_reduce", tp, 4.0 * b * seq_len * bert.hidden_size)
-    return rows[b] / modelled
+    f, bwd = _stage_seconds(sum(costs), costs[1], bert.num_layers, tp,
+                            comm.seconds("all_reduce", tp, 4.0 * b * seq_len * bert.hidden_size),
+                            b / comm.hardware_for(b).flops_per_s, False)
+    return rows[b] / (f + bwd)
 
 
 def _ns(seconds: float) -> int:
