@@ -31,6 +31,7 @@ margin of a few GB.
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from pipefisher.config import KFAC_OPTIMIZERS, OPTIMIZERS
@@ -81,8 +82,7 @@ def _activation_bytes(run: RunShape, stage: int) -> float:
         layers = encoder_layers * s * b * h * run.bytes_per_element + per_layer_16 * scale
     else:
         layers = encoder_layers * per_layer_16 * scale
-    return layers + (s * b * h * run.bytes_per_element if first else 0) + \
-        (heads_logits_bytes(run) if stage == run.num_model_stages - 1 else 0.0)
+    return layers + (s * b * h * run.bytes_per_element if first else 0) + saved_heads_bytes(run, stage)
 
 
 def heads_logits_bytes(run: RunShape) -> float:
@@ -90,6 +90,25 @@ def heads_logits_bytes(run: RunShape) -> float:
     backward (fp32 under autocast too, ``model.bert``'s loss casts the logits); its backward makes
     two more of that size at once (the loss's and the logits' gradients)."""
     return 4.0 * run.micro_batch_size * run.max_predictions * run.bert.vocab_size
+
+
+def saved_heads_bytes(run: RunShape, stage: int) -> float:
+    """What one micro-batch leaves in ``stage`` for the heads' backward: the log-probabilities on the last stage."""
+    return heads_logits_bytes(run) if stage == run.num_model_stages - 1 else 0.0
+
+
+def heads_backward_bytes(run: RunShape, stages: Sequence[int]) -> float:
+    """The two b·P·V buffers of the heads' backward, on the worker holding the last stage."""
+    return 2.0 * heads_logits_bytes(run) if run.num_model_stages - 1 in stages else 0.0
+
+
+def worker_parameters(run: RunShape, params: Sequence[float], stages: Sequence[int], tied_once: bool = True) -> float:
+    """Parameters of a worker's ``stages`` (``params`` per model stage): where it holds the first and the last
+    stage and ``tied_once`` (sdp = tp = 1), the tied word embedding once (``runtime.build.tie_local_copies``)."""
+    p = sum(params[s] for s in stages)
+    if tied_once and 0 in stages and run.num_model_stages - 1 in stages and run.num_model_stages > 1:
+        p -= run.bert.vocab_size * run.bert.hidden_size
+    return p
 
 
 def _capture_peak(phase: Schedule, worker: int, run: RunShape, kfac_layers: list[int]) -> float:
@@ -138,13 +157,9 @@ def estimate_memory_per_worker(run: RunShape, optimizer: str, schedule: Schedule
     out: dict[int, MemoryEstimate] = {}
     for w in sorted(schedule.actions):
         stages = [s for (_, _, s) in schedule.placement.stages_of(w)]
-        p = sum(params[s] for s in stages)
-        if 0 in stages and run.num_model_stages - 1 in stages and run.num_model_stages > 1:
-            p -= run.bert.vocab_size * run.bert.hidden_size  # one tied weight per worker (runtime.build.tie_local_copies)
+        p = worker_parameters(run, params, stages)
         factors = sum(4.0 * ((i + 1) ** 2 + o * o) for s in stages for i, o in kfac_linear_dims(run.bert, encoder[s]))
-        act = peaks[w] * max(_activation_bytes(run, s) for s in stages)
-        if run.num_model_stages - 1 in stages:  # the heads' backward: two more b·P·V at once
-            act += 2.0 * heads_logits_bytes(run)
+        act = peaks[w] * max(_activation_bytes(run, s) for s in stages) + heads_backward_bytes(run, stages)
         moments = 8.0 * p + 4.0 * p  # the state, and the step's one temporary per parameter
         if run.preconditioner == "ekfac" and optimizer in KFAC_OPTIMIZERS:  # v in the eigenbasis
             moments += 4.0 * sum((i + 1) * o for s in stages for i, o in kfac_linear_dims(run.bert, encoder[s]))

@@ -80,7 +80,7 @@ from pipefisher.planning.assign import plan_pipefisher
 from pipefisher.planning.comm_costs import CommCosts
 from pipefisher.planning.costs import (STEP_BYTES_PER_PARAM, Hardware, RunShape, estimate_run_costs,
                                        stage_parameters)
-from pipefisher.planning.memory import estimate_memory, heads_logits_bytes
+from pipefisher.planning.memory import estimate_memory, heads_backward_bytes, saved_heads_bytes, worker_parameters
 from pipefisher.planning.predict import predict_assignment, predict_schedule
 from pipefisher.planning.whatif import METHODS, OPTIMIZERS, SPLIT_BACKWARD_RATIO, SPLIT_METHODS, split_backward_costs
 from pipefisher.planning.whatif import Progress, ranking_lines
@@ -258,7 +258,7 @@ def _stage_activation_bytes(run: RunShape, tp: int, stage: int) -> float:
         layers = encoder_layers * s * b * h * e + _layer_activation_bytes(run, tp)
     else:
         layers = encoder_layers * _layer_activation_bytes(run, tp)
-    return layers + (s * b * h * e if first else 0) + (heads_logits_bytes(run) if stage == run.num_model_stages - 1 else 0.0)
+    return layers + (s * b * h * e if first else 0) + saved_heads_bytes(run, stage)
 
 
 def hybrid_memory_per_worker(run: RunShape, sdp: int = 1, tp: int = 1,
@@ -282,12 +282,8 @@ def hybrid_memory_per_worker(run: RunShape, sdp: int = 1, tp: int = 1,
     out = {}
     for w in sorted(schedule.actions):
         stages = _stages_of(schedule, w)
-        p = sum(params[s] for s in stages)
-        if sdp == 1 and tp == 1 and 0 in stages and run.num_model_stages - 1 in stages and run.num_model_stages > 1:
-            p -= _tied_parameters(run.bert)  # one tied weight per worker (runtime.build.tie_local_copies)
-        act = peaks[w] * max(_stage_activation_bytes(run, tp, s) for s in stages)
-        if run.num_model_stages - 1 in stages:  # the heads' backward (planning.memory.heads_logits_bytes)
-            act += 2.0 * heads_logits_bytes(run)
+        p = worker_parameters(run, params, stages, tied_once=sdp == 1 and tp == 1)
+        act = peaks[w] * max(_stage_activation_bytes(run, tp, s) for s in stages) + heads_backward_bytes(run, stages)
         if sdp == 1:
             buffers = 4.0 * sum(untied[s] for s in stages) if replicas > 1 else 0.0
             out[w] = HybridMemory(w, 4.0 * p, 4.0 * p, 12.0 * p, act, 0.0, buffers)  # 2 moments + the step's temporary
