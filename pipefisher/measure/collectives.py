@@ -244,8 +244,7 @@ def _worker(rank: int, world: int, port: int, backend: str, sizes: Sequence[int]
             from pipefisher.model.config import BertConfig
 
             bert = BertConfig.from_size(compute["model"].removeprefix("bert-"))
-            splits = bert.num_heads % world == 0 and (bert.intermediate_size or 4 * bert.hidden_size) % world == 0
-            for mbs in compute["micro_batch_sizes"] if splits else ():
+            for mbs in compute["micro_batch_sizes"] if bert.splits_over(world) else ():
                 dist.barrier()
                 seconds = _tp_seconds(compute["model"], mbs, compute["seq_len"], compute["max_predictions"], device,
                                       repeats, 2 * budget_s, world)

@@ -114,6 +114,10 @@ class BertConfig:
         """L + 2: embeddings, the L encoder layers, the heads (see ``pipefisher.model.bert``)."""
         return self.num_layers + 2
 
+    def splits_over(self, tp: int) -> bool:
+        """Whether tensor parallel over ``tp`` ranks divides the heads and the FFN width (Megatron's split)."""
+        return self.num_heads % tp == 0 and (self.intermediate_size or 4 * self.hidden_size) % tp == 0
+
     def hf_config_kwargs(self) -> dict[str, Any]:
         """Keyword arguments for an equivalent ``transformers.BertConfig`` (exact GELU)."""
         return {

@@ -381,7 +381,7 @@ def _shape_problem(bert: BertConfig, method: str, d: int, v: int, n: int, sdp: i
         return problem
     if tp > 1 and not tp_ok:
         return "tensor parallel (tp) is not in this version's train.py"
-    if tp > 1 and (bert.num_heads % tp or (bert.intermediate_size or 4 * bert.hidden_size) % tp):
+    if tp > 1 and not bert.splits_over(tp):
         return f"tp={tp} must divide the heads ({bert.num_heads}) and the FFN width"
     if (sdp > 1 or tp > 1) and optimizer != "nvlamb":
         return (f"optimizer={optimizer} needs whole weights: K-FAC with sdp/tp > 1 needs sharded factors "
