@@ -201,6 +201,13 @@ def _optimizer_rate(model: str, device: torch.device, repeats: int, budget_s: fl
     return statistics.median(times), sum(p.numel() for p in params)
 
 
+def _slowest(seconds: float, device: torch.device) -> float:
+    """The largest of every rank's ``seconds`` (a collective over the world)."""
+    t = torch.tensor([seconds], dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t.item())
+
+
 def _worker(rank: int, world: int, port: int, backend: str, sizes: Sequence[int], repeats: int, budget_s: float,
             threads: int, out: str, compute: dict[str, Any] | None = None) -> None:
     torch.set_num_threads(threads)
@@ -219,10 +226,8 @@ def _worker(rank: int, world: int, port: int, backend: str, sizes: Sequence[int]
                 for n in sizes:
                     t = _time_op(op, g, rank, n, group, device, repeats, budget_s)
                     # The slowest rank of the group sets the point (as nccl-tests reports).
-                    slowest = torch.tensor([t if t is not None else 0.0], dtype=torch.float64, device=device)
-                    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
                     elems = max(g, n // 4 // g * g)
-                    points.setdefault(op, {}).setdefault(g, []).append((4.0 * elems, float(slowest.item())))
+                    points.setdefault(op, {}).setdefault(g, []).append((4.0 * elems, _slowest(t or 0.0, device)))
         extra: dict[str, Any] = {}
         if compute:
             rates = {}
@@ -230,16 +235,12 @@ def _worker(rank: int, world: int, port: int, backend: str, sizes: Sequence[int]
                 dist.barrier()
                 seconds, flops = _compute_rate(compute["model"], mbs, compute["seq_len"], compute["max_predictions"],
                                                device, repeats, 2 * budget_s)
-                slowest = torch.tensor([seconds], dtype=torch.float64, device=device)
-                dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
-                rates[str(mbs)] = {"seconds_fb": float(slowest.item()), "flops_fb": flops,
-                                   "flops_per_s": flops / float(slowest.item())}
+                seconds = _slowest(seconds, device)
+                rates[str(mbs)] = {"seconds_fb": seconds, "flops_fb": flops, "flops_per_s": flops / seconds}
             dist.barrier()
             seconds, params = _optimizer_rate(compute["model"], device, repeats, 2 * budget_s)
-            slowest = torch.tensor([seconds], dtype=torch.float64, device=device)
-            dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
-            step = {"seconds": float(slowest.item()), "parameters": params,
-                    "memory_bytes_per_s": STEP_BYTES_PER_PARAM * params / float(slowest.item())}
+            seconds = _slowest(seconds, device)
+            step = {"seconds": seconds, "parameters": params, "memory_bytes_per_s": STEP_BYTES_PER_PARAM * params / seconds}
             tp_rows = {}
             from pipefisher.model.config import BertConfig
 
@@ -248,9 +249,7 @@ def _worker(rank: int, world: int, port: int, backend: str, sizes: Sequence[int]
                 dist.barrier()
                 seconds = _tp_seconds(compute["model"], mbs, compute["seq_len"], compute["max_predictions"], device,
                                       repeats, 2 * budget_s, world)
-                slowest = torch.tensor([seconds], dtype=torch.float64, device=device)
-                dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
-                tp_rows[str(mbs)] = {"seconds_fb": float(slowest.item())}
+                tp_rows[str(mbs)] = {"seconds_fb": _slowest(seconds, device)}
             extra["compute"] = {"model": compute["model"], "seq_len": compute["seq_len"],
                                 "max_predictions": compute["max_predictions"], "processes": world, "micro_batch": rates,
                                 "optimizer_step": step, "tensor_parallel": {str(world): tp_rows}}
