@@ -49,7 +49,7 @@ from pipefisher.schedules.passes import matching_send, worker_dp_groups
 from pipefisher.timeline import Event, bubble_utilization
 
 __all__ = ["ActionTime", "CostModel", "action_times", "compute_cost_fields", "peak_activations", "simulate", "simulate_phases",
-           "simulated_bubble_ratio"]
+           "simulated_bubble_ratio", "worker_step_costs"]
 
 K = ActionKind
 
@@ -289,6 +289,16 @@ def compute_cost_fields(mean: dict[tuple[str, int], int], num_stages: int) -> di
         weight_grad.append(w)
     return {"forward_ns": forward, "backward_ns": backward, "input_grad_ns": input_grad,
             "weight_grad_ns": weight_grad}
+
+
+def worker_step_costs(durations: dict[int, list[int]], num_workers: int | None = None) -> tuple[int, ...]:
+    """CostModel's ``worker_step_ns`` from each worker's STEP durations in ns: the mean of each of workers
+    0 .. n−1 (n = ``num_workers``, or one past the highest worker seen), or () unless every one of them,
+    and none other, has a STEP."""
+    n = num_workers if num_workers is not None else max(durations, default=-1) + 1
+    if set(durations) != set(range(n)):
+        return ()
+    return tuple(round(sum(durations[w]) / len(durations[w])) for w in range(n))
 
 
 class ActionTime(NamedTuple):

@@ -51,7 +51,7 @@ from pipefisher.profiling import Profile
 from pipefisher.schedules import Action, ActionKind, Schedule, build_schedule
 from pipefisher.schedules.kfac import LINEARS_PER_ENCODER_LAYER
 from pipefisher.schedules.passes import matching_send
-from pipefisher.simulate import CostModel, compute_cost_fields
+from pipefisher.simulate import CostModel, compute_cost_fields, worker_step_costs
 from pipefisher.timeline import is_wait
 
 __all__ = [
@@ -374,12 +374,6 @@ def _mean(values: Sequence[int]) -> int:
     return round(sum(values) / len(values))
 
 
-def _per_worker(durations: dict[int, list[int]]) -> tuple[int, ...]:
-    """Mean per worker 0..n−1, or () unless every one of them has a value."""
-    n = max(durations, default=-1) + 1
-    return tuple(_mean(durations[w]) for w in range(n)) if set(durations) == set(range(n)) else ()
-
-
 def costs_from_profile(profile: Profile, run: RunShape | None = None, *,
                        path: str | Path | None = None) -> CostModel:
     """Means per stage and kind of a profile's events, as a cost model for the simulator.
@@ -528,7 +522,7 @@ def costs_from_profile(profile: Profile, run: RunShape | None = None, *,
         p2p_ns=round(statistics.median(latencies)) if latencies else 0,
         sync_ns=sync,
         step_ns=_mean(steps) if steps else 0,
-        worker_step_ns=_per_worker(worker_steps),
+        worker_step_ns=worker_step_costs(worker_steps),
         curv_a_ns=table("CURV_A", "curv_a"),
         curv_b_ns=table("CURV_B", "curv_b"),
         sync_factor_ns=tuple(factor_sync),

@@ -9,7 +9,7 @@ from typing import Any
 
 from pipefisher.schedules.ir import Action, ActionKind, Schedule
 from pipefisher.schedules.kfac import Assignment
-from pipefisher.simulate import CostModel, compute_cost_fields, simulate
+from pipefisher.simulate import CostModel, compute_cost_fields, simulate, worker_step_costs
 from pipefisher.timeline import COMPUTE_KINDS, Event, bubble_utilization, busy_ns, is_wait
 
 KFAC_KINDS = frozenset(k.value for k in ActionKind if k.is_kfac)
@@ -53,9 +53,8 @@ def measured_costs(events: list[Event], schedule: Schedule, kfac_layers: Sequenc
     mean = {k: _mean_ns(v) for k, v in sums.items()}
     d = schedule.num_stages
     compute = compute_cost_fields(mean, d)
-    n = schedule.num_workers
-    if set(steps) == set(range(n)):  # each worker's STEP ([Note: simulated semantics]); not under tp, where ranks ≠ workers
-        compute["worker_step_ns"] = [_mean_ns(steps[w]) for w in range(n)]
+    # each worker's STEP ([Note: simulated semantics]); none under tp, where process ranks are not workers
+    compute["worker_step_ns"] = worker_step_costs(steps, schedule.num_workers)
     if not kfac_layers:
         return CostModel(**compute)
 
