@@ -36,6 +36,7 @@ from torch import nn
 import pipefisher
 
 from pipefisher.config import TrainConfig, register_configs, to_train_config
+from pipefisher.runtime.teardown import release_process_group
 
 __all__ = [
     "REPO",
@@ -96,7 +97,7 @@ def _child(rank: int, fn: Callable[..., Any], world: int, out_dir: str, args: tu
         try:
             result = fn(rank, world, *args)
         finally:
-            dist.destroy_process_group()
+            release_process_group()
         payload = {"result": result, "threads": threads, "rss_at_start_mib": rss_at_start,
                    "peak_rss_mib": peak_rss_mib()}
     except BaseException:

@@ -16,6 +16,7 @@ import torch.multiprocessing as mp
 from torch.distributed.tensor import DTensor
 
 from pipefisher.config import TrainConfig
+from pipefisher.runtime.teardown import release_process_group
 from pipefisher.runtime.worker import PipelineWorker
 from pipefisher.timeline import is_wait
 
@@ -59,7 +60,7 @@ def _worker(rank: int, cases: list[tuple[TrainConfig, int]], out_dir: str) -> No
                         "events": events},
                        Path(out_dir) / f"case{i}_rank{rank}.pt")
         finally:
-            dist.destroy_process_group()
+            release_process_group()
 
 
 def _whole(t: torch.Tensor) -> torch.Tensor:

@@ -44,6 +44,7 @@ from pipefisher.runtime.checkpoint import (
     write_manifest,
     write_shard,
 )
+from pipefisher.runtime.teardown import release_process_group
 from pipefisher.runtime.worker import train_worker
 from pipefisher.tracking import read_metrics
 from tests.conftest import compose_train
@@ -128,7 +129,7 @@ def _worker(rank: int, jobs: list[Job], rendezvous: str) -> None:
             if not (interrupted and "injected fault" in str(err)):
                 raise
         finally:
-            dist.destroy_process_group()
+            release_process_group()
 
 
 def _interrupted(cfg: TrainConfig) -> list[TrainConfig]:

@@ -18,6 +18,7 @@ import torch.multiprocessing as mp
 
 from pipefisher.config import TrainConfig
 from pipefisher.evaluation import EVAL_FIELDS
+from pipefisher.runtime.teardown import release_process_group
 from pipefisher.runtime.worker import train_worker
 from pipefisher.tracking import read_metrics
 from tests.conftest import compose_train
@@ -50,7 +51,7 @@ def _worker(rank: int, jobs: list[tuple[TrainConfig, str, bool]], rendezvous: st
             if not (interrupted and "injected fault" in str(err)):
                 raise
         finally:
-            dist.destroy_process_group()
+            release_process_group()
 
 
 @pytest.fixture(scope="module")

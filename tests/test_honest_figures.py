@@ -26,6 +26,7 @@ from pipefisher.runtime import step_metrics
 from pipefisher.runtime.executor import WorkerExecutor
 from pipefisher.runtime.kfac_work import KfacWork
 from pipefisher.runtime.step_metrics import measured_costs as _measured_costs
+from pipefisher.runtime.teardown import release_process_group
 from pipefisher.runtime.worker import PipelineWorker, train_worker
 from pipefisher.schedules import build_schedule
 from pipefisher.schedules.kfac import critical_path_assignment
@@ -110,7 +111,7 @@ def _worker(rank: int, kfac_cfg: TrainConfig, timed_cfg: TrainConfig, out_dir: s
                 _delay_waits(rank)
             run()
         finally:
-            dist.destroy_process_group()
+            release_process_group()
 
 
 @pytest.fixture(scope="module")

@@ -49,6 +49,7 @@ from torch.distributed.tensor import DTensor
 from pipefisher import training
 from pipefisher.config import TrainConfig
 from pipefisher.model import build_full_model
+from pipefisher.runtime.teardown import release_process_group
 from pipefisher.training import bert_config, make_optimizer
 from tests import test_pipeline_equivalence as equiv
 from tests.conftest import compose_train
@@ -144,7 +145,7 @@ def _replay_worker(rank: int, cases: list[TrainConfig], out: str) -> None:
                 worker.train_step(step)
             torch.save({"initial": initial, "steps": steps, "final": params()}, Path(out) / f"replay{i}_rank{rank}.pt")
         finally:
-            dist.destroy_process_group()
+            release_process_group()
 
 
 def _named(results: dict[int, dict], key: str) -> dict[str, torch.Tensor]:
@@ -235,7 +236,7 @@ def _muon_worker(rank: int, out: str) -> None:
             reference.step()
         torch.save({"found": found, "want": [p.detach() for p in whole]}, f"{out}/muon{rank}.pt")
     finally:
-        dist.destroy_process_group()
+        release_process_group()
 
 
 def test_sharded_muon_equals_torch_muon_bit_for_bit(tmp_path: Path) -> None:
@@ -283,7 +284,7 @@ def test_adamw_groups_never_mix_tensors_and_dtensors() -> None:
                 g["foreach"] = True
             opt.step(grad_norm=1.0)  # raises "got mixed torch.Tensor and DTensor" on a mixed group
     finally:
-        dist.destroy_process_group()
+        release_process_group()
 
 
 # -- checkpoints of sharded AdamW / Muon runs ----------------------------------------------------------

@@ -63,6 +63,7 @@ from pipefisher.data import get_micro_batch
 from pipefisher.model import build_full_model
 from pipefisher.optim import global_grad_norm
 from pipefisher.runtime.build import encoder_layers_per_stage, schedule_for
+from pipefisher.runtime.teardown import release_process_group
 from pipefisher.schedules import ActionKind
 from pipefisher.schedules.kfac import (assignment_to_json, check_assignment, critical_path_assignment,
                                        curvature_age_bound, kfac_layer_counts)
@@ -202,7 +203,7 @@ def _worker(rank: int, cases: list[Case], out_dir: str) -> None:
             torch.save({"steps": steps, "params": params, "stages": stages, "age_bound": bound},
                        Path(out_dir) / f"case{i}_rank{rank}.pt")
         finally:
-            dist.destroy_process_group()
+            release_process_group()
 
 
 @pytest.fixture(scope="module")

@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from pipefisher.config import ConfigError, TrainConfig
+from pipefisher.runtime.teardown import release_process_group
 from pipefisher.training import bert_config
 from tests import test_pipeline_equivalence as equiv
 from tests.conftest import compose_train
@@ -127,7 +128,7 @@ def test_every_fsdp_module_sums_without_premul_and_divides_by_one() -> None:
             for group in fully_shard.state(unit)._fsdp_param_groups:
                 assert group.gradient_divide_factor == 1.0 and group.force_sum_reduction_for_comms
     finally:
-        dist.destroy_process_group()
+        release_process_group()
 
 
 def test_sdp_run_checkpoints_on_a_signal_as_unsharded_runs_do() -> None:

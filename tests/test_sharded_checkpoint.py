@@ -25,6 +25,7 @@ from pipefisher.config import ConfigError, TrainConfig
 from pipefisher.runtime.checkpoint import (MANIFEST, check_compatible, find_latest, list_checkpoints, load_shard,
                                            step_dir, write_manifest, write_shard)
 from pipefisher.runtime.sharded_checkpoint import IN_DCP, _SafeUnpickler, dcp_folder
+from pipefisher.runtime.teardown import release_process_group
 from pipefisher.runtime.worker import train_worker
 from tests.conftest import compose_train
 from tests.test_checkpoint import _assert_same_state, _losses
@@ -67,7 +68,7 @@ def _worker(rank: int, jobs: list[Job], rendezvous: str) -> None:
             if not (interrupted and "injected fault" in str(err)):
                 raise
         finally:
-            dist.destroy_process_group()
+            release_process_group()
 
 
 def _interrupted(cfg: TrainConfig, step: int = INTERRUPT_AT) -> list[TrainConfig]:

@@ -24,6 +24,7 @@ from pipefisher.config import ConfigError
 from pipefisher.data import get_micro_batch
 from pipefisher.model import build_full_model
 from pipefisher.model.rng import dropout_key
+from pipefisher.runtime.teardown import release_process_group
 from pipefisher.schedules import GENERATORS, ScheduleError, build_schedule
 from pipefisher.schedules.torch_csv import build_from_torch_csv, from_torch_csv, to_torch_csv
 from pipefisher.torch_schedule import main as cli_main
@@ -252,7 +253,7 @@ def _torch_runtime_worker(rank: int, cases: list, out_dir: str) -> None:
                      for (pipe, index), m in worker.modules.items() for name, p in m.named_parameters()}
             torch.save({"loss": float(loss), "grads": grads}, Path(out_dir) / f"case{i}_rank{rank}.pt")
         finally:
-            dist.destroy_process_group()
+            release_process_group()
 
 
 OURS_IN_TORCH = ["1f1b", "interleaved", "zb-h1", "zb-v"]

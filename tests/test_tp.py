@@ -24,6 +24,7 @@ from pipefisher.config import ConfigError, TrainConfig
 from pipefisher.data import get_micro_batch
 from pipefisher.model import build_full_model
 from pipefisher.model.rng import KeyedDropout, dropout_key
+from pipefisher.runtime.teardown import release_process_group
 from pipefisher.runtime.tensor_parallel import process_rank, schedule_worker, tp_index
 from pipefisher.training import bert_config, data_plan, data_source
 from tests import test_pipeline_equivalence as equiv
@@ -125,7 +126,7 @@ def _trap_worker(rank: int, cfg: TrainConfig, out: str) -> None:
                   for n, p in stage.named_parameters()}
         torch.save({"seen": seen, "params": params}, f"{out}/trap{rank}.pt")
     finally:
-        dist.destroy_process_group()
+        release_process_group()
 
 
 @pytest.fixture(scope="module")
@@ -192,7 +193,7 @@ def _eval_worker(rank: int, cfg: TrainConfig, out: str) -> None:
         figures = [evaluator.evaluate(0), evaluator.evaluate(0)]
         torch.save({"figures": figures, "stages": stages}, f"{out}/eval{rank}.pt")
     finally:
-        dist.destroy_process_group()
+        release_process_group()
 
 
 @pytest.mark.slow

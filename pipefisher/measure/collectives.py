@@ -43,6 +43,7 @@ import torch.multiprocessing as mp
 from pipefisher.atomic import write_text_atomic
 from pipefisher.planning.comm_costs import OPS, collectives_json
 from pipefisher.planning.costs import STEP_BYTES_PER_PARAM
+from pipefisher.runtime.teardown import release_process_group
 
 __all__ = ["main", "measure_collectives", "message_sizes"]
 
@@ -260,7 +261,7 @@ def _worker(rank: int, world: int, port: int, backend: str, sizes: Sequence[int]
                                    measured_at=time.strftime("%Y-%m-%dT%H:%M:%S"), **extra)
             write_text_atomic(Path(out), json.dumps(doc, indent=1) + "\n")
     finally:
-        dist.destroy_process_group()
+        release_process_group()
 
 
 def measure_collectives(out: str | os.PathLike, world: int = 2, backend: str = "auto", min_bytes: int = 4096,

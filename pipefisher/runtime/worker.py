@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
-import gc
 import json
 import logging
 import os
@@ -49,6 +48,7 @@ from pipefisher.runtime.reporting import StepReporter, StepMeter
 from pipefisher.runtime.run_profile import gather_origins, write_run_profile
 from pipefisher.runtime.step_metrics import kfac_plan_label
 from pipefisher.runtime.stopping import StopPolicy, requeue_from_rank0
+from pipefisher.runtime.teardown import release_process_group
 from pipefisher.timeline import Event
 from pipefisher.training import StepTimer, check_local_gpus, resolve_device, set_cpu_threads
 
@@ -97,11 +97,7 @@ def run_worker(
         dist.barrier()  # nobody tears down its connections while a peer still talks to it
         return result
     finally:
-        # The worker's objects hold the subgroups in reference cycles (executor <-> worker); free
-        # them while the process group still exists, not during interpreter shutdown, where a
-        # gloo group destroyed late aborts the process ("terminate called without an active exception").
-        gc.collect()
-        dist.destroy_process_group()
+        release_process_group()  # cycles freed first: [Note: free cycles before destroying the process group]
 
 
 def _first_step_note(worker: PipelineWorker) -> str:
