@@ -18,11 +18,13 @@ What it does (bench/README.md §7 has the choices and the figures):
   misses it ranks behind, by its final loss; ``tuning_score``), since time to target is what the study
   compares.
 - Runs: ``train.py`` at one process (``stages=1``; every pipeline method and PipeFisher's plan give
-  the same trajectory as one process, tested), each pinned to one core, ``--jobs`` at a time, in
+  the same trajectory as one process, tested; ``pipefisher-d2`` runs its 2 processes unpinned), each pinned to one core, ``--jobs`` at a time, in
   ``<out>/runs/<batch>/<arm>/<lr>...``; a run that finished keeps its ``result.json`` and is not run
   again. ``plan_runs`` decides what is still needed: lr grids per family at seed 0 (extended past
   an edge), K-FAC's damping, the staleness arms, then every final arm at every seed.
-- Arms: ``nvlamb``, ``adamw``, ``muon``, ``kfac-kK`` (critical-path K-FAC refreshing every K steps,
+- Arms: ``pipefisher-d2`` is PipeFisher itself, a D=2 chimera pipeline of 2 processes (4 micro-batches)
+  with the plan its planner makes under train.py's defaults, so its curvature ages are the plan's;
+  ``nvlamb``, ``adamw``, ``muon``, ``kfac-kK`` (critical-path K-FAC refreshing every K steps,
   used at once) and ``kfac-kK-deferred`` (inverses used from the next cycle on: PipeFisher's
   numerics at interval K). ``pipefisher`` is ``kfac-kP-deferred`` with P the interval PipeFisher's
   planner picks in the setting (``--pipefisher-k``). ``ekfac-kK[-deferred]`` (family ``ekfac``, its own lr
@@ -65,6 +67,9 @@ def arm_overrides(arm: str, decay_per_step: float) -> list[str]:
     """train.py overrides of ``arm`` (see the module docstring)."""
     if arm in ("nvlamb", "adamw", "muon"):
         return [f"optimizer={arm}"]
+    if arm == ca.PIPEFISHER_D2:  # its own plan (the planner's defaults), decaying the factors per step like the arms
+        return ["pipeline=chimera", "optimizer=pipefisher", f"optimizer.factor_decay={decay_per_step:g}",
+                "optimizer.factor_decay_per=step"]
     eparsed = ca.ekfac_arm(arm)
     if eparsed is not None:  # Adam in K-FAC's eigenbasis: K-FAC's intervals, decay and deferral
         k, deferred = eparsed
@@ -73,8 +78,8 @@ def arm_overrides(arm: str, decay_per_step: float) -> list[str]:
                 f"optimizer.factor_decay={decay_per_step ** k:.6g}", "optimizer.factor_decay_per=refresh"]
     parsed = ca.kfac_arm(arm)
     if parsed is None:
-        raise ValueError(f"unknown arm {arm!r}: nvlamb, adamw, muon, a K-FAC arm (kfac-kK[-iM][-deferred|-ready]) "
-                         "or ekfac-kK[-deferred]")
+        raise ValueError(f"unknown arm {arm!r}: nvlamb, adamw, muon, a K-FAC arm (kfac-kK[-iM][-deferred|-ready]), "
+                         f"ekfac-kK[-deferred] or {ca.PIPEFISHER_D2}")
     k, i, mode = parsed
     return ["optimizer=kfac", f"optimizer.curvature_interval={k}", f"optimizer.inverse_interval={i}",
             f"optimizer.deferred_inverse={str(mode != 'fresh').lower()}",
@@ -245,8 +250,17 @@ def hardest_target(args: argparse.Namespace, data: Data | None) -> float | None:
     return min(ca.targets_below(data.unigram, [float(d) for d in args.drops.split(",")]).values())
 
 
+def run_stages(arm: str) -> int:
+    """Processes of ``arm``'s run: 2 for PipeFisher's own D=2 pipeline, 1 for every other arm."""
+    return 2 if arm == ca.PIPEFISHER_D2 else 1
+
+
 def run_command(args: argparse.Namespace, data: Data | None, spec: ca.StudySpec, run: ca.Run, run_dir: Path) -> list[str]:
-    cmd = [sys.executable, "train.py", *common_overrides(args, data, run.batch, spec.steps[run.batch]),
+    """train.py's command line of ``run``: one process, or PipeFisher's D=2 pipeline of 4 micro-batches
+    (the shape ``--measure-d2`` times)."""
+    stages = run_stages(run.arm)
+    shape = {"stages": stages, "num_micro_batches": 4} if stages > 1 else {}
+    cmd = [sys.executable, "train.py", *common_overrides(args, data, run.batch, spec.steps[run.batch], **shape),
            *arm_overrides(run.arm, args.decay_per_step), f"lr={run.lr:g}", f"seed={run.seed}"]
     if run.damping is not None:
         cmd.append(f"optimizer.damping={run.damping:g}")
@@ -335,7 +349,7 @@ class Runner:
         shutil.rmtree(run_dir, ignore_errors=True)
         run_dir.mkdir(parents=True)
         cmd = run_command(self.args, self.data, self.spec, run, run_dir)
-        if shutil.which("taskset") and len(self.cores) > 1:
+        if shutil.which("taskset") and len(self.cores) > 1 and run_stages(run.arm) == 1:  # a pipeline: every core
             cmd = ["taskset", "-c", str(self.cores[slot % len(self.cores)])] + cmd
         with (run_dir / "train.log").open("w") as log:
             log.write("$ " + shlex.join(cmd) + "\n")

@@ -414,12 +414,17 @@ def ekfac_arm(arm: str) -> tuple[int, bool] | None:
     return int(m["k"]), bool(m["deferred"])
 
 
+#: PipeFisher itself, run as a D=2 chimera pipeline of 2 processes with the plan its planner makes:
+#: its curvature ages are the plan's, not a stand-in's (the ``kfac-kK-*`` arms run one process).
+PIPEFISHER_D2 = "pipefisher-d2"
+
+
 def family(arm: str) -> str:
-    """The arm whose learning rate (and damping) an arm shares: every K-FAC arm uses kfac-k1's pick,
-    every ekfac arm ekfac-k1's (lr only: damping does not enter ekfac)."""
+    """The arm whose learning rate (and damping) an arm shares: every K-FAC arm (PipeFisher's run too)
+    uses kfac-k1's pick, every ekfac arm ekfac-k1's (lr only: damping does not enter ekfac)."""
     if arm.startswith("ekfac"):
         return "ekfac"
-    return "kfac" if arm.startswith("kfac") else arm
+    return "kfac" if arm.startswith("kfac") or arm == PIPEFISHER_D2 else arm
 
 
 def tuned_arm(fam: str) -> str:

@@ -113,7 +113,8 @@ def write(out: Path, args: argparse.Namespace, spec: ca.StudySpec, data: Any, re
                         cells += ["not reached", "–", "–"]
                         continue
                     base = times[t].get("nvlamb")
-                    other = best_other({x: v for x, v in times[t].items() if x not in pf.values() or x == a}, a)
+                    twins = {*pf.values(), ca.PIPEFISHER_D2}  # PipeFisher is not its own best other
+                    other = best_other({x: v for x, v in times[t].items() if x not in twins or x == a}, a)
                     cells += [ti.text(), ca.ratio(ti, base).text() if base else "–",
                               f"{ca.ratio(ti, times[t][other]).text()} ({other})" if other else "–"]
                 lines.append("| " + " | ".join(cells) + " |")
@@ -221,7 +222,10 @@ def _write_staleness_curves(out: Path, batch: int, targets: dict[str, float], re
 
 def _cost_arm(arm: str, pf: dict[str, str], setting: str) -> str:
     """The step-cost entry of ``arm`` in ``setting``: PipeFisher's trajectory arm costs PipeFisher's step
-    there; another deferred arm costs what critical-path K-FAC at its interval costs."""
+    there, and PipeFisher's own D=2 run costs it at D=2 only (its plan is D=2's: unpriced elsewhere);
+    another deferred arm costs what critical-path K-FAC at its interval costs."""
+    if arm == ca.PIPEFISHER_D2:
+        return "pipefisher" if setting.split()[0] == "D=2" else ca.PIPEFISHER_D2
     if pf.get(setting.split()[0]) == arm or pf.get(setting) == arm:
         return "pipefisher"
     return arm.removesuffix("-deferred")

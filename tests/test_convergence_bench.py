@@ -225,6 +225,12 @@ def test_run_command_sets_accumulation_lr_seed_and_damping(cv, ca, tmp_path: Pat
     cmd = cv.run_command(args, None, spec, ca.Run(128, "kfac-k1", 0.02, 1, 1e-3), tmp_path)
     assert "num_micro_batches=4" in cmd and "micro_batch_size=32" in cmd and "lr=0.02" in cmd
     assert "seed=1" in cmd and "optimizer.damping=0.001" in cmd and cmd[-1] == f"hydra.run.dir={tmp_path}"
+    own = cv.run_command(args, None, spec, ca.Run(128, "pipefisher-d2", 0.02, 2, 1e-3), tmp_path)
+    assert {"stages=2", "num_micro_batches=4", "micro_batch_size=32", "pipeline=chimera", "optimizer=pipefisher",
+            "optimizer.factor_decay=0.95", "optimizer.factor_decay_per=step", "seed=2", "optimizer.damping=0.001",
+            "lr=0.02"} <= set(own) and any(o.startswith("eval.every_steps=") and o != "eval.every_steps=0" for o in own)
+    assert ca.family("pipefisher-d2") == "kfac"  # kfac-k1's lr and damping
+    assert "pipefisher-d2" in cv.study_spec(cv.parse_args(["--quick", "--final", "nvlamb,pipefisher-d2"])).final_arms
     timed = cv.common_overrides(args, None, 32, 40, stages=2, num_micro_batches=4, evaluate=False)
     assert {"stages=2", "micro_batch_size=8", "num_micro_batches=4", "eval.every_steps=0"} <= set(timed)
     assert not any(o.startswith("eval.batches") for o in timed)
@@ -283,6 +289,9 @@ def test_a_step_cost_setting_named_for_a_batch_prices_that_batch_only() -> None:
     pf = {"D=2": "kfac-k7-deferred"}
     assert report._cost_arm("kfac-k7-deferred", pf, "D=2 measured, batch 32") == "pipefisher"
     assert report._cost_arm("kfac-k2-deferred", pf, "D=2 measured, batch 32") == "kfac-k2"  # critical path at k
+    # PipeFisher's own D=2 run costs its measured D=2 step, and is not priced at D=8 (another plan there)
+    assert report._cost_arm("pipefisher-d2", pf, "D=2 measured, batch 32") == "pipefisher"
+    assert report._cost_arm("pipefisher-d2", pf, "D=8 simulated, batch 32") not in {"pipefisher", "kfac-k1"}
 
 
 def test_tuning_score_ranks_by_steps_to_the_hardest_target_then_by_final_loss(ca) -> None:
