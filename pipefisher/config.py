@@ -798,10 +798,12 @@ def _validate_tp(cfg: TrainConfig) -> None:
         _fail("tp", k, "must be at least 1 (1 = no tensor parallelism)")
     if k == 1:
         return
+    from pipefisher.model.config import tp_splits  # here: the model package imports torch
+
     m = cfg.model
     ffn = m.intermediate_size if m.intermediate_size is not None else 4 * m.hidden_size
-    if m.num_heads % k or ffn % k:
-        ok = [d for d in range(2, max(m.num_heads, 1) + 1) if m.num_heads % d == 0 and ffn % d == 0]
+    if not tp_splits(m.num_heads, ffn, k):
+        ok = [d for d in range(2, max(m.num_heads, 1) + 1) if tp_splits(m.num_heads, ffn, d)]
         _fail("tp", k, f"must divide model.num_heads={m.num_heads} and the FFN width model.intermediate_size={ffn} "
               f"(each tp rank holds whole heads and an equal part of the FFN); use tp in {ok or [1]}")
     if cfg.optimizer.name in KFAC_OPTIMIZERS:

@@ -291,6 +291,11 @@ def compute_cost_fields(mean: dict[tuple[str, int], int], num_stages: int) -> di
             "weight_grad_ns": weight_grad}
 
 
+def mean_ns(durations: Sequence[int]) -> int:
+    """The mean of ``durations`` in whole ns (the cost model's unit)."""
+    return round(sum(durations) / len(durations))
+
+
 def worker_step_costs(durations: dict[int, list[int]], num_workers: int | None = None) -> tuple[int, ...]:
     """CostModel's ``worker_step_ns`` from each worker's STEP durations in ns: the mean of each of workers
     0 .. n−1 (n = ``num_workers``, or one past the highest worker seen), or () unless every one of them,
@@ -298,7 +303,7 @@ def worker_step_costs(durations: dict[int, list[int]], num_workers: int | None =
     n = num_workers if num_workers is not None else max(durations, default=-1) + 1
     if set(durations) != set(range(n)):
         return ()
-    return tuple(round(sum(durations[w]) / len(durations[w])) for w in range(n))
+    return tuple(mean_ns(durations[w]) for w in range(n))
 
 
 class ActionTime(NamedTuple):

@@ -31,6 +31,12 @@ BERT_SIZES: dict[str, BertSize] = {
 }
 
 
+def tp_splits(num_heads: int, ffn_width: int, tp: int) -> bool:
+    """Whether tensor parallel over ``tp`` ranks gives each rank whole heads and an equal part of the
+    FFN width (Megatron's split)."""
+    return num_heads % tp == 0 and ffn_width % tp == 0
+
+
 @dataclass
 class BertConfig:
     """BERT hyper-parameters; defaults are bert-base.
@@ -116,7 +122,7 @@ class BertConfig:
 
     def splits_over(self, tp: int) -> bool:
         """Whether tensor parallel over ``tp`` ranks divides the heads and the FFN width (Megatron's split)."""
-        return self.num_heads % tp == 0 and (self.intermediate_size or 4 * self.hidden_size) % tp == 0
+        return tp_splits(self.num_heads, self.intermediate_size or 4 * self.hidden_size, tp)
 
     def hf_config_kwargs(self) -> dict[str, Any]:
         """Keyword arguments for an equivalent ``transformers.BertConfig`` (exact GELU)."""

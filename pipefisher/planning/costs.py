@@ -51,7 +51,7 @@ from pipefisher.profiling import Profile
 from pipefisher.schedules import Action, ActionKind, Schedule, build_schedule
 from pipefisher.schedules.kfac import LINEARS_PER_ENCODER_LAYER
 from pipefisher.schedules.passes import matching_send
-from pipefisher.simulate import CostModel, compute_cost_fields, worker_step_costs
+from pipefisher.simulate import CostModel, compute_cost_fields, mean_ns, worker_step_costs
 from pipefisher.timeline import is_wait
 
 __all__ = [
@@ -370,10 +370,6 @@ def estimate_run_costs(run: RunShape, hardware: Hardware = Hardware()) -> CostMo
 # -- from a profile ----------------------------------------------------------------------------
 
 
-def _mean(values: Sequence[int]) -> int:
-    return round(sum(values) / len(values))
-
-
 def costs_from_profile(profile: Profile, run: RunShape | None = None, *,
                        path: str | Path | None = None) -> CostModel:
     """Means per stage and kind of a profile's events, as a cost model for the simulator.
@@ -460,8 +456,8 @@ def costs_from_profile(profile: Profile, run: RunShape | None = None, *,
                     "of the message latency (p2p_ns%s); synchronize the hosts' clocks (NTP/PTP) or profile on one "
                     "node for message latencies", where, negative, negative + len(latencies),
                     " = 0: none left" if not latencies else "")
-    fwd = tuple(_mean(durations[("F", s, None)]) for s in range(d))
-    sync = tuple(_mean(durations[("SYNC_GRAD", s, None)]) if durations.get(("SYNC_GRAD", s, None)) else 0
+    fwd = tuple(mean_ns(durations[("F", s, None)]) for s in range(d))
+    sync = tuple(mean_ns(durations[("SYNC_GRAD", s, None)]) if durations.get(("SYNC_GRAD", s, None)) else 0
                  for s in range(d))
 
     # K-FAC: measured where recorded, else FLOPs at this stage's measured forward rate.
@@ -480,9 +476,9 @@ def costs_from_profile(profile: Profile, run: RunShape | None = None, *,
             for layer in range(kfac_layers[s]):
                 got = durations.get((kind, s, layer))
                 if got:
-                    row.append(_mean(got))
+                    row.append(mean_ns(got))
                 elif whole:  # recorded for all layers at once: split like the estimate
-                    row.append(round(_mean(whole) * guess[layer] / max(sum(guess), 1e-9)))
+                    row.append(round(mean_ns(whole) * guess[layer] / max(sum(guess), 1e-9)))
                 else:
                     row.append(round(guess[layer]))
             rows.append(tuple(row))
@@ -500,19 +496,19 @@ def costs_from_profile(profile: Profile, run: RunShape | None = None, *,
             got = durations.get(("SYNC_FACTOR", s, layer)) or durations.get(("SYNC_FACTOR", s, None))
             i, o = dims[layer]
             if got:
-                row.append(_mean(got))
+                row.append(mean_ns(got))
             elif sync[s] > 0:
                 row.append(round(sync[s] * (i * i + o * o) / params[s]))
             else:
                 row.append(fallback[s][layer] if run.num_replicas > 1 and not durations.get(("SYNC_GRAD", s, None))
                            else 0)
         factor_sync.append(tuple(row))
-    precond = tuple(_mean(durations[("PRECOND", s, None)]) if durations.get(("PRECOND", s, None))
+    precond = tuple(mean_ns(durations[("PRECOND", s, None)]) if durations.get(("PRECOND", s, None))
                     else round(sum(est["precond"][s]) / rate[s]) for s in range(d))
     if not any(k[0] in ("CURV_A", "CURV_B", "INVERT") for k in durations):
         log.info("%s has no K-FAC events: K-FAC unit costs estimated from FLOPs at the measured "
                  "forward rate (%.3g FLOP/s)", where, statistics.mean(rate) * 1e9)
-    compute = compute_cost_fields({(kind, s): _mean(durations[(kind, s, None)]) for kind in ("F", "B", "I", "W")
+    compute = compute_cost_fields({(kind, s): mean_ns(durations[(kind, s, None)]) for kind in ("F", "B", "I", "W")
                                    for s in range(d) if durations.get((kind, s, None))}, d)
     return CostModel(
         forward_ns=fwd,
@@ -521,7 +517,7 @@ def costs_from_profile(profile: Profile, run: RunShape | None = None, *,
         weight_grad_ns=tuple(compute["weight_grad_ns"]),
         p2p_ns=round(statistics.median(latencies)) if latencies else 0,
         sync_ns=sync,
-        step_ns=_mean(steps) if steps else 0,
+        step_ns=mean_ns(steps) if steps else 0,
         worker_step_ns=worker_step_costs(worker_steps),
         curv_a_ns=table("CURV_A", "curv_a"),
         curv_b_ns=table("CURV_B", "curv_b"),

@@ -9,7 +9,7 @@ from typing import Any
 
 from pipefisher.schedules.ir import Action, ActionKind, Schedule
 from pipefisher.schedules.kfac import Assignment
-from pipefisher.simulate import CostModel, compute_cost_fields, simulate, worker_step_costs
+from pipefisher.simulate import CostModel, compute_cost_fields, mean_ns, simulate, worker_step_costs
 from pipefisher.timeline import COMPUTE_KINDS, Event, bubble_utilization, busy_ns, is_wait
 
 KFAC_KINDS = frozenset(k.value for k in ActionKind if k.is_kfac)
@@ -24,10 +24,6 @@ def step_utilization(events: list[Event], num_workers: int, kinds: frozenset[str
         spans[e.worker] = (min(lo, e.start_ns), max(hi, e.end_ns))
     wall = max(hi - lo for lo, hi in spans.values())
     return sum(busy.values()) / (num_workers * wall) if wall > 0 else 0.0
-
-
-def _mean_ns(durations: Sequence[int]) -> int:
-    return round(sum(durations) / len(durations))
 
 
 def measured_costs(events: list[Event], schedule: Schedule, kfac_layers: Sequence[int] = ()) -> CostModel:
@@ -50,7 +46,7 @@ def measured_costs(events: list[Event], schedule: Schedule, kfac_layers: Sequenc
         elif kfac_layers and e.kind in KFAC_KINDS and not is_wait(e):  # a wait costs no unit
             a = Action.from_str(e.name)
             kfac.setdefault((e.kind, a.stage, a.layer), []).append(e.duration_ns)
-    mean = {k: _mean_ns(v) for k, v in sums.items()}
+    mean = {k: mean_ns(v) for k, v in sums.items()}
     d = schedule.num_stages
     compute = compute_cost_fields(mean, d)
     # each worker's STEP ([Note: simulated semantics]); none under tp, where process ranks are not workers
@@ -62,7 +58,7 @@ def measured_costs(events: list[Event], schedule: Schedule, kfac_layers: Sequenc
         rows = []
         for s in range(d):
             whole = kfac.get((kind.value, s, None))
-            rows.append([_mean_ns(v) if (v := kfac.get((kind.value, s, layer)))
+            rows.append([mean_ns(v) if (v := kfac.get((kind.value, s, layer)))
                          else (round(sum(whole) / len(whole) / kfac_layers[s]) if whole else 0)
                          for layer in range(kfac_layers[s])])
         return rows
@@ -72,7 +68,7 @@ def measured_costs(events: list[Event], schedule: Schedule, kfac_layers: Sequenc
         **compute,
         curv_a_ns=table(ActionKind.CURV_A), curv_b_ns=table(ActionKind.CURV_B),
         sync_factor_ns=table(ActionKind.SYNC_FACTOR), invert_ns=table(ActionKind.INVERT),
-        precond_ns=[_mean_ns(v) if v else 0 for v in precond],
+        precond_ns=[mean_ns(v) if v else 0 for v in precond],
     )
 
 
