@@ -23,7 +23,9 @@ What it does (bench/README.md §7 has the choices and the figures):
   again. ``plan_runs`` decides what is still needed: lr grids per family at seed 0 (extended past
   an edge), K-FAC's damping, the staleness arms, then every final arm at every seed.
 - Arms: ``pipefisher-d2`` is PipeFisher itself, a D=2 chimera pipeline of 2 processes (4 micro-batches)
-  with the plan its planner makes under train.py's defaults, so its curvature ages are the plan's;
+  with the plan its planner makes under train.py's defaults, so its curvature ages are the plan's
+  (``pipefisher-d2-cM``: curvature from the first M micro-batches of each pipe; ``--timing-arms``
+  times it as ``pipefisher-cM``);
   ``nvlamb``, ``adamw``, ``muon``, ``kfac-kK`` (critical-path K-FAC refreshing every K steps,
   used at once) and ``kfac-kK-deferred`` (inverses used from the next cycle on: PipeFisher's
   numerics at interval K). ``pipefisher`` is ``kfac-kP-deferred`` with P the interval PipeFisher's
@@ -67,9 +69,10 @@ def arm_overrides(arm: str, decay_per_step: float) -> list[str]:
     """train.py overrides of ``arm`` (see the module docstring)."""
     if arm in ("nvlamb", "adamw", "muon"):
         return [f"optimizer={arm}"]
-    if arm == ca.PIPEFISHER_D2:  # its own plan (the planner's defaults), decaying the factors per step like the arms
-        return ["pipeline=chimera", "optimizer=pipefisher", f"optimizer.factor_decay={decay_per_step:g}",
-                "optimizer.factor_decay_per=step"]
+    curvature = ca.pipefisher_run(arm)
+    if curvature is not None:  # its own plan (the planner's defaults), decaying the factors per step like the arms
+        return ["optimizer=pipefisher", f"optimizer.factor_decay={decay_per_step:g}", "optimizer.factor_decay_per=step",
+                *([f"optimizer.curvature_micro_batches={curvature}"] if curvature else [])]
     eparsed = ca.ekfac_arm(arm)
     if eparsed is not None:  # Adam in K-FAC's eigenbasis: K-FAC's intervals, decay and deferral
         k, deferred = eparsed
@@ -79,7 +82,7 @@ def arm_overrides(arm: str, decay_per_step: float) -> list[str]:
     parsed = ca.kfac_arm(arm)
     if parsed is None:
         raise ValueError(f"unknown arm {arm!r}: nvlamb, adamw, muon, a K-FAC arm (kfac-kK[-iM][-deferred|-ready]), "
-                         f"ekfac-kK[-deferred] or {ca.PIPEFISHER_D2}")
+                         "ekfac-kK[-deferred] or pipefisher-d2[-cM]")
     k, i, mode = parsed
     return ["optimizer=kfac", f"optimizer.curvature_interval={k}", f"optimizer.inverse_interval={i}",
             f"optimizer.deferred_inverse={str(mode != 'fresh').lower()}",
@@ -252,7 +255,7 @@ def hardest_target(args: argparse.Namespace, data: Data | None) -> float | None:
 
 def run_stages(arm: str) -> int:
     """Processes of ``arm``'s run: 2 for PipeFisher's own D=2 pipeline, 1 for every other arm."""
-    return 2 if arm == ca.PIPEFISHER_D2 else 1
+    return 2 if ca.pipefisher_run(arm) is not None else 1
 
 
 def run_command(args: argparse.Namespace, data: Data | None, spec: ca.StudySpec, run: ca.Run, run_dir: Path) -> list[str]:
@@ -261,6 +264,7 @@ def run_command(args: argparse.Namespace, data: Data | None, spec: ca.StudySpec,
     stages = run_stages(run.arm)
     shape = {"stages": stages, "num_micro_batches": 4} if stages > 1 else {}
     cmd = [sys.executable, "train.py", *common_overrides(args, data, run.batch, spec.steps[run.batch], **shape),
+           *(["pipeline=chimera"] if stages > 1 else []),
            *arm_overrides(run.arm, args.decay_per_step), f"lr={run.lr:g}", f"seed={run.seed}"]
     if run.damping is not None:
         cmd.append(f"optimizer.damping={run.damping:g}")
@@ -445,7 +449,17 @@ TIMED_ARMS = ("nvlamb", "adamw", "muon", "kfac-k1", "kfac-k2", "kfac-k4", "kfac-
 
 
 def timed_overrides(arm: str, decay_per_step: float) -> list[str]:
-    return ["optimizer=pipefisher"] if arm == "pipefisher" else arm_overrides(arm, decay_per_step)
+    """train.py overrides of a timed arm: ``pipefisher`` (its plan), ``pipefisher-cM`` (curvature from M
+    micro-batches of each pipe, the ``pipefisher-d2-cM`` trajectory's step), else the study arm's."""
+    if arm == "pipefisher" or timed_pipefisher(arm):
+        return ["optimizer=pipefisher", *([f"optimizer.curvature_micro_batches={arm[len('pipefisher-c'):]}"]
+                                          if arm != "pipefisher" else [])]
+    return arm_overrides(arm, decay_per_step)
+
+
+def timed_pipefisher(arm: str) -> bool:
+    """Whether ``arm`` is ``pipefisher-cM`` (M ≥ 1), which --timing-arms takes beside TIMED_ARMS."""
+    return arm.startswith("pipefisher-c") and arm[len("pipefisher-c"):].isdigit() and int(arm[len("pipefisher-c"):]) > 0
 
 
 def cycle_mean_step_s(rows: list[dict[str, Any]]) -> tuple[float, int]:
@@ -523,8 +537,8 @@ def main() -> None:
         path = out / "step_costs.json"
         costs = json.loads(path.read_text()) if path.is_file() else {}
         arms = tuple(a for a in args.timing_arms.split(",") if a)
-        if not arms or set(arms) - set(TIMED_ARMS):
-            raise SystemExit(f"--timing-arms {args.timing_arms!r}: choose from {','.join(TIMED_ARMS)}")
+        if not arms or any(a not in TIMED_ARMS and not timed_pipefisher(a) for a in arms):
+            raise SystemExit(f"--timing-arms {args.timing_arms!r}: choose from {','.join(TIMED_ARMS)} or pipefisher-cM")
         for batch in spec.steps:
             costs[f"D=2 measured, batch {batch}"] = measure_d2(args, data, out, batch, args.timing_rounds,
                                                                args.timing_steps, arms)

@@ -415,8 +415,15 @@ def ekfac_arm(arm: str) -> tuple[int, bool] | None:
 
 
 #: PipeFisher itself, run as a D=2 chimera pipeline of 2 processes with the plan its planner makes:
-#: its curvature ages are the plan's, not a stand-in's (the ``kfac-kK-*`` arms run one process).
-PIPEFISHER_D2 = "pipefisher-d2"
+#: its curvature ages are the plan's, not a stand-in's (the ``kfac-kK-*`` arms run one process);
+#: ``-cM``: curvature from the first M micro-batches of each pipe (``optimizer.curvature_micro_batches``).
+PIPEFISHER_D2 = re.compile(r"pipefisher-d2(?:-c(?P<c>[1-9][0-9]*))?")
+
+
+def pipefisher_run(arm: str) -> int | None:
+    """``pipefisher-d2[-cM]`` -> M (0: curvature from every micro-batch); None for other arms."""
+    m = PIPEFISHER_D2.fullmatch(arm)
+    return None if m is None else int(m["c"] or 0)
 
 
 def family(arm: str) -> str:
@@ -424,7 +431,7 @@ def family(arm: str) -> str:
     uses kfac-k1's pick, every ekfac arm ekfac-k1's (lr only: damping does not enter ekfac)."""
     if arm.startswith("ekfac"):
         return "ekfac"
-    return "kfac" if arm.startswith("kfac") or arm == PIPEFISHER_D2 else arm
+    return "kfac" if arm.startswith("kfac") or pipefisher_run(arm) is not None else arm
 
 
 def tuned_arm(fam: str) -> str:

@@ -113,8 +113,8 @@ def write(out: Path, args: argparse.Namespace, spec: ca.StudySpec, data: Any, re
                         cells += ["not reached", "–", "–"]
                         continue
                     base = times[t].get("nvlamb")
-                    twins = {*pf.values(), ca.PIPEFISHER_D2}  # PipeFisher is not its own best other
-                    other = best_other({x: v for x, v in times[t].items() if x not in twins or x == a}, a)
+                    twins = {*pf.values(), *(x for x in times[t] if ca.pipefisher_run(x) is not None)}
+                    other = best_other({x: v for x, v in times[t].items() if x not in twins or x == a}, a)  # not its twin
                     cells += [ti.text(), ca.ratio(ti, base).text() if base else "–",
                               f"{ca.ratio(ti, times[t][other]).text()} ({other})" if other else "–"]
                 lines.append("| " + " | ".join(cells) + " |")
@@ -222,10 +222,12 @@ def _write_staleness_curves(out: Path, batch: int, targets: dict[str, float], re
 
 def _cost_arm(arm: str, pf: dict[str, str], setting: str) -> str:
     """The step-cost entry of ``arm`` in ``setting``: PipeFisher's trajectory arm costs PipeFisher's step
-    there, and PipeFisher's own D=2 run costs it at D=2 only (its plan is D=2's: unpriced elsewhere);
+    there, and PipeFisher's own D=2 run (``pipefisher-d2[-cM]``) costs the timed ``pipefisher[-cM]`` at D=2
+    only (its plan is D=2's: unpriced elsewhere);
     another deferred arm costs what critical-path K-FAC at its interval costs."""
-    if arm == ca.PIPEFISHER_D2:
-        return "pipefisher" if setting.split()[0] == "D=2" else ca.PIPEFISHER_D2
+    curvature = ca.pipefisher_run(arm)
+    if curvature is not None:  # pipefisher-d2[-cM]: the timed pipefisher[-cM]
+        return ("pipefisher" + (f"-c{curvature}" if curvature else "")) if setting.split()[0] == "D=2" else arm
     if pf.get(setting.split()[0]) == arm or pf.get(setting) == arm:
         return "pipefisher"
     return arm.removesuffix("-deferred")

@@ -229,7 +229,15 @@ def test_run_command_sets_accumulation_lr_seed_and_damping(cv, ca, tmp_path: Pat
     assert {"stages=2", "num_micro_batches=4", "micro_batch_size=32", "pipeline=chimera", "optimizer=pipefisher",
             "optimizer.factor_decay=0.95", "optimizer.factor_decay_per=step", "seed=2", "optimizer.damping=0.001",
             "lr=0.02"} <= set(own) and any(o.startswith("eval.every_steps=") and o != "eval.every_steps=0" for o in own)
-    assert ca.family("pipefisher-d2") == "kfac"  # kfac-k1's lr and damping
+    assert ca.family("pipefisher-d2") == "kfac" and ca.family("pipefisher-d2-c2") == "kfac"  # kfac-k1's lr, damping
+    assert not any("curvature_micro_batches" in o for o in own)
+    half = cv.run_command(args, None, spec, ca.Run(128, "pipefisher-d2-c2", 0.02, 0, 1e-3), tmp_path)
+    assert "optimizer.curvature_micro_batches=2" in half and "stages=2" in half
+    assert cv.timed_overrides("pipefisher-c2", 0.95) == ["optimizer=pipefisher", "optimizer.curvature_micro_batches=2"]
+    assert cv.timed_overrides("pipefisher", 0.95) == ["optimizer=pipefisher"]
+    assert not cv.timed_pipefisher("pipefisher-c0") and not cv.timed_pipefisher("pipefisher-cx")
+    with pytest.raises(ValueError, match="pipefisher-d2"):
+        cv.arm_overrides("pipefisher-d3", 0.95)
     assert "pipefisher-d2" in cv.study_spec(cv.parse_args(["--quick", "--final", "nvlamb,pipefisher-d2"])).final_arms
     timed = cv.common_overrides(args, None, 32, 40, stages=2, num_micro_batches=4, evaluate=False)
     assert {"stages=2", "micro_batch_size=8", "num_micro_batches=4", "eval.every_steps=0"} <= set(timed)
@@ -292,6 +300,7 @@ def test_a_step_cost_setting_named_for_a_batch_prices_that_batch_only() -> None:
     # PipeFisher's own D=2 run costs its measured D=2 step, and is not priced at D=8 (another plan there)
     assert report._cost_arm("pipefisher-d2", pf, "D=2 measured, batch 32") == "pipefisher"
     assert report._cost_arm("pipefisher-d2", pf, "D=8 simulated, batch 32") not in {"pipefisher", "kfac-k1"}
+    assert report._cost_arm("pipefisher-d2-c2", pf, "D=2 measured, batch 32") == "pipefisher-c2"
 
 
 def test_tuning_score_ranks_by_steps_to_the_hardest_target_then_by_final_loss(ca) -> None:
