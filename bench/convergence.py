@@ -233,12 +233,17 @@ def common_overrides(args: argparse.Namespace, data: Data | None, batch: int, st
                      num_micro_batches: int | None = None, evaluate: bool = True) -> list[str]:
     """train.py overrides every run at ``batch`` shares: one process, micro-batches of
     ``--micro-batch-size`` by default (``num_micro_batches`` splits ``batch`` otherwise), with the
-    held-out evaluation (``evaluate``)."""
+    held-out evaluation (``evaluate``) on the same ``--eval-batches`` × ``--micro-batch-size`` sequences
+    whatever the micro-batch (train.py's ``eval.batches`` counts micro-batches)."""
     n = num_micro_batches or batch // args.micro_batch_size
+    held_out = args.eval_batches * args.micro_batch_size
+    if evaluate and held_out % (batch // n):
+        raise SystemExit(f"{n} micro-batches of {batch // n}: the held-out set of {held_out} sequences "
+                         f"(--eval-batches × --micro-batch-size) is not a whole number of them")
     out = [f"model={args.model}", f"stages={stages}", f"micro_batch_size={batch // n}",
            f"num_micro_batches={n}", f"steps={steps}",
            f"data.seq_len={args.seq_len}", f"data.max_predictions={args.max_predictions}",
-           *((f"eval.every_steps={args.eval_every}", f"eval.batches={args.eval_batches}") if evaluate
+           *((f"eval.every_steps={args.eval_every}", f"eval.batches={held_out // (batch // n)}") if evaluate
              else ("eval.every_steps=0",)),
            "device=cpu", "progress=false", "wandb.mode=disabled", "log_every=50", "save_final=false"]
     if data is not None:

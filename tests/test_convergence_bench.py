@@ -229,6 +229,11 @@ def test_run_command_sets_accumulation_lr_seed_and_damping(cv, ca, tmp_path: Pat
     assert {"stages=2", "num_micro_batches=4", "micro_batch_size=32", "pipeline=chimera", "optimizer=pipefisher",
             "optimizer.factor_decay=0.95", "optimizer.factor_decay_per=step", "seed=2", "optimizer.damping=0.001",
             "lr=0.02"} <= set(own) and any(o.startswith("eval.every_steps=") and o != "eval.every_steps=0" for o in own)
+    assert f"eval.batches={args.eval_batches}" in cmd and f"eval.batches={args.eval_batches}" in own  # both of 32
+    # at batch 32 the pipeline's micro-batches hold 8: the same held-out sequences are 4 × as many of them
+    args32 = cv.parse_args(["--quick"])
+    own32 = cv.run_command(args32, None, cv.study_spec(args32), ca.Run(32, "pipefisher-d2", 0.02, 0, 1e-3), tmp_path)
+    assert "micro_batch_size=8" in own32 and f"eval.batches={args32.eval_batches * 4}" in own32
     assert ca.family("pipefisher-d2") == "kfac" and ca.family("pipefisher-d2-c2") == "kfac"  # kfac-k1's lr, damping
     assert not any("curvature_micro_batches" in o for o in own)
     half = cv.run_command(args, None, spec, ca.Run(128, "pipefisher-d2-c2", 0.02, 0, 1e-3), tmp_path)
