@@ -28,8 +28,8 @@ What it does (bench/README.md §7 has the choices and the figures):
   times it as ``pipefisher-cM``);
   ``nvlamb``, ``adamw``, ``muon``, ``kfac-kK`` (critical-path K-FAC refreshing every K steps,
   used at once) and ``kfac-kK-deferred`` (inverses used from the next cycle on: PipeFisher's
-  numerics at interval K). ``pipefisher`` is ``kfac-kP-deferred`` with P the interval PipeFisher's
-  planner picks in the setting (``--pipefisher-k``). ``ekfac-kK[-deferred]`` (family ``ekfac``, its own lr
+  numerics at interval K). PipeFisher's stand-in in a setting is ``kfac-kP-deferred`` with P the interval
+  its planner picks there (``--pipefisher-k``; the D=8 setting has no run of its own). ``ekfac-kK[-deferred]`` (family ``ekfac``, its own lr
   grid ``--grid-ekfac`` at ekfac-k1, no damping): optimizer=ekfac, Adam in the eigenbasis of K-FAC's
   factors (issue 28 item 3), bases refreshed every K steps, used at once or from the next cycle on. Every K-FAC arm's factor decay is
   ``--decay-per-step`` ** K per refresh, so the running average remembers the same number of steps
@@ -129,7 +129,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--families", default="nvlamb,adamw,muon,kfac", help="arm families to tune")
     p.add_argument("--stale", help="K-FAC arms run at kfac's pick with seed 0 (staleness curve)")
     p.add_argument("--final", default=None, help="arms run with every seed (default: the families' arms, "
-                                                   "kfac-k1, and pipefisher)")
+                                                   "kfac-k1, PipeFisher's stand-in per setting and pipefisher-d2)")
     p.add_argument("--pipefisher-k", default="D=2:7,D=8:5",
                    help="setting:k of PipeFisher's plan per setting (bench/step_costs.py prints it)")
     p.add_argument("--decay-per-step", type=float, default=0.95)
@@ -185,7 +185,7 @@ def study_spec(args: argparse.Namespace) -> ca.StudySpec:
                 ks = ca.pipefisher_ks(args.pipefisher_k)
             except ValueError as e:
                 raise SystemExit(str(e)) from None
-            final += sorted({ca.pipefisher_arm(k) for k in ks.values()})
+            final += sorted({ca.pipefisher_arm(k) for k in ks.values()}) + ["pipefisher-d2"]
     stale = [a for a in args.stale.split(",") if a] if "kfac" in families else []
     for arm in stale + final:
         arm_overrides(arm, args.decay_per_step)  # unknown arms fail here, before any run

@@ -210,6 +210,7 @@ def test_spec_of_the_arguments_adds_pipefisher_arms_and_refuses_bad_batches(cv, 
     args = cv.parse_args(["--quick", "--pipefisher-k", "D=2:7,D=8:2"])
     spec = cv.study_spec(args)
     assert "kfac-k7-deferred" in spec.final_arms and "kfac-k2-deferred" in spec.final_arms
+    assert "pipefisher-d2" in spec.final_arms  # PipeFisher's own D=2 run beside its stand-ins
     assert spec.steps == {32: 120}
     with pytest.raises(SystemExit, match="multiple"):
         cv.study_spec(cv.parse_args(["--quick", "--batches", "48"]))
