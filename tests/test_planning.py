@@ -393,6 +393,29 @@ def test_memory_model_knows_forward_doubling_holds_7_8_8_7_activations_at_d4():
     assert estimate_memory(doubling, "nvlamb").total > estimate_memory(direct, "nvlamb").total
 
 
+def test_backward_halving_is_forward_doubling_on_half_micro_batches_at_direct_memory_and_a_smaller_bubble():
+    """Chimera's backward halving (Sec. 3.5): the doubling schedule on micro-batches of half the size, twice
+    as many (what the what-if search's micro-batch sizes reach). Its activations are direct concatenation's,
+    not doubling's (D=8: the same bytes), and with B = 2F, F proportional to the micro-batch, its bubble is
+    below both (0.086 = (D−2)/(2N'+D−2) with N' = 2N, against 0.273 and 0.158)."""
+    bert = BertConfig.from_size("base")
+    direct = RunShape(bert, "chimera", 8, 16, 8, seq_len=128, max_predictions=20)
+    doubling = replace(direct, method="chimera-doubling")
+    halving = replace(doubling, num_micro_batches=32, micro_batch_size=4)
+    act = {name: estimate_memory(r, "nvlamb").activations for name, r in
+           (("direct", direct), ("doubling", doubling), ("halving", halving))}
+    assert act["halving"] == pytest.approx(act["direct"]) and act["doubling"] == pytest.approx(2 * act["direct"])
+
+    def bubble(run: RunShape) -> float:
+        f = 100 * run.micro_batch_size
+        span = max(e.end_ns for e in simulate(run.build_schedule(), CostModel(
+            forward_ns=(f,) * 8, backward_ns=(2 * f,) * 8, step_ns=0)))
+        return 1 - run.num_micro_batches * 3 * f / span
+
+    assert [round(bubble(r), 3) for r in (direct, doubling, halving)] == [0.273, 0.158, 0.086]
+    assert bubble(halving) == pytest.approx((8 - 2) / (2 * 32 + 8 - 2), abs=1e-3)
+
+
 def test_whatif_ranks_by_throughput_and_excludes_over_budget_configs_with_the_reason():
     bert = BertConfig.from_size("mini")
     run = RunShape(bert, "1f1b", 2, 2, 8, 2, seq_len=64, max_predictions=10)

@@ -183,8 +183,8 @@ def chimera(num_stages: int, num_micro_batches: int, dp_width: int = 1) -> Sched
         W3  F2 F3 .  F0 B0 F1 B1 B2 F6 B3 F7 F4 B4 F5 B5 B6 .  B7     bubble 2/18
 
     With B = 2F the fixed slot order leaves gaps where units meet (simulated bubble for D=8,
-    N=32: 0.24 against 1F1B's 0.18); the paper's forward doubling / backward halving (Sec. 3.5)
-    would close them and is not implemented here.
+    N=32: 0.24 against 1F1B's 0.18); the paper's forward doubling (Sec. 3.5, :func:`chimera_doubling`)
+    closes them, and its backward halving is that schedule on half-size micro-batches.
 
     Peak activations per worker for one unit are D/2+1 .. D .. D/2+1 (D=8: 5 6 7 8 8 7 6 5).
 
