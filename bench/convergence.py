@@ -48,6 +48,7 @@ import datetime
 import json
 import math
 import os
+import re
 import shlex
 import shutil
 import signal
@@ -453,18 +454,23 @@ class Runner:
 TIMED_ARMS = ("nvlamb", "adamw", "muon", "kfac-k1", "kfac-k2", "kfac-k4", "kfac-k8", "pipefisher")
 
 
+#: a timed PipeFisher with curvature from M micro-batches of each pipe (the ``pipefisher-d2-cM`` run's step)
+TIMED_PIPEFISHER = re.compile(r"pipefisher-c(?P<c>[1-9][0-9]*)")
+
+
 def timed_overrides(arm: str, decay_per_step: float) -> list[str]:
-    """train.py overrides of a timed arm: ``pipefisher`` (its plan), ``pipefisher-cM`` (curvature from M
-    micro-batches of each pipe, the ``pipefisher-d2-cM`` trajectory's step), else the study arm's."""
-    if arm == "pipefisher" or timed_pipefisher(arm):
-        return ["optimizer=pipefisher", *([f"optimizer.curvature_micro_batches={arm[len('pipefisher-c'):]}"]
-                                          if arm != "pipefisher" else [])]
+    """train.py overrides of a timed arm: ``pipefisher`` (its plan), ``pipefisher-cM``, else the study arm's."""
+    if arm == "pipefisher":
+        return ["optimizer=pipefisher"]
+    m = TIMED_PIPEFISHER.fullmatch(arm)
+    if m:
+        return ["optimizer=pipefisher", f"optimizer.curvature_micro_batches={m['c']}"]
     return arm_overrides(arm, decay_per_step)
 
 
 def timed_pipefisher(arm: str) -> bool:
     """Whether ``arm`` is ``pipefisher-cM`` (M ≥ 1), which --timing-arms takes beside TIMED_ARMS."""
-    return arm.startswith("pipefisher-c") and arm[len("pipefisher-c"):].isdigit() and int(arm[len("pipefisher-c"):]) > 0
+    return TIMED_PIPEFISHER.fullmatch(arm) is not None
 
 
 def cycle_mean_step_s(rows: list[dict[str, Any]]) -> tuple[float, int]:
