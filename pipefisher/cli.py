@@ -143,6 +143,10 @@ def _check_data(cfg: TrainConfig) -> None:
         from pipefisher.evaluation import eval_source
 
         eval_source(cfg)
+        log.info("held-out evaluation every %d steps on %d sequences: eval.batches=%d micro-batches of %d (a run "
+                 "with another micro_batch_size evaluates other sequences unless eval.batches x micro_batch_size "
+                 "stays %d)", cfg.eval.every_steps, cfg.eval.batches * cfg.micro_batch_size, cfg.eval.batches,
+                 cfg.micro_batch_size, cfg.eval.batches * cfg.micro_batch_size)
 
 
 def _run(dcfg: DictConfig) -> float:
