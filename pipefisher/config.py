@@ -276,6 +276,11 @@ class TrainConfig:
         """Pipelines fed different data: data_parallel x sdp (sharded replicas see different data too)."""
         return self.data_parallel * self.sdp
 
+    @property
+    def micro_batches_per_pipe(self) -> int:
+        """Micro-batches each pipe of a step carries: Chimera's two pipes (stages > 1) split them."""
+        return self.num_micro_batches // (2 if self.pipeline.method == "chimera" and self.stages > 1 else 1)
+
 
 def _fail(field_name: str, value: Any, fix: str) -> None:
     raise ConfigError(f"{field_name}={value!r}: {fix}")
@@ -635,7 +640,7 @@ def validate(cfg: TrainConfig) -> None:
         if o.curvature_micro_batches < 0 or o.curvature_micro_batches > cfg.num_micro_batches:
             _fail("optimizer.curvature_micro_batches", o.curvature_micro_batches,
                   f"must lie in [0, num_micro_batches={cfg.num_micro_batches}] (0 = every micro-batch)")
-        per_pipe = cfg.num_micro_batches // (2 if method == "chimera" and cfg.stages > 1 else 1)
+        per_pipe = cfg.micro_batches_per_pipe
         if o.curvature_micro_batches > per_pipe:
             _fail("optimizer.curvature_micro_batches", o.curvature_micro_batches,
                   f"chimera gives each of its two pipes {per_pipe} micro-batches; use at most {per_pipe}")

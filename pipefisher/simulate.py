@@ -48,7 +48,7 @@ from pipefisher.schedules.ir import Action, ActionKind, Schedule
 from pipefisher.schedules.passes import matching_send, worker_dp_groups
 from pipefisher.timeline import Event, bubble_utilization
 
-__all__ = ["ActionTime", "CostModel", "action_times", "compute_cost_fields", "peak_activations", "simulate", "simulate_phases",
+__all__ = ["ActionTime", "CostModel", "action_times", "compute_cost_fields", "mean_ns", "peak_activations", "simulate", "simulate_phases",
            "simulated_bubble_ratio", "worker_step_costs"]
 
 K = ActionKind

@@ -35,6 +35,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from pipefisher.config import KFAC_OPTIMIZERS, OPTIMIZERS
+from pipefisher.model.config import BertConfig
 from pipefisher.planning.costs import RunShape, kfac_linear_dims, stage_parameters
 from pipefisher.schedules import ActionKind, Schedule
 from pipefisher.schedules.kfac import Assignment
@@ -102,12 +103,17 @@ def heads_backward_bytes(run: RunShape, stages: Sequence[int]) -> float:
     return 2.0 * heads_logits_bytes(run) if run.num_model_stages - 1 in stages else 0.0
 
 
+def tied_parameters(bert: BertConfig) -> int:
+    """Parameters of the tied word-embedding / decoder weight (V × H)."""
+    return bert.vocab_size * bert.hidden_size
+
+
 def worker_parameters(run: RunShape, params: Sequence[float], stages: Sequence[int], tied_once: bool = True) -> float:
     """Parameters of a worker's ``stages`` (``params`` per model stage): where it holds the first and the last
     stage and ``tied_once`` (sdp = tp = 1), the tied word embedding once (``runtime.build.tie_local_copies``)."""
     p = sum(params[s] for s in stages)
     if tied_once and 0 in stages and run.num_model_stages - 1 in stages and run.num_model_stages > 1:
-        p -= run.bert.vocab_size * run.bert.hidden_size
+        p -= tied_parameters(run.bert)
     return p
 
 

@@ -80,7 +80,8 @@ from pipefisher.planning.assign import plan_pipefisher
 from pipefisher.planning.comm_costs import CommCosts
 from pipefisher.planning.costs import (STEP_BYTES_PER_PARAM, Hardware, RunShape, estimate_run_costs,
                                        stage_parameters)
-from pipefisher.planning.memory import estimate_memory, heads_backward_bytes, saved_heads_bytes, worker_parameters
+from pipefisher.planning.memory import (estimate_memory, heads_backward_bytes, saved_heads_bytes, tied_parameters,
+                                        worker_parameters)
 from pipefisher.planning.predict import predict_assignment, predict_schedule
 from pipefisher.planning.whatif import METHODS, OPTIMIZERS, SPLIT_BACKWARD_RATIO, SPLIT_METHODS, split_backward_costs
 from pipefisher.planning.whatif import Progress, ranking_lines
@@ -197,15 +198,11 @@ def _local_parameters(run: RunShape, tp: int) -> list[float]:
     return [p - n * shard for p, n in zip(stage_parameters(run.bert, run.partition), run.encoder_layers)]
 
 
-def _tied_parameters(bert: BertConfig) -> int:
-    return bert.vocab_size * bert.hidden_size
-
-
 def _untied(params: Sequence[float], bert: BertConfig) -> list[float]:
     """Each stage's parameters (``_local_parameters``) without its copy of the tied word embedding
     (stage 0 and the last stage hold one each): the executor leaves the tied weight out of SYNC_GRAD
     and all-reduces it at STEP."""
-    d, tied = len(params), _tied_parameters(bert)
+    d, tied = len(params), tied_parameters(bert)
     return [p - tied * (s in (0, d - 1)) for s, p in enumerate(params)]
 
 
@@ -318,7 +315,7 @@ def hybrid_costs(run: RunShape, sdp: int, tp: int, hardware: Hardware, comm: Com
         backward.append(measured * b)
     params = _local_parameters(run, tp)
     d = run.num_model_stages
-    tied = _tied_parameters(bert)
+    tied = tied_parameters(bert)
     replicas = run.num_replicas // sdp  # dp copies × Chimera's twins
     sync = []
     for p, untied in zip(params, _untied(params, bert)):

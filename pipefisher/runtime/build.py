@@ -224,9 +224,8 @@ def describe_kfac(cfg: TrainConfig, assignment: Assignment) -> str:
     factors = f" (factors every {assignment.factor_every})" if assignment.factor_every != k else ""
     kind = "" if cfg.optimizer.preconditioner == "kfac" else \
         f", preconditioner {cfg.optimizer.preconditioner}: INVERT computes eigenbases, PRECOND rescales in them"
-    per_pipe = cfg.num_micro_batches // (2 if cfg.pipeline.method == "chimera" and cfg.stages > 1 else 1)
-    source = (f"{subset} micro-batch(es)" + (" (all of them: as 0)" if subset >= per_pipe else "")) if subset \
-        else "every micro-batch"
+    every = " (all of them: as 0)" if subset >= cfg.micro_batches_per_pipe else ""
+    source = f"{subset} micro-batch(es){every}" if subset else "every micro-batch"
     parts = [f"K-FAC ({cfg.optimizer.name}{kind}): {kfac_plan_label(assignment)}; refresh every k={k} step(s){factors}, "
              f"curvature from {source} per pipe; "
              f"inverses {when}, curvature age <= {age} step(s)"
