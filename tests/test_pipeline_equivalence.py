@@ -71,12 +71,17 @@ def _reference_grads(cfg: TrainConfig) -> tuple[list[float], dict[str, torch.Ten
     return total.tolist(), {n: p.grad for n, p in model.named_parameters()}
 
 
+def single_process_config(cfg: TrainConfig) -> TrainConfig:
+    """``cfg`` as one process: the same global batch (N x data replicas micro-batches) and steps."""
+    return dataclasses.replace(cfg, stages=1, data_parallel=1, sdp=1, sdp_reshard_after_forward=False, tp=1, recompute=False,
+                               num_micro_batches=cfg.num_micro_batches * cfg.data_replicas,
+                               pipeline=dataclasses.replace(cfg.pipeline, method="gpipe", num_virtual=1, layers_per_stage=None,
+                                                            chimera_stacking="direct"))
+
+
 def _reference_params(cfg: TrainConfig) -> tuple[dict[str, torch.Tensor], float]:
     """Single-process training over the same global batch (N x data replicas micro-batches) and steps."""
-    single = dataclasses.replace(cfg, stages=1, data_parallel=1, sdp=1, sdp_reshard_after_forward=False, tp=1, recompute=False,
-                                 num_micro_batches=cfg.num_micro_batches * cfg.data_replicas,
-                                 pipeline=dataclasses.replace(cfg.pipeline, method="gpipe", num_virtual=1, layers_per_stage=None,
-                                                              chimera_stacking="direct"))
+    single = single_process_config(cfg)
     model = build_full_model(bert_config(single), seed=single.seed)
     last = train_single_process(single, output_dir=None, model=model)
     return {n: p.detach() for n, p in model.named_parameters()}, last["loss"]

@@ -11,7 +11,8 @@ Accepted (``init.checkpoint``), every file read with ``torch.load(weights_only=T
   decoder copies agree);
 * a pretraining checkpoint's worker shard files (``worker_<r>.pt``), whose ``"modules"`` entry maps
   ``"<pipe>.<stage>"`` to a stage replica's state dict: one replica of each stage (the lowest pipe
-  index: replicas are equal) is merged as above;
+  index: replicas are equal) is merged as above (a sharded run's shards hold no weights, only
+  placeholders for its DCP folders: give its ``step_<n>`` folder instead);
 * one merged state dict (``.pt`` or ``.safetensors``), or a Hugging Face ``BertForPreTraining`` /
   ``BertForSequenceClassification`` state dict (``bert.``-prefixed names), or a ``BertModel`` one
   (no prefix: ``embeddings.*``, ``encoder.*``, ``pooler.*``).
@@ -42,6 +43,7 @@ from pipefisher.finetune.heads import FinetuneModel
 from pipefisher.model import WORD_EMBEDDINGS_NAME, load_hf_state_dict, merge_stage_state_dicts
 from pipefisher.runtime.checkpoint_io import CheckpointError
 from pipefisher.runtime.saved_weights import read_saved_weights
+from pipefisher.runtime.sharded_checkpoint import IN_DCP
 
 __all__ = ["COLLAPSED_SPREAD", "checkpoint_layers", "cls_spread", "load_checkpoint", "load_encoder_weights",
            "warn_if_collapsed"]
@@ -79,6 +81,10 @@ def _read_state_dicts(path: Path) -> list[tuple[tuple[int, int] | None, dict[str
             match = _REPLICA.match(str(key))
             if match is None:
                 raise ConfigError(f"init.checkpoint: {path}: 'modules' key {key!r} is not '<pipe>.<stage>'")
+            if isinstance(state, Mapping) and IN_DCP in state.values():  # [Note: sharded checkpoint layout]
+                raise ConfigError(f"init.checkpoint: {path} is a worker shard of a sharded (sdp/tp) run, whose "
+                                  f"weights are in the DCP folders beside it; give its folder alone: "
+                                  f"init.checkpoint=[{path.parent}]")
             found.append(((int(match.group(1)), int(match.group(2))), _check_tensors(path, state)))
         return found
     for key in ("model", "state_dict"):

@@ -5,7 +5,9 @@ Entry point: :func:`read_saved_weights`, behind ``export.py``, ``train.py init_f
 
 * a model folder (``config.json`` + ``model.safetensors``: a run's ``final/`` or an export);
 * a checkpoint folder ``step_<n>`` (verified against its manifest; the stage shards of every
-  pipeline method, data-parallel and K-FAC runs alike, merged: one replica of each stage);
+  pipeline method, data-parallel and K-FAC runs alike, merged: one replica of each stage; for
+  ``sdp``/``tp`` runs the replica's weights are read whole from its DCP folder beside the shards,
+  [Note: sharded checkpoint layout] in ``pipefisher.runtime.sharded_checkpoint``);
 * a run folder: its ``final/`` when there is one, else its newest valid checkpoint
   (``checkpoints/step_<n>``), or a checkpoint folder holding ``step_<n>`` folders.
 """
@@ -26,6 +28,7 @@ from pipefisher.model import BertConfig, merge_stage_state_dicts
 from pipefisher.model.hf_format import WEIGHTS_FILE, is_model_folder, read_model_folder
 from pipefisher.runtime.checkpoint_io import (MANIFEST, CheckpointError, _STEP_DIR, find_latest, list_checkpoints,
                                               load_shard, verify_checkpoint)
+from pipefisher.runtime.sharded_checkpoint import IN_DCP, dcp_folder, read_whole
 from pipefisher.training import FINAL_DIR
 
 __all__ = ["FINAL_DIR", "SavedWeights", "merge_checkpoint", "read_saved_weights", "resolve_saved_weights"]
@@ -109,23 +112,46 @@ def read_saved_weights(path: str | os.PathLike) -> SavedWeights:
 
 
 def merge_checkpoint(folder: Path, manifest: dict[str, Any]) -> dict[str, Tensor]:
-    """One replica of every stage of a verified checkpoint, merged into one HF-named state dict."""
-    stages: dict[int, dict[str, Tensor]] = {}
+    """One replica of every stage of a verified checkpoint, merged into one HF-named state dict
+    (a sharded replica's weights read whole from its DCP folder)."""
+    stages: dict[int, tuple[tuple[int, int], dict[str, Any]]] = {}
     for entry in sorted(manifest["shards"], key=lambda e: e["rank"]):
         shard = load_shard(folder, entry["rank"])
         for key, state in sorted(shard.get("modules", {}).items()):
             match = _REPLICA.match(str(key))
             if match is None:
                 raise CheckpointError(f"checkpoint {folder}: stage key {key!r} is not '<pipe>.<stage>'")
-            stages.setdefault(int(match.group(2)), state)  # replicas of a stage hold equal weights
+            pipe, stage = int(match.group(1)), int(match.group(2))
+            stages.setdefault(stage, ((pipe, stage), state))  # replicas of a stage hold equal weights
     missing = sorted(set(range(max(stages, default=-1) + 1)) - set(stages))
     if not stages or missing:
         raise CheckpointError(f"checkpoint {folder}: the shards hold stages {sorted(stages)}, "
                               f"missing {missing or 'all'}")
     try:
-        return merge_stage_state_dicts([stages[s] for s in sorted(stages)])
+        return merge_stage_state_dicts([_whole_weights(folder, *stages[s]) for s in sorted(stages)])
     except ValueError as err:
         raise CheckpointError(f"checkpoint {folder}: the stages do not make one model: {err}") from None
+
+
+def _whole_weights(folder: Path, key: tuple[int, int], state: dict[str, Any]) -> dict[str, Tensor]:
+    """A stage replica's state dict with every IN_DCP placeholder replaced by the tensor its DCP folder holds."""
+    placeholders = [n for n, v in state.items() if not isinstance(v, Tensor)]
+    if not placeholders:
+        return state
+    odd = [n for n in placeholders if not (isinstance(state[n], str) and state[n] == IN_DCP)]
+    if odd:
+        raise CheckpointError(f"checkpoint {folder}: stage replica {key[0]}.{key[1]} holds {odd[0]!r} as a "
+                              f"{type(state[odd[0]]).__name__}, not a tensor")
+    source = folder / dcp_folder(key)
+    if not source.is_dir():
+        raise CheckpointError(f"checkpoint {folder}: stage replica {key[0]}.{key[1]} was sharded (sdp/tp) and its "
+                              f"weights are in {source.name}/, which is missing")
+    whole = read_whole(source, prefix="model.")
+    absent = [n for n in placeholders if f"model.{n}" not in whole]
+    if absent:
+        raise CheckpointError(f"checkpoint {folder}: {source.name}/ lacks model.{absent[0]} "
+                              f"({len(absent)} of the replica's {len(placeholders)} weights)")
+    return {n: v if isinstance(v, Tensor) else whole[f"model.{n}"] for n, v in state.items()}
 
 
 def _bert_config(config: dict[str, Any], folder: Path) -> BertConfig:

@@ -1,7 +1,8 @@
 """Checkpoints of sharded stage replicas (``sdp`` > 1, ``tp`` > 1) with ``torch.distributed.checkpoint``.
 
-Entry points: :func:`checkpoint_groups` (which processes write a stage replica together) and
-:class:`ShardedCheckpointer` (split a worker's state, write and read its DCP folders).
+Entry points: :func:`checkpoint_groups` (which processes write a stage replica together),
+:class:`ShardedCheckpointer` (split a worker's state, write and read its DCP folders) and
+:func:`read_whole` (one DCP folder's tensors whole, in one process: export, ``init_from``, fine-tuning).
 
 [Note: sharded checkpoint layout]
 A sharded worker's parameters and optimizer moments are DTensors (FSDP2's shards, tensor-parallel
@@ -30,6 +31,12 @@ DCP's own metadata classes and a few torch values only (nothing unsafe is unpick
 tensors are read with ``weights_only=True`` by DCP itself. Only tensors go into DCP (non-tensor
 values would be read back with ``weights_only=False``).
 
+Outside a run (``export.py``, ``train.py init_from=``, ``finetune.py init.checkpoint=``),
+:func:`read_whole` reads a folder's tensors whole in one process without a process group: templates
+of the full sizes DCP's metadata records, loaded with ``no_dist=True`` (DCP assembles the pieces by
+their global offsets, whichever sdp/tp layout wrote them); ``runtime.saved_weights`` puts them where
+the ``.pt`` shards hold IN_DCP (issue 38).
+
 Why not ``get_optimizer_state_dict``: one optimizer here spans every stage replica of a worker
 (Chimera's two, each sharded over its own group), while DCP's helpers map an optimizer onto one
 module, and on a fresh optimizer they initialize its state by a step with zero gradients, which
@@ -45,6 +52,7 @@ import logging
 import os
 import pickle
 import shutil
+import warnings
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -53,7 +61,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import Tensor, nn
-from torch.distributed.checkpoint.metadata import StorageMeta
+from torch.distributed.checkpoint.metadata import StorageMeta, TensorStorageMetadata
 from torch.distributed.device_mesh import DeviceMesh
 
 from pipefisher.atomic import fsync_path
@@ -61,7 +69,7 @@ from pipefisher.runtime.checkpoint_io import CheckpointError, ShardInfo, file_in
 from pipefisher.runtime.kfac_work import StageKey
 from pipefisher.runtime.state import module_key
 
-__all__ = ["IN_DCP", "ShardedCheckpointer", "checkpoint_groups", "dcp_folder"]
+__all__ = ["IN_DCP", "ShardedCheckpointer", "checkpoint_groups", "dcp_folder", "read_whole"]
 
 log = logging.getLogger("pipefisher.runtime.checkpoint")
 
@@ -122,6 +130,30 @@ class _SafeReader(dcp.FileSystemReader):
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id
         return metadata
+
+
+def read_whole(folder: Path, prefix: str = "") -> dict[str, Tensor]:
+    """The tensors of one DCP folder whose keys start with ``prefix``, each whole (its pieces from
+    every process that wrote it put together), on the CPU; no process group is needed or used.
+
+    Raises:
+        CheckpointError: the folder's metadata is missing or unreadable, or it holds no such tensor.
+    """
+    try:
+        metadata = _SafeReader(folder).read_metadata()
+    except FileNotFoundError:
+        raise CheckpointError(f"{folder}: no DCP metadata (.metadata)") from None
+    entries = {k: m for k, m in metadata.state_dict_metadata.items() if k.startswith(prefix)}
+    if not entries:
+        raise CheckpointError(f"{folder}: holds no {prefix}* tensors (keys {sorted(metadata.state_dict_metadata)[:4]})")
+    odd = sorted(k for k, m in entries.items() if not isinstance(m, TensorStorageMetadata))
+    if odd:  # this project writes tensors only ([Note: sharded checkpoint layout])
+        raise CheckpointError(f"{folder}: {odd[0]} is not a tensor; not a checkpoint this project wrote")
+    whole = {k: torch.empty(m.size, dtype=m.properties.dtype) for k, m in entries.items()}
+    with warnings.catch_warnings():  # DCP warns that it loads in one process even when asked to (no_dist)
+        warnings.filterwarnings("ignore", message=r"torch\.distributed is disabled, unavailable or uninitialized")
+        dcp.load(whole, storage_reader=_SafeReader(folder), no_dist=True)  # in place, by global offsets
+    return whole
 
 
 class ShardedCheckpointer:
