@@ -31,7 +31,8 @@ from pipefisher.planning.staleness import load_staleness_curve
 from pipefisher.planning.comm_costs import CommCosts
 from pipefisher.planning.strategy_file import refusal as strategy_refusal
 from pipefisher.planning.strategy_file import strategy_document, write_strategy
-from pipefisher.planning.strategy_search import Strategy, format_strategies, search_strategies
+from pipefisher.planning.pipefisher_plan import PlanOptions
+from pipefisher.planning.strategy_search import Strategy, format_strategies, search_strategies, strategy_plan
 from pipefisher.profiling import OVERSUBSCRIBED_NOTE, Profile, plot_timeline, read_profile
 from pipefisher.run_folder import clean_up_failed_run
 from pipefisher.schedules import GENERATORS
@@ -386,7 +387,7 @@ def run_whatif(cfg: ScheduleConfig, out_dir: str | Path) -> str:
                               optimizers=s.optimizers, recompute=s.recompute, sdp_degrees=s.sdp, tp_degrees=s.tp,
                               num_virtual=s.num_virtual, seq_len=cfg.data.seq_len,
                               max_predictions=cfg.data.max_predictions, precision=cfg.precision,
-                              max_interval=cfg.max_interval, split_backward_ratio=s.split_backward_ratio,
+                              plan_options=PlanOptions.from_optimizer(cfg), split_backward_ratio=s.split_backward_ratio,
                               refusal=refused)
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "whatif.json").write_text(json.dumps([asdict(c) for c in found], indent=1) + "\n")
@@ -397,9 +398,19 @@ def run_whatif(cfg: ScheduleConfig, out_dir: str | Path) -> str:
     text = header + "\n" + format_strategies(found, cfg.search.top)
     best = next((c for c in found if c.excluded is None), None)
     if best is not None:
+        plan = None
+        if best.optimizer == "pipefisher":  # the plan train.py will run: every data-parallel group's
+            plan = strategy_plan(best, _bert(cfg), hardware=hardware, comm=comm, seq_len=cfg.data.seq_len,
+                                 max_predictions=cfg.data.max_predictions, precision=cfg.precision,
+                                 plan_options=PlanOptions.from_optimizer(cfg),
+                                 split_backward_ratio=s.split_backward_ratio, dp_width=None)
+            if plan.k != best.interval:
+                log.warning("PipeFisher's plan of %s over all %d data-parallel groups refreshes every %d steps, the "
+                            "one group the search simulated every %d; the file carries the former", best.label,
+                            best.dp * best.sdp, plan.k, best.interval)
         doc = strategy_document(best, cfg.model, cfg.data, cfg.precision, search={
             "devices": cfg.devices, "memory_gb": cfg.memory_gb, "comm_costs": cfg.comm_costs,
-            "flops_per_s": (comm.hardware_for(best.micro_batch_size) if comm else hardware).flops_per_s})
+            "flops_per_s": (comm.hardware_for(best.micro_batch_size) if comm else hardware).flops_per_s}, plan=plan)
         path = write_strategy(out_dir / "strategy.json", doc)
         text += f"\nwrote whatif.json and strategy.json in {out_dir}; run the best: python train.py strategy={path}"
     else:

@@ -32,7 +32,7 @@ class WhatIfConfig:
     methods: list[str] = field(default_factory=lambda: ["gpipe", "1f1b", "chimera", "chimera-doubling", "interleaved",
                                                         "zb-h1", "zb-v", "dualpipev", "v-half", "v-min"])  # schedules (chimera-doubling: pipeline.chimera_stacking=doubling)
     micro_batch_sizes: list[int] = field(default_factory=lambda: [4, 8, 16, 32])  # sequences per micro-batch
-    optimizers: list[str] = field(default_factory=lambda: ["nvlamb", "kfac", "pipefisher"])  # optimizers to compare
+    optimizers: list[str] = field(default_factory=lambda: ["nvlamb", "adamw", "muon", "kfac", "pipefisher"])  # optimizers to compare (AdamW and Muon: planning.optimizer_costs)
     recompute: list[bool] = field(default_factory=lambda: [False, True])  # recomputation settings to try
     sdp: list[int] = field(default_factory=lambda: [1, 2, 4, 8])  # sharded data parallel (FSDP2) degrees to try
     tp: list[int] = field(default_factory=lambda: [1, 2, 4, 8])  # tensor parallel degrees to try (tp must divide the heads)
