@@ -79,6 +79,7 @@ from dataclasses import dataclass, fields, replace
 from pipefisher.config import V_METHODS, TrainConfig
 from pipefisher.model.config import BertConfig
 from pipefisher.model.partition import layer_costs
+from pipefisher.planning.calibration import Calibration
 from pipefisher.planning.comm_costs import CommCosts
 from pipefisher.planning.costs import Hardware, RunShape, estimate_run_costs, stage_parameters
 from pipefisher.planning.memory import (estimate_memory, heads_backward_bytes, saved_heads_bytes, tied_parameters,
@@ -87,6 +88,7 @@ from pipefisher.planning.optimizer_costs import (ELEMENTWISE_OPTIMIZERS, muon_ma
                                                  optimizer_step_seconds)
 from pipefisher.planning.pipefisher_plan import PipeFisherPlan, PlanOptions, pipefisher_defaults, plan_for
 from pipefisher.planning.predict import predict_assignment, predict_schedule
+from pipefisher.planning.time_to_target import rank_by_time_to_target, time_lines
 from pipefisher.planning.whatif import METHODS, OPTIMIZERS, SPLIT_BACKWARD_RATIO, SPLIT_METHODS, split_backward_costs
 from pipefisher.planning.whatif import Progress, ranking_lines
 from pipefisher.planning.whatif import shape_problem as _pipeline_problem
@@ -447,8 +449,10 @@ def search_strategies(bert: BertConfig, *, devices: int, memory_gb: float, globa
                       sdp_degrees: Sequence[int] = (1, 2, 4, 8), tp_degrees: Sequence[int] = (1, 2, 4, 8),
                       num_virtual: int = 2, seq_len: int = 128, max_predictions: int = 20, precision: str = "fp32",
                       plan_options: PlanOptions | None = None, split_backward_ratio: float = SPLIT_BACKWARD_RATIO,
-                      refusal: Callable[[Strategy], str | None] | None = None) -> list[Strategy]:
-    """Rank every hybrid configuration that uses all ``devices`` by simulated samples/s.
+                      refusal: Callable[[Strategy], str | None] | None = None,
+                      calibration: Calibration | None = None, target_loss: float | None = None) -> list[Strategy]:
+    """Rank every hybrid configuration that uses all ``devices`` by predicted time to target (with a
+    calibration; ``planning.time_to_target``), else by simulated samples/s.
 
     Args:
         bert: the model.
@@ -465,9 +469,12 @@ def search_strategies(bert: BertConfig, *, devices: int, memory_gb: float, globa
         split_backward_ratio: (I+W)/B of zb-h1 and zb-v.
         refusal: why train.py would refuse a strategy (``strategy_file.refusal``: its config checks), or
             None; a refused strategy is excluded with that reason, so the ranking holds runnable ones.
+        calibration: steps to a held-out loss per optimizer (``planning.calibration``); None: throughput alone.
+        target_loss: the held-out loss; None: the calibration's hardest.
 
     Returns:
-        The feasible strategies, best first, then the excluded ones with the reason.
+        The feasible strategies, best first (each with its throughput rank and, with a calibration, its time to
+        target and that rank), then the excluded ones with the reason.
 
     Raises:
         ValueError: an unknown method or optimizer, or a non-positive size; the message names it.
@@ -519,7 +526,8 @@ def search_strategies(bert: BertConfig, *, devices: int, memory_gb: float, globa
                             ranked += r
                             excluded += x
     progress.done(len(ranked), len(excluded))
-    ranked.sort(key=lambda c: -c.samples_per_s)
+    ranked, _notes = rank_by_time_to_target(ranked, calibration, target_loss, model=bert, global_batch=global_batch,
+                                            promote=plan_options.promote_inverses)
     return ranked + excluded
 
 
@@ -614,11 +622,16 @@ def _evaluate(bert: BertConfig, base: Strategy, optimizers: Sequence[str], hardw
     return ranked, excluded
 
 
-def format_strategies(strategies: Sequence[Strategy], top: int = 20) -> str:
-    """The ranking and the exclusions as text (at most ``top`` lines of each)."""
+def format_strategies(strategies: Sequence[Strategy], top: int = 20, notes: Sequence[str] = ()) -> str:
+    """The ranking and the exclusions as text (at most ``top`` lines of each); ranked by time to target, the
+    time rank beside the throughput rank (``time_to_target.time_lines``), and ``notes`` under the table."""
     ranked = [c for c in strategies if c.excluded is None]
     excluded = [c for c in strategies if c.excluded is not None]
-    lines = ranking_lines(ranked, top, "strategy", "strategies", memory_decimals=2)
+    if any(c.time_rank is not None for c in ranked):
+        lines = time_lines(ranked, top, "strategy", "strategies")
+    else:
+        lines = ranking_lines(ranked, top, "strategy", "strategies", memory_decimals=2)
+    lines += [f"note: {n}" for n in notes]
     groups: dict[str, list[str]] = {}
     for c in excluded:
         groups.setdefault(c.excluded, []).append(c.label)
