@@ -107,5 +107,5 @@ def _duration(seconds: float) -> str:
     if seconds < 120:
         return f"{seconds:.3g} s"
     if seconds < 7200:
-        return f"{seconds / 60:.1f} min"
-    return f"{seconds / 3600:.2f} h"
+        return f"{seconds / 60:.2f} min"
+    return f"{seconds / 3600:.3g} h"
