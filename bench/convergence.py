@@ -6,6 +6,8 @@ PipeFisher, with tuned learning rates and several seeds.
     python bench/convergence.py --out DIR --continue # finished runs in DIR are kept, the rest run
     python bench/convergence.py --out DIR --report-only      # tables and figures from DIR's runs
     python bench/convergence.py --dry-run            # the data preparation and the first runs' commands
+    python bench/convergence.py --calibration-from DIR_500,DIR_1000,DIR_2000 --calibration-out cal.json
+                                                     # the planner's calibration from studies at several budgets
 
 What it does (bench/README.md §7 has the choices and the figures):
 
@@ -39,6 +41,14 @@ What it does (bench/README.md §7 has the choices and the figures):
 - Step costs (``--step-costs FILE``, JSON ``{setting: {arm: seconds}}``): a setting is a placement
   (``D=2 measured``: paired rounds of the real pipeline; ``D=8 simulated``: bench/step_costs.py).
   Time to target = steps to target × the arm's step cost in that setting.
+- Calibration (issue 37; ``--calibration-from`` / ``--calibration-out``): the budget method of Wen et al.
+  (arXiv 2509.02046). Run the study once per budget (``--out DIR_B --steps B``: each run's lr schedule ends at B,
+  each budget tunes its own lr; give ``--eval-every`` dividing every B so a run's last evaluation is at its end),
+  then read every DIR's runs: per arm and budget the final held-out loss at the lr whose seed-0 run ends lowest,
+  the speed-up over the reference = ratio of the budgets reaching the same final loss (interpolated in log
+  budget) at ``--calibration-points`` losses over the reference's range, with the range over seed pairs
+  (``convergence_analysis`` [Note: speed-up by budgets]). Writes ``planning.calibration``'s JSON, which
+  ``schedule.py whatif=true calibration=<file>`` ranks by.
 """
 
 from __future__ import annotations
@@ -48,6 +58,7 @@ import datetime
 import json
 import math
 import os
+import platform
 import re
 import shlex
 import shutil
@@ -148,6 +159,12 @@ def _parser() -> argparse.ArgumentParser:
                    help=f"the arms --measure-d2 times (of {','.join(TIMED_ARMS)}); a subset replaces the setting's "
                         "figures with the subset's, so give it another --out")
     p.add_argument("--timeout-s", type=float, default=7200.0, help="per run")
+    p.add_argument("--calibration-from", default=None, metavar="DIRS",
+                   help="comma-separated --out folders of studies at different --steps (budgets): read their runs")
+    p.add_argument("--calibration-out", type=Path, default=None, metavar="FILE",
+                   help="write the budget-method calibration of --calibration-from's runs here, then stop")
+    p.add_argument("--calibration-reference", default="nvlamb", help="the arm speed-ups are relative to")
+    p.add_argument("--calibration-points", type=int, default=5, help="held-out losses the speed-ups are read at")
     return p
 
 
@@ -518,8 +535,66 @@ def step_costs_file(out: Path, args: argparse.Namespace) -> Path | None:
     return own if own.is_file() else None
 
 
+def run_results(out: Path) -> list[dict[str, Any]]:
+    """The ``result.json`` of every run in a study folder."""
+    return [json.loads(p.read_text()) for p in sorted((out / "runs").glob("b*/*/*/result.json"))]
+
+
+def calibration_from_runs(args: argparse.Namespace, dirs: list[Path], data: Data | None) -> dict[str, Any]:
+    """The budget-method calibration document ([Note: the calibration file]) of the runs in ``dirs``."""
+    from omegaconf import OmegaConf
+
+    from pipefisher.config import ModelConfig
+    from pipefisher.planning.calibration import calibration_document
+
+    results = [r for d in dirs for r in run_results(d)]
+    batches = sorted({int(r["batch"]) for r in results})
+    if len(batches) != 1:
+        raise SystemExit(f"--calibration-from {args.calibration_from}: runs at global batches {batches}; one batch "
+                         f"per calibration (give the folders of one batch)")
+    finals = ca.budget_finals(results)
+    ref = args.calibration_reference
+    if ref not in finals or len(finals[ref]) < 2:
+        raise SystemExit(f"--calibration-reference {ref}: finished runs at {sorted(finals.get(ref, {}))} budget(s); "
+                         f"the budget method needs two or more (study folders at other --steps)")
+    keys = ca.calibration_optimizer(ref)
+    if keys is None or "k" in keys:
+        raise SystemExit(f"--calibration-reference {ref}: give nvlamb, adamw or muon")
+    losses = ca.budget_losses(finals[ref], args.calibration_points)
+    speedups = ca.budget_speedups(finals, ref, losses)
+    raw = OmegaConf.load(h.REPO / "pipefisher" / "conf" / "model" / f"{args.model}.yaml")
+    raw.pop("defaults", None)
+    model = OmegaConf.merge(OmegaConf.structured(ModelConfig), raw)
+    seeds = sorted({int(r["seed"]) for r in results if r["arm"] == ref})
+    return calibration_document(
+        method="budget",
+        model={"name": str(model.name), "num_layers": int(model.num_layers), "hidden_size": int(model.hidden_size),
+               "num_heads": int(model.num_heads), "vocab_size": data.vocab if data is not None else int(model.vocab_size)},
+        batch={"global_batch": batches[0], "seq_len": args.seq_len, "max_predictions": args.max_predictions},
+        data={"train": str(data.train) if data else "synthetic", "heldout": str(data.heldout) if data else "synthetic"},
+        seeds=seeds, hardware=f"{platform.platform()}, {os.cpu_count()} cores (steps do not depend on it)",
+        reference=keys["optimizer"], budgets=sorted({b for arm in finals.values() for b in arm}),
+        reference_steps=ca.reference_steps(finals[ref], losses), optimizers=ca.calibration_entries(speedups, ref),
+        provenance=f"python bench/convergence.py --calibration-from {args.calibration_from}: {len(results)} runs; per "
+                   f"arm and budget the lr whose seed-0 run ends lowest, every seed of it; speed-up = ratio of "
+                   f"budgets reaching the same final held-out loss (log-budget interpolation), interval over seed "
+                   f"pairs (bench/convergence_analysis.py [Note: speed-up by budgets])",
+        limits=f"one model ({args.model}), one global batch ({batches[0]}), one held-out text; losses "
+               f"{losses[0]:.3f} .. {losses[-1]:.3f} only (no extrapolation); PipeFisher entries are the K-FAC "
+               f"stand-in arms at their k (kfac-kK-deferred / -ready)" if losses else "no loss in range")
+
+
 def main() -> None:
     args = parse_args()
+    if args.calibration_out is not None:
+        if not args.calibration_from:
+            raise SystemExit("--calibration-out needs --calibration-from DIR,DIR,... (studies at several --steps)")
+        from pipefisher.planning.calibration import write_calibration
+
+        dirs = [Path(d) for d in args.calibration_from.split(",") if d]
+        path = write_calibration(args.calibration_out, calibration_from_runs(args, dirs, prepare(args)))
+        print(f"wrote {path}")
+        return
     spec = study_spec(args)
     out = (args.out or h.REPO / "bench" / "results" / "convergence"
            / datetime.datetime.now().strftime("%Y-%m-%d_%H-%M-%S")).resolve()

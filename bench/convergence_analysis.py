@@ -565,3 +565,156 @@ def chosen_run(picks: Picks, batch: int, arm: str, seed: int) -> Run | None:
     if lr is None or (fam == "kfac" and damping is None):
         return None
     return Run(batch, arm, lr, seed, damping)
+
+
+# --- the budget method (issue 37 item 1; Wen et al., arXiv 2509.02046) -------------------------
+#
+# [Note: speed-up by budgets]
+# Each run has its own lr schedule ending at its budget (train.py's ``steps``), and its lr is tuned per
+# budget; what a run yields is its final held-out loss. Per arm, final loss against budget is a curve
+# L(B). The budget an arm needs for a loss L is B(L), the first crossing of L along increasing B,
+# interpolated linearly in log B between the two budgets around it (no extrapolation past the smallest
+# or largest budget). The speed-up at L is B_ref(L) / B_arm(L): > 1 when the arm needs fewer steps.
+# Unlike steps to a target inside one fixed schedule, no arm is read mid-schedule, so the ratio does
+# not depend on where the target sits in anyone's schedule. The value is from the seed-mean curves;
+# the interval is the range over (reference seed, arm seed) pairs of the per-seed curves' ratio.
+
+
+def budget_to_reach(points: Sequence[tuple[float, float]], loss: float) -> float | None:
+    """The budget whose run ends at held-out ``loss`` ([Note: speed-up by budgets]).
+
+    Args:
+        points: (budget in steps, final held-out loss) of runs each ending its schedule at its budget.
+        loss: the held-out loss.
+
+    Returns:
+        The first crossing of ``loss`` along increasing budget, interpolated in log budget; None when no
+        budget reaches it, or the smallest budget already ends below it (it would need extrapolation).
+    """
+    pts = sorted((float(b), float(v)) for b, v in points if math.isfinite(v))
+    if not pts or pts[0][1] < loss:
+        return None
+    if pts[0][1] == loss:
+        return pts[0][0]
+    for (b0, l0), (b1, l1) in zip(pts, pts[1:]):
+        if l0 >= loss >= l1:
+            if loss == l1:
+                return b1
+            f = (l0 - loss) / (l0 - l1)
+            return math.exp(math.log(b0) + f * (math.log(b1) - math.log(b0)))
+    return None
+
+
+def _mean_curve(finals: Mapping[int, Sequence[float]]) -> list[tuple[float, float]]:
+    return [(b, statistics.fmean(v)) for b, v in sorted(finals.items()) if v and all(math.isfinite(x) for x in v)]
+
+
+def _seed_curves(finals: Mapping[int, Sequence[float]]) -> list[list[tuple[float, float]]]:
+    seeds = min((len(v) for v in finals.values()), default=0)
+    return [[(b, v[s]) for b, v in sorted(finals.items())] for s in range(seeds)]
+
+
+def budget_losses(finals: Mapping[int, Sequence[float]], count: int = 5) -> list[float]:
+    """``count`` held-out losses, evenly spaced from the reference's seed-mean final loss at its smallest
+    budget down to that at its largest (highest first): the range a budget sweep speaks for."""
+    curve = _mean_curve(finals)
+    if len(curve) < 2 or count < 1:
+        return []
+    hi, lo = curve[0][1], min(v for _, v in curve)
+    if count == 1:
+        return [lo]
+    return [hi - (hi - lo) * i / (count - 1) for i in range(count)]
+
+
+def budget_speedups(finals: Mapping[str, Mapping[int, Sequence[float]]], reference: str,
+                    losses: Sequence[float]) -> dict[str, list[dict[str, float]]]:
+    """Speed-up of every arm over ``reference`` at each of ``losses`` ([Note: speed-up by budgets]).
+
+    Args:
+        finals: arm -> budget -> final held-out loss per seed (seed order; the same seeds at every budget).
+        reference: the arm the speed-ups are relative to (in ``finals``).
+        losses: held-out losses (e.g. :func:`budget_losses` of the reference).
+
+    Returns:
+        arm (the reference too, at 1) -> [{"loss", "value", "low", "high", "pairs"}] at the losses both the
+        arm's and the reference's seed-mean curves reach without extrapolation, highest loss first; ``low`` /
+        ``high`` the range over seed pairs whose curves both reach the loss (``pairs`` of them; the value kept
+        inside the range).
+    """
+    if reference not in finals:
+        raise ValueError(f"reference {reference!r} has no runs; the arms with runs are {sorted(finals)}")
+    ref_mean, ref_seeds = _mean_curve(finals[reference]), _seed_curves(finals[reference])
+    out: dict[str, list[dict[str, float]]] = {}
+    for arm, runs in finals.items():
+        mean, seeds = _mean_curve(runs), _seed_curves(runs)
+        points = []
+        for loss in sorted(losses, reverse=True):
+            b_ref, b_arm = budget_to_reach(ref_mean, loss), budget_to_reach(mean, loss)
+            if b_ref is None or b_arm is None:
+                continue
+            value = b_ref / b_arm
+            pairs = [r / a for r, a in ((budget_to_reach(rs, loss), budget_to_reach(s, loss))
+                                        for rs in ref_seeds for s in seeds) if r is not None and a is not None]
+            low, high = (min(pairs), max(pairs)) if pairs else (value, value)
+            points.append({"loss": loss, "value": value, "low": min(low, value), "high": max(high, value),
+                           "pairs": len(pairs)})
+        if points:
+            out[arm] = points
+    return out
+
+
+def budget_finals(results: Sequence[Mapping[str, Any]]) -> dict[str, dict[int, list[float]]]:
+    """arm -> budget -> final held-out loss per seed, at each (arm, budget)'s tuned lr: the (lr, damping) whose
+    seed-0 run ends lowest (Wen et al. tune the lr per budget; the study's grids run at seed 0), then every seed
+    of it in seed order. ``results``: the runs' ``result.json`` (``arm``, ``lr``, ``damping``, ``seed``,
+    ``steps`` = the budget, ``final``, ``status``); runs that did not finish are left out."""
+    groups: dict[tuple[str, int], dict[tuple[float, float | None], dict[int, float]]] = {}
+    for r in results:
+        if r.get("status") != "ok":
+            continue
+        key = (r["arm"], int(r["steps"]))
+        groups.setdefault(key, {}).setdefault((r["lr"], r.get("damping")), {})[int(r["seed"])] = float(r["final"])
+    out: dict[str, dict[int, list[float]]] = {}
+    for (arm, budget), by_lr in groups.items():
+        tuned = [s for s in by_lr.values() if 0 in s]
+        if not tuned:
+            continue
+        best = min(tuned, key=lambda s: (s[0], statistics.fmean(s.values())))
+        out.setdefault(arm, {})[budget] = [best[s] for s in sorted(best)]
+    return out
+
+
+def calibration_optimizer(arm: str) -> dict[str, Any] | None:
+    """The calibration entry keys an arm stands for (``planning.calibration``), None for arms the search has
+    no candidate for: nvlamb, adamw, muon; ``kfac-kK`` K-FAC refreshing every K steps on the critical path;
+    ``kfac-kK-deferred`` / ``-ready`` PipeFisher's numerics at k = K (inverses at cycle end / when ready)."""
+    if arm in ("nvlamb", "adamw", "muon"):
+        return {"optimizer": arm}
+    parsed = kfac_arm(arm) if arm.startswith("kfac-") else None
+    if parsed is None or parsed[0] != parsed[1]:
+        return None
+    k, _, mode = parsed
+    if mode == "fresh":
+        return {"optimizer": "kfac", "k": k}
+    return {"optimizer": "pipefisher", "k": k, "promote_inverses": PROMOTE_OF_MODE[mode]}
+
+
+def calibration_entries(speedups: Mapping[str, Sequence[Mapping[str, float]]], reference: str) -> list[dict[str, Any]]:
+    """The calibration file's ``optimizers`` from :func:`budget_speedups` (the reference and arms without an
+    entry left out; ``arm`` kept for the record)."""
+    out = []
+    for arm, points in sorted(speedups.items()):
+        keys = calibration_optimizer(arm)
+        if arm == reference or keys is None:
+            continue
+        out.append({**keys, "arm": arm, "speedup": [{k: (round(p[k], 5) if k != "pairs" else int(p[k]))
+                                                      for k in ("loss", "value", "low", "high", "pairs")}
+                                                     for p in points]})
+    return out
+
+
+def reference_steps(finals: Mapping[int, Sequence[float]], losses: Sequence[float]) -> list[tuple[float, float]]:
+    """(loss, budget) of the reference's seed-mean curve at each of ``losses`` it reaches (the calibration's
+    ``reference_steps``)."""
+    curve = _mean_curve(finals)
+    return [(loss, b) for loss in losses if (b := budget_to_reach(curve, loss)) is not None]

@@ -118,10 +118,11 @@ def _program() -> str:
 
 
 def _check_schedule_file(cfg: TrainConfig) -> None:
-    """Read ``optimizer.schedule`` (an assignment.json of schedule.py) before any worker starts."""
+    """Read ``optimizer.schedule`` (an assignment.json of schedule.py, or a strategy file's plan) before any
+    worker starts."""
     if cfg.optimizer.name in KFAC_OPTIMIZERS and cfg.optimizer.schedule:
         from pipefisher.config import ConfigError
-        from pipefisher.schedules.kfac import assignment_from_json  # no torch
+        from pipefisher.schedules.kfac import assignment_from_json  # no torch; a strategy file's plan too
 
         try:
             assignment_from_json(cfg.optimizer.schedule)

@@ -31,7 +31,10 @@ from pipefisher.planning.staleness import load_staleness_curve
 from pipefisher.planning.comm_costs import CommCosts
 from pipefisher.planning.strategy_file import refusal as strategy_refusal
 from pipefisher.planning.strategy_file import strategy_document, write_strategy
-from pipefisher.planning.strategy_search import Strategy, format_strategies, search_strategies
+from pipefisher.planning.calibration import read_calibration
+from pipefisher.planning.pipefisher_plan import PlanOptions
+from pipefisher.planning.time_to_target import rank_by_time_to_target
+from pipefisher.planning.strategy_search import Strategy, format_strategies, search_strategies, strategy_plan
 from pipefisher.profiling import OVERSUBSCRIBED_NOTE, Profile, plot_timeline, read_profile
 from pipefisher.run_folder import clean_up_failed_run
 from pipefisher.schedules import GENERATORS
@@ -381,25 +384,39 @@ def run_whatif(cfg: ScheduleConfig, out_dir: str | Path) -> str:
     def refused(candidate: Strategy) -> str | None:
         return strategy_refusal(candidate, cfg.model, cfg.data, cfg.precision)
 
+    calibration = read_calibration(cfg.calibration) if cfg.calibration else None
+
     found = search_strategies(_bert(cfg), devices=cfg.devices, memory_gb=cfg.memory_gb, global_batch=cfg.global_batch,
                               hardware=hardware, comm=comm, methods=s.methods, micro_batch_sizes=s.micro_batch_sizes,
                               optimizers=s.optimizers, recompute=s.recompute, sdp_degrees=s.sdp, tp_degrees=s.tp,
                               num_virtual=s.num_virtual, seq_len=cfg.data.seq_len,
                               max_predictions=cfg.data.max_predictions, precision=cfg.precision,
-                              max_interval=cfg.max_interval, split_backward_ratio=s.split_backward_ratio,
-                              refusal=refused)
+                              plan_options=PlanOptions.from_optimizer(cfg), split_backward_ratio=s.split_backward_ratio,
+                              refusal=refused, calibration=calibration, target_loss=cfg.target_loss)
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "whatif.json").write_text(json.dumps([asdict(c) for c in found], indent=1) + "\n")
     costs = (comm or CommCosts({}, hardware)).describe()
     header = (f"what-if: {cfg.model.name} on {cfg.devices} devices × {cfg.memory_gb:g} GB, global batch "
               f"{cfg.global_batch}, {cfg.data.seq_len} tokens; predicted by simulation from FLOP estimates "
               f"(flops_per_s={cfg.flops_per_s:g} unless measured below); {costs}; memory excludes framework overhead")
-    text = header + "\n" + format_strategies(found, cfg.search.top)
+    _, notes = rank_by_time_to_target([c for c in found if c.excluded is None], calibration, cfg.target_loss,
+                                      model=cfg.model, global_batch=cfg.global_batch, promote=cfg.promote_inverses)
+    text = header + "\n" + format_strategies(found, cfg.search.top, notes)
     best = next((c for c in found if c.excluded is None), None)
     if best is not None:
+        plan = None
+        if best.optimizer == "pipefisher":  # the plan train.py will run: every data-parallel group's
+            plan = strategy_plan(best, _bert(cfg), hardware=hardware, comm=comm, seq_len=cfg.data.seq_len,
+                                 max_predictions=cfg.data.max_predictions, precision=cfg.precision,
+                                 plan_options=PlanOptions.from_optimizer(cfg),
+                                 split_backward_ratio=s.split_backward_ratio, dp_width=None)
+            if plan.k != best.interval:
+                log.warning("PipeFisher's plan of %s over all %d data-parallel groups refreshes every %d steps, the "
+                            "one group the search simulated every %d; the file carries the former", best.label,
+                            best.dp * best.sdp, plan.k, best.interval)
         doc = strategy_document(best, cfg.model, cfg.data, cfg.precision, search={
             "devices": cfg.devices, "memory_gb": cfg.memory_gb, "comm_costs": cfg.comm_costs,
-            "flops_per_s": (comm.hardware_for(best.micro_batch_size) if comm else hardware).flops_per_s})
+            "flops_per_s": (comm.hardware_for(best.micro_batch_size) if comm else hardware).flops_per_s}, plan=plan)
         path = write_strategy(out_dir / "strategy.json", doc)
         text += f"\nwrote whatif.json and strategy.json in {out_dir}; run the best: python train.py strategy={path}"
     else:

@@ -18,6 +18,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.nodes import AnyNode, BooleanNode, FloatNode, IntegerNode, StringNode
 
 from pipefisher.config import ConfigError, DataConfig, ModelConfig, PipelineConfig, register_configs
+from pipefisher.planning.calibration import read_calibration
 from pipefisher.profiling.range_names import RangeNames
 from pipefisher.planning.staleness import load_staleness_curve
 
@@ -32,7 +33,7 @@ class WhatIfConfig:
     methods: list[str] = field(default_factory=lambda: ["gpipe", "1f1b", "chimera", "chimera-doubling", "interleaved",
                                                         "zb-h1", "zb-v", "dualpipev", "v-half", "v-min"])  # schedules (chimera-doubling: pipeline.chimera_stacking=doubling)
     micro_batch_sizes: list[int] = field(default_factory=lambda: [4, 8, 16, 32])  # sequences per micro-batch
-    optimizers: list[str] = field(default_factory=lambda: ["nvlamb", "kfac", "pipefisher"])  # optimizers to compare
+    optimizers: list[str] = field(default_factory=lambda: ["nvlamb", "adamw", "muon", "kfac", "pipefisher"])  # optimizers to compare (AdamW and Muon: planning.optimizer_costs)
     recompute: list[bool] = field(default_factory=lambda: [False, True])  # recomputation settings to try
     sdp: list[int] = field(default_factory=lambda: [1, 2, 4, 8])  # sharded data parallel (FSDP2) degrees to try
     tp: list[int] = field(default_factory=lambda: [1, 2, 4, 8])  # tensor parallel degrees to try (tp must divide the heads)
@@ -77,6 +78,8 @@ class ScheduleConfig:
     global_batch: int = 256  # whatif: sequences per optimizer step
     comm_costs: Optional[str] = None  # whatif: collectives.json of `python -m pipefisher.measure.collectives` (measured communication, and compute rates when it has them); None = the ring model at the *_bytes_per_s keys
     search: WhatIfConfig = field(default_factory=WhatIfConfig)  # whatif: the search space
+    calibration: Optional[str] = None  # whatif: convergence calibration JSON (steps to a held-out loss per optimizer, planning.calibration; bench/convergence.py --calibration-out writes one): rank by time to target = steps x predicted step; None = by throughput
+    target_loss: Optional[float] = None  # whatif: the held-out loss of the time to target; None = the calibration's hardest (lowest) loss
 
     def __post_init__(self) -> None:
         for name in ("stages", "data_parallel", "micro_batch_size", "num_micro_batches", "max_interval",
@@ -111,6 +114,15 @@ class ScheduleConfig:
                 raise ConfigError(f"staleness_curve={self.staleness_curve!r}: measured with promote_inverses="
                                   f"{curve.promote_inverses}; set promote_inverses={curve.promote_inverses} or measure "
                                   f"a curve for {self.promote_inverses}")
+        if self.target_loss is not None and self.calibration is None:
+            raise ConfigError(f"target_loss={self.target_loss!r} has no steps to price without calibration=<file>; "
+                              f"give one (bench/convergence.py --calibration-out writes it), or drop target_loss")
+        if self.calibration is not None:
+            cal = read_calibration(self.calibration)
+            if self.target_loss is not None and cal.reference_steps(self.target_loss) is None:
+                lo, hi = cal.loss_range
+                raise ConfigError(f"target_loss={self.target_loss!r}: calibration={self.calibration} covers held-out "
+                                  f"losses {lo:g} .. {hi:g}; give a target inside them")
         if str(self.gpu).lower() not in ("auto", "true", "false"):
             raise ConfigError(f"gpu={self.gpu!r}: choose auto (kernel time when the profile has CUDA kernels), "
                               f"true or false")

@@ -22,11 +22,17 @@ checks accept a candidate), :func:`report_strategy_run` (the prediction beside w
                            with the degrees; checkpoint may differ (train.py's recompute_stages, issue 27),
                            and is true in every stage where the top-level checkpoint is
     predicted              {"step_time_s", "samples_per_s", "peak_memory_bytes",
-                           "peak_memory_per_worker_bytes", "memory_model"} (what the search predicted)
+                           "peak_memory_per_worker_bytes", "memory_model"} (what the search predicted;
+                           with a calibration also "steps_multiplier", "time_to_target_s")
+    pipefisher             optimizer pipefisher only: {"k", "curvature_age_bound", "ages" (per model stage),
+                           "options" (the planner's keys, train.py's optimizer.* names), "describe",
+                           "assignment" (the plan, schedules.kfac's assignment JSON, for every data-parallel
+                           group)}: train.py runs this plan (optimizer.schedule=<this file>) with these options
     search                 how it was found (devices, budget, cost sources), for the record
 
-``train.py strategy=<file>`` sets the keys the file implies (:func:`strategy_overrides`) before the
-config is validated; a key also given on the command line with another value is refused in one line
+``train.py strategy=<file>`` sets the keys the file implies (:func:`strategy_overrides`; for PipeFisher its
+planner options and ``optimizer.schedule`` = the file, so the searched plan runs as written and is logged) before
+the config is validated; a key also given on the command line with another value is refused in one line
 naming both, as is a file train.py cannot run (a per-stage choice that differs, tp without a ``tp``
 key, a damaged field). After the run, :func:`report_strategy_run` logs the predicted step time and
 peak memory beside the measured ones and writes ``strategy_report.json`` in the run folder.
@@ -43,9 +49,11 @@ from pathlib import Path
 from typing import Any
 
 from pipefisher.atomic import write_text_atomic
-from pipefisher.config import (PIPELINE_METHODS, ConfigError, DataConfig, ModelConfig, OptimizerConfig, PipelineConfig,
+from pipefisher.config import (PIPELINE_METHODS, ConfigError, schedule_method, DataConfig, ModelConfig, OptimizerConfig, PipelineConfig,
                                TrainConfig)
+from pipefisher.planning.pipefisher_plan import PipeFisherPlan, PlanOptions
 from pipefisher.planning.strategy_search import Strategy, model_stages, tp_available
+from pipefisher.schedules.kfac import assignment_from_dict, assignment_to_dict, curvature_age_bound
 
 __all__ = ["STRATEGY_FORMAT", "apply_strategy", "read_strategy", "refusal", "report_strategy_run",
            "strategy_document", "strategy_overrides", "write_strategy"]
@@ -64,10 +72,17 @@ def _pipeline_keys(method: str) -> dict[str, Any]:
 
 
 def strategy_document(s: Strategy, model: ModelConfig, data: DataConfig, precision: str = "fp32",
-                      search: Mapping[str, Any] | None = None) -> dict[str, Any]:
-    """The JSON document of a ranked strategy ([Note: the strategy file])."""
+                      search: Mapping[str, Any] | None = None, plan: PipeFisherPlan | None = None) -> dict[str, Any]:
+    """The JSON document of a ranked strategy ([Note: the strategy file]).
+
+    ``plan``: PipeFisher's plan of ``s`` for every data-parallel group (``strategy_search.strategy_plan`` with
+    ``dp_width=None``); required for optimizer pipefisher, refused for the others.
+    """
     if s.excluded is not None or s.step_time_s is None:
         raise ValueError(f"{s.label}: an excluded strategy ({s.excluded}) is no strategy to run")
+    if (plan is None) != (s.optimizer != "pipefisher"):
+        raise ValueError(f"{s.label}: a strategy file carries PipeFisher's plan for optimizer pipefisher, and only "
+                         f"there (plan given: {plan is not None})")
     pipeline = {**_pipeline_keys(s.method), "num_virtual": s.num_virtual}
     per_worker = [round(gb * 1e9) for gb in s.memory_per_worker_gb]
     return {
@@ -84,7 +99,12 @@ def strategy_document(s: Strategy, model: ModelConfig, data: DataConfig, precisi
         "predicted": {"step_time_s": s.step_time_s, "samples_per_s": s.samples_per_s,
                       "peak_memory_bytes": max(per_worker), "peak_memory_per_worker_bytes": per_worker,
                       "memory_model": "planning.strategy_search [Note: the memory model]: model state, "
-                                      "activations and sync buffers; no framework overhead"},
+                                      "activations and sync buffers; no framework overhead",
+                      **({"steps_multiplier": s.steps_multiplier, "time_to_target_s": s.time_to_target_s}
+                         if s.steps_multiplier is not None else {})},
+        **({"pipefisher": {"k": plan.k, "curvature_age_bound": plan.age_bound, "ages": list(plan.ages),
+                           "options": plan.options.to_dict(), "describe": plan.describe(),
+                           "assignment": assignment_to_dict(plan.assignment)}} if plan is not None else {}),
         "search": dict(search or {}),
     }
 
@@ -154,10 +174,45 @@ def read_strategy(path: str | Path) -> dict[str, Any]:
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise _field(p, f"{group}.{k}", f"is {value!r}, not an integer")
     _check_per_stage(doc, p)
+    _check_pipefisher(doc, p)
     if doc["tp_deg"] > 1 and not tp_available():
         raise _field(p, "tp_deg", f"is {doc['tp_deg']}, but this version's train.py has no tensor parallel (tp); "
                      f"search again without it (search.tp=[1])")
     return doc
+
+
+def _check_pipefisher(doc: Mapping[str, Any], p: str) -> None:
+    """Optimizer pipefisher carries its plan: a checked assignment for the file's pipeline, options the planner
+    takes, and k and the age bound that plan has under them."""
+    block = doc.get("pipefisher")
+    if doc["optimizer"] != "pipefisher":
+        if block is not None:
+            raise _field(p, "pipefisher", f"is set, but optimizer is {doc['optimizer']!r}; drop it or set optimizer "
+                         f"pipefisher")
+        return
+    if not isinstance(block, dict):
+        raise _field(p, "pipefisher", "is missing: optimizer pipefisher needs its plan (k, options, assignment)")
+    try:
+        options = PlanOptions.from_dict(block.get("options") or {})
+    except (TypeError, ValueError) as exc:
+        raise _field(p, "pipefisher.options", f"is {block.get('options')!r} ({exc})") from None
+    try:
+        a = assignment_from_dict(block.get("assignment"), source=f"{p}: pipefisher.assignment")
+    except (TypeError, ValueError, AttributeError) as exc:
+        raise _field(p, "pipefisher.assignment", f"is not a plan ({str(exc).splitlines()[0][:200]})") from None
+    if block.get("k") != a.interval:
+        raise _field(p, "pipefisher.k", f"is {block.get('k')!r}, but the plan refreshes every {a.interval} steps")
+    age = curvature_age_bound(a, options.promote_inverses)
+    if block.get("curvature_age_bound") != age:
+        raise _field(p, "pipefisher.curvature_age_bound", f"is {block.get('curvature_age_bound')!r}, but the plan "
+                     f"under promote_inverses={options.promote_inverses} has {age}")
+    base = a.phases[0]
+    want = (schedule_method(doc["pipeline"]["method"], doc["pipeline"].get("chimera_stacking", "direct")),
+            doc["chunks"], doc["dp_deg"] * doc["sdp_deg"])
+    got = (base.method, base.num_micro_batches, base.dp_width)
+    if got != want:
+        raise _field(p, "pipefisher.assignment", f"is planned for (method, chunks, data-parallel) = {got}, but the "
+                     f"file's pipeline is {want}; search again to rewrite the file")
 
 
 def _num_model_stages(doc: Mapping[str, Any]) -> int:
@@ -199,8 +254,9 @@ def _recompute_keys(doc: Mapping[str, Any]) -> tuple[bool, list[int] | None]:
     return False, [i for i, flag in enumerate(flags) if flag]
 
 
-def strategy_overrides(doc: Mapping[str, Any]) -> dict[str, Any]:
-    """The train.py keys (dotted) a checked strategy file sets, and their values."""
+def strategy_overrides(doc: Mapping[str, Any], path: str | Path | None = None) -> dict[str, Any]:
+    """The train.py keys (dotted) a checked strategy file sets, and their values; for PipeFisher its planner
+    options and, with ``path`` (the file), ``optimizer.schedule``: the file's plan."""
     recompute, recompute_stages = _recompute_keys(doc)
     out: dict[str, Any] = {
         "stages": doc["pp_deg"], "data_parallel": doc["dp_deg"], "sdp": doc["sdp_deg"],
@@ -212,6 +268,10 @@ def strategy_overrides(doc: Mapping[str, Any]) -> dict[str, Any]:
     }
     if doc.get("precision"):
         out["precision"] = doc["precision"]
+    if doc["optimizer"] == "pipefisher" and doc.get("pipefisher"):
+        out.update(PlanOptions.from_dict(doc["pipefisher"]["options"]).overrides())
+        if path is not None:
+            out["optimizer.schedule"] = str(path)
     if doc["sdp_deg"] > 1:
         out["sdp_reshard_after_forward"] = False  # what the search modelled
     if tp_available():
@@ -250,21 +310,24 @@ def apply_strategy(dcfg: Any, explicit: Collection[str], path: str | None = None
     doc = read_strategy(path)
     keys = {o.lstrip("+~").split("=", 1)[0] for o in explicit}
     conflicts = []
-    for key, value in strategy_overrides(doc).items():
+    overrides = strategy_overrides(doc, path)
+    for key, value in overrides.items():
         group = key.split(".", 1)[0]
-        if key in keys or (group != key and group in keys):
+        if key in keys or (group != key and group in keys and key != "optimizer.schedule"):
             mine = _get(dcfg, key)
             if mine != value:
                 conflicts.append(f"{key}={mine} (the file has {value!r})")
     if conflicts:
         raise ConfigError(f"strategy={path}: the command line disagrees with the file: {'; '.join(conflicts)}; drop "
                           f"those keys to run the strategy as it is, or search again with them")
-    for key, value in strategy_overrides(doc).items():
+    for key, value in overrides.items():
         node = dcfg
         *parents, leaf = key.split(".")
         for part in parents:
             node = node[part]
         node[leaf] = value
+    if doc["optimizer"] == "pipefisher":
+        log.info("strategy %s: PipeFisher runs the searched plan, %s", path, doc["pipefisher"]["describe"])
     return doc
 
 

@@ -32,7 +32,9 @@ the ring model; compute from FLOPs at ``Hardware.flops_per_s``, which a measurem
                      per step, reshard_after_forward=false; charged here, where it is sequential too)
                      + all_reduce(tied holders / sdp, 4·V·H / sdp) of the tied weight (stage 0 and the
                      last stage, D > 1 or dp > 1) + all_reduce(world, 8) of the global norm
-                     + 28 bytes per local parameter at memory_bytes_per_s (NVLAMB, memory-bound)
+                     + the optimizer's own step on the most loaded worker (``planning.optimizer_costs``:
+                     NVLAMB, AdamW 28 bytes per local parameter at memory_bytes_per_s; Muon 20 on its
+                     matrices and their Newton-Schulz FLOPs; K-FAC and PipeFisher NVLAMB's plus their units)
 
     p_s: the stage's parameters on one tp rank (encoder Linear weights, their column-split biases / tp).
 
@@ -46,12 +48,13 @@ reshard_after_forward=true (an all-gather per F and per B: not searched).
 [Note: the memory model] (bytes per worker, the largest over the pipeline's workers; p the
 parameters of the stage replicas a worker holds on its tp rank)::
 
-    sdp = 1   weights 4p, gradients 4p, optimizer 12p (NVLAMB's two moments and its step's one
-              temporary per parameter): planning.memory's
+    sdp = 1   weights 4p, gradients 4p, optimizer 12p (NVLAMB's and AdamW's two moments and the step's
+              one temporary per parameter; Muon 8 on its matrices: ``planning.optimizer_costs``):
+              planning.memory's
     sdp = k   weights 4p/k sharded + 4p gathered for the step (reshard_after_forward=false), gradients
               4p accumulated unsharded over the step's micro-batches (gradient sync off until the
               stage's last backward; the 4p/k shard the reduce-scatter writes replaces them),
-              optimizer 12p/k
+              optimizer 12p/k (Muon's as above, / k)
     activations  peak in-flight micro-batches (the schedule's) × per encoder layer
               S·b·H·(10 + 24/tp + 5·A·S/(H·tp)) bytes at 16 bits, twice in fp32 (Korthikanti et al.
               2022, Table 2, tensor parallel without sequence parallel; at tp = 1 planning.memory's
@@ -76,13 +79,16 @@ from dataclasses import dataclass, fields, replace
 from pipefisher.config import V_METHODS, TrainConfig
 from pipefisher.model.config import BertConfig
 from pipefisher.model.partition import layer_costs
-from pipefisher.planning.assign import plan_pipefisher
+from pipefisher.planning.calibration import Calibration
 from pipefisher.planning.comm_costs import CommCosts
-from pipefisher.planning.costs import (STEP_BYTES_PER_PARAM, Hardware, RunShape, estimate_run_costs,
-                                       stage_parameters)
+from pipefisher.planning.costs import Hardware, RunShape, estimate_run_costs, stage_parameters
 from pipefisher.planning.memory import (estimate_memory, heads_backward_bytes, saved_heads_bytes, tied_parameters,
                                         worker_parameters)
+from pipefisher.planning.optimizer_costs import (ELEMENTWISE_OPTIMIZERS, muon_matrices, optimizer_state_bytes,
+                                                 optimizer_step_seconds)
+from pipefisher.planning.pipefisher_plan import PipeFisherPlan, PlanOptions, pipefisher_defaults, plan_for
 from pipefisher.planning.predict import predict_assignment, predict_schedule
+from pipefisher.planning.time_to_target import rank_by_time_to_target, time_lines
 from pipefisher.planning.whatif import METHODS, OPTIMIZERS, SPLIT_BACKWARD_RATIO, SPLIT_METHODS, split_backward_costs
 from pipefisher.planning.whatif import Progress, ranking_lines
 from pipefisher.planning.whatif import shape_problem as _pipeline_problem
@@ -91,7 +97,8 @@ from pipefisher.schedules.kfac import critical_path_assignment
 from pipefisher.simulate import CostModel, peak_activations
 
 __all__ = ["HybridMemory", "Strategy", "format_strategies", "hybrid_costs", "hybrid_memory_per_worker",
-           "model_stages", "recompute_order", "search_strategies", "tp_available", "tp_sharded_parameters"]
+           "model_stages", "pipeline_costs", "recompute_order", "search_strategies", "strategy_plan", "tp_available",
+           "tp_sharded_parameters"]
 
 log = logging.getLogger(__name__)
 GB = 1e9
@@ -115,6 +122,11 @@ class Strategy:
         samples_per_s, step_time_s, utilization, interval: the simulated step (interval: K-FAC's k).
         memory_gb: the most loaded worker's total; memory_per_worker_gb: every worker of a pipeline.
         excluded: why it cannot run, or None.
+        curvature_age: K-FAC and PipeFisher: the oldest curvature a step preconditions with (steps).
+        steps_multiplier, steps_low, steps_high: steps to the target relative to the calibration's reference
+            (its seed interval); None: not calibrated (``planning.time_to_target``).
+        time_to_target_s: predicted time to the target (steps x step time), or relative to the reference's
+            steps where the calibration has no absolute steps; throughput_rank, time_rank: the two ranks.
     """
 
     method: str
@@ -135,6 +147,13 @@ class Strategy:
     memory_per_worker_gb: tuple[float, ...] = ()
     excluded: str | None = None
     recompute_stages: tuple[int, ...] = ()
+    curvature_age: int | None = None
+    steps_multiplier: float | None = None
+    steps_low: float | None = None
+    steps_high: float | None = None
+    time_to_target_s: float | None = None
+    throughput_rank: int | None = None
+    time_rank: int | None = None
 
     @property
     def devices(self) -> int:
@@ -258,15 +277,16 @@ def _stage_activation_bytes(run: RunShape, tp: int, stage: int) -> float:
     return layers + (s * b * h * e if first else 0) + saved_heads_bytes(run, stage)
 
 
-def hybrid_memory_per_worker(run: RunShape, sdp: int = 1, tp: int = 1,
-                             schedule: Schedule | None = None) -> dict[int, HybridMemory]:
-    """NVLAMB's memory of every worker of one pipeline of ``run`` ([Note: the memory model]).
+def hybrid_memory_per_worker(run: RunShape, sdp: int = 1, tp: int = 1, schedule: Schedule | None = None,
+                             optimizer: str = "nvlamb") -> dict[int, HybridMemory]:
+    """The memory of every worker of one pipeline of ``run`` ([Note: the memory model]).
 
     Args:
         run: the pipeline's shape (``dp_width``: all replicas, dp × sdp).
         sdp: workers sharding each stage replica (FSDP2, reshard_after_forward=false).
         tp: tensor-parallel ranks of each stage.
         schedule: the pipeline's schedule (one data-parallel group); built from ``run`` when None.
+        optimizer: nvlamb, adamw or muon (``planning.optimizer_costs``); K-FAC's factors are planning.memory's.
 
     Returns:
         Worker rank (of the simulated pipeline) -> its estimate.
@@ -281,23 +301,30 @@ def hybrid_memory_per_worker(run: RunShape, sdp: int = 1, tp: int = 1,
         stages = _stages_of(schedule, w)
         p = worker_parameters(run, params, stages, tied_once=sdp == 1 and tp == 1)
         act = peaks[w] * max(_stage_activation_bytes(run, tp, s) for s in stages) + heads_backward_bytes(run, stages)
+        state = optimizer_state_bytes(optimizer, p, _muon_parameters(run, stages) / tp, sdp)
         if sdp == 1:
             buffers = 4.0 * sum(untied[s] for s in stages) if replicas > 1 else 0.0
-            out[w] = HybridMemory(w, 4.0 * p, 4.0 * p, 12.0 * p, act, 0.0, buffers)  # 2 moments + the step's temporary
+            out[w] = HybridMemory(w, 4.0 * p, 4.0 * p, state, act, 0.0, buffers)  # 2 moments + the step's temporary
         else:
-            out[w] = HybridMemory(w, 4.0 * p / sdp + 4.0 * p, 4.0 * p, 12.0 * p / sdp, act, 0.0, 4.0 * p)
+            out[w] = HybridMemory(w, 4.0 * p / sdp + 4.0 * p, 4.0 * p, state, act, 0.0, 4.0 * p)
     return out
+
+
+def _muon_parameters(run: RunShape, stages: Sequence[int]) -> float:
+    """Parameters of Muon's matrices (encoder Linear weights) in model ``stages``, unsplit."""
+    return float(sum(i * o for s in stages for i, o in muon_matrices(run.bert, run.encoder_layers[s])))
 
 
 # -- time ----------------------------------------------------------------------------------------
 
 
 def hybrid_costs(run: RunShape, sdp: int, tp: int, hardware: Hardware, comm: CommCosts,
-                 schedule: Schedule | None = None) -> CostModel:
+                 schedule: Schedule | None = None, optimizer: str = "nvlamb") -> CostModel:
     """The simulator's cost model of one pipeline of a hybrid candidate ([Note: the time model]).
 
     K-FAC unit costs are the FLOP estimate's (``planning.costs``; K-FAC runs only at sdp = tp = 1).
     ``schedule``: one data-parallel group's (built from ``run`` when None), for the stages per worker.
+    ``optimizer``: whose step STEP charges (nvlamb, adamw, muon; K-FAC and PipeFisher: nvlamb's).
     """
     schedule = schedule or run.build_schedule(dp_width=1)
     base = estimate_run_costs(run, hardware)
@@ -325,9 +352,12 @@ def hybrid_costs(run: RunShape, sdp: int, tp: int, hardware: Hardware, comm: Com
             sync.append(comm.seconds("all_reduce", replicas, 4.0 * untied))
     # The tied weight: holders of stage 0 or the last one (every replica's one worker at D = 1), per sdp index.
     holders = run.dp_width * (1 if d == 1 else 2) // sdp
-    local_params = max(sum(params[s] for s in _stages_of(schedule, w)) for w in schedule.actions)
-    step = (local_params / sdp * STEP_BYTES_PER_PARAM / hardware.memory_bytes_per_s
-            + comm.seconds("all_reduce", holders, 4.0 * tied / sdp)
+    element_wise = optimizer if optimizer in ELEMENTWISE_OPTIMIZERS else "nvlamb"
+    own = max(optimizer_step_seconds(element_wise, sum(params[s] for s in _stages_of(schedule, w)),
+                                     [m for s in _stages_of(schedule, w)
+                                      for m in muon_matrices(bert, run.encoder_layers[s])], hardware, comm, sdp, tp)
+              for w in schedule.actions)
+    step = (own + comm.seconds("all_reduce", holders, 4.0 * tied / sdp)
             + comm.seconds("all_reduce", run.num_workers * tp, 8.0))
     if sdp > 1:
         step += max(comm.seconds("all_gather", sdp, 4.0 * p) for p in params)
@@ -368,6 +398,32 @@ def _ns(seconds: float) -> int:
     return max(0, round(seconds * 1e9))
 
 
+def pipeline_costs(run: RunShape, hardware: Hardware, comm: CommCosts | None = None, sdp: int = 1, tp: int = 1,
+                   schedule: Schedule | None = None, split_backward_ratio: float = SPLIT_BACKWARD_RATIO,
+                   optimizer: str = "nvlamb") -> CostModel:
+    """The cost model the search prices a pipeline with and PipeFisher is planned under, by the search and by
+    train.py alike ([Note: one planning path]): :func:`hybrid_costs`, with a split backward's I and W at
+    ``split_backward_ratio`` × B on zb-h1 and the V schedules."""
+    cost = hybrid_costs(run, sdp, tp, hardware, comm if comm is not None else CommCosts({}, hardware), schedule,
+                        optimizer)
+    return split_backward_costs(cost, split_backward_ratio) if run.method in SPLIT_METHODS else cost
+
+
+def strategy_plan(s: Strategy, bert: BertConfig, *, hardware: Hardware = Hardware(), comm: CommCosts | None = None,
+                  seq_len: int = 128, max_predictions: int = 20, precision: str = "fp32",
+                  plan_options: PlanOptions | None = None, split_backward_ratio: float = SPLIT_BACKWARD_RATIO,
+                  dp_width: int | None = 1) -> PipeFisherPlan:
+    """PipeFisher's plan of strategy ``s``, as the search made it ([Note: one planning path]).
+
+    ``dp_width``: the data-parallel groups of the planned schedule: 1 (the one pipeline the search simulates),
+    or None for every group (dp · sdp: what train.py runs, and what a strategy file carries).
+    """
+    run = s.run_shape(bert, seq_len, max_predictions, precision)
+    hw = comm.hardware_for(s.micro_batch_size) if comm is not None else hardware
+    cost = pipeline_costs(run, hw, comm, s.sdp, s.tp, run.build_schedule(dp_width=1), split_backward_ratio)
+    return plan_for(run.build_schedule(dp_width=dp_width), cost, run.kfac_layers, plan_options)
+
+
 # -- the search ----------------------------------------------------------------------------------
 
 
@@ -380,7 +436,7 @@ def _shape_problem(bert: BertConfig, method: str, d: int, v: int, n: int, sdp: i
         return "tensor parallel (tp) is not in this version's train.py"
     if tp > 1 and not bert.splits_over(tp):
         return f"tp={tp} must divide the heads ({bert.num_heads}) and the FFN width"
-    if (sdp > 1 or tp > 1) and optimizer != "nvlamb":
+    if (sdp > 1 or tp > 1) and optimizer not in ELEMENTWISE_OPTIMIZERS:
         return (f"optimizer={optimizer} needs whole weights: K-FAC with sdp/tp > 1 needs sharded factors "
                 f"(not built)")
     return None
@@ -392,9 +448,11 @@ def search_strategies(bert: BertConfig, *, devices: int, memory_gb: float, globa
                       optimizers: Sequence[str] = OPTIMIZERS, recompute: Sequence[bool] = (False, True),
                       sdp_degrees: Sequence[int] = (1, 2, 4, 8), tp_degrees: Sequence[int] = (1, 2, 4, 8),
                       num_virtual: int = 2, seq_len: int = 128, max_predictions: int = 20, precision: str = "fp32",
-                      max_interval: int = 8, split_backward_ratio: float = SPLIT_BACKWARD_RATIO,
-                      refusal: Callable[[Strategy], str | None] | None = None) -> list[Strategy]:
-    """Rank every hybrid configuration that uses all ``devices`` by simulated samples/s.
+                      plan_options: PlanOptions | None = None, split_backward_ratio: float = SPLIT_BACKWARD_RATIO,
+                      refusal: Callable[[Strategy], str | None] | None = None,
+                      calibration: Calibration | None = None, target_loss: float | None = None) -> list[Strategy]:
+    """Rank every hybrid configuration that uses all ``devices`` by predicted time to target (with a
+    calibration; ``planning.time_to_target``), else by simulated samples/s.
 
     Args:
         bert: the model.
@@ -406,13 +464,17 @@ def search_strategies(bert: BertConfig, *, devices: int, memory_gb: float, globa
         methods, micro_batch_sizes, optimizers, recompute, sdp_degrees, tp_degrees: the space.
         num_virtual: model chunks per worker for interleaved.
         seq_len, max_predictions, precision: the data shape.
-        max_interval: largest PipeFisher refresh interval.
+        plan_options: PipeFisher's planner options; None: train.py's ``optimizer=pipefisher`` defaults
+            (``pipefisher_plan.pipefisher_defaults``; [Note: one planning path]).
         split_backward_ratio: (I+W)/B of zb-h1 and zb-v.
         refusal: why train.py would refuse a strategy (``strategy_file.refusal``: its config checks), or
             None; a refused strategy is excluded with that reason, so the ranking holds runnable ones.
+        calibration: steps to a held-out loss per optimizer (``planning.calibration``); None: throughput alone.
+        target_loss: the held-out loss; None: the calibration's hardest.
 
     Returns:
-        The feasible strategies, best first, then the excluded ones with the reason.
+        The feasible strategies, best first (each with its throughput rank and, with a calibration, its time to
+        target and that rank), then the excluded ones with the reason.
 
     Raises:
         ValueError: an unknown method or optimizer, or a non-positive size; the message names it.
@@ -430,6 +492,7 @@ def search_strategies(bert: BertConfig, *, devices: int, memory_gb: float, globa
         raise ValueError(f"devices={devices}, global_batch={global_batch}, memory_gb={memory_gb}: all must be positive")
     comm = replace(comm, hardware=hardware) if comm is not None else CommCosts({}, hardware)
     tp_ok = tp_available()
+    plan_options = plan_options or pipefisher_defaults()
     budget = memory_gb * GB
     ranked, excluded = [], []
     divisors = [x for x in range(1, devices + 1) if devices % x == 0]
@@ -454,7 +517,7 @@ def search_strategies(bert: BertConfig, *, devices: int, memory_gb: float, globa
 
                             def evaluate(cand: Strategy, hw: Hardware = hw) -> tuple[list[Strategy], list[Strategy]]:
                                 return _evaluate(bert, cand, optimizers, hw, comm, budget, seq_len, max_predictions,
-                                                 precision, max_interval, split_backward_ratio, tp_ok, refusal)
+                                                 precision, plan_options, split_backward_ratio, tp_ok, refusal)
 
                             r, x = evaluate(base)
                             if not rc and True in recompute and _memory_bound(x):
@@ -463,7 +526,8 @@ def search_strategies(bert: BertConfig, *, devices: int, memory_gb: float, globa
                             ranked += r
                             excluded += x
     progress.done(len(ranked), len(excluded))
-    ranked.sort(key=lambda c: -c.samples_per_s)
+    ranked, _notes = rank_by_time_to_target(ranked, calibration, target_loss, model=bert, global_batch=global_batch,
+                                            promote=plan_options.promote_inverses)
     return ranked + excluded
 
 
@@ -507,7 +571,7 @@ def _partial_recompute(base: Strategy, bert: BertConfig, seq_len: int, max_predi
 
 
 def _evaluate(bert: BertConfig, base: Strategy, optimizers: Sequence[str], hardware: Hardware, comm: CommCosts,
-              budget: float, seq_len: int, max_predictions: int, precision: str, max_interval: int,
+              budget: float, seq_len: int, max_predictions: int, precision: str, plan_options: PlanOptions,
               split_backward_ratio: float, tp_ok: bool,
               refusal: Callable[[Strategy], str | None] | None) -> tuple[list[Strategy], list[Strategy]]:
     ranked, excluded = [], []
@@ -525,18 +589,24 @@ def _evaluate(bert: BertConfig, base: Strategy, optimizers: Sequence[str], hardw
     if not todo:
         return ranked, excluded
     schedule = run.build_schedule(dp_width=1)
-    cost = hybrid_costs(run, base.sdp, base.tp, hardware, comm, schedule)
-    if run.method in SPLIT_METHODS:
-        cost = split_backward_costs(cost, split_backward_ratio)
+    cost = pipeline_costs(run, hardware, comm, base.sdp, base.tp, schedule, split_backward_ratio)
     memory = hybrid_memory_per_worker(run, base.sdp, base.tp, schedule)
     for opt in todo:
         cand = replace(base, optimizer=opt)
-        if opt == "nvlamb":
-            per_worker = tuple(m.total_gb for m in memory.values())
-            pred, _ = predict_schedule(schedule, cost)
+        age = None
+        if opt in ELEMENTWISE_OPTIMIZERS:
+            mem = memory if opt == "nvlamb" else hybrid_memory_per_worker(run, base.sdp, base.tp, schedule, opt)
+            per_worker = tuple(m.total_gb for m in mem.values())
+            own = cost if opt == "nvlamb" else pipeline_costs(run, hardware, comm, base.sdp, base.tp, schedule,
+                                                                split_backward_ratio, opt)
+            pred, _ = predict_schedule(schedule, own)
         else:  # K-FAC at sdp = tp = 1: planning.memory's model with its factors and captures
-            a = (critical_path_assignment(schedule, run.kfac_layers, 1) if opt == "kfac"
-                 else plan_pipefisher(schedule, cost, run.kfac_layers, max_interval=max_interval))
+            if opt == "kfac":
+                a = critical_path_assignment(schedule, run.kfac_layers, 1)
+                age = 0
+            else:
+                plan = plan_for(schedule, cost, run.kfac_layers, plan_options)
+                a, age = plan.assignment, plan.age_bound
             est = estimate_memory(run, opt, schedule, a)
             m = memory[est.worker]
             per_worker = (est.total_gb + max(m.comm_buffers - m.activations, 0) / GB,)
@@ -548,15 +618,20 @@ def _evaluate(bert: BertConfig, base: Strategy, optimizers: Sequence[str], hardw
             continue
         ranked.append(replace(cand, samples_per_s=base.global_batch / pred.step_time_s, step_time_s=pred.step_time_s,
                               utilization=pred.utilization, interval=pred.interval, memory_gb=worst,
-                              memory_per_worker_gb=per_worker))
+                              memory_per_worker_gb=per_worker, curvature_age=age))
     return ranked, excluded
 
 
-def format_strategies(strategies: Sequence[Strategy], top: int = 20) -> str:
-    """The ranking and the exclusions as text (at most ``top`` lines of each)."""
+def format_strategies(strategies: Sequence[Strategy], top: int = 20, notes: Sequence[str] = ()) -> str:
+    """The ranking and the exclusions as text (at most ``top`` lines of each); ranked by time to target, the
+    time rank beside the throughput rank (``time_to_target.time_lines``), and ``notes`` under the table."""
     ranked = [c for c in strategies if c.excluded is None]
     excluded = [c for c in strategies if c.excluded is not None]
-    lines = ranking_lines(ranked, top, "strategy", "strategies", memory_decimals=2)
+    if any(c.time_rank is not None for c in ranked):
+        lines = time_lines(ranked, top, "strategy", "strategies")
+    else:
+        lines = ranking_lines(ranked, top, "strategy", "strategies", memory_decimals=2)
+    lines += [f"note: {n}" for n in notes]
     groups: dict[str, list[str]] = {}
     for c in excluded:
         groups.setdefault(c.excluded, []).append(c.label)

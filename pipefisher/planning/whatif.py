@@ -30,9 +30,10 @@ from dataclasses import dataclass, replace
 
 from pipefisher.config import V_METHODS
 from pipefisher.model.config import BertConfig
-from pipefisher.planning.assign import plan_pipefisher
-from pipefisher.planning.costs import Hardware, RunShape, estimate_run_costs
-from pipefisher.planning.memory import estimate_memory
+from pipefisher.planning.costs import Hardware, RunShape, estimate_run_costs, stage_parameters
+from pipefisher.planning.memory import estimate_memory, worker_parameters
+from pipefisher.planning.optimizer_costs import ELEMENTWISE_OPTIMIZERS, muon_matrices, optimizer_step_seconds
+from pipefisher.planning.pipefisher_plan import PlanOptions, pipefisher_defaults, plan_for
 from pipefisher.planning.predict import predict_assignment, predict_schedule
 from pipefisher.schedules.kfac import critical_path_assignment
 from pipefisher.simulate import CostModel
@@ -44,7 +45,7 @@ log = logging.getLogger(__name__)
 METHODS = ("gpipe", "1f1b", "chimera", "chimera-doubling", "interleaved", "zb-h1", *V_METHODS)
 SPLIT_METHODS = ("zb-h1", *V_METHODS)  # their backward is split into I and W
 SPLIT_BACKWARD_RATIO = 1.0  # (I+W)/B: the same FLOPs as B; measured in the pipeline 0.96 (bert-mini) and 1.00 (bert-medium; bench/README.md §8, §13)
-OPTIMIZERS = ("nvlamb", "kfac", "pipefisher")
+OPTIMIZERS = ("nvlamb", "adamw", "muon", "kfac", "pipefisher")
 
 
 @dataclass(frozen=True)
@@ -111,7 +112,8 @@ def what_if(bert: BertConfig, *, devices: int, memory_gb: float, global_batch: i
             micro_batch_sizes: Sequence[int] = (4, 8, 16, 32), optimizers: Sequence[str] = OPTIMIZERS,
             recompute: Sequence[bool] = (False, True), num_virtual: int = 2, seq_len: int = 128,
             max_predictions: int = 20, precision: str = "fp32", max_interval: int = 8,
-            split_backward_ratio: float = SPLIT_BACKWARD_RATIO) -> list[Candidate]:
+            split_backward_ratio: float = SPLIT_BACKWARD_RATIO, plan_options: PlanOptions | None = None
+            ) -> list[Candidate]:
     """Rank configurations by predicted throughput; list the excluded ones with the reason.
 
     Args:
@@ -123,8 +125,10 @@ def what_if(bert: BertConfig, *, devices: int, memory_gb: float, global_batch: i
         methods, micro_batch_sizes, optimizers, recompute: the search space.
         num_virtual: model chunks per worker for interleaved.
         seq_len, max_predictions, precision: the data shape.
-        max_interval: largest PipeFisher refresh interval.
+        max_interval: largest PipeFisher refresh interval (with ``plan_options`` None).
         split_backward_ratio: (I+W)/B of zb-h1 and zb-v, a split backward's cost relative to a full one.
+        plan_options: PipeFisher's planner options; None: train.py's ``optimizer=pipefisher`` defaults with
+            ``max_interval`` (``planning.pipefisher_plan``, [Note: one planning path]).
 
     Returns:
         The feasible candidates, best first, then the excluded ones.
@@ -142,6 +146,7 @@ def what_if(bert: BertConfig, *, devices: int, memory_gb: float, global_batch: i
     ranked: list[Candidate] = []
     excluded: list[Candidate] = []
     budget = memory_gb * 1e9
+    options = plan_options or replace(pipefisher_defaults(), max_interval=max_interval)
     divisors = [x for x in range(1, devices + 1) if devices % x == 0]
     progress = Progress(len(methods) * len(divisors))
     for method in methods:
@@ -164,7 +169,7 @@ def what_if(bert: BertConfig, *, devices: int, memory_gb: float, global_batch: i
                         excluded += [replace(base, optimizer=o, excluded=problem) for o in optimizers]
                         continue
                     run = RunShape(bert, method, d, n, mbs, w, v, seq_len, max_predictions, None, rc, precision)
-                    ranked_here, excluded_here = _evaluate(run, base, optimizers, hardware, budget, max_interval,
+                    ranked_here, excluded_here = _evaluate(run, base, optimizers, hardware, budget, options,
                                                            split_backward_ratio)
                     ranked += ranked_here
                     excluded += excluded_here
@@ -200,7 +205,7 @@ def split_backward_costs(cost: CostModel, ratio: float) -> CostModel:
 
 
 def _evaluate(run: RunShape, base: Candidate, optimizers: Sequence[str], hardware: Hardware, budget: float,
-              max_interval: int, split_backward_ratio: float) -> tuple[list[Candidate], list[Candidate]]:
+              options: PlanOptions, split_backward_ratio: float) -> tuple[list[Candidate], list[Candidate]]:
     schedule = run.build_schedule(dp_width=1)
     cost = estimate_run_costs(run, hardware)
     if run.method in SPLIT_METHODS:
@@ -213,13 +218,14 @@ def _evaluate(run: RunShape, base: Candidate, optimizers: Sequence[str], hardwar
             excluded.append(replace(cand, memory_gb=mem.total_gb, excluded=(
                 f"memory {mem.describe()} exceeds memory_gb={budget / 1e9:g}")))
             continue
-        if opt == "nvlamb":
-            pred, _ = predict_schedule(schedule, cost)
+        if opt in ELEMENTWISE_OPTIMIZERS:
+            pred, _ = predict_schedule(schedule, cost if opt == "nvlamb" else _step_cost(run, schedule, cost, opt,
+                                                                                           hardware))
         else:
             if opt == "kfac":
                 a = critical_path_assignment(schedule, run.kfac_layers, 1)
             else:
-                a = plan_pipefisher(schedule, cost, run.kfac_layers, max_interval=max_interval)
+                a = plan_for(schedule, cost, run.kfac_layers, options).assignment
             mem = estimate_memory(run, opt, schedule, a)
             if mem.total > budget:
                 excluded.append(replace(cand, memory_gb=mem.total_gb, interval=a.interval, excluded=(
@@ -229,6 +235,20 @@ def _evaluate(run: RunShape, base: Candidate, optimizers: Sequence[str], hardwar
         ranked.append(replace(cand, samples_per_s=run.global_batch / pred.step_time_s, step_time_s=pred.step_time_s,
                               utilization=pred.utilization, interval=pred.interval, memory_gb=mem.total_gb))
     return ranked, excluded
+
+
+def _step_cost(run: RunShape, schedule, cost: CostModel, optimizer: str, hardware: Hardware) -> CostModel:
+    """``cost`` with STEP charging ``optimizer``'s own step in place of NVLAMB's 28 bytes per parameter
+    (``planning.optimizer_costs``), on the most loaded worker."""
+    params = stage_parameters(run.bert, run.partition)
+    delta = 0.0
+    for w in schedule.actions:
+        stages = [s for (_, _, s) in schedule.placement.stages_of(w)]
+        p = worker_parameters(run, params, stages)
+        mats = [m for s in stages for m in muon_matrices(run.bert, run.encoder_layers[s])]
+        delta = max(delta, optimizer_step_seconds(optimizer, p, mats, hardware)
+                    - optimizer_step_seconds("nvlamb", p, mats, hardware))
+    return replace(cost, step_ns=cost.step_ns + max(0, round(delta * 1e9)))
 
 
 def ranking_lines(ranked: Sequence[Any], top: int, noun: str, plural: str, memory_decimals: int) -> list[str]:

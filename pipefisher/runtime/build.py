@@ -20,15 +20,14 @@ from torch import nn
 
 from pipefisher.config import V_METHODS, TrainConfig, schedule_method
 from pipefisher.model import BertStage, partition_layers
-from pipefisher.planning.assign import plan_pipefisher
-from pipefisher.planning.staleness import load_staleness_curve
-from pipefisher.planning.costs import Hardware, RunShape, estimate_run_costs
+from pipefisher.planning.costs import Hardware, RunShape
+from pipefisher.planning.pipefisher_plan import PlanOptions, plan_for, plan_from_file
+from pipefisher.planning.strategy_search import pipeline_costs
 from pipefisher.runtime.kfac_work import StageKey
 from pipefisher.runtime.step_metrics import kfac_plan_label
 from pipefisher.runtime.tensor_parallel import is_tp_sharded
 from pipefisher.schedules.ir import Schedule
-from pipefisher.schedules.kfac import (Assignment, assignment_from_json, critical_path_assignment, curvature_age_bound,
-                                       kfac_layer_counts)
+from pipefisher.schedules.kfac import Assignment, critical_path_assignment, curvature_age_bound, kfac_layer_counts
 from pipefisher.schedules.kfac_baseline import on_critical_path
 from pipefisher.schedules.torch_csv import CSV_METHOD, build_from_torch_csv
 from pipefisher.training import bert_config, device_type
@@ -164,7 +163,8 @@ def encoder_layers_per_stage(cfg: TrainConfig, num_stages: int) -> list[int]:
 
 def kfac_assignment(cfg: TrainConfig, schedule: Schedule) -> Assignment:
     """Where K-FAC's work runs: after the flush (``kfac``), or in the bubbles (``pipefisher``, from
-    ``optimizer.schedule`` when given, else planned now from the built-in cost estimate).
+    ``optimizer.schedule`` when given: schedule.py's assignment.json or a strategy file's plan; else planned now
+    from the built-in cost estimate through the search's own path, ``planning.pipefisher_plan``).
 
     ``kfac`` with ``optimizer.schedule`` runs that plan's work on the critical path
     (:func:`~pipefisher.schedules.kfac_baseline.on_critical_path`)."""
@@ -175,7 +175,10 @@ def kfac_assignment(cfg: TrainConfig, schedule: Schedule) -> Assignment:
         return critical_path_assignment(schedule, kfac_layers, o.inverse_interval, deferred=o.deferred_inverse,
                                         curvature_micro_batches=o.curvature_micro_batches, factor_interval=factors)
     if o.schedule:
-        assignment = assignment_from_json(o.schedule)
+        assignment, block = plan_from_file(o.schedule)
+        if block is not None and block.get("k") != assignment.interval:
+            raise ValueError(f"optimizer.schedule={o.schedule}: field pipefisher.k is {block.get('k')!r}, but its "
+                             f"plan refreshes every {assignment.interval} steps; search again to rewrite the file")
         base = assignment.phases[0]
         found = (base.method, base.num_stages, base.num_micro_batches, base.dp_width)
         wanted = (schedule.method, schedule.num_stages, schedule.num_micro_batches, schedule.dp_width)
@@ -200,16 +203,18 @@ def kfac_assignment(cfg: TrainConfig, schedule: Schedule) -> Assignment:
                 f"optimizer.schedule={o.schedule}: refresh interval k={assignment.interval} lets the curvature "
                 f"age reach {age} steps (optimizer.promote_inverses={o.promote_inverses}) > optimizer.max_staleness="
                 f"{o.max_staleness}; re-plan with a bound, or raise optimizer.max_staleness")
+        if block is not None:
+            log.info("PipeFisher plan from the strategy file %s: k=%d, curvature age <= %d step(s) (searched: %s)",
+                     o.schedule, assignment.interval, age, block.get("describe", "?"))
         # kfac with a plan: the plan's work on the critical path (same interval and staleness).
         return on_critical_path(assignment) if o.name == "kfac" else assignment
     # No plan given: plan now from the built-in estimate of this kind of device (schedule.py from a
     # profile of this run gives a plan from measured costs).
+    # The search's cost model of one pipeline and its planner call ([Note: one planning path]).
     hw = Hardware() if device_type(cfg.device) == "cuda" else CPU_HARDWARE
-    return plan_pipefisher(schedule, estimate_run_costs(run_shape(cfg), hw), kfac_layers,
-                           max_interval=o.max_interval, max_staleness=o.max_staleness, promote=o.promote_inverses,
-                           curvature_micro_batches=o.curvature_micro_batches,
-                           curvature_placement=o.curvature_placement,
-                           staleness=load_staleness_curve(o.staleness_curve) if o.staleness_curve else None)
+    run = run_shape(cfg)
+    cost = pipeline_costs(run, hw, sdp=cfg.sdp, tp=cfg.tp, schedule=schedule)
+    return plan_for(schedule, cost, kfac_layers, PlanOptions.from_optimizer(o)).assignment
 
 
 def describe_kfac(cfg: TrainConfig, assignment: Assignment) -> str:

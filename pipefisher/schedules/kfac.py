@@ -80,6 +80,7 @@ __all__ = [
     "check_assignment",
     "critical_path_assignment",
     "curvature_age_bound",
+    "curvature_ages",
     "refresh_micro_batches",
     "kfac_layer_counts",
     "require_plain_schedule",
@@ -474,28 +475,45 @@ def _check_curvature(a: Assignment, w: int, got: Mapping[ActionKind, list[Unit]]
 def curvature_age_bound(a: Assignment, promote: str = "at_cycle_end") -> int:
     """The oldest curvature any step of a run of ``a`` preconditions with, in steps, once its
     first cycle is over ([Note: promoting deferred inverses]): the maximum over layers of
+    :func:`curvature_ages`. 0 for an assignment with no K-FAC layer.
+
+    Raises:
+        ValueError: ``promote`` is not one of :data:`PROMOTE_INVERSES`.
+    """
+    return max(curvature_ages(a, promote).values(), default=0)
+
+
+def curvature_ages(a: Assignment, promote: str = "at_cycle_end") -> dict[tuple[int, int, int, int], int]:
+    """The oldest curvature each layer preconditions with, in steps, once the first cycle is over:
     k − 1 + p_i − p_c (fresh), 2k − 1 − p_c (deferred, ``at_cycle_end``) or k + p_i − p_c
     (deferred, ``when_ready``), where p_c is the phase of the curvature the layer's INVERT (phase
-    p_i) inverts: that of the last SYNC_FACTOR before it. 0 for an assignment with no K-FAC layer.
+    p_i) inverts: that of the last SYNC_FACTOR before it.
+
+    Returns:
+        (worker, stage, pipe, layer) -> age in steps, for every K-FAC layer of every stage replica.
 
     Raises:
         ValueError: ``promote`` is not one of :data:`PROMOTE_INVERSES`.
     """
     if promote not in PROMOTE_INVERSES:
         raise ValueError(f"promote={promote!r}: use one of {', '.join(PROMOTE_INVERSES)}")
-    k, worst = a.interval, 0
-    for p_c, p_i in _curvature_and_inverse_phases(a):
+    k, out = a.interval, {}
+    for key, (p_c, p_i) in _curvature_and_inverse_phases_by_layer(a).items():
         if not a.deferred:
-            age = k - 1 + p_i - p_c
+            out[key] = k - 1 + p_i - p_c
         else:
-            age = 2 * k - 1 - p_c if promote == "at_cycle_end" else k + p_i - p_c
-        worst = max(worst, age)
-    return worst
+            out[key] = 2 * k - 1 - p_c if promote == "at_cycle_end" else k + p_i - p_c
+    return out
 
 
 def _curvature_and_inverse_phases(a: Assignment) -> list[tuple[int, int]]:
     """(p_c, p_i) of every layer of every stage replica: the phase of the curvature its INVERT
     inverts (that of the last SYNC_FACTOR before the INVERT) and the phase of the INVERT."""
+    return list(_curvature_and_inverse_phases_by_layer(a).values())
+
+
+def _curvature_and_inverse_phases_by_layer(a: Assignment) -> dict[tuple[int, int, int, int], tuple[int, int]]:
+    """:func:`_curvature_and_inverse_phases` keyed by (worker, stage, pipe, layer)."""
     # (worker, stage, pipe, layer) -> sorted curvature phases, (phase, index) of syncs and of the INVERT
     curv: dict[tuple[int, int, int, int], set[int]] = defaultdict(set)
     syncs: dict[tuple[int, int, int, int], list[tuple[int, int]]] = defaultdict(list)
@@ -513,10 +531,10 @@ def _curvature_and_inverse_phases(a: Assignment) -> list[tuple[int, int]]:
                         inverts[key] = (p, i)
                     else:
                         curv[key].add(p)
-    out = []
-    for key, at in inverts.items():
+    out = {}
+    for key, at in sorted(inverts.items()):
         before = [s for s in sorted(syncs[key]) if s < at]
-        out.append((sorted(curv[key])[len(before) - 1], at[0]))
+        out[key] = (sorted(curv[key])[len(before) - 1], at[0])
     return out
 
 
@@ -664,7 +682,8 @@ def assignment_from_dict(data: Mapping[str, Any], source: str = "assignment") ->
 
 
 def assignment_from_json(path: str | os.PathLike) -> Assignment:
-    """Read and check an assignment written by :func:`assignment_to_json` (JSON, never pickle).
+    """Read and check an assignment written by :func:`assignment_to_json` (JSON, never pickle), or the plan a
+    strategy file of the search carries (its ``pipefisher.assignment``, ``planning.strategy_file``).
 
     Raises:
         ValueError: the file is missing or not JSON, or a field is wrong; the message names the
@@ -678,4 +697,10 @@ def assignment_from_json(path: str | os.PathLike) -> Assignment:
                          f"(optimizer.schedule=<path to assignment.json>)") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise ValueError(f"{path}: not a JSON file ({exc}); {_REGENERATE}") from None
+    if isinstance(data, dict) and str(data.get("format", "")).startswith("pipefisher-strategy/"):
+        block = data.get("pipefisher")
+        if not isinstance(block, dict) or not isinstance(block.get("assignment"), dict):
+            raise ValueError(f"{path}: field pipefisher.assignment is missing (a strategy file for optimizer="
+                             f"{data.get('optimizer')!r}); search again with optimizer pipefisher")
+        return assignment_from_dict(block["assignment"], source=f"{path}: pipefisher.assignment")
     return assignment_from_dict(data, source=str(path))

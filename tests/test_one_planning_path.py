@@ -1,0 +1,145 @@
+"""One PipeFisher planning path (issue 37, item 3): the search, whatif and train.py plan PipeFisher with
+train.py's ``optimizer=pipefisher`` defaults and the same cost model, and a strategy file carries the plan that
+``train.py strategy=<file>`` runs."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+
+from pipefisher.config import ConfigError, to_train_config
+from pipefisher.model.config import BertConfig
+from pipefisher.planning.config import register_schedule_configs, to_schedule_config
+from pipefisher.planning.costs import RunShape
+from pipefisher.planning.pipefisher_plan import PlanOptions, pipefisher_defaults, plan_for
+from pipefisher.planning.strategy_file import apply_strategy, read_strategy
+from pipefisher.planning.strategy_search import pipeline_costs, search_strategies, strategy_plan
+from pipefisher.runtime.build import CPU_HARDWARE, kfac_assignment, schedule_for
+from pipefisher.schedules.kfac import assignment_to_dict, curvature_age_bound
+from tests.conftest import CONF_DIR, REPO, compose_dict, compose_train
+
+# bert-mini chimera pp=4, micro-batch 8, N=4 at train.py's CPU estimate: the planner's old defaults (inverses at
+# cycle end, no staleness bound) give k=7 and curvature 13 steps old; optimizer=pipefisher's give k=6, age 8.
+SHAPE = ["model=bert-mini", "pipeline=chimera", "stages=4", "num_micro_batches=4", "micro_batch_size=8",
+         "data.seq_len=128", "data.max_predictions=20", "optimizer=pipefisher"]
+
+
+def test_plan_options_default_to_what_train_py_composes_for_optimizer_pipefisher():
+    composed = PlanOptions.from_optimizer(compose_train(["optimizer=pipefisher"]).optimizer)
+    assert PlanOptions() == pipefisher_defaults() == composed
+    assert (composed.promote_inverses, composed.max_staleness) == ("when_ready", 8)
+    assert PlanOptions().overrides()["optimizer.promote_inverses"] == "when_ready"
+    with pytest.raises(ValueError, match="promote_inverses='soon'"):
+        PlanOptions(promote_inverses="soon")
+    with pytest.raises(ValueError, match=r"unknown planner option\(s\) \['k'\]"):
+        PlanOptions.from_dict({"k": 3})
+
+
+def test_search_and_train_py_plan_pipefisher_identically():
+    """The search's PipeFisher candidate (k, curvature age) and its plan equal what train.py runs for the same
+    shape on the same (CPU) estimate; the planner's old defaults would not."""
+    cfg = compose_train(SHAPE, tiny=False)
+    schedule = schedule_for(cfg)
+    trained = kfac_assignment(cfg, schedule)
+    found = search_strategies(BertConfig.from_size("mini"), devices=4, memory_gb=100, global_batch=32,
+                              hardware=CPU_HARDWARE, methods=["chimera"], micro_batch_sizes=[8],
+                              optimizers=["pipefisher"], recompute=[False], sdp_degrees=[1], tp_degrees=[1])
+    best = next(c for c in found if c.excluded is None and c.stages == 4)
+    assert (best.interval, best.curvature_age) == (trained.interval, curvature_age_bound(trained, "when_ready"))
+    assert (best.interval, best.curvature_age) == (6, 8)
+    plan = strategy_plan(best, BertConfig.from_size("mini"), hardware=CPU_HARDWARE, dp_width=None)
+    assert assignment_to_dict(plan.assignment) == assignment_to_dict(trained)
+    assert plan.ages == (8, 7, 7, 8) and plan.age_bound == max(plan.ages) == 8
+    # What the search ran before issue 37: the planner's own defaults, another k and twice the staleness.
+    run = RunShape(BertConfig.from_size("mini"), "chimera", 4, 4, 8)
+    cost = pipeline_costs(run, CPU_HARDWARE, schedule=schedule)
+    old = plan_for(schedule, cost, run.kfac_layers, PlanOptions(max_staleness=None, promote_inverses="at_cycle_end"))
+    assert (old.k, old.age_bound) == (7, 13)
+
+
+def _schedule_cfg(overrides: list[str]):
+    register_schedule_configs()
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        return to_schedule_config(compose(config_name="schedule", overrides=overrides))
+
+
+@pytest.fixture(scope="module")
+def pipefisher_strategy(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A strategy file of the search whose best is PipeFisher (bert-tiny chimera, 2 devices)."""
+    from pipefisher.planning.cli import run_whatif
+
+    out = tmp_path_factory.mktemp("plan")
+    cfg = _schedule_cfg(["whatif=true", "model=bert-tiny", "devices=2", "global_batch=8", "memory_gb=4",
+                         "search.methods=[chimera]", "search.micro_batch_sizes=[2]", "search.recompute=[false]",
+                         "search.optimizers=[pipefisher]", "search.sdp=[1]", "search.tp=[1]", "data.seq_len=32",
+                         "data.max_predictions=5", "flops_per_s=3e10", "p2p_bytes_per_s=2e9",
+                         "memory_bytes_per_s=1e10"])
+    run_whatif(cfg, out)
+    return out / "strategy.json"
+
+
+def test_strategy_file_round_trips_optimizer_and_plan(pipefisher_strategy: Path, caplog):
+    doc = read_strategy(pipefisher_strategy)
+    block = doc["pipefisher"]
+    assert doc["optimizer"] == "pipefisher"
+    assert PlanOptions.from_dict(block["options"]) == pipefisher_defaults()
+    dcfg = compose_dict([f"strategy={pipefisher_strategy}"])
+    with caplog.at_level(logging.INFO, logger="pipefisher.planning.strategy_file"):
+        apply_strategy(dcfg, [f"strategy={pipefisher_strategy}"])
+    assert f"PipeFisher runs the searched plan, k={block['k']}" in caplog.text
+    cfg = to_train_config(dcfg)
+    assert (cfg.optimizer.name, cfg.optimizer.promote_inverses, cfg.optimizer.max_staleness) == \
+        ("pipefisher", "when_ready", 8)
+    assert cfg.optimizer.schedule == str(pipefisher_strategy)
+    ran = kfac_assignment(cfg, schedule_for(cfg))
+    assert assignment_to_dict(ran) == block["assignment"]
+    assert (ran.interval, curvature_age_bound(ran, "when_ready")) == (block["k"], block["curvature_age_bound"])
+    # optimizer=pipefisher on the command line agrees with the file (same defaults): no conflict.
+    again = compose_dict([f"strategy={pipefisher_strategy}", "optimizer=pipefisher"])
+    apply_strategy(again, [f"strategy={pipefisher_strategy}", "optimizer=pipefisher"])
+    other = compose_dict([f"strategy={pipefisher_strategy}", "optimizer.max_staleness=3"])
+    with pytest.raises(ConfigError, match=r"optimizer.max_staleness=3 \(the file has 8\)"):
+        apply_strategy(other, [f"strategy={pipefisher_strategy}", "optimizer.max_staleness=3"])
+
+
+@pytest.mark.parametrize("change,message", [
+    (lambda d: d["pipefisher"].update(k=d["pipefisher"]["k"] + 1), "field pipefisher.k is"),
+    (lambda d: d["pipefisher"].update(curvature_age_bound=99), "field pipefisher.curvature_age_bound is 99"),
+    (lambda d: d["pipefisher"]["options"].update(promote_inverses="soon"), "field pipefisher.options"),
+    (lambda d: d["pipefisher"].update(assignment={"format": "x"}), "field pipefisher.assignment is not a plan"),
+    (lambda d: d.pop("pipefisher"), "field pipefisher is missing"),
+    (lambda d: d.update(optimizer="nvlamb"), "field pipefisher is set, but optimizer is 'nvlamb'"),
+    (lambda d: d.update(chunks=8, global_bsz=16), r"field pipefisher.assignment is planned for"),
+])
+def test_bad_pipefisher_blocks_are_refused_naming_the_field(pipefisher_strategy: Path, tmp_path: Path, change,
+                                                            message):
+    doc = json.loads(pipefisher_strategy.read_text())
+    change(doc)
+    path = tmp_path / "bad.json"
+    path.write_text(json.dumps(doc))
+    with pytest.raises(ConfigError, match=f"strategy={path}: {message}"):
+        read_strategy(path)
+
+
+@pytest.mark.slow
+def test_train_py_runs_the_strategy_files_plan_and_logs_it(pipefisher_strategy: Path, tmp_path: Path):
+    doc = read_strategy(pipefisher_strategy)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled"}
+    run = tmp_path / "run"
+    proc = subprocess.run([sys.executable, "train.py", f"strategy={pipefisher_strategy}", "steps=2", "progress=false",
+                           "save_final=false", f"hydra.run.dir={run}"], cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=600)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-3000:]
+    assert f"PipeFisher runs the searched plan, k={doc['pipefisher']['k']}" in out
+    metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert {m["refresh_interval"] for m in metrics} == {doc["pipefisher"]["k"]}
+    assert {m["kfac_plan"] for m in metrics} == {"pipefisher"}
