@@ -30,6 +30,7 @@ import re
 import socket
 import struct
 import shlex
+import shutil
 import subprocess
 import sys
 import time
@@ -47,6 +48,7 @@ __all__ = [
     "register_resolvers",
     "RegisterResolvers",
     "CheckSlurmCommand",
+    "missing_slurm_commands",
     "report_lost_tasks",
     "interface_towards",
     "task_hosts",
@@ -357,7 +359,9 @@ class CheckSlurmCommand(Callback):
     - ``cluster=slurm`` without ``-m`` outside a SLURM allocation: only Hydra's multirun goes through
       the launcher, and the run would train on this machine without a word (issue 24);
     - a ``cluster.nodes`` that does not divide ``stages*data_parallel*sdp*tp``: the launcher's
-      ``pf.tasks_per_node`` resolver would fail with Hydra's full traceback (issue 24).
+      ``pf.tasks_per_node`` resolver would fail with Hydra's full traceback (issue 24);
+    - a machine without SLURM's ``sbatch`` or ``srun`` on PATH: submitit would fail with a
+      30-line traceback ending in ``Could not detect "srun"`` (issue 38, defect 3).
 
     Hydra turns a callback's exception into a warning and goes on: the refusal is a ``SystemExit``.
     """
@@ -373,3 +377,14 @@ class CheckSlurmCommand(Callback):
                             config.get("tp", 1))
         except ValueError as err:
             raise SystemExit(f"{_program()}: {err}") from None
+        missing = missing_slurm_commands()
+        if missing:
+            raise SystemExit(f"{_program()}: cluster=slurm submits with SLURM's sbatch and srun, but "
+                             f"{' and '.join(missing)} {'is' if len(missing) == 1 else 'are'} not on PATH; run it on a "
+                             f"SLURM login node (or add SLURM's bin folder to PATH), or leave out cluster=slurm to "
+                             f"train on this machine")
+
+
+def missing_slurm_commands() -> list[str]:
+    """The SLURM commands submitit needs (``sbatch`` to submit, ``srun`` to start tasks) not on PATH."""
+    return [name for name in ("sbatch", "srun") if shutil.which(name) is None]
