@@ -48,6 +48,7 @@ __all__ = [
     "register_resolvers",
     "RegisterResolvers",
     "CheckSlurmCommand",
+    "CheckSlurmOnPath",
     "missing_slurm_commands",
     "report_lost_tasks",
     "interface_towards",
@@ -359,9 +360,7 @@ class CheckSlurmCommand(Callback):
     - ``cluster=slurm`` without ``-m`` outside a SLURM allocation: only Hydra's multirun goes through
       the launcher, and the run would train on this machine without a word (issue 24);
     - a ``cluster.nodes`` that does not divide ``stages*data_parallel*sdp*tp``: the launcher's
-      ``pf.tasks_per_node`` resolver would fail with Hydra's full traceback (issue 24);
-    - a machine without SLURM's ``sbatch`` or ``srun`` on PATH: submitit would fail with a
-      30-line traceback ending in ``Could not detect "srun"`` (issue 38, defect 3).
+      ``pf.tasks_per_node`` resolver would fail with Hydra's full traceback (issue 24).
 
     Hydra turns a callback's exception into a warning and goes on: the refusal is a ``SystemExit``.
     """
@@ -377,6 +376,15 @@ class CheckSlurmCommand(Callback):
                             config.get("tp", 1))
         except ValueError as err:
             raise SystemExit(f"{_program()}: {err}") from None
+
+
+class CheckSlurmOnPath(Callback):
+    """Hydra callback (``conf/cluster/slurm.yaml``, after the checks of the command line) that refuses
+    ``-m cluster=slurm`` in one line on stderr (status 1), before anything is submitted, on a machine
+    without SLURM's ``sbatch`` or ``srun`` on PATH: submitit would fail with a 30-line traceback ending
+    in ``Could not detect "srun"`` (issue 38, defect 3)."""
+
+    def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
         missing = missing_slurm_commands()
         if missing:
             raise SystemExit(f"{_program()}: cluster=slurm submits with SLURM's sbatch and srun, but "
