@@ -193,25 +193,44 @@ def separated(a: Interval, b: Interval) -> bool:
 
 @dataclass(frozen=True)
 class Ratio:
-    """``a / b`` of two seed intervals: the ratio of the means and the range from the extremes."""
+    """``a / b`` of two seed intervals: the ratio of the means and the range from the extremes, over
+    the seeds that reached the target. ``missed`` counts, for ``a`` and for ``b``, the seeds that did
+    not (left out of those means: a missing seed of ``a`` would raise the ratio, one of ``b`` lower it),
+    ``seeds`` all the seeds of each; :meth:`text` says so whenever one missed."""
 
     mean: float
     lo: float
     hi: float
     established: bool  # the intervals separate (see `separated`)
+    missed: tuple[int, int] = (0, 0)  # seeds of a, of b, that did not reach the target
+    seeds: tuple[int, int] = (0, 0)  # seeds of a, of b
+
+    @property
+    def complete(self) -> bool:
+        """Whether every seed of both sides reached the target (the means are of all seeds)."""
+        return self.missed == (0, 0)
 
     def text(self) -> str:
         if not math.isfinite(self.mean):
             return "–"
         verdict = "separated" if self.established else "not separated"
-        return f"{self.mean:.2f} [{self.lo:.2f}–{self.hi:.2f}] {verdict}"
+        body = f"{self.mean:.2f} [{self.lo:.2f}–{self.hi:.2f}] {verdict}"
+        if self.complete:
+            return body
+        sides = [f"{m} of {n} seeds of {side} missed the target" for side, m, n in
+                 zip(("the first", "the second"), self.missed, self.seeds) if m]
+        bound = ("a lower bound" if self.missed[0] and not self.missed[1] else
+                 "an upper bound" if self.missed[1] and not self.missed[0] else "neither bound")
+        return f"{body} (of the seeds that reached it: {'; '.join(sides)}; the ratio is {bound})"
 
 
 def ratio(a: Interval, b: Interval) -> Ratio:
-    """:class:`Ratio` of ``a`` to ``b`` (NaN when either has no seed that reached the target)."""
+    """:class:`Ratio` of ``a`` to ``b`` (NaN when either has no seed that reached the target); the
+    seeds either side that missed it are counted in ``missed`` and named by :meth:`Ratio.text`."""
+    counts = {"missed": (a.missing, b.missing), "seeds": (a.n + a.missing, b.n + b.missing)}
     if a.n == 0 or b.n == 0 or b.mean <= 0 or b.lo <= 0:
-        return Ratio(math.nan, math.nan, math.nan, separated(a, b))
-    return Ratio(a.mean / b.mean, a.lo / b.hi, a.hi / b.lo, separated(a, b))
+        return Ratio(math.nan, math.nan, math.nan, separated(a, b), **counts)
+    return Ratio(a.mean / b.mean, a.lo / b.hi, a.hi / b.lo, separated(a, b), **counts)
 
 
 # --- step costs -------------------------------------------------------------------------------

@@ -116,6 +116,23 @@ def test_ratio_of_intervals_takes_means_and_extremes(ca) -> None:
     assert r.mean == pytest.approx(60 / 110) and r.lo == pytest.approx(50 / 120) and r.hi == pytest.approx(0.7)
     assert r.established
     assert math.isnan(ca.ratio(ca.seed_interval([None, None]), ca.seed_interval([1, 2])).mean)
+    assert r.complete and r.missed == (0, 0) and r.text() == "0.55 [0.42–0.70] separated"
+
+
+def test_ratio_says_how_many_seeds_missed_the_target(ca) -> None:
+    # The mean of a side with a seed that missed is of the seeds that reached the target only: the ratio
+    # must say so (issue 38: it averaged them without a word).
+    r = ca.ratio(ca.seed_interval([50, None, 70]), ca.seed_interval([100, 110, 120]))
+    assert (r.mean, r.missed, r.seeds, r.complete) == (pytest.approx(60 / 110), (1, 0), (3, 3), False)
+    assert r.text() == ("0.55 [0.42–0.70] not separated (of the seeds that reached it: 1 of 3 seeds of the first "
+                        "missed the target; the ratio is a lower bound)")
+    r = ca.ratio(ca.seed_interval([50, 60, 70]), ca.seed_interval([100, None, None, 120]))
+    assert r.missed == (0, 2) and r.text().endswith("2 of 4 seeds of the second missed the target; the ratio is "
+                                                    "an upper bound)")
+    both = ca.ratio(ca.seed_interval([50, None]), ca.seed_interval([None, 120]))
+    assert both.missed == (1, 1) and "neither bound" in both.text()
+    none = ca.ratio(ca.seed_interval([None, None]), ca.seed_interval([1, 2]))
+    assert none.missed == (2, 0) and none.text() == "–"
 
 
 def test_time_to_target_is_steps_times_the_settings_step_cost(ca) -> None:

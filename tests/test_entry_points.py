@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import sysconfig
 from pathlib import Path
 
 import pytest
@@ -27,10 +28,16 @@ def _run(args: list[str], timeout: int = 300) -> subprocess.CompletedProcess:
 def test_profile_py_does_not_break_cprofile_or_torch_dynamo() -> None:
     # Run from the root, `import profile` finds our profile.py; cProfile and torch._dynamo need the
     # standard library's module (DESIGN.md, the shadowing trap).
-    _run(["-c", "import profile, cProfile, torch._dynamo, sys; "
-                "assert profile.__file__ == sys.argv[0] or True; "
-                "assert callable(profile.run) and hasattr(profile, 'Profile'); "
-                "cProfile.Profile().runcall(sum, [1, 2])"])
+    # The test must see the trap: `import profile` finds our file, which stands in for the standard
+    # library's (its Profile and run come from the standard library's profile.py).
+    stdlib = os.path.join(sysconfig.get_paths()["stdlib"], "profile.py")
+    _run(["-c", "import os, sys, profile, cProfile, torch._dynamo; "
+                "ours, stdlib = sys.argv[1:]; "
+                "assert os.path.samefile(profile.__file__, ours), profile.__file__; "
+                "assert os.path.samefile(profile.run.__code__.co_filename, stdlib), profile.run.__code__; "
+                "assert os.path.samefile(profile.Profile.runcall.__code__.co_filename, stdlib); "
+                "assert cProfile.Profile().runcall(sum, [1, 2]) == 3",
+          str(REPO / "profile.py"), stdlib])
 
 
 def test_train_py_default_model_writes_metrics(tmp_path: Path) -> None:

@@ -14,10 +14,18 @@ hold (as ``tests/test_nsys_exports.py`` builds its own from NVIDIA's column list
   ``META_DATA_CAPTURE`` from 2023.4; from 2023.1 it records ``EXPORT_PARAM_TIME_NORMALIZE`` and
   ``EXPORT_PARAM_TIME_SHIFT``. Empty tables are omitted.
 - A range still open when the capture stops ends at the capture's end (``ANALYSIS_DETAILS``),
-  never NULL; a range that began before the capture has a negative ``start``.
+  never NULL; a range that began before the capture starts before the capture's start.
+- Clocks (issue 38, defect 2; [Note: the two clocks] in ``nsys_capture``): ``ANALYSIS_DETAILS``
+  gives the capture's ``startTime`` 7–42 s after the session's start and ``stopTime = startTime +
+  duration``. 2022.4, 2023.1 and 2024.2 count every row from the capture's start, in [0, duration],
+  the last range ending exactly at ``duration``; 2026.2 puts them on the session clock, in
+  [startTime, stopTime]. Domain-create rows (eventType 75) have a negative start and a NULL end
+  (the process made its domain before the capture). The metadata names the version
+  (``EXPORT_PRODUCT_VERSION``, e.g. ``2024.2.1.106``).
 
 Whether 2020.3 writes ``ANALYSIS_DETAILS`` we do not know: its database here leaves the table out,
-which exercises the fallback (the capture ends at the latest end recorded).
+which exercises the fallback (the capture ends at the latest end recorded). Nor do we know the clock
+of 2022.1: it is written with the capture starting at the session's start, where both clocks agree.
 """
 
 from __future__ import annotations
@@ -81,14 +89,20 @@ class Generation:
     meta: tuple[str, ...] = ("META_DATA_EXPORT", "META_DATA_CAPTURE")
     names: str = "mixed"  # text, textId (every name registered) or mixed (forwards registered)
     analysis: bool = True
+    clock: str = "session"  # what the rows count from: the session's start, or the capture's ("capture")
+    lead_ns: int = 0  # from the session's start to the capture's (ANALYSIS_DETAILS.startTime)
 
 
 GENERATIONS = {g.version: g for g in (
     Generation("2020.3", KERNEL_25, session=None, meta=(), names="text", analysis=False),
     Generation("2022.1", KERNEL_27, meta=("EXPORT_META_DATA",)),
-    Generation("2023.1", KERNEL_27, meta=("EXPORT_META_DATA",), names="textId"),
-    Generation("2024.2", KERNEL_28),
-    Generation("2026.2", KERNEL_40, nvtx=NVTX_19 + ("binaryData",), session=SESSION_3 + ("systemClockNs",)),
+    Generation("2022.4", KERNEL_27, meta=("EXPORT_META_DATA",), names="textId", clock="capture",
+               lead_ns=7_312_004_551),
+    Generation("2023.1", KERNEL_27, meta=("EXPORT_META_DATA",), names="textId", clock="capture",
+               lead_ns=12_630_117_902),
+    Generation("2024.2", KERNEL_28, clock="capture", lead_ns=41_906_215_337),
+    Generation("2026.2", KERNEL_40, nvtx=NVTX_19 + ("binaryData",), session=SESSION_3 + ("systemClockNs",),
+               lead_ns=9_104_772_160),
 )}
 CURRENT = GENERATIONS["2024.2"]
 MARK, PUSH_POP, START_END, DOMAIN_CREATE = 34, 59, 60, 75
@@ -115,9 +129,10 @@ class Capture:
 
     gen: Generation = CURRENT
     ranks: tuple[int, ...] = (0, 1)
-    begin: int = 0  # when the capture started, on the truth's clock (timestamp 0 of the export)
+    begin: int = 0  # when the capture started, on the truth's clock
     stop: int | None = None  # when it stopped (None: after the run)
-    utc_ns: int = UTC0  # UTC of the session start
+    utc_ns: int = UTC0  # UTC of the capture's start (the session started lead earlier)
+    lead: int | None = None  # from the session's start to the capture's (None: the generation's)
     normalize: bool = False  # nsys export --ts-normalize true
     shift_ns: int = 0  # nsys export --ts-shift
     analysis: bool | None = None  # write ANALYSIS_DETAILS (None: as the generation does)
@@ -140,35 +155,39 @@ def write_export(events: Sequence[Event], cap: Capture, path: Path) -> Path:
             rows["StringIds"].append({"id": strings[value], "value": value})
         return strings[value]
 
-    moved = cap.utc_ns if cap.normalize else cap.shift_ns  # what the export adds to session-relative times
+    lead = gen.lead_ns if cap.lead is None else cap.lead
+    session_utc = cap.utc_ns - lead
+    moved = session_utc if cap.normalize else cap.shift_ns  # what the export adds to its clock's times
     stop = cap.stop if cap.stop is not None else max(e.end_ns for e in events) + 1_000_000
+    zero = cap.begin if gen.clock == "capture" else cap.begin - lead  # timestamp 0, on the truth's clock
 
     def t(ns: int) -> int:
-        return ns - cap.begin + moved
+        return ns - zero + moved
 
     for i, name in ((MARK, "NvtxMark"), (PUSH_POP, "NvtxPushPopRange"), (START_END, "NvtxStartEndRange"),
                     (DOMAIN_CREATE, "NvtxDomainCreate")):
         rows["ENUM_NSYS_EVENT_TYPE"].append({"id": i, "name": name, "label": name})
     for table in gen.meta[:1]:
-        rows[table].append({"name": "EXPORT_SCHEMA_VERSION", "value": "3.x"})
+        rows[table] += [{"name": "EXPORT_SCHEMA_VERSION", "value": "3.x"},
+                        {"name": "EXPORT_PRODUCT_VERSION", "value": f"{gen.version}.1.0"}]
         if gen.version >= "2023.1":
             rows[table] += [{"name": "EXPORT_PARAM_TIME_NORMALIZE", "value": str(cap.normalize).lower()},
                             {"name": "EXPORT_PARAM_TIME_SHIFT", "value": str(cap.shift_ns)}]
     if gen.session:
-        row = {"utcEpochNs": cap.utc_ns, "utcTime": "t", "localTime": "t"}
+        row = {"utcEpochNs": session_utc, "utcTime": "t", "localTime": "t"}
         rows["TARGET_INFO_SESSION_START_TIME"].append({**row, "systemClockNs": 7} if "systemClockNs" in gen.session
                                                       else row)
     if cap.analysis if cap.analysis is not None else gen.analysis:
-        rows["ANALYSIS_DETAILS"].append({"globalVid": 1, "duration": t(stop), "startTime": t(cap.begin),
-                                         "stopTime": t(stop)})
+        rows["ANALYSIS_DETAILS"].append({"globalVid": 1, "duration": stop - cap.begin, "startTime": lead + moved,
+                                         "stopTime": lead + moved + stop - cap.begin})
     for r in cap.ranks:
         pid = PIDS[r]
         main = gtid(pid, pid)
         rows["PROCESSES"].append({"globalPid": main & ~0xFFFFFF, "pid": pid, "name": "python"})
         rows["ThreadNames"].append({"nameId": string("python"), "priority": 0, "globalTid": main})
         rows["NVTX_EVENTS"] += [{"start": t(cap.begin) + 10, "eventType": MARK, "text": f"rank={r}", "globalTid": main},
-                                {"start": t(cap.begin) + 20, "eventType": DOMAIN_CREATE, "text": "NCCL",
-                                 "globalTid": main, "domainId": 1}]
+                                {"start": t(cap.begin - lead // 2) - 20 if lead else t(cap.begin) - 20,
+                                 "eventType": DOMAIN_CREATE, "text": "NCCL", "globalTid": main, "domainId": 1}]
         corr = 0  # correlation ids restart in every process
         for e in sorted((e for e in events if e.worker == r), key=lambda e: (e.start_ns, e.end_ns)):
             if e.end_ns <= cap.begin or e.start_ns >= stop:
@@ -224,12 +243,13 @@ def test_each_nsys_generation_reads_as_the_run_it_recorded(version: str, tmp_pat
     nvtx_cols = len(conn.execute("PRAGMA table_info(NVTX_EVENTS)").fetchall())
     names = conn.execute("SELECT count(*) FROM NVTX_EVENTS WHERE text IS NULL AND eventType = 59").fetchone()[0]
     conn.close()
-    assert (kernel_cols, nvtx_cols) == {"2020.3": (25, 19), "2022.1": (27, 19), "2023.1": (27, 19),
-                                        "2024.2": (28, 19), "2026.2": (40, 20)}[version]
-    assert (names == len(run)) is (version == "2023.1")  # 2022.4/2023.1: every name through textId
+    assert (kernel_cols, nvtx_cols) == {"2020.3": (25, 19), "2022.1": (27, 19), "2022.4": (27, 19),
+                                        "2023.1": (27, 19), "2024.2": (28, 19), "2026.2": (40, 20)}[version]
+    assert (names == len(run)) is (version in ("2022.4", "2023.1"))  # every name through textId
     profile = read_nsys(path)
     assert profile.gpu and not profile.notes  # ranks from the rank=N marks, both processes in one file
-    assert by_time(profile.events) == by_time(run)  # kernel spans: correlation ids joined per process
+    on_file_clock = moved(run, gen.lead_ns if gen.clock == "session" else 0)
+    assert by_time(profile.events) == on_file_clock  # kernel spans: correlation ids joined per process
     assert [e.step for e in by_time(profile.events) if e.kind == "STEP"] == [0, 0, 1, 1, 2, 2]
 
 
@@ -242,6 +262,126 @@ def test_per_rank_exports_of_2020_3_have_no_session_start_and_say_so(tmp_path: P
         profile = read_nsys(str(tmp_path / "old_rank*.sqlite"))
     assert by_time(profile.events) == by_time(run)
     assert "no TARGET_INFO_SESSION_START_TIME, so the exports' clocks are taken as one" in profile.notes[0]
+
+
+# --- the clock of the rows: the capture's start or the session's (issue 38, defect 2) ----------------
+
+CAPTURE_CLOCKED = [v for v, g in GENERATIONS.items() if g.clock == "capture"]
+
+
+def _rows(path: Path) -> tuple[list[tuple[int, int | None, int]], tuple[int, int, int]]:
+    """``([(start, end, eventType)], (duration, startTime, stopTime))`` of an export."""
+    conn = sqlite3.connect(path)
+    rows = conn.execute("SELECT start, end, eventType FROM NVTX_EVENTS").fetchall()
+    window = conn.execute("SELECT duration, startTime, stopTime FROM ANALYSIS_DETAILS").fetchone()
+    conn.close()
+    return rows, window
+
+
+@pytest.mark.parametrize("version", CAPTURE_CLOCKED)
+def test_rows_counted_from_the_capture_start_keep_every_whole_step(version: str, tmp_path: Path,
+                                                                   caplog: pytest.LogCaptureFixture) -> None:
+    # The issue's 300-step capture, small: the session started 40 ms before the capture, the capture
+    # stopped inside step 9, so the last ranges end exactly at `duration`. Read on the session clock,
+    # every range before 40 ms "began before the capture": steps 0-3 vanished while the log said 2 dropped.
+    gen, run = GENERATIONS[version], truth(steps=10)
+    stop = _inside(run, 9, "B")
+    path = write_export(run, Capture(gen, stop=stop, lead=40_000_000), tmp_path / f"nsys{version}.sqlite")
+    rows, (duration, start_time, stop_time) = _rows(path)
+    ranges = [(s, e) for s, e, kind in rows if kind == PUSH_POP]
+    assert (start_time, stop_time) == (40_000_000, 40_000_000 + duration)
+    assert all(0 <= s and e <= duration for s, e in ranges) and max(e for _, e in ranges) == duration
+    assert min(s for s, _ in ranges) < start_time  # 0F0 of step 0 starts before startTime: not before the capture
+    assert [(s < 0, e) for s, e, kind in rows if kind == DOMAIN_CREATE] == [(True, None)] * 2
+    with caplog.at_level(logging.INFO):
+        profile = read_nsys(path)
+    assert by_time(profile.events) == of_steps(run, range(9))  # every whole step, on the capture's clock
+    assert profile.notes == [f"dropped 1 partial step(s) of the 10 the capture touches: step 9 (the capture "
+                             f"stopped inside it: {len([e for e in run if e.start_ns < stop < e.end_ns])} action "
+                             f"range(s) never ended)"]
+    assert "read on the session clock" not in caplog.text  # the rows decided it, not a guess
+
+
+@pytest.mark.parametrize("version", CAPTURE_CLOCKED)
+def test_a_capture_shorter_than_its_start_time_still_plans(version: str, tmp_path: Path) -> None:
+    # The issue's 188-step capture: startTime (7-42 s) lies after every row, so on the session clock
+    # every range began before the capture and "no complete step is left".
+    gen, run = GENERATIONS[version], truth(steps=4)
+    path = write_export(run, Capture(gen), tmp_path / f"nsys{version}.sqlite")
+    rows, (duration, start_time, _) = _rows(path)
+    assert max(e for _, e, kind in rows if kind == PUSH_POP) < duration < start_time
+    result = _plan(str(path), tmp_path, "warmup_steps=1")
+    assert result.measured.num_steps == 3 and (result.run.method, result.run.stages) == ("1f1b", 2)
+
+
+def test_session_clock_rows_of_2026_2_lie_in_start_stop_and_a_late_capture_drops_its_step(tmp_path: Path) -> None:
+    gen, run = GENERATIONS["2026.2"], truth(steps=3)
+    begin = _inside(run, 0, "F", worker=0)  # the capture starts inside worker 0's first forward
+    path = write_export(run, Capture(gen, begin=begin), tmp_path / "late.sqlite")
+    rows, (duration, start_time, stop_time) = _rows(path)
+    inside = [(s, e) for s, e, kind in rows if kind == PUSH_POP and s >= start_time]
+    assert all(e <= stop_time for _, e in inside) and len(inside) == len(rows) - 2 * 2 - 2  # less marks, domains, 2 early
+    profile = read_nsys(path)
+    assert by_time(profile.events) == moved(of_steps(run, [1, 2]), gen.lead_ns - begin)
+    assert profile.notes == ["dropped 1 partial step(s) of the 3 the capture touches: step 0 (the capture started "
+                             "inside it: a range began before the capture)"]
+
+
+@pytest.mark.parametrize("version", ["2024.2", None])
+def test_rows_that_fit_both_clocks_are_read_by_the_version(version: str | None, tmp_path: Path,
+                                                           caplog: pytest.LogCaptureFixture) -> None:
+    # A 2024.2 capture whose session started 1 ms before it, the run 5 ms into it, stopped inside step 2:
+    # every row lies in both [0, duration] and [startTime, stopTime]. Only the version tells that the
+    # ranges ending at `duration` were cut off by the stop (capture clock), not ended 1 ms before it.
+    run = truth(steps=3)
+    path = write_export(run, Capture(stop=_inside(run, 2, "B"), lead=1_000_000), tmp_path / "both.sqlite")
+    if version is None:
+        conn = sqlite3.connect(path)
+        with conn:
+            conn.execute("DELETE FROM META_DATA_EXPORT WHERE name = 'EXPORT_PRODUCT_VERSION'")
+        conn.close()
+    with caplog.at_level(logging.INFO):
+        profile = read_nsys(path)
+    assert by_time(profile.events) == of_steps(run, [0, 1]) and len(profile.notes) == 1
+    cut = "step 2 (the capture stopped inside it" in profile.notes[0]  # else: "stopped before its STEP"
+    assert cut is (version is not None)
+    said = "fit both the capture clock [0, " in caplog.text and "(version not recorded)" in caplog.text
+    assert said is (version is None)  # a guess is said in the log
+
+
+def test_2026_2_rows_that_fit_both_clocks_stay_on_the_session_clock(tmp_path: Path) -> None:
+    # The session started 1 ms before the capture, which stopped 1 ms after the run: the last STEPs end
+    # exactly at `duration`. On the capture clock they would be cut off by the stop; they are not.
+    gen, run = GENERATIONS["2026.2"], truth(steps=3)
+    path = write_export(run, Capture(gen, lead=1_000_000), tmp_path / "both.sqlite")
+    rows, (duration, start_time, _) = _rows(path)
+    assert max(e for _, e, kind in rows if kind == PUSH_POP) == duration
+    assert min(e for _, e, kind in rows if kind == PUSH_POP) > start_time
+    profile = read_nsys(path)
+    assert by_time(profile.events) == moved(run, 1_000_000) and not profile.notes
+
+
+def test_per_rank_capture_clock_exports_align_by_their_capture_start(tmp_path: Path) -> None:
+    # Both ranks' captures started at one instant; their sessions 7.3 s and 12.6 s before it. On the
+    # capture clock, timestamp 0 is utcEpochNs + startTime, not utcEpochNs.
+    run = truth()
+    for r, lead in ((0, 7_312_004_551), (1, 12_630_117_902)):
+        write_export(run, Capture(ranks=(r,), lead=lead), tmp_path / f"cap_rank{r}.sqlite")
+    profile = read_nsys(str(tmp_path / "cap_rank*.sqlite"))
+    assert by_time(profile.events) == by_time(run) and not profile.notes
+
+
+def test_a_capture_that_starts_inside_a_step_range_counts_that_step_as_dropped(tmp_path: Path) -> None:
+    # Worker 1's optimizer STEP of step 0 was running when the capture started: the capture holds the
+    # end of step 0 and then steps 1 and 2. The log counts step 0 among those dropped.
+    gen, run = GENERATIONS["2026.2"], no_waits(truth(steps=3))
+    step0 = next(e for e in run if e.worker == 1 and e.kind == "STEP" and e.step == 0)
+    begin = (step0.start_ns + step0.end_ns) // 2
+    path = write_export(run, Capture(gen, ranks=(1,), begin=begin), tmp_path / "in_step.sqlite")
+    profile = read_nsys(path)
+    assert by_time(profile.events) == moved(of_steps([e for e in run if e.worker == 1], [1, 2]), gen.lead_ns - begin)
+    assert profile.notes == ["dropped 1 partial step(s) of the 3 the capture touches: step 0 (the capture started "
+                             "inside it: a range began before the capture)"]
 
 
 # --- ranges cut off by the capture's end, partial steps ------------------------------------------------
@@ -301,7 +441,7 @@ def test_a_capture_that_starts_inside_a_step_drops_it(tmp_path: Path) -> None:
     begin = _inside(run, 0, "F", worker=0)  # the capture starts inside worker 0's first forward
     path = write_export(run, Capture(begin=begin), tmp_path / "late.sqlite")
     conn = sqlite3.connect(path)
-    early = conn.execute("SELECT count(*) FROM NVTX_EVENTS WHERE start < 0").fetchone()[0]
+    early = conn.execute("SELECT count(*) FROM NVTX_EVENTS WHERE start < 0 AND eventType = 59").fetchone()[0]
     conn.close()
     assert early == 2  # 0F0 and worker 1's wait for it, 1RECV_F0<0, began before the capture
     profile = read_nsys(path)
@@ -339,7 +479,8 @@ def test_normalized_per_rank_exports_are_not_shifted_again(tmp_path: Path) -> No
     run = moved(truth(), late)
     for r, utc in ((0, UTC0), (1, UTC0 + late)):
         shifted = [replace(e, start_ns=e.start_ns - (utc - UTC0), end_ns=e.end_ns - (utc - UTC0)) for e in run]
-        write_export(shifted, Capture(ranks=(r,), utc_ns=utc, normalize=True), tmp_path / f"norm_rank{r}.sqlite")
+        write_export(shifted, Capture(GENERATIONS["2026.2"], ranks=(r,), utc_ns=utc, normalize=True),
+                     tmp_path / f"norm_rank{r}.sqlite")  # the session clock: what --ts-normalize adds is known
     profile = read_nsys(str(tmp_path / "norm_rank*.sqlite"))
     assert by_time(profile.events) == moved(run, UTC0)  # UTC timestamps, as exported
     assert not profile.notes
@@ -360,7 +501,8 @@ def test_shifted_exports_keep_the_users_shift(tmp_path: Path) -> None:
         write_export(own, Capture(GENERATIONS["2026.2"], ranks=(r,), utc_ns=utc, shift_ns=shift),
                      tmp_path / f"shift_rank{r}.sqlite")
     profile = read_nsys(str(tmp_path / "shift_rank*.sqlite"))
-    assert by_time(profile.events) == moved(run, 1)  # the users' shifts, no session offsets added on top
+    lead = GENERATIONS["2026.2"].lead_ns  # the shift moves session-clock times
+    assert by_time(profile.events) == moved(run, lead + 1)  # the users' shifts, no session offsets added on top
 
 
 # --- profiles of other runtimes: range-name maps ----------------------------------------------------

@@ -397,7 +397,15 @@ def test_backward_halving_is_forward_doubling_on_half_micro_batches_at_direct_me
     """Chimera's backward halving (Sec. 3.5): the doubling schedule on micro-batches of half the size, twice
     as many (what the what-if search's micro-batch sizes reach). Its activations are direct concatenation's,
     not doubling's (D=8: the same bytes), and with B = 2F, F proportional to the micro-batch, its bubble is
-    below both (0.086 = (D−2)/(2N'+D−2) with N' = 2N, against 0.273 and 0.158)."""
+    below both.
+
+    Closed forms (Chimera, Li & Hoefler SC'21, Sec. 3.2 and 3.5; DESIGN.md): a basic unit of D
+    micro-batches leaves each worker (D−2)/2 slots of F+B idle, so with N micro-batches the bubble is
+    (D−2)/2 / (N + (D−2)/2) = (D−2)/(2N+D−2). Forward doubling removes the bubbles between units: one
+    unit's idle for any N, (D−2)/(2N+D−2) = 6/38 = 3/19 at D=8, N=16. Direct concatenation keeps every
+    unit's: k = N/D units idle k(D−2)/2 slots, k(D−2)/(2N+k(D−2)) = 12/44 = 3/11. Halving is doubling
+    on N' = 2N micro-batches of half the cost: (D−2)/(2N'+D−2) = 6/70 = 3/35. All three hold for any
+    B/F ratio: the idle is counted in slots of F+B."""
     bert = BertConfig.from_size("base")
     direct = RunShape(bert, "chimera", 8, 16, 8, seq_len=128, max_predictions=20)
     doubling = replace(direct, method="chimera-doubling")
@@ -412,8 +420,15 @@ def test_backward_halving_is_forward_doubling_on_half_micro_batches_at_direct_me
             forward_ns=(f,) * 8, backward_ns=(2 * f,) * 8, step_ns=0)))
         return 1 - run.num_micro_batches * 3 * f / span
 
-    assert [round(bubble(r), 3) for r in (direct, doubling, halving)] == [0.273, 0.158, 0.086]
-    assert bubble(halving) == pytest.approx((8 - 2) / (2 * 32 + 8 - 2), abs=1e-3)
+    d, n, k = 8, 16, 16 // 8
+
+    def basic(micro_batches: int) -> float:
+        return (d - 2) / (2 * micro_batches + d - 2)
+
+    closed = {"direct": k * (d - 2) / (2 * n + k * (d - 2)), "doubling": basic(n), "halving": basic(2 * n)}
+    assert closed == pytest.approx({"direct": 3 / 11, "doubling": 3 / 19, "halving": 3 / 35})
+    got = {"direct": bubble(direct), "doubling": bubble(doubling), "halving": bubble(halving)}
+    assert got == pytest.approx(closed, rel=1e-9)
 
 
 def test_whatif_ranks_by_throughput_and_excludes_over_budget_configs_with_the_reason():

@@ -107,6 +107,40 @@ def test_nodes_that_do_not_divide_the_workers_are_refused_in_one_line(tmp_path: 
         "split evenly over the nodes; use one of [1, 3]")
 
 
+def test_cluster_slurm_without_sbatch_or_srun_is_refused_in_one_line(tmp_path: Path) -> None:
+    # A machine without SLURM (PATH holds only the interpreter's folder): submitit would print a
+    # 30-line traceback ending in 'Could not detect "srun"' (issue 38, defect 3).
+    bare = tmp_path / "bin"
+    bare.mkdir()
+    os.symlink(sys.executable, bare / "python")
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    env = {k: v for k, v in SUB_ENV.items() if not k.startswith("SLURM_")}
+    res = subprocess.run([sys.executable, str(REPO / "train.py"), "-m", "cluster=slurm", "device=cpu", "steps=2"],
+                         cwd=run_dir,
+                         env={**env, "PATH": str(bare)}, capture_output=True, text=True, timeout=120)
+    assert res.returncode == 1 and len(res.stderr.strip().splitlines()) == 1, res.stderr
+    assert "Traceback" not in res.stderr and "Could not detect" not in res.stderr and not list(run_dir.iterdir())
+    assert res.stderr.strip() == (
+        "train.py: cluster=slurm submits with SLURM's sbatch and srun, but sbatch and srun are not on PATH; run it "
+        "on a SLURM login node (or add SLURM's bin folder to PATH), or leave out cluster=slurm to train on this "
+        "machine")
+
+
+def test_missing_slurm_commands_names_only_those_not_on_path(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from pipefisher.launch.slurm import missing_slurm_commands
+
+    fake = tmp_path / "slurm-bin"
+    fake.mkdir()
+    (fake / "sbatch").write_text("#!/bin/sh\n")
+    (fake / "sbatch").chmod(0o755)
+    monkeypatch.setenv("PATH", str(fake))
+    assert missing_slurm_commands() == ["srun"]
+    (fake / "srun").write_text("#!/bin/sh\n")
+    (fake / "srun").chmod(0o755)
+    assert missing_slurm_commands() == []
+
+
 # --- a real SLURM cluster ----------------------------------------------------------------------------
 
 

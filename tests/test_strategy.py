@@ -206,6 +206,25 @@ def test_apply_strategy_sets_keys_and_refuses_explicit_keys_that_disagree(tmp_pa
         apply_strategy(other, [f"strategy={path}", "stages=4", "model=bert-mini"])
 
 
+@pytest.mark.parametrize("key", ["pipeline.layers_per_stage=[1,3]", "pipeline.order_costs=[1,2,1]",
+                                 "model.intermediate_size=64", "+model.dropout=0.0"])
+def test_apply_strategy_refuses_pipeline_and_model_keys_the_file_does_not_set(tmp_path: Path, key: str):
+    # Such a key changes what runs (pipeline.layers_per_stage: other stages than the search priced), and
+    # apply_strategy used to let it through without a word (issue 38).
+    doc = _doc()
+    doc["model"].pop("intermediate_size", None)
+    path = _write(tmp_path, doc)
+    name = key.lstrip("+").split("=")[0]
+    assert name not in strategy_overrides(read_strategy(path))
+    dcfg = compose_dict([f"strategy={path}"])
+    with pytest.raises(ConfigError) as exc:
+        apply_strategy(dcfg, [f"strategy={path}", key])
+    text = str(exc.value)
+    assert "\n" not in text and text.startswith(f"strategy={path}: {name} is not set by the file but changes what runs")
+    assert "pipeline.method, pipeline.num_virtual" in text and "keys outside pipeline.* and model.*" in text
+    apply_strategy(compose_dict([f"strategy={path}"]), [f"strategy={path}", "steps=3", "lr=0.001", "seed=2"])
+
+
 # -- round trip ----------------------------------------------------------------------------------
 
 

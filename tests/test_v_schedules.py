@@ -36,14 +36,38 @@ def _bubble(schedule, d: int) -> float:
 # -- memory: the paper's figures ----------------------------------------------------------------
 
 
+def _held_over_time(schedule) -> dict[int, int]:
+    """Per worker, the most chunk activations alive at once on the simulated timeline (F = I = W): one
+    from its F's start to the end of its W (or of a whole B). Written here from the events, not from
+    the action order the scheduler capped (``peak_activations``) nor from its cap."""
+    cost = CostModel.uniform(schedule.num_stages, U, 2 * U, input_grad_ns=U, weight_grad_ns=U)
+    changes: dict[int, list[tuple[int, int]]] = {}
+    for e in simulate(schedule, cost):
+        if e.kind == "F":
+            changes.setdefault(e.worker, []).append((e.start_ns, +1))
+        elif e.kind in ("W", "B"):
+            changes.setdefault(e.worker, []).append((e.end_ns, -1))
+    peaks = {}
+    for w, xs in changes.items():
+        held = peak = 0
+        for _, delta in sorted(xs):  # at one instant a release comes before an allocation
+            held += delta
+            peak = max(peak, held)
+        peaks[w] = peak
+    return peaks
+
+
 @pytest.mark.parametrize("d", [3, 4, 5, 6, 8])
 def test_peaks_are_the_papers_memory_in_chunk_activations(d: int) -> None:
-    # The paper (and its authors' summary table): V-Half holds (p+2)//2 micro-batches of a worker's
-    # share, V-Min (p+4)//3, 1F1B p; a chunk activation is half a share.
+    # The paper's memory (its authors' summary table): V-Half holds (p+2)//2 micro-batches of a worker's
+    # share, V-Min (p+4)//3, 1F1B and V-ZB p; a chunk activation is half a share. Measured on the
+    # simulated timeline, and the cap must bind: zb-v, uncapped below 2p, holds more.
     for n in (2 * d, 4 * d):
-        assert max(peak_activations(v_half(d, n, merge=False)).values()) == 2 * ((d + 2) // 2)
-        assert max(peak_activations(v_min(d, n, merge=False)).values()) == 2 * ((d + 4) // 3)
-        assert max(peak_activations(one_f_one_b(d, n)).values()) == d  # whole shares
+        half, vmin = (_held_over_time(g(d, n, merge=False)) for g in (v_half, v_min))
+        assert max(half.values()) == 2 * ((d + 2) // 2) and max(vmin.values()) == 2 * ((d + 4) // 3)
+        assert max(_held_over_time(zb_v(d, n, merge=False)).values()) == 2 * d > 2 * ((d + 2) // 2)
+        assert max(peak_activations(one_f_one_b(d, n)).values()) == d  # whole shares, on the action order
+        assert peak_activations(v_min(d, n, merge=False)) == vmin  # the action-order count agrees
 
 
 @pytest.mark.parametrize("d", [4, 8])
@@ -63,17 +87,41 @@ def test_memory_model_gives_the_papers_fraction_of_one_f_one_b(d: int) -> None:
 # -- bubble -----------------------------------------------------------------------------------------
 
 
+# The paper's bubble rates at T_F = T_B = T_W (its authors' table; rate = 1 − m(F+B+W)/step): 1F1B
+# ~p/m, V-Min ~2p/3m, V-Half ~p/2m, leading order in p. In idle time, rate × m(F+B+W) with F+B+W = 6
+# chunk units per micro-batch on a worker: 1F1B 6p (exactly 6(p−1)), V-Min 4p, V-Half 3p — the 2/3 and
+# 1/2 of 1F1B. Where our list scheduler idles more than that, by how many units (documented in
+# docs/profiling-nsys-clock.md, "V schedules against the paper"): the test holds each such figure exactly.
+PAPER_IDLE = {"v-half": lambda p: 3 * p, "v-min": lambda p: 4 * p}
+OVER_PAPER = {("v-half", 8): 3, ("v-min", 8): 1}
+V_GEN = {"v-half": v_half, "v-min": v_min}
+
+
+V_MIN_D6 = pytest.mark.xfail(strict=True, reason=(
+    "v-min at D=6 (cap 6 chunk activations): the list scheduler's idle grows with N (25, 33, 49 at N = 2D, 4D, "
+    "8D), above the paper's 4p = 24 and 1F1B's 30; docs/profiling-nsys-clock.md"))
+
+
+@pytest.mark.parametrize("method,d", [(m, d) for m in ("v-half", "v-min") for d in (3, 4, 5, 6, 8)
+                                      if (m, d) != ("v-min", 6)] + [pytest.param("v-min", 6, marks=V_MIN_D6)])
+def test_bubble_is_the_papers_at_equal_f_b_w(method: str, d: int) -> None:
+    one = _bubble(one_f_one_b(d, 4 * d), d)
+    assert one == 6 * (d - 1)  # (D−1)(F+I+W) per share: 1F1B's exact idle
+    paper = PAPER_IDLE[method](d)
+    for n in (2 * d, 4 * d, 8 * d):  # the paper's idle does not grow with m
+        got = _bubble(V_GEN[method](d, n, merge=False), d)
+        over = OVER_PAPER.get((method, d))
+        assert got == paper + over if over else got <= paper, (method, d, n, got, paper)
+        assert _bubble(zb_v(d, n, merge=False), d) <= got  # more memory, no more idle
+
+
 @pytest.mark.parametrize("d", [4, 8])
 def test_less_memory_costs_bubble_between_zb_v_and_one_f_one_b(d: int) -> None:
-    # Simulated, F = I = W per chunk, N = 4D. The paper's rates: V-Half ~ p/2m (about half of
-    # 1F1B's bubble), V-Min ~ 2p/3m (two thirds). The list scheduler reaches 0.28x / 0.72x at D=4 and
-    # 0.64x / 0.79x at D=8 (v_schedules.py's table): short of the paper's hand-placed blocks at D=8.
+    # Simulated, F = I = W per chunk, N = 4D: V-Half idles less than V-Min, both less than 1F1B.
     n = 4 * d
     one = _bubble(one_f_one_b(d, n), d)
-    assert one == 6 * (d - 1)  # (D-1)(F+I+W) per share
     zbv, half, vmin = (_bubble(g(d, n, merge=False), d) for g in (zb_v, v_half, v_min))
     assert zbv < half < vmin < one
-    assert half <= 0.65 * one and vmin <= 0.8 * one
 
 
 @pytest.mark.parametrize("d", [1, 2])

@@ -33,7 +33,9 @@ checks accept a candidate), :func:`report_strategy_run` (the prediction beside w
 ``train.py strategy=<file>`` sets the keys the file implies (:func:`strategy_overrides`; for PipeFisher its
 planner options and ``optimizer.schedule`` = the file, so the searched plan runs as written and is logged) before
 the config is validated; a key also given on the command line with another value is refused in one line
-naming both, as is a file train.py cannot run (a per-stage choice that differs, tp without a ``tp``
+naming both, as is a key of the groups the file decides (``pipeline.*``, ``model.*``) that the file does
+not set (e.g. ``pipeline.layers_per_stage``: it changes the stages the search priced), and a file train.py
+cannot run (a per-stage choice that differs, tp without a ``tp``
 key, a damaged field). After the run, :func:`report_strategy_run` logs the predicted step time and
 peak memory beside the measured ones and writes ``strategy_report.json`` in the run folder.
 """
@@ -63,6 +65,7 @@ log = logging.getLogger(__name__)
 STRATEGY_FORMAT = "pipefisher-strategy/1"
 REPORT_FILE = "strategy_report.json"
 _MODEL_KEYS = ("name", "num_layers", "hidden_size", "num_heads", "intermediate_size", "vocab_size")
+_DECIDED_GROUPS = ("pipeline", "model")  # config groups whose every key changes what a strategy runs
 
 
 def _pipeline_keys(method: str) -> dict[str, Any]:
@@ -303,15 +306,25 @@ def apply_strategy(dcfg: Any, explicit: Collection[str], path: str | None = None
         The checked document.
 
     Raises:
-        ConfigError: the file is bad (:func:`read_strategy`) or disagrees with the command line (one
-            line naming every disagreeing key beside the file's value).
+        ConfigError: the file is bad (:func:`read_strategy`), disagrees with the command line (one
+            line naming every disagreeing key beside the file's value), or the command line sets a key
+            of ``pipeline.*`` / ``model.*`` the file does not (one line naming them and what is allowed).
     """
     path = path or dcfg.strategy
     doc = read_strategy(path)
     keys = {o.lstrip("+~").split("=", 1)[0] for o in explicit}
+    sets = strategy_overrides(doc, path)
+    unset = sorted(k for k in keys if k.split(".", 1)[0] in _DECIDED_GROUPS and "." in k and k not in sets)
+    if unset:
+        decided = " and ".join(f"{g}.*" for g in _DECIDED_GROUPS)
+        raise ConfigError(f"strategy={path}: {', '.join(unset)} {'is' if len(unset) == 1 else 'are'} not set by the "
+                          f"file but change{'s' if len(unset) == 1 else ''} what runs (the search priced the file's "
+                          f"own {decided}); drop {'it' if len(unset) == 1 else 'them'}, or search again with "
+                          f"{'it' if len(unset) == 1 else 'them'}. Beside strategy= the command line may set the "
+                          f"file's own keys to the file's values ({', '.join(k for k in sets if '.' in k and k.split('.', 1)[0] in _DECIDED_GROUPS)}) "
+                          f"and keys outside {decided} (e.g. steps, lr, seed, data.path)")
     conflicts = []
-    overrides = strategy_overrides(doc, path)
-    for key, value in overrides.items():
+    for key, value in sets.items():
         group = key.split(".", 1)[0]
         if key in keys or (group != key and group in keys and key != "optimizer.schedule"):
             mine = _get(dcfg, key)
@@ -320,7 +333,7 @@ def apply_strategy(dcfg: Any, explicit: Collection[str], path: str | None = None
     if conflicts:
         raise ConfigError(f"strategy={path}: the command line disagrees with the file: {'; '.join(conflicts)}; drop "
                           f"those keys to run the strategy as it is, or search again with them")
-    for key, value in overrides.items():
+    for key, value in sets.items():
         node = dcfg
         *parents, leaf = key.split(".")
         for part in parents:

@@ -6,8 +6,10 @@ number of ``STEP`` ranges its worker ended before the action started (0 when non
 ties at one instant are broken by record order). A range named like an action that encloses
 another action range of its thread (a user's ``STEP`` around a whole iteration) is not an action:
 it is dropped from the events, and its ends count steps only where the worker recorded no
-optimizer ``STEP`` range (issue 15, item 8). A ``STEP`` that began before the capture closes a
-step the capture does not hold: it counts no step.
+optimizer ``STEP`` range (issue 15, item 8). A ``STEP`` that began before the capture counts
+too: it closes a step the capture holds only in part, which is dropped as such, so steps are
+numbered and dropped steps counted as the run ran them (issue 38: a capture read on the wrong clock
+had 119 steps' ranges "begin before the capture", merged into one step, and said it dropped 2).
 
 [Note: partial steps]
 A capture that starts or stops inside a step holds part of it; averaging its actions in, or
@@ -17,7 +19,7 @@ counting it as a full step, gives wrong costs (issue 25). Dropped, with one log 
   capture's end: [Note: the capture window] in ``nsys_capture``);
 - every step from the first one that some worker never closed with a ``STEP`` (the capture
   stopped between its actions), when the workers record ``STEP`` ranges;
-- a step with an action range that began before the capture;
+- a step with an action range (or ``STEP`` bracket) that began before the capture;
 - the first or last step kept when one of its workers holds fewer forwards and backwards
   (F, B, I, W) in it than in its fullest step (the capture began or ended between actions).
 """
@@ -72,12 +74,12 @@ def enclosing(ranges: Sequence[ActionRange]) -> set[Key]:
 
 
 def delimiters(ranges: Sequence[ActionRange], enclosing_keys: set[Key], worker_of: Mapping[Key, int]) -> list[ActionRange]:
-    """Per worker: its finished optimizer STEP ranges, or its enclosing STEP ranges if it has none;
-    a STEP that began before the capture is none of them."""
+    """Per worker: its finished optimizer STEP ranges, or its enclosing STEP ranges if it has none
+    (those that began before the capture too: [Note: steps of an nsys export])."""
     chosen: dict[int, list[ActionRange]] = defaultdict(list)
     brackets: dict[int, list[ActionRange]] = defaultdict(list)
     for r in ranges:
-        if r.kind == "STEP" and r.end is not None and not r.early:
+        if r.kind == "STEP" and r.end is not None:
             (brackets if r.key in enclosing_keys else chosen)[worker_of[r.key]].append(r)
     return [r for w in set(chosen) | set(brackets) for r in (chosen.get(w) or brackets[w])]
 
@@ -143,8 +145,9 @@ def partial_steps(ranges: Sequence[ActionRange], step_of: Mapping[Key, int], wor
         delimiter_ranges: the STEP ranges that count steps (:func:`delimiters`).
         enclosing_keys: ranges that are step brackets, not actions.
     """
-    actions = [r for r in ranges if r.key not in enclosing_keys and not (r.kind == "STEP" and r.early)]
-    all_steps = sorted({step_of[r.key] for r in actions})
+    actions = [r for r in ranges if r.key not in enclosing_keys]
+    early = {step_of[r.key] for r in ranges if r.early}  # brackets too: the actions they hold are partial
+    all_steps = sorted({step_of[r.key] for r in actions} | early)
     dropped: dict[int, str] = {}
     unfinished = [step_of[r.key] for r in ranges if r.end is None]
     stop = min(unfinished) if unfinished else None
@@ -156,9 +159,8 @@ def partial_steps(ranges: Sequence[ActionRange], step_of: Mapping[Key, int], wor
         if stop is not None and step >= stop:
             dropped[step] = (f"the capture stopped inside it: {len(unfinished)} action range(s) never ended"
                              if unfinished and step >= min(unfinished) else "the capture stopped before its STEP")
-    for r in actions:
-        if r.early and step_of[r.key] not in dropped:
-            dropped[step_of[r.key]] = "the capture started inside it: a range began before the capture"
+    for step in sorted(early - set(dropped)):
+        dropped[step] = "the capture started inside it: a range began before the capture"
     kept = [s for s in all_steps if s not in dropped]
     if len(kept) > 1:
         counts: dict[int, Counter[int]] = defaultdict(Counter)  # worker -> step -> compute actions

@@ -24,9 +24,14 @@ paper's building blocks: simulated with F = I = W per chunk and N = 4D, the step
     8   7           27 (cap 10)    33 (cap 8)     42
 
 so V-Half has 0.28× (D=4) and 0.64× (D=8) of 1F1B's bubble at (p+2)/2p of its memory, and V-Min
-0.72× and 0.79× at (p+4)/3p; the paper's ~1/2 and ~2/3 come from hand-placed blocks that a greedy
-order does not reach at D=8 (tests/test_v_schedules.py holds these figures). For D ≤ 2 both caps
-equal zb-v's 2D (the formulas give p), so the schedules are zb-v's order.
+0.72× and 0.79× at (p+4)/3p. The paper's rates are leading order in p: in idle time (rate × m(F+B+W),
+6 chunk units a micro-batch) V-Half 3p, V-Min 4p, 1F1B 6p (exactly 6(p−1), which is why the ratios to
+1F1B's exact bubble look worse than 1/2 and 2/3). Against 3p and 4p: at most that for D = 3, 4, 5
+(and V-Half at D=6); 3 and 1 units over at D=8 (27 and 33), the greedy order not reaching the paper's
+hand-placed blocks; V-Min at D=6 (cap 6) idles 25, 33, 49 at N = 2D, 4D, 8D, growing with N, above
+1F1B's 30 — a known defect of the list scheduler under that cap (tests/test_v_schedules.py holds every
+figure; docs/profiling-nsys-clock.md). For D ≤ 2 both caps equal zb-v's 2D (the formulas give p), so
+the schedules are zb-v's order.
 
 ZB-H2 (one stage per worker, no bubble at about 2p micro-batches) is not built: any one-chunk
 schedule needs at least N(F+I+W) + (D−1)·F per worker share, which zb-v reaches within (D−1)·F/2 at
