@@ -1,10 +1,10 @@
-"""Write bench/calibration/study_b32_fixed_schedule.json from bench/README.md section 7's seed tables.
+"""Write bench/calibration/study_b32_fixed_schedule.json from bench/studies/07-convergence.md's seed tables.
 
     python bench/calibration/study_b32_fixed_schedule.py
 
 The study's raw per-step results are not in the repository, so the steps are typed from the README's tables
 (mean and range over seeds 0-2 of each final arm's steps to H-0.2 and H-0.3). Fixed-schedule method, two
-losses: see the file's ``limits`` and docs/strategy-time-to-target.md.
+losses: see the file's ``limits`` and docs/time-to-target.md.
 """
 import sys
 from pathlib import Path
@@ -47,12 +47,12 @@ doc = calibration_document(
     "(steps do not depend on it)", reference="nvlamb", budgets=[2000],
     reference_steps=[(LOSSES[0], REF["H-0.2"][0]), (LOSSES[1], REF["H-0.3"][0])],
     optimizers=entries,
-    provenance="bench/README.md section 7 (issue 23 study, bench/results/convergence/study, 2026-11-24): the final "
+    provenance="bench/studies/07-convergence.md (issue 23 study, bench/results/convergence/study, 2026-11-24): the final "
     "arms' steps to held-out targets H-0.2 and H-0.3 (H = 6.540 nats, the held-out masked labels' unigram entropy), "
     "mean and range over seeds 0-2, each arm at its tuned lr in one 2,000-step schedule; speed-up = NVLAMB's mean "
     "steps / the arm's, interval = [NVLAMB min / arm max, NVLAMB max / arm min] (the README's range over seed pairs). "
     "The raw per-step results are not in the repository; this file is typed from the README's tables. "
-    "Regenerate: python bench/calibration/study_b32_fixed_schedule.py (docs/strategy-time-to-target.md).",
+    "Regenerate: python bench/calibration/study_b32_fixed_schedule.py (docs/time-to-target.md).",
     limits="fixed-schedule, single target placement: both targets sit inside one 2,000-step schedule (NVLAMB reaches "
     "H-0.3 at step 1,606, its final loss only 0.03 nats below it), where issue 37 measured the ratios to move with "
     "the target's place in the schedule; not the budget method. Two losses only (6.34, 6.24); one model "

@@ -5,7 +5,7 @@ Entry points: :func:`read_calibration` (checked; one ``CalibrationError`` line n
 :func:`calibration_document` / :func:`write_calibration` (what ``bench/convergence.py --calibration-out``
 writes), :class:`Calibration` (``steps_multiplier``, ``reference_steps``).
 
-[Note: the calibration file] (``docs/strategy-time-to-target.md`` has an example)::
+[Note: the calibration file] (``docs/time-to-target.md`` has an example)::
 
     format           "pipefisher-calibration/1"
     method           "budget": Wen et al. (arXiv 2509.02046): runs at several budgets, each with its own lr
