@@ -8,6 +8,8 @@ is no terminal gets a progress line every N steps, not one per step.
 
 from __future__ import annotations
 
+import importlib
+import io
 import os
 import subprocess
 import sys
@@ -19,7 +21,8 @@ from pipefisher.config import ConfigError, check_override_keys
 from pipefisher.planning.config import ScheduleConfig
 from pipefisher.tracking import WandbLogger
 from pipefisher.tracking.wandb_logger import RUN_ID_FILE
-from tests.conftest import REPO
+from pipefisher.training import LineProgress, progress_range
+from tests.conftest import REPO, compose_train
 
 
 # --- command line: --key value, and options of a group ------------------------------------------------
@@ -105,3 +108,63 @@ def test_an_attempt_that_continues_from_a_checkpoint_logs_into_the_same_wandb_ru
     assert len(folders) == 2 and all(name.endswith(f"-{first}") for name in folders)  # `wandb sync` joins them
     fresh = _attempt(tmp_path, continuing=False, steps=range(0, 2))  # a new start: a new run
     assert fresh != first and (tmp_path / RUN_ID_FILE).read_text().strip() == fresh
+
+
+# --- console scripts ---------------------------------------------------------------------------------
+
+
+def test_every_console_script_names_a_function_and_compare_has_one() -> None:
+    tomllib = pytest.importorskip("tomllib")
+    scripts = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["scripts"]
+    assert scripts["pipefisher-compare"] == "pipefisher.compare:main"
+    for name, target in scripts.items():
+        module, _, func = target.partition(":")
+        assert callable(getattr(importlib.import_module(module), func)), name
+
+
+def test_pipefisher_compare_runs_as_its_console_script_does(tmp_path: Path) -> None:
+    # What pip's wrapper does: sys.exit(main()) with the script's name in argv[0].
+    wrapper = "import sys; from pipefisher.compare import main; sys.argv[0] = 'pipefisher-compare'; sys.exit(main())"
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    helped = subprocess.run([sys.executable, "-c", wrapper, "--help"], capture_output=True, text=True, env=env,
+                            timeout=120)
+    assert helped.returncode == 0 and helped.stdout.startswith("usage: pipefisher-compare "), helped.stdout
+    missing = subprocess.run([sys.executable, "-c", wrapper, str(tmp_path / "nope")], capture_output=True, text=True,
+                             env=env, timeout=120)
+    assert missing.returncode == 1 and missing.stderr.startswith("compare: error: "), missing.stderr
+
+
+# --- progress in a log that is no terminal -----------------------------------------------------------
+
+
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def _progress(first: int, stream: io.StringIO) -> object:
+    cfg = compose_train(["steps=25", "log_every=10", "progress=true"])
+    bar = progress_range(cfg, enabled=True, first=first, stream=stream)
+    for step in bar:
+        if step % cfg.log_every == 0 or step == cfg.steps - 1:  # what StepReporter shows on logged steps
+            bar.set_postfix(loss=f"{10 - step / 10:.2f}")
+    bar.close()
+    return bar
+
+
+def test_a_log_that_is_no_terminal_gets_a_progress_line_every_log_every_steps() -> None:
+    log = io.StringIO()
+    assert isinstance(_progress(0, log), LineProgress)
+    lines = log.getvalue().splitlines()
+    assert "\r" not in log.getvalue() and len(lines) == 4, lines  # after steps 0, 10, 20 and the last (24)
+    assert [line.split("|")[2].split()[0] for line in lines] == ["1/25", "11/25", "21/25", "25/25"]
+    assert lines[0].startswith("train:") and "loss=10.00" in lines[0] and "loss=7.60" in lines[-1]
+    resumed = io.StringIO()
+    _progress(12, resumed)  # a resumed run: the first line at the next logged step
+    assert [line.split("|")[2].split()[0] for line in resumed.getvalue().splitlines()] == ["21/25", "25/25"]
+
+
+def test_a_terminal_gets_tqdms_bar() -> None:
+    from tqdm import tqdm
+
+    assert isinstance(_progress(0, _Terminal()), tqdm)
