@@ -22,7 +22,7 @@ from pipefisher.planning.config import ScheduleConfig
 from pipefisher.tracking import WandbLogger
 from pipefisher.tracking.wandb_logger import RUN_ID_FILE
 from pipefisher.training import LineProgress, progress_range
-from tests.conftest import REPO, compose_train
+from tests.conftest import REPO, TINY, compose_train
 
 
 # --- command line: --key value, and options of a group ------------------------------------------------
@@ -168,3 +168,20 @@ def test_a_terminal_gets_tqdms_bar() -> None:
     from tqdm import tqdm
 
     assert isinstance(_progress(0, _Terminal()), tqdm)
+
+
+@pytest.mark.slow
+def test_train_py_resumed_from_a_checkpoint_logs_into_the_same_wandb_run(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    run = [sys.executable, str(REPO / "train.py"), "pipeline=1f1b", "stages=2", "num_micro_batches=2",
+           "checkpoint.every_steps=1", "wandb.mode=offline", *[t for t in TINY if not t.startswith("wandb.")],
+           f"hydra.run.dir={run_dir}"]
+    env = {**os.environ, "PYTHONPATH": str(REPO), "WANDB_MODE": "offline", "OMP_NUM_THREADS": "1"}
+    first = subprocess.run([*run, "steps=2"], capture_output=True, text=True, env=env, timeout=600)
+    assert first.returncode == 0, first.stderr[-3000:]
+    again = subprocess.run([*run, "steps=4", "resume=auto"], capture_output=True, text=True, env=env, timeout=600)
+    assert again.returncode == 0, again.stderr[-3000:]
+    run_id = (run_dir / RUN_ID_FILE).read_text().strip()
+    assert f"continuing wandb run {run_id}" in again.stdout + again.stderr
+    attempts = sorted(p.name for p in (run_dir / "wandb").glob("offline-run-*"))
+    assert len(attempts) == 2 and all(a.endswith(f"-{run_id}") for a in attempts), attempts

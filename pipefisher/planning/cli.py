@@ -235,9 +235,9 @@ def _staleness_keys(cfg: ScheduleConfig) -> str:
 def _age_line(a: Any, cfg: ScheduleConfig) -> str:
     """``curvature age <= n steps (…)``: the bound train.py states for this plan at its start
     (``runtime.build.describe_kfac``): the plan's own, under the rule the run applies."""
-    bound = f", max_staleness={cfg.max_staleness}" if cfg.max_staleness is not None else ""
-    return (f"curvature age <= {curvature_age_bound(a, cfg.promote_inverses)} steps "
-            f"(promote_inverses={cfg.promote_inverses}{bound})")
+    bound = f" and max_staleness={cfg.max_staleness}" if cfg.max_staleness is not None else ""
+    return (f"curvature age <= {curvature_age_bound(a, cfg.promote_inverses)} steps with "
+            f"promote_inverses={cfg.promote_inverses}{bound}")
 
 
 def _train_keys(run: RunShape, path: Path, model_name: str = "", staleness: str = "") -> str:
