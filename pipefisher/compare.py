@@ -603,7 +603,7 @@ def plot_sweep(runs: Sequence[Run], out_dir: str | Path) -> list[Path]:
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="python -m pipefisher.compare",
+        prog="pipefisher-compare" if Path(sys.argv[0]).name == "pipefisher-compare" else "python -m pipefisher.compare",
         description="Compare the runs of a Hydra sweep (metrics.jsonl + .hydra/config.yaml): "
                     "print a table and write loss, utilization and held-out loss plots. No network.",
     )

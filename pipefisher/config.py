@@ -14,6 +14,7 @@ import logging
 import os
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, fields, is_dataclass
+from pathlib import Path
 from typing import Any, Optional, get_type_hints
 
 from hydra.core.config_store import ConfigStore
@@ -887,6 +888,9 @@ def check_override_keys(args: Iterable[str], schema: type | None = None,
     schema = schema or TrainConfig
     keys = _schema_keys(schema, rename=rename)
     known = set(keys)
+    args = list(args)
+    _refuse_flag_style(args, known)
+    _refuse_unknown_choices(args, schema, rename)
     leaves: dict[str, list[str]] = {}
     for key in keys:
         leaves.setdefault(key.rsplit(".", 1)[-1], []).append(key)
@@ -912,6 +916,49 @@ def check_override_keys(args: Iterable[str], schema: type | None = None,
         hint = f"; did you mean {close[0]}={value}?" if close else ""
         where = f"'{parent}' has" if depth else "the config has"
         raise ConfigError(f"{arg}: unknown key '{key}'{hint} ({where} no key '{parts[depth]}'; --help lists the keys)")
+
+
+# Hydra's own command-line flags (``python train.py --help`` lists them): left to Hydra.
+_HYDRA_FLAGS = {"help", "hydra-help", "version", "cfg", "resolve", "package", "run", "multirun", "shell-completion",
+                "config-path", "config-name", "config-dir", "experimental-rerun", "info"}
+_CONF_DIR = Path(__file__).resolve().parent / "conf"
+
+
+def _refuse_flag_style(args: list[str], known: set[str]) -> None:
+    """``--steps 30`` or ``--steps=30``: Hydra takes ``key=value``, and argparse's own error
+    ("unrecognized arguments") does not say so (issue 40, item 5)."""
+    for i, arg in enumerate(args):
+        if not arg.startswith("--") or arg[2:].split("=", 1)[0] in _HYDRA_FLAGS:
+            continue
+        name, eq, value = arg[2:].partition("=")
+        key = name.replace("-", "_")
+        if key not in known:
+            continue
+        if not eq:
+            nxt = args[i + 1] if i + 1 < len(args) else None
+            value = nxt if nxt is not None and not nxt.startswith("-") and "=" not in nxt else "<value>"
+        shown = arg if eq or value == "<value>" else f"{arg} {value}"
+        raise ConfigError(f"{shown}: options are key=value without dashes: write {key}={value}")
+
+
+def _refuse_unknown_choices(args: list[str], schema: type, rename: Mapping[str, str] | None) -> None:
+    """``optimizer=kfca``: name the group's options (its YAML files) before Hydra lists them with
+    its internal ``*_schema`` entries (issue 40, item 5)."""
+    hints = get_type_hints(schema)
+    groups = {(rename or {}).get(f.name, f.name) for f in fields(schema)
+              if is_dataclass(hints.get(f.name)) and (_CONF_DIR / (rename or {}).get(f.name, f.name)).is_dir()}
+    for arg in args:
+        if arg.startswith(("-", "+", "~")) or "=" not in arg:
+            continue
+        group, value = arg.split("=", 1)
+        if group not in groups or not value or any(c in value for c in "()[]${}*?") or value == "null":
+            continue  # a sweep function, an interpolation or a glob: Hydra's to expand
+        options = sorted(p.stem for p in (_CONF_DIR / group).glob("*.yaml"))
+        for choice in value.split(","):
+            if choice not in options and choice != f"{group}_schema":  # the schema: refused after composition
+                close = difflib.get_close_matches(choice, options, n=1, cutoff=0.5)
+                hint = f"did you mean {group}={close[0]}? " if close else ""
+                raise ConfigError(f"{arg}: no {group} '{choice}'; {hint}choose one of {', '.join(options)}")
 
 
 def refuse_unknown_keys(args: Iterable[str], program: str, schema: type | None = None,

@@ -1,8 +1,15 @@
 """Helpers of the tests that run real jobs on the local SLURM cluster (tests/test_slurm*.py).
 
 The cluster is the one ``scripts/slurm/start.sh [--nodes N]`` starts (as root; ``.ci/run`` starts
-two nodes). Without one the tests fail, on purpose; on a developer machine without SLURM,
-``PIPEFISHER_SKIP_SLURM=1`` skips them.
+two nodes). What a test that needs it does (:func:`slurm_plan`, issue 40, item 3):
+
+- a cluster with enough nodes up answers: use it;
+- SLURM is installed (a ``slurmctld`` binary) but not running, or with too few nodes: as root,
+  start it (``start.sh --nodes 2``, once per session: the two nodes every SLURM test can use);
+  otherwise fail, naming the command that starts it;
+- SLURM is not installed: skip, saying so and how to install it (``sudo scripts/slurm/start.sh``);
+  ``python -m pytest -q`` then passes on a machine without SLURM;
+- ``PIPEFISHER_SKIP_SLURM=1``: skip.
 """
 
 from __future__ import annotations
@@ -14,6 +21,7 @@ import shutil
 import subprocess
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -26,31 +34,113 @@ SUB_ENV = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), 
 UP_STATES = ("idle", "mix", "alloc")
 
 
-def slurm_nodes() -> dict[str, str]:
-    """``{node: state}`` as ``sinfo -N`` reports them; fails the test when SLURM does not answer."""
-    if os.environ.get("PIPEFISHER_SKIP_SLURM") == "1":
-        pytest.skip("PIPEFISHER_SKIP_SLURM=1")
+#: Nodes a test session starts (``.ci/run`` starts as many): every SLURM test runs on them.
+START_NODES = 2
+# Where Debian puts the daemons, which a non-root PATH may leave out.
+_SBIN = ("/usr/sbin", "/usr/local/sbin", "/sbin")
+_start_failed: dict[int, str] = {}  # nodes asked of start.sh this session -> why it failed (not retried)
+
+
+@dataclass(frozen=True)
+class SlurmState:
+    """What the harness sees of SLURM on this machine."""
+
+    skip_requested: bool  # PIPEFISHER_SKIP_SLURM=1
+    installed: bool  # a slurmctld binary exists
+    nodes: dict[str, str] | None  # sinfo's {node: state}, None when no controller answered
+    root: bool  # this process may run start.sh
+
+    @property
+    def up(self) -> int:
+        return sum(state in UP_STATES for state in (self.nodes or {}).values())
+
+
+def slurm_plan(state: SlurmState, min_nodes: int = 1) -> tuple[str, str]:
+    """What a test that needs ``min_nodes`` SLURM nodes does: ``("use" | "start" | "skip" | "fail",
+    the reason, one line naming the fix)``."""
+    if state.skip_requested:
+        return "skip", "PIPEFISHER_SKIP_SLURM=1"
+    if state.nodes is not None and state.up >= min_nodes:
+        return "use", f"{state.up} SLURM node(s) up"
+    how = f"sudo {START}" + (f" --nodes {max(min_nodes, START_NODES)}" if max(min_nodes, START_NODES) > 1 else "")
+    seen = (f"{state.up} SLURM node(s) up ({state.nodes or 'none'}), {min_nodes} needed" if state.nodes is not None
+            else "the SLURM controller does not answer")
+    if not state.installed:
+        if state.nodes is not None:  # a controller elsewhere (a cluster's login node) with too few nodes
+            return "fail", f"{seen}: run the tests where {min_nodes} node(s) are up"
+        return "skip", (f"SLURM is not installed (no slurmctld): `{how}` installs and starts a local cluster "
+                        f"of {max(min_nodes, START_NODES)} nodes for these tests")
+    if state.root:
+        return "start", f"{seen}: starting it with `{START} --nodes {max(min_nodes, START_NODES)}`"
+    return "fail", f"{seen}: run `{how}` (as root), or set PIPEFISHER_SKIP_SLURM=1"
+
+
+def _sinfo() -> dict[str, str] | None:
+    """``{node: state}`` as ``sinfo -N`` reports them, or None when no controller answers."""
     if shutil.which("sinfo") is None:
-        pytest.fail(f"SLURM is not installed (no sinfo on PATH): run `sudo {START}` first "
-                    "(or set PIPEFISHER_SKIP_SLURM=1 on a machine without SLURM)", pytrace=False)
+        return None
     try:
         out = subprocess.run(["sinfo", "-h", "-N", "-o", "%N %t"], capture_output=True, text=True, timeout=60)
     except subprocess.TimeoutExpired:
-        pytest.fail(f"the SLURM controller does not answer: run `sudo {START}`", pytrace=False)
+        return None
     if out.returncode:
-        pytest.fail(f"the SLURM controller does not answer ({out.stderr.strip()}): run `sudo {START}`", pytrace=False)
+        return None
     return dict(line.split() for line in out.stdout.splitlines() if line.strip())
 
 
+def slurm_state() -> SlurmState:
+    """This machine's :class:`SlurmState` (asks ``sinfo`` unless the tests are told to skip SLURM)."""
+    skip = os.environ.get("PIPEFISHER_SKIP_SLURM") == "1"
+    sbin = os.pathsep.join([os.environ.get("PATH", ""), *_SBIN])
+    return SlurmState(skip_requested=skip, installed=shutil.which("slurmctld", path=sbin) is not None,
+                      nodes=None if skip else _sinfo(), root=os.geteuid() == 0)
+
+
+def _start(nodes: int, script: Path) -> str:
+    """Run ``script --nodes nodes`` (idempotent); "" when it worked, else the reason. A start that
+    failed is not tried again in this session: every later test fails at once with its reason."""
+    if nodes in _start_failed:
+        return _start_failed[nodes]
+    try:
+        done = subprocess.run([str(script), "--nodes", str(nodes)], capture_output=True, text=True, timeout=600)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        _start_failed[nodes] = str(e)
+        return _start_failed[nodes]
+    if done.returncode:
+        tail = (done.stdout + done.stderr).strip().splitlines()[-3:]
+        _start_failed[nodes] = f"exit status {done.returncode}: {' | '.join(tail)}"
+        return _start_failed[nodes]
+    return ""
+
+
+def slurm_nodes(min_nodes: int = 1, script: Path = REPO / START) -> dict[str, str]:
+    """``{node: state}`` as ``sinfo -N`` reports them, after starting the cluster where
+    :func:`slurm_plan` says so; skips or fails the test (one line) where it says so."""
+    state = slurm_state()
+    action, why = slurm_plan(state, min_nodes)
+    if action == "skip":
+        pytest.skip(why)
+    if action == "fail":
+        pytest.fail(why, pytrace=False)
+    if action == "start":
+        failed = _start(max(min_nodes, START_NODES), script)
+        state = slurm_state()
+        if failed or state.up < min_nodes:
+            pytest.fail(f"{why}, which did not bring {min_nodes} node(s) up ({failed or state.nodes}); "
+                        f"see /var/log/slurm/", pytrace=False)
+    return dict(state.nodes or {})
+
+
 def require_slurm(min_nodes: int = 1) -> list[str]:
-    """The up nodes of the SLURM cluster (at least ``min_nodes``), in ``sinfo`` order; fails the test
-    (not skips) when there are fewer. A node still completing an earlier test's job ("comp") is
-    waited for, up to a minute: that state passes by itself."""
-    nodes = slurm_nodes()
+    """The up nodes of the SLURM cluster (at least ``min_nodes``), in ``sinfo`` order; starts,
+    skips or fails as :func:`slurm_nodes` does, and fails (not skips) when there are fewer. A node
+    still completing an earlier test's job ("comp") is waited for, up to a minute: that state
+    passes by itself."""
+    nodes = slurm_nodes(min_nodes)
     deadline = time.monotonic() + 60
     while any(state.startswith("comp") for state in nodes.values()) and time.monotonic() < deadline:
         time.sleep(0.5)
-        nodes = slurm_nodes()
+        nodes = _sinfo() or {}
     up = [n for n, state in nodes.items() if state in UP_STATES]
     if len(up) < min_nodes:
         how = f"sudo {START}" + (f" --nodes {min_nodes}" if min_nodes > 1 else "")

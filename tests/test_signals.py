@@ -30,9 +30,9 @@ START_TIMEOUT_S = 240  # until the first step's metrics row (interpreter and tor
 
 
 def _start(run_dir: Path, *overrides: str, new_session: bool = False,
-           run: list[str] = RUN) -> tuple[subprocess.Popen, Path]:
+           run: list[str] = RUN, wandb_mode: str = "disabled") -> tuple[subprocess.Popen, Path]:
     log = run_dir.with_suffix(".log")
-    env = {**os.environ, "WANDB_MODE": "disabled", "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "WANDB_MODE": wandb_mode, "OMP_NUM_THREADS": "1"}
     with open(log, "wb") as out:
         proc = subprocess.Popen([sys.executable, "train.py", *run, "steps=100000", *overrides,
                                  f"hydra.run.dir={run_dir}"], cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT,
@@ -267,4 +267,42 @@ def test_workers_that_do_not_reach_the_step_end_are_killed_after_the_grace_perio
     assert code == 130, out[-3000:]
     assert f"stopping the workers now (still running {STOP_GRACE_S:.0f} s after SIGINT)" in out, out[-3000:]
     assert "interrupted at step 1; last checkpoint: none" in out, out[-3000:]
+    _assert_nothing_left(below)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("wandb_mode", ["disabled", "offline"])
+def test_sigterm_to_the_process_group_checkpoints_exits_143_and_resume_auto_continues(tmp_path: Path,
+                                                                                       wandb_mode: str) -> None:
+    # `timeout`, `kill -- -PGID` and job managers signal every process of the group: the workers (and
+    # wandb's service) get SIGTERM directly, and must stop with the launcher after the agreed step
+    # (issue 40, item 2). on_stop_after_s=0: a run that trained long enough to save on a stop.
+    run_dir = tmp_path / "run"
+    proc, log = _start(run_dir, "checkpoint.on_stop_after_s=0", f"wandb.mode={wandb_mode}", new_session=True,
+                       wandb_mode=wandb_mode)
+    _wait_for_step(proc, run_dir, log)
+    code, out, below = _stop(proc, log, lambda: os.killpg(proc.pid, signal.SIGTERM))
+    assert code == 143, out[-3000:]
+    assert "ended with an error while stopping" not in out and "Traceback" not in out, out[-3000:]
+    assert "stop signal: stopped after step" in out, out[-3000:]  # the workers agreed on the step
+    step, folder = _interrupt_checkpoint(out)
+    assert folder == run_dir / "checkpoints" / f"step_{step}" and (folder / "manifest.json").is_file()
+    _assert_nothing_left(below)
+    _assert_resume_continues(run_dir, RUN, step)
+
+
+@pytest.mark.slow
+def test_sigterm_to_one_worker_alone_stops_the_run_together_and_exits_143(tmp_path: Path) -> None:
+    # `kill <worker pid>`: the signalled worker takes part in the agreed stop; the launcher, which got
+    # no signal, learns of the stop from rank 0's preempted.json and ends as after its own SIGTERM.
+    run_dir = tmp_path / "run"
+    proc, log = _start(run_dir, "checkpoint.on_stop_after_s=0")
+    _wait_for_step(proc, run_dir, log)
+    worker = min(p for p in _descendants(proc.pid)
+                 if "spawn_main" in Path(f"/proc/{p}/cmdline").read_text())  # a spawned worker
+    code, out, below = _stop(proc, log, lambda: os.kill(worker, signal.SIGTERM))
+    assert code == 143, out[-3000:]
+    assert "a worker got a stop signal: the workers stopped together" in out, out[-3000:]
+    step, folder = _interrupt_checkpoint(out)
+    assert folder == run_dir / "checkpoints" / f"step_{step}" and (folder / "manifest.json").is_file()
     _assert_nothing_left(below)

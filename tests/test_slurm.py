@@ -1,9 +1,10 @@
 """SLURM launch: task environment, ``cluster=slurm`` config, and real jobs on a local SLURM.
 
-The tests that call ``require_slurm`` need a running SLURM controller: start the cluster with
-``sudo scripts/slurm/start.sh`` (one node; CI starts two with ``--nodes 2``, and these tests run
-on either, except the sdp run, which needs the two). Without one they fail, on purpose; on a developer
-machine without SLURM, ``PIPEFISHER_SKIP_SLURM=1`` skips them. Multi-node runs: tests/test_slurm_multinode.py.
+The tests that call ``require_slurm`` need a running SLURM controller: ``sudo scripts/slurm/start.sh``
+starts one (one node; CI starts two with ``--nodes 2``, and these tests run on either, except the sdp
+run, which needs the two). Run as root, they start it themselves where SLURM is installed; where it
+is not (no slurmctld) they skip, saying so; ``PIPEFISHER_SKIP_SLURM=1`` skips them too
+(``tests/slurm_harness.py``). Multi-node runs: tests/test_slurm_multinode.py.
 """
 
 from __future__ import annotations

@@ -3,7 +3,8 @@
 ``sudo scripts/slurm/start.sh --nodes 2`` (``.ci/run`` does) runs each node's slurmd in its own
 network and UTS namespace: the workers of a two-node job live on two hosts with their own names and
 addresses, and reach each other only over the bridge between them, as on a real cluster. The
-module fixture starts the two nodes once (as root) when fewer are up, and every test shares them.
+module fixture starts the two nodes once (as root) when fewer are up, and every test shares them
+(skipped where SLURM is not installed: ``tests/slurm_harness.py``).
 
 The reference of every run is single-process training of the same model and samples (dropout
 off), computed in this process.
@@ -35,7 +36,6 @@ from tests.slurm_harness import (
     preempt,
     require_slurm,
     scontrol_job,
-    slurm_nodes,
     submitit_job_id,
     task_log,
     wait_for_rows,
@@ -54,11 +54,8 @@ TASK_LINE = re.compile(r"SLURM task: SLURM_JOB_ID=(\d+) \S+ rank (\d+)/(\d+) \(l
 
 @pytest.fixture(scope="module")
 def two_nodes() -> list[str]:
-    """The up nodes (at least two). Starts the two-node cluster once when fewer nodes are up and
-    this runs as root (idempotent: a cluster already up is left as it is)."""
-    nodes = slurm_nodes() if os.environ.get("PIPEFISHER_SKIP_SLURM") != "1" else {}
-    if sum(s in ("idle", "mix", "alloc") for s in nodes.values()) < 2 and os.geteuid() == 0:
-        subprocess.run([str(REPO / START), "--nodes", "2"], check=True, timeout=600, capture_output=True)
+    """The up nodes (at least two). Starts the two-node cluster when fewer nodes are up, SLURM is
+    installed and this runs as root; skips where SLURM is not installed (``slurm_harness.slurm_plan``)."""
     return require_slurm(min_nodes=2)
 
 

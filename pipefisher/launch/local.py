@@ -7,8 +7,10 @@ owns SLURM's warning signal requeues the job after the workers checkpointed on i
 
 [Note: failures end the whole job]
 Local workers are started with ``torch.multiprocessing.start_processes``: when one exits with an
-exception or is killed, ``join`` terminates the others at once and raises with the failed worker's
-rank and traceback. A worker that stalls without exiting is caught by the process-group timeout
+exception or is killed, ``join`` ends the others at once and raises with the failed worker's
+rank and traceback. It sends them SIGTERM, which a worker records as a request to stop after the
+step (so that a SIGTERM to the whole process group stops the run with a checkpoint); the join is
+given no grace period (:data:`_NO_GRACE`), so SIGKILL follows at once. A worker that stalls without exiting is caught by the process-group timeout
 (``cluster.worker_timeout_s``): its peers' blocking receives and collectives raise, and they exit.
 
 [Note: Ctrl-C and SIGTERM to the launcher]
@@ -27,6 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import inspect
 import json
 import logging
 import os
@@ -54,7 +57,7 @@ from pipefisher.schedules.ir import Schedule
 from pipefisher.tracking import WandbLogger, read_metrics, run_name_from_overrides
 from pipefisher.training import check_local_gpus, train_single_process
 
-__all__ = ["run_training", "launch_workers", "check_resume", "WorkerFailed", "STOP_GRACE_S"]
+__all__ = ["run_training", "launch_workers", "check_resume", "WorkerFailed", "STOP_GRACE_S", "WORKER_STOP_SIGNALS"]
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +66,14 @@ log = logging.getLogger(__name__)
 #: (SLURM's KillWait, Kubernetes' grace period). See [Note: Ctrl-C and SIGTERM to the launcher].
 STOP_GRACE_S = 20.0
 _POLL_S = 0.25  # how often the launcher looks at its workers and at recorded signals
+# ``ProcessContext.join(grace_period=0)``: SIGKILL right after the SIGTERM with which torch ends the
+# peers of a failed worker (they record SIGTERM). An older torch without the argument terminates
+# them with SIGTERM and waits: its workers keep SIGTERM's default action (a SIGTERM to the process
+# group then still kills them, as before issue 40, item 2).
+_NO_GRACE: dict[str, float] = ({"grace_period": 0.0}
+                               if "grace_period" in inspect.signature(mp.ProcessContext.join).parameters else {})
+#: The signals a local worker records and stops on after the agreed step ([Note: Ctrl-C and SIGTERM]).
+WORKER_STOP_SIGNALS = INTERRUPT_SIGNALS if _NO_GRACE else (signal.SIGINT,)
 
 
 def _env_world() -> tuple[int, int, int, int] | None:
@@ -82,7 +93,8 @@ def _spawned_worker(index: int, cfg: TrainConfig, world: int, addr: str, port: i
     os.environ.update(MASTER_ADDR=addr, MASTER_PORT=str(port), RANK=str(index), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(index), LOCAL_WORLD_SIZE=str(world))
     logging.basicConfig(level=logging.INFO, format=f"[worker {index}] %(levelname)s %(name)s: %(message)s")
-    with preemption.stop_on_interrupt():  # SIGINT was ignored until here (interrupts_ignored_by_children)
+    # SIGINT and SIGTERM were ignored until here (interrupts_ignored_by_children)
+    with preemption.stop_on_interrupt(WORKER_STOP_SIGNALS):
         if os.getppid() != launcher:
             # The launcher died while this process started up: torch's death signal for it (SIGINT)
             # was ignored then, and the rendezvous store went with the launcher.
@@ -180,6 +192,10 @@ def launch_workers(cfg: TrainConfig, output_dir: str | os.PathLike, run_name: st
         if not preemption.interrupted():
             _run_local_workers(cfg, output_dir, run_name, group)
         signum = preemption.received()
+        if signum is None and not watch and (Path(output_dir) / PREEMPTED_FILE).is_file():
+            # Only workers got the signal (`kill <worker pid>`): they stopped together all the same.
+            log.warning("a worker got a stop signal: the workers stopped together")
+            signum = signal.SIGTERM
         if signum in INTERRUPT_SIGNALS:
             _exit_interrupted(cfg, Path(output_dir), signum, resume_command)
         if watch:
@@ -212,7 +228,7 @@ def _run_local_workers(cfg: TrainConfig, output_dir: str | os.PathLike, run_name
                     "machine (python train.py -m cluster=slurm cluster.nodes=%d ... sends it to SLURM)",
                     cfg.cluster.nodes, cfg.cluster.nodes)
     _warn_if_oversubscribed(cfg)
-    with preemption.interrupts_ignored_by_children():
+    with preemption.interrupts_ignored_by_children(WORKER_STOP_SIGNALS):
         context = mp.start_processes(
             _spawned_worker,
             args=(cfg, world, addr, port, str(output_dir), run_name, group, os.getpid()),
@@ -254,7 +270,7 @@ def _wait_for_workers(context: mp.ProcessContext, grace_s: float, output_dir: Pa
     deadline: float | None = None
     while True:
         try:
-            if context.join(timeout=_POLL_S):
+            if context.join(timeout=_POLL_S, **_NO_GRACE):
                 return
         except (mp.ProcessRaisedException, mp.ProcessExitedException) as err:
             if not preemption.interrupted():

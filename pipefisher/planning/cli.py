@@ -38,7 +38,7 @@ from pipefisher.planning.strategy_search import Strategy, format_strategies, sea
 from pipefisher.profiling import OVERSUBSCRIBED_NOTE, Profile, plot_timeline, read_profile
 from pipefisher.run_folder import clean_up_failed_run
 from pipefisher.schedules import GENERATORS
-from pipefisher.schedules.kfac import assignment_to_json
+from pipefisher.schedules.kfac import assignment_to_json, curvature_age_bound
 
 __all__ = ["PlanResult", "plan_run", "run_whatif", "schedule_main", "latest_profile"]
 
@@ -216,14 +216,41 @@ def _model_keys(run: RunShape, model_name: str) -> str:
     return f" model={model_name}{keys}"
 
 
-def _train_keys(run: RunShape, path: Path, model_name: str = "") -> str:
+def _pipefisher_defaults() -> dict[str, Any]:
+    """What ``optimizer=pipefisher`` sets in train.py (``conf/optimizer/pipefisher.yaml``)."""
+    named = OmegaConf.to_container(OmegaConf.load(_CONF / "optimizer" / "pipefisher.yaml"), resolve=False)
+    named.pop("defaults", None)
+    return named
+
+
+def _staleness_keys(cfg: ScheduleConfig) -> str:
+    """`` optimizer.promote_inverses=… optimizer.max_staleness=…`` where this plan's rule or bound
+    differs from what ``optimizer=pipefisher`` runs with (train.py must apply the curvature as planned)."""
+    defaults = _pipefisher_defaults()
+    keys = ""
+    if cfg.promote_inverses != defaults.get("promote_inverses"):
+        keys += f" optimizer.promote_inverses={cfg.promote_inverses}"
+    if cfg.max_staleness != defaults.get("max_staleness"):
+        keys += f" optimizer.max_staleness={'null' if cfg.max_staleness is None else cfg.max_staleness}"
+    return keys
+
+
+def _age_line(a: Any, cfg: ScheduleConfig) -> str:
+    """``curvature age <= n steps (…)``: the bound train.py states for this plan at its start
+    (``runtime.build.describe_kfac``): the plan's own, under the rule the run applies."""
+    bound = f" and max_staleness={cfg.max_staleness}" if cfg.max_staleness is not None else ""
+    return (f"curvature age <= {curvature_age_bound(a, cfg.promote_inverses)} steps with "
+            f"promote_inverses={cfg.promote_inverses}{bound}")
+
+
+def _train_keys(run: RunShape, path: Path, model_name: str = "", staleness: str = "") -> str:
     v = f" pipeline.num_virtual={run.num_virtual}" if run.method == "interleaved" else ""
     pipeline = "chimera pipeline.chimera_stacking=doubling" if run.method == "chimera-doubling" else run.method
     return (f"python train.py optimizer=pipefisher optimizer.schedule={path}{_model_keys(run, model_name)} "
             f"pipeline={pipeline}{v} "
             f"stages={run.stages} num_micro_batches={run.num_micro_batches} "
             f"micro_batch_size={run.micro_batch_size} data_parallel={run.dp_width}"
-            + (f" optimizer.curvature_micro_batches={n}" if (n := _subset(path)) else ""))
+            + (f" optimizer.curvature_micro_batches={n}" if (n := _subset(path)) else "") + staleness)
 
 
 def _subset(path: Path) -> int:
@@ -358,13 +385,13 @@ def plan_run(cfg: ScheduleConfig, out_dir: str | Path, requested: Collection[str
         f"  {f'pipefisher, refresh every k={k} step(s)':<44}{_ms(c.pipefisher.step_time_s)}",
         f"refresh interval {a.metadata['choice']}; lower bound k_min = K-FAC work / bubble time = "
         f"{a.metadata['kfac_work_ns'] / 1e6:.2f} ms / {a.metadata['bubble_ns'] / 1e6:.2f} ms -> {a.metadata['k_min']} "
-        f"(max_interval={cfg.max_interval}, curvature age <= {2 * k - 1} steps); per refresh {a.metadata['spilled_ns'] / 1e6:.2f} ms spilled before STEP, "
+        f"(max_interval={cfg.max_interval}, {_age_line(a, cfg)}); per refresh {a.metadata['spilled_ns'] / 1e6:.2f} ms spilled before STEP, "
         f"{a.metadata['tail_ns'] / 1e6:.2f} ms no k would hide (after the last backward, or a layer's curvature "
         f"larger than one step's bubbles)"
         + (f"; fallback to critical-path K-FAC: {a.metadata.get('fallback_reason')}"
            if a.metadata.get("fallback") else ""),
         f"wrote {', '.join(p.name for p in [path, *pictures])}, summary.txt in {out_dir}",
-        f"use it: {_train_keys(run, path, model_name)}",
+        f"use it: {_train_keys(run, path, model_name, _staleness_keys(cfg))}",
     ] + [f"note: {n}" for n in notes]
     summary = "\n".join(lines)
     (out_dir / "summary.txt").write_text(summary + "\n")

@@ -32,15 +32,21 @@ item 3), without the requeue:
    is still starting up ignores SIGINT (it inherits SIG_IGN, :func:`interrupts_ignored_by_children`,
    so that a Ctrl-C during its imports is no traceback) and would miss a single one. A Ctrl-C
    reaches the workers directly too (one foreground process group); recording twice is harmless.
-2. A worker records SIGINT only (:func:`stop_on_interrupt`); it keeps SIGTERM's default action,
-   with which ``torch.multiprocessing`` ends the peers of a failed worker (and which a worker
-   signalled on its own should still die of). ``torch.multiprocessing`` also makes SIGINT a
-   worker's parent-death signal: a worker whose launcher was killed stops after the step too.
+2. A worker records SIGINT and SIGTERM too (:func:`stop_on_interrupt`): ``timeout``, ``kill --
+   -PGID`` and job managers signal every process of the group, so the workers get SIGTERM
+   directly, at slightly different moments inside a step (issue 40, item 2). A worker that died
+   of it would leave its peers in a send and the run without its checkpoint.
+   (``torch.multiprocessing`` ends the peers of a failed worker with SIGTERM: the launcher gives
+   that no grace period, so SIGKILL follows at once: [Note: failures end the whole job] in
+   ``pipefisher.launch.local``.) ``torch.multiprocessing`` also makes SIGINT a worker's
+   parent-death signal: a worker whose launcher was killed stops after the step too.
 3. The workers agree at the step's end as in [Note: stopping on a signal], save a checkpoint
    when the run has checkpointing on, and exit normally; rank 0 leaves :data:`PREEMPTED_FILE`
    with the step and the checkpoint (``null`` when none was saved). After that a worker ignores
-   SIGINT: Python's shutdown would put back its default action, and a worker that finished would
-   die of the launcher's next pass-on.
+   both signals: Python's shutdown would put back their default action, and a worker that
+   finished would die of the launcher's next pass-on (or of a second group signal). When only
+   workers got the signal (``kill <worker pid>``), the launcher learns of the stop from that file
+   and ends as if it had got SIGTERM itself.
 4. The launcher waits a bounded time for that (a long step must not hold the user hostage),
    kills the workers that are left, or at once on a second signal (:func:`repeated`), names
    the step and the last checkpoint, and exits with :func:`exit_code` (130 on SIGINT, 143 on
@@ -216,36 +222,41 @@ def pass_on() -> None:
 
 
 @contextlib.contextmanager
-def interrupts_ignored_by_children() -> Iterator[None]:
-    """Start processes inside this block with SIGINT ignored (a disposition that survives exec).
+def interrupts_ignored_by_children(signals: Iterable[int] = INTERRUPT_SIGNALS) -> Iterator[None]:
+    """Start processes inside this block with ``signals`` ignored (a disposition that survives exec).
 
     A worker started with ``spawn`` imports torch for seconds before it can install its own
     handler (:func:`stop_on_interrupt`); with Python's default handler a Ctrl-C there would end
-    it with a ``KeyboardInterrupt`` traceback. This process ignores SIGINT for the moment of the
-    start (milliseconds: a Ctrl-C then is lost, and the user presses it again), then gets its
-    handler back.
+    it with a ``KeyboardInterrupt`` traceback, and a SIGTERM to the process group would kill it.
+    This process ignores them for the moment of the start (milliseconds: a Ctrl-C then is lost,
+    and the user presses it again; the launcher passes a recorded signal on again every poll),
+    then gets its handlers back.
     """
-    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    previous = {s: signal.signal(s, signal.SIG_IGN) for s in signals}
     try:
         yield
     finally:
-        signal.signal(signal.SIGINT, previous if previous is not None else signal.SIG_DFL)
+        for s, h in previous.items():
+            signal.signal(s, h if h is not None else signal.SIG_DFL)
 
 
 @contextlib.contextmanager
-def stop_on_interrupt() -> Iterator[None]:
-    """In a local worker process: record SIGINT inside this block, so that the worker stops after
-    the step all workers agree on (see [Note: Ctrl-C and SIGTERM]); :func:`requested` then says so.
+def stop_on_interrupt(signals: Iterable[int] = INTERRUPT_SIGNALS) -> Iterator[None]:
+    """In a local worker process: record ``signals`` (SIGINT, SIGTERM) inside this block, so that
+    the worker stops after the step all workers agree on (see [Note: Ctrl-C and SIGTERM]);
+    :func:`requested` then says so.
 
-    After the block SIGINT is ignored: the launcher keeps passing it on until the process is gone,
-    and Python's shutdown puts SIGINT's default action back where a Python handler was set (a
+    After the block they are ignored: the launcher keeps passing SIGINT on until the process is
+    gone, and Python's shutdown puts the default action back where a Python handler was set (a
     worker that had finished would die of the signal and look failed).
     """
-    install((signal.SIGINT,))
+    signals = tuple(signals)
+    install(signals)
     try:
         yield
     finally:
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        for s in signals:
+            signal.signal(s, signal.SIG_IGN)
 
 
 class RequeueError(RuntimeError):

@@ -30,6 +30,7 @@ from pipefisher.runtime.build import run_shape
 from pipefisher.runtime.step_metrics import timeline_fields
 from pipefisher.timeline import Event
 from pipefisher.tracking import METRICS_FILE, MetricsWriter, WandbLogger
+from pipefisher.tracking.wandb_logger import RUN_ID_FILE
 from pipefisher.training import bert_config, progress_range
 
 __all__ = ["StepMeter", "StepReporter", "summary_fields", "summary_line"]
@@ -153,8 +154,10 @@ class StepReporter:
                  group: str | None, meter: StepMeter) -> None:
         self.cfg, self.worker, self.first, self.meter = cfg, worker, first, meter
         self.writer = MetricsWriter(output_dir / METRICS_FILE)
+        # An attempt that continues from a checkpoint logs into the run's wandb run (RUN_ID_FILE).
         self.logger = WandbLogger(asdict(cfg), project=cfg.wandb.project, group=group, name=run_name,
-                                  mode=cfg.wandb.mode, dir=str(output_dir), enabled=True)
+                                  mode=cfg.wandb.mode, dir=str(output_dir), enabled=True,
+                                  run_id_file=output_dir / RUN_ID_FILE, continuing=first > 0)
         self.bar: Any = None
         self.rows: list[dict[str, Any]] = []
 

@@ -10,6 +10,14 @@
 So the environment can switch a configured run between offline and online, or turn it off, but a
 run the config disables stays disabled. When disabled, or on a rank other than 0, the logger is a
 no-op: ``wandb`` is not imported and no file is created.
+
+[Note: a resumed run is the same wandb run] (issue 40, item 5) A run's wandb id is stored in its
+run folder (:data:`RUN_ID_FILE`). An attempt that continues from a checkpoint (``resume=auto`` or
+a path, a requeued SLURM job) opens that id with ``resume="allow"``, so every attempt's steps land
+in one wandb run (offline: ``wandb sync`` uploads each attempt's folder into it). Steps after the
+checkpoint that the interrupted attempt had logged come again with the same values (a resumed run
+follows the uninterrupted trajectory); wandb keeps the first and drops the repeats. An attempt that
+starts at step 0 gets a new id.
 """
 
 from __future__ import annotations
@@ -21,14 +29,17 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
+from pipefisher.atomic import write_text_atomic
 from pipefisher.tracking.metrics import to_python
 
-__all__ = ["WANDB_MODES", "WandbLogger", "resolve_mode", "run_name_from_overrides"]
+__all__ = ["WANDB_MODES", "RUN_ID_FILE", "WandbLogger", "resolve_mode", "run_name_from_overrides"]
 
 logger = logging.getLogger(__name__)
 
 #: Modes accepted in the config and in ``WANDB_MODE``.
 WANDB_MODES: tuple[str, ...] = ("online", "offline", "disabled")
+#: The run folder's file holding its wandb run id ([Note: a resumed run is the same wandb run]).
+RUN_ID_FILE = "wandb_run_id.txt"
 
 
 #: Keys that say how a run is watched, not what it trains: left out of run names.
@@ -100,6 +111,14 @@ def resolve_mode(mode: str, *, enabled: bool = True) -> str:
     return env
 
 
+def _stored_id(path: str | Path | None) -> str | None:
+    """The wandb run id stored in ``path``, or None (no file, or not an id)."""
+    if path is None or not Path(path).is_file():
+        return None
+    text = Path(path).read_text().strip()
+    return text if text and text.replace("-", "").replace("_", "").isalnum() else None
+
+
 def _default_rank() -> int:
     """The process rank from the launcher's environment (``RANK``), 0 when unset."""
     return int(os.environ.get("RANK", "0"))
@@ -122,6 +141,10 @@ class WandbLogger:
         enabled: the config's on/off switch.
         rank: this process's rank; ``None`` reads ``RANK`` from the environment (0 when unset).
         tags: optional run tags.
+        run_id_file: where this run keeps its wandb id (normally ``<run folder>/``:data:`RUN_ID_FILE`);
+            None: wandb picks an id and nothing is stored.
+        continuing: this attempt continues from a checkpoint: reopen the stored id, when there is one,
+            with ``resume="allow"`` ([Note: a resumed run is the same wandb run]).
     """
 
     def __init__(
@@ -136,6 +159,8 @@ class WandbLogger:
         enabled: bool = True,
         rank: int | None = None,
         tags: Sequence[str] | None = None,
+        run_id_file: str | Path | None = None,
+        continuing: bool = False,
     ) -> None:
         self.rank = _default_rank() if rank is None else rank
         self.mode = resolve_mode(mode, enabled=enabled)
@@ -150,6 +175,8 @@ class WandbLogger:
         if dir is not None:
             Path(dir).mkdir(parents=True, exist_ok=True)
         self._wandb = wandb
+        run_id = _stored_id(run_id_file) if continuing else None  # None: wandb picks a new id
+        resume = "allow" if run_id is not None else None
         self._run = wandb.init(
             project=project,
             group=group,
@@ -160,9 +187,14 @@ class WandbLogger:
             tags=list(tags) if tags else None,
             reinit="finish_previous",
             settings=wandb.Settings(silent=True),  # our lines below, not wandb's banner and summary table
+            id=run_id,
+            resume=resume,
         )
+        if run_id_file is not None:
+            write_text_atomic(run_id_file, self._run.id + "\n")
         self._offline_dir = str(Path(self._run.dir).parent) if self.mode == "offline" else None
-        logger.info("wandb: %s run %r in %s", self.mode, name, self._run.dir)
+        logger.info("wandb: %s run %r in %s%s", self.mode, name, self._run.dir,
+                    f" (continuing wandb run {run_id})" if resume else "")
 
     @property
     def active(self) -> bool:
