@@ -283,3 +283,27 @@ def test_sharded_muon_orthogonalizes_each_matrix_once_and_equals_muon(tmp_path: 
         for (name, dim), got in r["found"].items():
             for shape, g, w in zip(SHAPES, got, r["want"][name]):
                 assert torch.equal(g, w), f"rank {rank}, {name}, Shard({dim}), {shape}: {(g - w).abs().max()}"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_on_a_cuda_gpu_auto_is_bf16_where_capability_allows_and_muon_equals_torchs() -> None:
+    device = torch.device("cuda")
+    dtype, line = resolve_ns_dtype("auto", device)
+    assert (dtype == torch.bfloat16) == (torch.cuda.get_device_capability(device) >= (8, 0)), line
+    gen = torch.Generator().manual_seed(0)
+    weights = [torch.randn(s, generator=gen) for s in SHAPES]
+    grads = [[torch.randn(s, generator=gen) for s in SHAPES] for _ in range(STEPS)]
+    ours = [torch.nn.Parameter(w.clone().to(device)) for w in weights]
+    theirs = [torch.nn.Parameter(w.clone().to(device)) for w in weights]
+    fp64 = [torch.nn.Parameter(w.clone().double().to(device)) for w in weights]
+    opts = [Muon(ours, ns_dtype="bf16", **MUON), torch.optim.Muon(theirs, **MUON), Muon(fp64, ns_dtype=torch.float64, **MUON)]
+    fp32 = [torch.nn.Parameter(w.clone().to(device)) for w in weights]
+    opts.append(Muon(fp32, ns_dtype="fp32", **MUON))
+    for step_grads in grads:
+        for params, opt in zip((ours, theirs, fp64, fp32), opts):
+            for p, g in zip(params, step_grads):
+                p.grad = g.to(device, p.dtype)
+            opt.step()
+    for a, b, c, d in zip(ours, theirs, fp64, fp32):
+        assert torch.equal(a, b)
+        torch.testing.assert_close(d.double(), c, rtol=0, atol=1e-6)  # torch's default: no TF32 in fp32 products
