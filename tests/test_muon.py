@@ -212,7 +212,7 @@ def test_parts_reach_their_owner_whole_and_results_come_back_as_parts(ranks: int
         assert torch.equal(gathered[i], w), i
     results = {i: 2 * w + 1 for i, w in gathered.items()}
     packed = [muon._pack_from_owner({i: t for i, t in results.items() if owners[i] == r}, shapes, dims, owners, r,
-                                    ranks, torch.float32) for r in range(ranks)]
+                                    ranks, torch.float32, torch.device("cpu")) for r in range(ranks)]
     got = _all_to_all([p[0] for p in packed], [p[1] for p in packed], [p[2] for p in packed])
     for r in range(ranks):
         back = muon._unpack_parts(got[r], shapes, dims, owners, r, ranks)

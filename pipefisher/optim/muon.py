@@ -244,7 +244,8 @@ class ShardedMuon(Muon):
         received = _exchange(send, send_splits, recv_splits, pg)
         wholes = _unpack_at_owner(received, shapes, dims, owners, me, ranks)
         results = {i: self._orthogonalize(whole, groups[i]) for i, whole in wholes.items()}
-        send, send_splits, recv_splits = _pack_from_owner(results, shapes, dims, owners, me, ranks, dtype)
+        send, send_splits, recv_splits = _pack_from_owner(results, shapes, dims, owners, me, ranks, dtype,
+                                                          local[0].device)
         received = _exchange(send, send_splits, recv_splits, pg)
         parts = _unpack_parts(received, shapes, dims, owners, me, ranks)
         return [DTensor.from_local(part, mesh, u.placements, run_check=False, shape=u.shape, stride=u.stride())
@@ -323,7 +324,8 @@ def _unpack_at_owner(received: Tensor, shapes: list[tuple[int, ...]], dims: list
 
 
 def _pack_from_owner(results: dict[int, Tensor], shapes: list[tuple[int, ...]], dims: list[int],
-                     owners: list[int], me: int, ranks: int, dtype: torch.dtype) -> tuple[Tensor, list[int], list[int]]:
+                     owners: list[int], me: int, ranks: int, dtype: torch.dtype,
+                     device: torch.device) -> tuple[Tensor, list[int], list[int]]:
     """Each process's parts of the results this one owns, grouped by process, flat.
 
     Returns:
@@ -342,7 +344,7 @@ def _pack_from_owner(results: dict[int, Tensor], shapes: list[tuple[int, ...]], 
         send_splits.append(n)
     recv_splits = [sum(_part_numel(shapes[i], dims[i], me, ranks) for i in range(len(shapes)) if owners[i] == r)
                    for r in range(ranks)]
-    buffer = torch.cat(send) if send else torch.empty(0, dtype=dtype)
+    buffer = torch.cat(send) if send else torch.empty(0, dtype=dtype, device=device)  # owns nothing: sends nothing
     return buffer, send_splits, recv_splits
 
 
