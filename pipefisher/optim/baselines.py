@@ -44,7 +44,6 @@ from pipefisher.optim.kfac import ENCODER_LINEAR_PATTERN
 from pipefisher.optim.muon import Muon, ShardedMuon
 from pipefisher.optim.nvlamb import GlobalNormClipStep, _closure_loss, clip_by_global_norm, param_groups
 
-
 __all__ = [
     "BASELINE_OPTIMIZERS",
     "GlobalNormAdamW",

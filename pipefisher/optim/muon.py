@@ -216,14 +216,13 @@ class ShardedMuon(Muon):
                 orthos[i] = self._orthogonalize(update, group)
         for indices in meshes.values():
             owned = [i for i in indices if _one_shard(items[i][1])]
-            for i in indices:  # other layouts: gathered whole and orthogonalized on every process
-                if i not in owned:
-                    update, group = items[i][1], items[i][2]
-                    ortho = self._orthogonalize(update.full_tensor(), group)
-                    orthos[i] = distribute_tensor(ortho, update.device_mesh, update.placements, src_data_rank=None)
+            for i in [i for i in indices if i not in owned]:  # other layouts: gathered whole, NS everywhere
+                update, group = items[i][1], items[i][2]
+                ortho = self._orthogonalize(update.full_tensor(), group)
+                orthos[i] = distribute_tensor(ortho, update.device_mesh, update.placements, src_data_rank=None)
             if owned:
-                for i, ortho in zip(owned, self._owner_orthogonalize([items[i][1] for i in owned],
-                                                                     [items[i][2] for i in owned])):
+                results = self._owner_orthogonalize([items[i][1] for i in owned], [items[i][2] for i in owned])
+                for i, ortho in zip(owned, results):
                     orthos[i] = ortho
         for (param, _, group), ortho in zip(items, orthos):
             _apply(param, ortho, group)
