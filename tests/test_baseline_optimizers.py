@@ -307,10 +307,12 @@ def test_memory_estimate_counts_one_moment_for_muon_matrices() -> None:
 # above any norm (the clip runs, its coefficient is exactly 1), and runs the reference with one
 # intra-op thread like each worker (a bf16 matmul's result depends on how its threads split it);
 # then 5 steps agree bit for bit. The global-norm clip itself is checked exactly by the
-# single-process tests above.
+# single-process tests above. The case pins optimizer.ns_dtype=bf16 (torch's precision, the one this
+# note is about) so that it tests the same thing on every machine (auto is fp32 on CPUs without bf16
+# arithmetic, issue 36).
 PIPELINE = {
     "adamw": ("1f1b", 2, 2, 1, []),
-    "muon": ("1f1b", 2, 1, 1, ["optimizer.max_grad_norm=1e9"]),
+    "muon": ("1f1b", 2, 1, 1, ["optimizer.max_grad_norm=1e9", "optimizer.ns_dtype=bf16"]),
 }
 
 
