@@ -62,6 +62,7 @@ WANDB_MODES = ("offline", "online", "disabled")
 FAULT_MODES = ("none", "raise", "kill", "stall", "nan")
 NONFINITE_MODES = ("stop", "skip")
 INVERSE_DTYPES = ("auto", "float32", "float64")
+NS_DTYPES = ("auto", "bf16", "fp32")  # optimizer.ns_dtype (pipefisher.optim.muon.NS_DTYPES)
 KFAC_UPDATES = ("lamb", "momentum")
 RESUME_MODES = ("none", "auto")  # or a path to a checkpoint (step_<n>) or a checkpoint directory
 
@@ -130,6 +131,7 @@ class OptimizerConfig:
     kfac_max_grad_norm: float = 100.0  # kfac_update=momentum: clip of the K-FAC layers' preconditioned gradient norm; <= 0 disables
     clip_before_precondition: bool = True  # take the global-norm clip from the gradient before K-FAC preconditions it
     muon_momentum: float = 0.95  # muon: Nesterov momentum of the Muon half (torch's default)
+    ns_dtype: str = "auto"  # muon: Newton–Schulz precision: auto (bf16 where the device has bf16 arithmetic: CUDA capability >= 8.0, CPUs with avx512_bf16/amx_bf16; else fp32), bf16 (torch's Muon) or fp32
     preconditioner: str = "kfac"  # kfac, pipefisher: kfac (damped inverses of the factors) or ekfac (Adam in the factors' eigenbasis, SOAP's rule; optimizer=ekfac sets it)
     ekfac_beta2: float = 0.999  # preconditioner=ekfac: decay of the second moment in the eigenbasis
     ekfac_eps: float = 1e-8  # preconditioner=ekfac: added to the square root of that moment
@@ -698,6 +700,9 @@ def validate(cfg: TrainConfig) -> None:
         _fail("optimizer.muon_momentum", o.muon_momentum, "must lie in [0, 1), e.g. 0.95 (torch's default)")
     if o.name != "muon" and o.muon_momentum != OptimizerConfig.muon_momentum:
         log.warning("optimizer.muon_momentum has no effect unless optimizer=muon")
+    _check_choice("optimizer.ns_dtype", o.ns_dtype, NS_DTYPES)
+    if o.name != "muon" and o.ns_dtype != OptimizerConfig.ns_dtype:
+        log.warning("optimizer.ns_dtype has no effect unless optimizer=muon")
     _validate_checkpoint(cfg)
     _validate_sdp(cfg)
     _validate_tp(cfg)

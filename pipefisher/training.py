@@ -41,6 +41,7 @@ from pipefisher.optim import (
     build_baseline_optimizer,
     build_optimizer,
     make_lr_scheduler,
+    resolve_ns_dtype,
 )
 from pipefisher.tracking import MetricsWriter, WandbLogger
 
@@ -186,8 +187,8 @@ def is_kfac_parameter(name: str) -> bool:
     return leaf in ("weight", "bias") and re.search(ENCODER_LINEAR_PATTERN, module) is not None
 
 
-def make_optimizer(cfg: TrainConfig, named_params: list[tuple[str, torch.nn.Parameter]],
-                   device: torch.device) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
+def make_optimizer(cfg: TrainConfig, named_params: list[tuple[str, torch.nn.Parameter]], device: torch.device,
+                   log_here: bool = True) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
     """Optimizer and LR scheduler for the parameters one worker updates.
 
     ``optimizer=adamw`` / ``muon``: torch's AdamW, or torch's Muon on the encoder's Linear weights
@@ -195,12 +196,17 @@ def make_optimizer(cfg: TrainConfig, named_params: list[tuple[str, torch.nn.Para
     With K-FAC and ``optimizer.kfac_update=momentum`` the K-FAC layers' parameters are updated by
     the momentum rule (``pipefisher.optim.nvlamb`` [Note: the momentum rule]) at ``optimizer.kfac_lr``
     under the same warm-up and decay; the rest by NVLAMB. Every group follows the same schedule.
+    Muon's Newton–Schulz precision follows ``optimizer.ns_dtype`` and the device
+    (:func:`~pipefisher.optim.muon.resolve_ns_dtype`), logged in one line when ``log_here``.
     """
     o = cfg.optimizer
     if o.name in BASELINE_OPTIMIZERS:
+        ns_dtype, line = resolve_ns_dtype(o.ns_dtype, device)
+        if o.name == "muon" and log_here:
+            log.info("%s", line)
         opt = build_baseline_optimizer(o.name, named_params, lr=cfg.lr, weight_decay=o.weight_decay,
                                        max_grad_norm=o.max_grad_norm, betas=(o.beta1, o.beta2), eps=o.eps,
-                                       muon_momentum=o.muon_momentum)
+                                       muon_momentum=o.muon_momentum, ns_dtype=ns_dtype)
     else:
         opt = _nvlamb(cfg, named_params, device)
     sched = make_lr_scheduler(

@@ -17,7 +17,8 @@ coefficient scales the update and a wrong global norm shows: a norm 1% off moves
 equivalence tests' (rtol 1e-5, atol 1e-6); the worst deviation measured is 0.31 of them (tp=2).
 
 [Note: the Muon comparison]
-torch's Muon orthogonalizes in bfloat16, and Newton–Schulz raises small singular values toward 1,
+torch's Muon orthogonalizes in bfloat16 (``optimizer.ns_dtype=auto`` keeps that only where the
+hardware has bf16 arithmetic, else fp32: issue 36; the figures below were measured in bf16), and Newton–Schulz raises small singular values toward 1,
 so a last-bit difference in a gradient grows to ~1e-3 in the parameters within a few steps
 (``test_baseline_optimizers`` [Note: Muon and summation order]; measured here too, the reference on
 one thread: one unsharded worker with N=2 (the tied weight's gradient summed in another order) ends

@@ -10,7 +10,7 @@ torch's, unchanged.
 Muon (Jordan et al., 2024) orthogonalizes the momentum of a 2-D weight by a Newton–Schulz
 iteration; it is meant for hidden layers' matrices only, so, as its authors use it, the encoder's
 Linear weights (query, key, value, attention output, FFN in and out: the K-FAC layers' weights,
-:data:`~pipefisher.optim.ENCODER_LINEAR_PATTERN`) go to ``torch.optim.Muon`` (Nesterov momentum)
+:data:`~pipefisher.optim.ENCODER_LINEAR_PATTERN`) go to torch's Muon (Nesterov momentum)
 and everything else (embeddings, LayerNorms, biases, pooler, heads) to ``torch.optim.AdamW``.
 Muon runs with ``adjust_lr_fn="match_rms_adamw"``, Moonshot's rule (Liu et al., 2025, "Muon is
 Scalable for LLM Training"): a matrix of shape A×B steps with lr·0.2·sqrt(max(A, B)), which gives
@@ -21,19 +21,13 @@ optimizers' group dicts (Muon's first), so a scheduler built over it (``make_lr_
 the lr that both inner optimizers read. Its ``state_dict()`` has torch's layout, the Muon
 parameters numbered first; ``load_state_dict()`` splits it back and relinks the groups.
 
-[Note: Muon on sharded weights]
-Under ``sdp`` (FSDP2) or ``tp`` (tensor parallel) a weight is a DTensor and each process holds a
-part of it, but Newton–Schulz orthogonalizes the whole matrix: NS of the parts is not the parts of
-NS. :class:`ShardedMuon` therefore runs torch's Muon step with one change, as distributed Muon
-implementations do: the momentum (elementwise) runs on the local parts; the Nesterov update is
-gathered whole (``full_tensor()``: one all-gather over the mesh dimensions it is split on); every
-process of the group orthogonalizes it with torch's own ``_zeropower_via_newtonschulz`` (the same
-input, so the same bits as one process); and each applies its own part of the result
-(``distribute_tensor(..., src_data_rank=None)``: a local slice, no communication), scaled by
-``_adjust_lr`` of the *whole* shape. The update equals single-process Muon's up to the rounding of
-the gradients themselves (summed in another order by the reduce-scatter). Cost per step: one
-all-gather of each Muon matrix and the orthogonalization repeated on each process of its group.
-AdamW needs nothing of the kind: its update is elementwise, so torch's AdamW runs on the local parts.
+[Note: Muon's precision and sharded weights]
+The Muon half is :class:`~pipefisher.optim.muon.Muon`: torch's Muon with its Newton–Schulz in a
+precision that follows the hardware (``optimizer.ns_dtype``; ``pipefisher.optim.muon`` [Note:
+Newton–Schulz precision]), and for DTensor weights (``sdp``, ``tp``)
+:class:`~pipefisher.optim.muon.ShardedMuon`, which orthogonalizes each whole matrix once, on one
+owner per matrix ([Note: one owner per matrix]). AdamW needs nothing of the kind: its update is
+elementwise, so torch's AdamW runs on the local parts.
 """
 
 from __future__ import annotations
@@ -44,16 +38,11 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
-from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor import DTensor
 
 from pipefisher.optim.kfac import ENCODER_LINEAR_PATTERN
+from pipefisher.optim.muon import Muon, ShardedMuon
 from pipefisher.optim.nvlamb import GlobalNormClipStep, _closure_loss, clip_by_global_norm, param_groups
-
-try:  # torch >= 2.9: Muon's own Newton–Schulz and lr rule, reused by ShardedMuon
-    from torch.optim._muon import _adjust_lr, _zeropower_via_newtonschulz
-except ImportError:  # MuonAdamW refuses to build on such a torch
-    _adjust_lr = _zeropower_via_newtonschulz = None
-_MUON_BASE: type[torch.optim.Optimizer] = getattr(torch.optim, "Muon", torch.optim.Optimizer)
 
 __all__ = [
     "BASELINE_OPTIMIZERS",
@@ -85,55 +74,6 @@ class GlobalNormAdamW(GlobalNormClipStep, torch.optim.AdamW):
         self.max_grad_norm = float(max_grad_norm)
 
 
-class ShardedMuon(_MUON_BASE):  # type: ignore[misc, valid-type]
-    """``torch.optim.Muon`` (same arguments, state and ``state_dict``) for weights that are DTensors:
-    FSDP2 shards (``sdp``) or tensor-parallel parts (``tp``); see [Note: Muon on sharded weights].
-    Plain tensors pass through unchanged (their gather and slice are the identity).
-
-    Every process holding a part of a weight must step together (the gather is a collective over
-    the weight's mesh), with its parameters in the same order.
-    """
-
-    @torch.no_grad()
-    def step(self, closure: Callable[[], Tensor] | None = None) -> Tensor | None:  # type: ignore[override]
-        """One Muon step of every parameter with a gradient (collectives over each DTensor's mesh)."""
-        loss = _closure_loss(closure)
-        for group in self.param_groups:
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                state = self.state[p]
-                if "momentum_buffer" not in state:  # as torch's Muon: zeros like the gradient (a DTensor too)
-                    state["momentum_buffer"] = torch.zeros_like(p.grad, memory_format=torch.preserve_format)
-                _sharded_muon_update(p, p.grad, state["momentum_buffer"], group)
-        return loss
-
-
-def _sharded_muon_update(param: Tensor, grad: Tensor, buf: Tensor, group: dict[str, Any]) -> None:
-    """torch's ``_single_tensor_muon`` for one weight whose parts may be spread over processes: the
-    same operations in the same order, Newton–Schulz on the gathered whole update.
-
-    Args:
-        param, grad, buf: the weight, its gradient and its momentum buffer, alike in placement
-            ((A, B) DTensors or plain (A, B) tensors).
-        group: the parameter group (torch's Muon keys: lr, weight_decay, momentum, nesterov,
-            ns_coefficients, ns_steps, eps, adjust_lr_fn).
-    """
-    if grad.ndim != 2:
-        raise ValueError(f"ShardedMuon: a gradient of shape {tuple(grad.shape)}; Muon takes 2-D weights only")
-    momentum = group["momentum"]
-    buf.lerp_(grad, 1 - momentum)  # elementwise: on the local parts
-    update = grad.lerp(buf, momentum) if group["nesterov"] else buf
-    whole = update.full_tensor() if isinstance(update, DTensor) else update  # (A, B), the same on every process
-    ortho = _zeropower_via_newtonschulz(whole, group["ns_coefficients"], group["ns_steps"], group["eps"])
-    if isinstance(param, DTensor):  # this process's part of the (A, B) result: a slice, no communication
-        ortho = distribute_tensor(ortho, param.device_mesh, param.placements, src_data_rank=None)
-    lr = group["lr"]
-    lr = lr.item() if isinstance(lr, Tensor) else lr
-    param.mul_(1 - lr * group["weight_decay"])
-    param.add_(ortho, alpha=-_adjust_lr(lr, group["adjust_lr_fn"], param.shape))  # the whole shape
-
-
 class MuonAdamW(torch.optim.Optimizer):
     """``torch.optim.Muon`` for 2-D hidden weights and ``torch.optim.AdamW`` for the rest, as one
     optimizer (see [Note: Muon with AdamW]).
@@ -150,6 +90,8 @@ class MuonAdamW(torch.optim.Optimizer):
         weight_decay: decoupled decay of the Muon weights and AdamW's default (groups may override).
         muon_momentum: Muon's Nesterov momentum.
         max_grad_norm: global-norm clip threshold over both halves; ``<= 0`` disables it.
+        ns_dtype: Newton–Schulz precision (default bf16, torch's; ``optimizer.ns_dtype`` resolved by
+            :func:`~pipefisher.optim.muon.resolve_ns_dtype`).
 
     Raises:
         ValueError: no parameters at all, a Muon parameter that is not 2-D, or a torch without Muon.
@@ -157,7 +99,8 @@ class MuonAdamW(torch.optim.Optimizer):
 
     def __init__(self, muon_params: Iterable[nn.Parameter], adamw_groups: Iterable[dict[str, Any]], *,
                  lr: float, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-6,
-                 weight_decay: float = 0.01, muon_momentum: float = 0.95, max_grad_norm: float = 1.0) -> None:
+                 weight_decay: float = 0.01, muon_momentum: float = 0.95, max_grad_norm: float = 1.0,
+                 ns_dtype: torch.dtype = torch.bfloat16) -> None:
         muon_params = list(muon_params)
         adamw_groups = [g for g in adamw_groups if g["params"]]
         if not muon_params and not adamw_groups:
@@ -168,10 +111,10 @@ class MuonAdamW(torch.optim.Optimizer):
         for p in muon_params:
             if p.ndim != 2:
                 raise ValueError(f"MuonAdamW: Muon takes 2-D weights only, got a tensor of shape {tuple(p.shape)}")
-        # DTensor weights (sdp, tp) need the whole matrix orthogonalized: [Note: Muon on sharded weights]
-        muon_class = ShardedMuon if any(isinstance(p, DTensor) for p in muon_params) else torch.optim.Muon
+        # DTensor weights (sdp, tp) need the whole matrix orthogonalized: [Note: Muon's precision and sharded weights]
+        muon_class = ShardedMuon if any(isinstance(p, DTensor) for p in muon_params) else Muon
         self.muon = muon_class(muon_params, lr=lr, weight_decay=weight_decay, momentum=muon_momentum,
-                                     nesterov=True, adjust_lr_fn="match_rms_adamw") if muon_params else None
+                               nesterov=True, adjust_lr_fn="match_rms_adamw", ns_dtype=ns_dtype) if muon_params else None
         self.adamw = (torch.optim.AdamW(adamw_groups, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
                       if adamw_groups else None)
         super().__init__([p for opt in self._inner() for g in opt.param_groups for p in g["params"]], {"lr": lr})
@@ -266,6 +209,7 @@ def build_baseline_optimizer(
     betas: tuple[float, float] = (0.9, 0.999),
     eps: float = 1e-6,
     muon_momentum: float = 0.95,
+    ns_dtype: torch.dtype = torch.bfloat16,
 ) -> torch.optim.Optimizer:
     """Build ``adamw`` (:class:`GlobalNormAdamW`) or ``muon`` (:class:`MuonAdamW`) over one stage's
     parameters, with NVLAMB's groups (:func:`~pipefisher.optim.param_groups`: no decay on bias and
@@ -280,6 +224,7 @@ def build_baseline_optimizer(
         max_grad_norm: global-norm clip threshold; ``<= 0`` disables clipping.
         betas, eps: AdamW's.
         muon_momentum: Muon's momentum (``muon`` only).
+        ns_dtype: Muon's Newton–Schulz precision (``muon`` only; default bf16, torch's).
 
     Raises:
         ValueError: unknown ``name``, or no trainable parameters.
@@ -301,4 +246,4 @@ def build_baseline_optimizer(
     muon = [p for n, p in named if is_muon_parameter(n)]
     rest = _split_by_kind(param_groups([(n, p) for n, p in named if not is_muon_parameter(n)], weight_decay))
     return MuonAdamW(muon, rest, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
-                     muon_momentum=muon_momentum, max_grad_norm=max_grad_norm)
+                     muon_momentum=muon_momentum, max_grad_norm=max_grad_norm, ns_dtype=ns_dtype)

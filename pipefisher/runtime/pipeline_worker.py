@@ -83,7 +83,7 @@ class PipelineWorker:
                 if id(p) not in seen:
                     seen.add(id(p))
                     named.append((f"{pipe}.{stage}.{n}", p))
-        self.optimizer, self.scheduler = make_optimizer(cfg, named, device)
+        self.optimizer, self.scheduler = make_optimizer(cfg, named, device, log_here=rank == 0)
         self.dcp: ShardedCheckpointer | None = None  # sdp/tp: replicas and moments go through DCP
         if cfg.sdp > 1 or cfg.tp > 1:
             writes = {(p, s) for g, p, s in self.schedule.placement.stages_of(self.schedule_worker)
