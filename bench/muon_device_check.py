@@ -6,7 +6,7 @@ shapes, one owner vs gather-everywhere, at ``ns_dtype=auto`` and ``fp32``, and o
 
 ``bench/muon_sharded.py --part sharded`` measures the same with the real bert-mini under
 ``fully_shard``; this script needs only ``pipefisher/hardware.py`` and ``pipefisher/optim/muon.py``
-(it ran on a device machine whose Python has torch but not Hydra). Results: bench/muon_precision.md.
+(it ran on a device machine whose Python has torch but not Hydra). Results: bench/studies/14-muon-precision.md.
 """
 
 from __future__ import annotations
