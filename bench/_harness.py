@@ -210,7 +210,11 @@ class TensorStage(nn.Module):
 
 
 def main_guard(main: Callable[[], None]) -> None:
-    """Run ``main``; exit 1 with the error when the benchmark fails to run."""
+    """Print the machine it runs on (every table's figures belong to it), run ``main``; exit 1 with the error
+    when the benchmark fails to run."""
+    from pipefisher.hardware import describe_hardware
+
+    print(f"hardware: {describe_hardware()}", flush=True)
     try:
         main()
     except KeyboardInterrupt:
