@@ -387,13 +387,14 @@ def run_whatif(cfg: ScheduleConfig, out_dir: str | Path) -> str:
                               num_virtual=s.num_virtual, seq_len=cfg.data.seq_len,
                               max_predictions=cfg.data.max_predictions, precision=cfg.precision,
                               max_interval=cfg.max_interval, split_backward_ratio=s.split_backward_ratio,
-                              refusal=refused)
+                              refusal=refused, device=cfg.memory_device)
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "whatif.json").write_text(json.dumps([asdict(c) for c in found], indent=1) + "\n")
     costs = (comm or CommCosts({}, hardware)).describe()
     header = (f"what-if: {cfg.model.name} on {cfg.devices} devices × {cfg.memory_gb:g} GB, global batch "
               f"{cfg.global_batch}, {cfg.data.seq_len} tokens; predicted by simulation from FLOP estimates "
-              f"(flops_per_s={cfg.flops_per_s:g} unless measured below); {costs}; memory excludes framework overhead")
+              f"(flops_per_s={cfg.flops_per_s:g} unless measured below); {costs}; memory: {cfg.memory_device}'s peak "
+              f"(planning.memory), without the interpreter and torch")
     text = header + "\n" + format_strategies(found, cfg.search.top)
     best = next((c for c in found if c.excluded is None), None)
     if best is not None:

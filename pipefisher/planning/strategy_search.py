@@ -52,7 +52,8 @@ parameters of the stage replicas a worker holds on its tp rank)::
               4p accumulated unsharded over the step's micro-batches (gradient sync off until the
               stage's last backward; the 4p/k shard the reduce-scatter writes replaces them),
               optimizer 12p/k
-    activations  peak in-flight micro-batches (the schedule's) × per encoder layer
+    activations  the peak over the worker's actions of what its in-flight micro-batches leave, each in
+              its own stage (planning.memory.activation_peak); per encoder layer
               S·b·H·(10 + 24/tp + 5·A·S/(H·tp)) bytes at 16 bits, twice in fp32 (Korthikanti et al.
               2022, Table 2, tensor parallel without sequence parallel; at tp = 1 planning.memory's
               34 + 5AS/H); recompute keeps each layer's input (S·b·H) and one layer's activations;
@@ -62,9 +63,13 @@ parameters of the stage replicas a worker holds on its tp rank)::
               max(activations, comm buffers): the sync runs after the stage's last backward, when
               that stage's activations are gone
 
-Left out: framework overhead (interpreter, torch, CUDA context, allocator caches and fragmentation;
-on CPU the resident set also keeps freed buffers unless glibc's ``MALLOC_MMAP_THRESHOLD_`` is set),
-optimizer temporaries, K-FAC under sdp or tp (refused by train.py: its factors are not sharded).
+    allocator, runtime  planning.memory's for the search's ``device`` (cpu: glibc's retention of the
+              transient tensors and the worker's non-tensor memory; cuda: none, the peak being
+              ``max_memory_allocated``)
+
+Left out: the interpreter and torch before the model (the measured peaks subtract them), the CUDA
+context and the caching allocator's reserved pool over the allocated peak, K-FAC under sdp or tp
+(refused by train.py: its factors are not sharded).
 """
 
 from __future__ import annotations
@@ -80,7 +85,7 @@ from pipefisher.planning.assign import plan_pipefisher
 from pipefisher.planning.comm_costs import CommCosts
 from pipefisher.planning.costs import (STEP_BYTES_PER_PARAM, Hardware, RunShape, estimate_run_costs,
                                        stage_parameters)
-from pipefisher.planning.memory import (estimate_memory, heads_backward_bytes, saved_heads_bytes, tied_parameters,
+from pipefisher.planning.memory import (activation_peak, device_overhead, estimate_memory, heads_backward_bytes, saved_heads_bytes, tied_parameters,
                                         worker_parameters)
 from pipefisher.planning.predict import predict_assignment, predict_schedule
 from pipefisher.planning.whatif import METHODS, OPTIMIZERS, SPLIT_BACKWARD_RATIO, SPLIT_METHODS, split_backward_costs
@@ -224,11 +229,13 @@ class HybridMemory:
     activations: float
     captures: float = 0.0
     comm_buffers: float = 0.0
+    allocator: float = 0.0
+    runtime: float = 0.0
 
     @property
     def total(self) -> float:
         return (self.weights + self.gradients + self.optimizer + self.captures
-                + max(self.activations, self.comm_buffers))
+                + max(self.activations, self.comm_buffers) + self.allocator + self.runtime)
 
     @property
     def total_gb(self) -> float:
@@ -236,7 +243,8 @@ class HybridMemory:
 
     def describe(self) -> str:
         parts = ", ".join(f"{name} {getattr(self, name) / GB:.2f}" for name in
-                          ("weights", "gradients", "optimizer", "activations", "comm_buffers"))
+                          ("weights", "gradients", "optimizer", "activations", "comm_buffers", "allocator", "runtime")
+                          if name not in ("allocator", "runtime") or getattr(self, name))
         return f"{self.total_gb:.2f} GB on worker {self.worker} ({parts} GB)"
 
 
@@ -258,8 +266,8 @@ def _stage_activation_bytes(run: RunShape, tp: int, stage: int) -> float:
     return layers + (s * b * h * e if first else 0) + saved_heads_bytes(run, stage)
 
 
-def hybrid_memory_per_worker(run: RunShape, sdp: int = 1, tp: int = 1,
-                             schedule: Schedule | None = None) -> dict[int, HybridMemory]:
+def hybrid_memory_per_worker(run: RunShape, sdp: int = 1, tp: int = 1, schedule: Schedule | None = None,
+                             device: str = "cuda") -> dict[int, HybridMemory]:
     """NVLAMB's memory of every worker of one pipeline of ``run`` ([Note: the memory model]).
 
     Args:
@@ -267,25 +275,31 @@ def hybrid_memory_per_worker(run: RunShape, sdp: int = 1, tp: int = 1,
         sdp: workers sharding each stage replica (FSDP2, reshard_after_forward=false).
         tp: tensor-parallel ranks of each stage.
         schedule: the pipeline's schedule (one data-parallel group); built from ``run`` when None.
+        device: whose peak: ``cuda`` (``max_memory_allocated``) or ``cpu`` (peak RSS beyond the baseline:
+            planning.memory's allocator and runtime terms).
 
     Returns:
         Worker rank (of the simulated pipeline) -> its estimate.
     """
+    device_overhead(0.0, device)  # the device's name checked before any work
     schedule = schedule or run.build_schedule(dp_width=1)
     params = _local_parameters(run, tp)
     untied = _untied(params, run.bert)
-    peaks = peak_activations(schedule)
     replicas = run.num_replicas // sdp  # members of the gradient all-reduce after sharding
     out = {}
     for w in sorted(schedule.actions):
         stages = _stages_of(schedule, w)
         p = worker_parameters(run, params, stages, tied_once=sdp == 1 and tp == 1)
-        act = peaks[w] * max(_stage_activation_bytes(run, tp, s) for s in stages) + heads_backward_bytes(run, stages)
+        act = (activation_peak(schedule, w, lambda s: _stage_activation_bytes(run, tp, s))
+               + heads_backward_bytes(run, stages))
         if sdp == 1:
             buffers = 4.0 * sum(untied[s] for s in stages) if replicas > 1 else 0.0
-            out[w] = HybridMemory(w, 4.0 * p, 4.0 * p, 12.0 * p, act, 0.0, buffers)  # 2 moments + the step's temporary
+            # 2 moments + the step's temporary; transient: gradients, the temporary, activations or buffers
+            extra = device_overhead(8.0 * p + max(act, buffers), device)
+            out[w] = HybridMemory(w, 4.0 * p, 4.0 * p, 12.0 * p, act, 0.0, buffers, *extra)
         else:
-            out[w] = HybridMemory(w, 4.0 * p / sdp + 4.0 * p, 4.0 * p, 12.0 * p / sdp, act, 0.0, 4.0 * p)
+            extra = device_overhead(4.0 * p + 4.0 * p + 4.0 * p / sdp + max(act, 4.0 * p), device)  # gathered, grads, temp
+            out[w] = HybridMemory(w, 4.0 * p / sdp + 4.0 * p, 4.0 * p, 12.0 * p / sdp, act, 0.0, 4.0 * p, *extra)
     return out
 
 
@@ -393,7 +407,8 @@ def search_strategies(bert: BertConfig, *, devices: int, memory_gb: float, globa
                       sdp_degrees: Sequence[int] = (1, 2, 4, 8), tp_degrees: Sequence[int] = (1, 2, 4, 8),
                       num_virtual: int = 2, seq_len: int = 128, max_predictions: int = 20, precision: str = "fp32",
                       max_interval: int = 8, split_backward_ratio: float = SPLIT_BACKWARD_RATIO,
-                      refusal: Callable[[Strategy], str | None] | None = None) -> list[Strategy]:
+                      refusal: Callable[[Strategy], str | None] | None = None,
+                      device: str = "cuda") -> list[Strategy]:
     """Rank every hybrid configuration that uses all ``devices`` by simulated samples/s.
 
     Args:
@@ -410,6 +425,8 @@ def search_strategies(bert: BertConfig, *, devices: int, memory_gb: float, globa
         split_backward_ratio: (I+W)/B of zb-h1 and zb-v.
         refusal: why train.py would refuse a strategy (``strategy_file.refusal``: its config checks), or
             None; a refused strategy is excluded with that reason, so the ranking holds runnable ones.
+        device: whose peak the memory model predicts: ``cuda`` or ``cpu`` (``planning.memory``'s
+            allocator and runtime terms).
 
     Returns:
         The feasible strategies, best first, then the excluded ones with the reason.
@@ -454,7 +471,7 @@ def search_strategies(bert: BertConfig, *, devices: int, memory_gb: float, globa
 
                             def evaluate(cand: Strategy, hw: Hardware = hw) -> tuple[list[Strategy], list[Strategy]]:
                                 return _evaluate(bert, cand, optimizers, hw, comm, budget, seq_len, max_predictions,
-                                                 precision, max_interval, split_backward_ratio, tp_ok, refusal)
+                                                 precision, max_interval, split_backward_ratio, tp_ok, refusal, device)
 
                             r, x = evaluate(base)
                             if not rc and True in recompute and _memory_bound(x):
@@ -509,7 +526,8 @@ def _partial_recompute(base: Strategy, bert: BertConfig, seq_len: int, max_predi
 def _evaluate(bert: BertConfig, base: Strategy, optimizers: Sequence[str], hardware: Hardware, comm: CommCosts,
               budget: float, seq_len: int, max_predictions: int, precision: str, max_interval: int,
               split_backward_ratio: float, tp_ok: bool,
-              refusal: Callable[[Strategy], str | None] | None) -> tuple[list[Strategy], list[Strategy]]:
+              refusal: Callable[[Strategy], str | None] | None,
+              device: str = "cuda") -> tuple[list[Strategy], list[Strategy]]:
     ranked, excluded = [], []
     run = base.run_shape(bert, seq_len, max_predictions, precision)
     todo = []
@@ -528,7 +546,7 @@ def _evaluate(bert: BertConfig, base: Strategy, optimizers: Sequence[str], hardw
     cost = hybrid_costs(run, base.sdp, base.tp, hardware, comm, schedule)
     if run.method in SPLIT_METHODS:
         cost = split_backward_costs(cost, split_backward_ratio)
-    memory = hybrid_memory_per_worker(run, base.sdp, base.tp, schedule)
+    memory = hybrid_memory_per_worker(run, base.sdp, base.tp, schedule, device)
     for opt in todo:
         cand = replace(base, optimizer=opt)
         if opt == "nvlamb":
@@ -537,9 +555,10 @@ def _evaluate(bert: BertConfig, base: Strategy, optimizers: Sequence[str], hardw
         else:  # K-FAC at sdp = tp = 1: planning.memory's model with its factors and captures
             a = (critical_path_assignment(schedule, run.kfac_layers, 1) if opt == "kfac"
                  else plan_pipefisher(schedule, cost, run.kfac_layers, max_interval=max_interval))
-            est = estimate_memory(run, opt, schedule, a)
+            est = estimate_memory(run, opt, schedule, a, device)
             m = memory[est.worker]
-            per_worker = (est.total_gb + max(m.comm_buffers - m.activations, 0) / GB,)
+            more = max(m.comm_buffers - m.activations, 0)  # the buffers' excess, retained like the rest on cpu
+            per_worker = ((est.total + more + device_overhead(more, device)[0]) / GB,)
             pred, _ = predict_assignment(a, cost, opt)
         worst = max(per_worker)
         if worst * GB > budget:

@@ -79,7 +79,8 @@ class StepMeter:
             if cfg.tp == 1:  # the planner does not model tensor parallelism (yet): no prediction
                 self.predicted = predicted_peak_bytes(run_shape(cfg), cfg.optimizer.name,
                                                       worker.schedule if worker is not None else None,
-                                                      worker.assignment if worker is not None else None)
+                                                      worker.assignment if worker is not None else None,
+                                                      "cpu" if self.device.type == "cpu" else "cuda")
         self.memory = PeakMemory(self.device)
 
     def begin_step(self) -> None:
