@@ -98,3 +98,55 @@ def test_memory_model_refuses_an_unknown_device_in_one_line() -> None:
         M.estimate_memory_per_worker(run, "nvlamb", device="tpu")
     with pytest.raises(ValueError, match="device='mps'"):
         hybrid_memory_per_worker(run, device="mps")
+
+
+def test_the_search_judges_a_cpu_budget_by_the_cpu_peak() -> None:
+    """A budget between the tensors' bytes and a CPU worker's peak: the search ranks the candidate for a GPU
+    and excludes it for CPU workers (whose peak RSS holds glibc's retention and the runtime besides)."""
+    from pipefisher.model.config import BertConfig
+    from pipefisher.planning.costs import RunShape
+    from pipefisher.planning.strategy_search import search_strategies
+
+    bert = BertConfig.from_size("mini")
+    run = RunShape(bert, "1f1b", 2, 4, 8)
+    gpu, cpu = (max(m.total for m in hybrid_memory_per_worker(run, device=d).values()) for d in ("cuda", "cpu"))
+    budget_gb = (gpu + cpu) / 2 / 1e9
+    space = dict(devices=2, memory_gb=budget_gb, global_batch=32, methods=["1f1b"], micro_batch_sizes=[8],
+                 optimizers=["nvlamb"], recompute=[False], sdp_degrees=[1], tp_degrees=[1])
+    found = {d: [c for c in search_strategies(bert, device=d, **space) if c.stages == 2] for d in ("cuda", "cpu")}
+    assert [c.excluded for c in found["cuda"]] == [None]
+    assert "exceeds memory_gb" in found["cpu"][0].excluded
+    assert found["cpu"][0].memory_gb == pytest.approx(cpu / 1e9)
+
+
+def test_one_process_is_predicted_with_one_micro_batch_in_flight() -> None:
+    """train_single_process runs each micro-batch's forward and backward before the next one's: its prediction
+    holds one micro-batch's activations, not the N a one-stage GPipe schedule would hold (issue 38)."""
+    from pipefisher.runtime.reporting import prediction_inputs
+
+    cfg = compose_train(["stages=1", "num_micro_batches=4"])
+    run, optimizer, schedule, assignment = prediction_inputs(cfg)
+    assert (run.num_micro_batches, optimizer, schedule, assignment) == (1, "nvlamb", None, None)
+    est = M.estimate_memory_per_worker(run, optimizer, device="cpu")[0]
+    b, s, h, a, v, p_ = 2, 32, 128, 2, 512, 5
+    one = 2 * (2 * s * b * h * (34 + 5 * a * s / h)) + 4 * s * b * h + 3 * 4 * b * p_ * v  # 2 layers, embeddings, heads
+    assert est.activations == pytest.approx(one)
+
+
+def test_only_parameters_of_32_mib_or_more_escape_the_cpu_retention() -> None:
+    """glibc mmaps every block of at least DEFAULT_MMAP_THRESHOLD_MAX (32 MiB on 64-bit) and unmaps it at its
+    free: bert-medium's word embedding (30522 x 512 x 4 bytes = 62.5 MB) and the decoder copy are such
+    blocks, bert-mini's (31.3 MB) are not, nor any encoder weight of either."""
+    from pipefisher.model.config import BertConfig
+    from pipefisher.planning.costs import RunShape
+
+    assert M.GLIBC_MMAP_THRESHOLD_MAX == 4 * 1024 * 1024 * 8
+    medium = RunShape(BertConfig.from_size("medium"), "1f1b", 2, 4, 8)
+    assert [M.mmapped_parameters(medium, [s]) for s in (0, 1)] == [30522 * 512] * 2
+    assert M.mmapped_parameters(medium, [0, 1]) == 30522 * 512  # one worker, both ends: the tied tensor once
+    mini = RunShape(BertConfig.from_size("mini"), "1f1b", 2, 4, 8)
+    assert [M.mmapped_parameters(mini, [s]) for s in (0, 1)] == [0, 0]
+    cpu, cuda = (M.estimate_memory_per_worker(medium, "nvlamb", device=d)[0] for d in ("cpu", "cuda"))
+    params = cuda.weights / 4
+    retained = 8 * (params - 30522 * 512) + cuda.activations  # gradients and temporaries of the rest, activations
+    assert cpu.allocator == pytest.approx(M.CPU_HEAP_RETENTION * retained)

@@ -31,8 +31,10 @@
                          cpu (peak resident set beyond the RSS before the model was built): glibc
                          keeps freed blocks resident in its arenas (blocks under its mmap threshold,
                          which rises to 32 MiB as tensors are freed) and a step's transient tensors
-                         (gradients, the optimizer's temporary, activations, captures) reuse them only
-                         partly, so ``CPU_HEAP_RETENTION`` × transient more; and ``CPU_RUNTIME_BYTES``
+                         (gradients, the optimizer's temporary, activations, captures; not the
+                         gradients and temporaries of parameter tensors of 32 MiB or more, always
+                         mmapped: :func:`mmapped_parameters`) reuse them only partly, so
+                         ``CPU_HEAP_RETENTION`` × transient more; and ``CPU_RUNTIME_BYTES``
                          of memory that is no tensor (the worker's Python objects, thread pools, gloo,
                          one-time kernel set-up): both measured, bench/memory_model.md
 
@@ -62,8 +64,12 @@ DEVICES = ("cuda", "cpu")
 # with glibc's mmap threshold fixed at 64 KiB (no retention); the retention is the rest over the transient.
 CPU_RUNTIME_BYTES = 80e6
 CPU_HEAP_RETENTION = 0.8
-# The caching allocator's reserved pool over max_memory_allocated, as a fraction of the live tensors.
-CUDA_RESERVED_SLACK = 0.0
+# glibc's largest mmap threshold on 64-bit (DEFAULT_MMAP_THRESHOLD_MAX): a block this large or larger is always
+# mmapped and unmapped at its free, so none of it is retained.
+GLIBC_MMAP_THRESHOLD_MAX = 32 * 1024 * 1024
+# The caching allocator's reserved pool over max_memory_allocated, as a fraction of the live tensors: 0.28 on
+# bert-mini and 0.12 on bert-medium measured (H200, torch 2.11+cu130, stages=1, bench/memory_model_cuda.py).
+CUDA_RESERVED_SLACK = 0.2
 
 
 @dataclass(frozen=True)
@@ -182,10 +188,25 @@ def _capture_peak(phase: Schedule, worker: int, run: RunShape, kfac_layers: list
     return peak
 
 
+def mmapped_parameters(run: RunShape, stages: Sequence[int], tied_once: bool = True) -> float:
+    """Parameters of a worker's ``stages`` in tensors of at least ``GLIBC_MMAP_THRESHOLD_MAX`` bytes in fp32:
+    their gradients and the optimizer's temporaries are mmapped blocks, never retained on CPU. The word
+    embedding / decoder (V × H; once where ``worker_parameters`` counts it once) and encoder Linear weights."""
+    big = lambda n: n if 4.0 * n >= GLIBC_MMAP_THRESHOLD_MAX else 0.0  # noqa: E731
+    last = run.num_model_stages - 1
+    ends = [s for s in stages if s in (0, last)]
+    if tied_once and 0 in ends and last in ends and run.num_model_stages > 1:
+        ends = [0]
+    if run.num_model_stages == 1:
+        ends = [0]  # one stage: the embedding is the decoder, one tensor
+    n = len(ends) * big(tied_parameters(run.bert))
+    return n + sum(big(i * o) for s in stages for i, o in kfac_linear_dims(run.bert, run.encoder_layers[s]))
+
+
 def device_overhead(transient: float, device: str) -> tuple[float, float]:
     """(allocator, runtime) bytes a worker's measured peak holds beyond its live tensors on ``device``,
-    given its ``transient`` tensor bytes (gradients, the optimizer's temporary, activations, captures):
-    [Note: memory model]."""
+    given its ``transient`` tensor bytes in blocks glibc may retain (gradients, the optimizer's temporary,
+    activations, captures; less those of :func:`mmapped_parameters`): [Note: memory model]."""
     if device not in DEVICES:
         raise ValueError(f"device={device!r}: choose one of {', '.join(DEVICES)}")
     if device == "cpu":
@@ -237,7 +258,7 @@ def estimate_memory_per_worker(run: RunShape, optimizer: str, schedule: Schedule
         if assignment is not None and optimizer in KFAC_OPTIMIZERS:
             captures = max(_capture_peak(ph, w, run, list(assignment.kfac_layers)) for ph in assignment.phases)
         temporary = 4.0 * p  # the step's one temporary per parameter
-        allocator, runtime = device_overhead(4.0 * p + temporary + act + captures, device)
+        allocator, runtime = device_overhead(8.0 * (p - mmapped_parameters(run, stages)) + act + captures, device)
         out[w] = MemoryEstimate(w, 4.0 * p, 4.0 * p, moments + temporary + factor_sets * factors, act, captures,
                                 allocator, runtime)
     return out

@@ -85,7 +85,8 @@ from pipefisher.planning.assign import plan_pipefisher
 from pipefisher.planning.comm_costs import CommCosts
 from pipefisher.planning.costs import (STEP_BYTES_PER_PARAM, Hardware, RunShape, estimate_run_costs,
                                        stage_parameters)
-from pipefisher.planning.memory import (activation_peak, device_overhead, estimate_memory, heads_backward_bytes, saved_heads_bytes, tied_parameters,
+from pipefisher.planning.memory import (activation_peak, device_overhead, estimate_memory, heads_backward_bytes,
+                                        mmapped_parameters, saved_heads_bytes, tied_parameters,
                                         worker_parameters)
 from pipefisher.planning.predict import predict_assignment, predict_schedule
 from pipefisher.planning.whatif import METHODS, OPTIMIZERS, SPLIT_BACKWARD_RATIO, SPLIT_METHODS, split_backward_costs
@@ -295,7 +296,7 @@ def hybrid_memory_per_worker(run: RunShape, sdp: int = 1, tp: int = 1, schedule:
         if sdp == 1:
             buffers = 4.0 * sum(untied[s] for s in stages) if replicas > 1 else 0.0
             # 2 moments + the step's temporary; transient: gradients, the temporary, activations or buffers
-            extra = device_overhead(8.0 * p + max(act, buffers), device)
+            extra = device_overhead(8.0 * (p - mmapped_parameters(run, stages)) + max(act, buffers), device)
             out[w] = HybridMemory(w, 4.0 * p, 4.0 * p, 12.0 * p, act, 0.0, buffers, *extra)
         else:
             extra = device_overhead(4.0 * p + 4.0 * p + 4.0 * p / sdp + max(act, 4.0 * p), device)  # gathered, grads, temp
