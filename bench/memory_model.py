@@ -29,7 +29,7 @@ import torch
 
 import _harness as h
 from pipefisher.measure import PeakMemory, current_bytes
-from pipefisher.planning.memory import estimate_memory_per_worker
+from pipefisher.planning.memory import MemoryEstimate, estimate_memory_per_worker
 from pipefisher.runtime.build import run_shape
 from pipefisher.runtime.worker import PipelineWorker
 
@@ -135,7 +135,7 @@ def main() -> None:
                          "micro_batch_size=8", f"steps={args.steps + 1}"] + [x for x in args.extra.split(",") if x]
             out = h.launch(_probe, 2, overrides, args.steps, args.mmap_threshold)
             for r in out:
-                rec = r["result"] | {"model": model, "schedule": sched, "threads": r["threads"]}
+                rec = r["result"] | {"model": model, "schedule": sched, "threads": r["threads"], "extra": args.extra}
                 records.append(rec)
                 m = max(rec["peaks"])
                 p = rec["predicted"]["total"]
@@ -164,10 +164,12 @@ def table(records: list[dict]) -> str:
         run = RunShape(BertConfig.from_size(rec["model"].removeprefix("bert-")), rec["schedule"], 2, 4, 8,
                        num_virtual=v)
         est = estimate_memory_per_worker(run, "nvlamb", device="cpu")[rec["rank"]]
+        if rec.get("extra"):  # another optimizer (K-FAC's assignment): the prediction made in the run
+            est = MemoryEstimate(rec["rank"], **{k: v for k, v in rec["predicted"].items() if k not in ("tensors", "total")})
         measured = max(rec["peaks"])
         live = rec["state"]["params"] + rec["state"]["optimizer_state"] + rec["live_peak"]
         worst = max(worst, abs(est.total / measured - 1))
-        rows.append([rec["model"], rec["schedule"], rec["rank"], len(rec["peaks"]), round(measured / MB),
+        rows.append([rec["model"], rec["schedule"] + (f" {rec['extra']}" if rec.get("extra") else ""), rec["rank"], len(rec["peaks"]), round(measured / MB),
                      round(live / MB), round(est.tensors / MB), round(est.allocator / MB), round(est.runtime / MB),
                      round(est.total / MB), f"{est.total / measured:.2f}"])
     head = ["model", "schedule", "worker", "steps", "measured MB", "live tensors MB", "predicted tensors",
