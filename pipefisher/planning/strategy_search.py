@@ -299,7 +299,8 @@ def hybrid_memory_per_worker(run: RunShape, sdp: int = 1, tp: int = 1, schedule:
             extra = device_overhead(8.0 * (p - mmapped_parameters(run, stages)) + max(act, buffers), device)
             out[w] = HybridMemory(w, 4.0 * p, 4.0 * p, 12.0 * p, act, 0.0, buffers, *extra)
         else:
-            extra = device_overhead(4.0 * p + 4.0 * p + 4.0 * p / sdp + max(act, 4.0 * p), device)  # gathered, grads, temp
+            # transient: the gathered weights, the gradients, the shard's temporary, activations or buffers
+            extra = device_overhead(4.0 * p + 4.0 * p + 4.0 * p / sdp + max(act, 4.0 * p), device)
             out[w] = HybridMemory(w, 4.0 * p / sdp + 4.0 * p, 4.0 * p, 12.0 * p / sdp, act, 0.0, 4.0 * p, *extra)
     return out
 
