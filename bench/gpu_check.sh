@@ -27,6 +27,11 @@
 #  11 refuse-gpus-shared         train.py with twice as many workers as GPUs: refused in one line before training
 #  12 dead-worker-nccl           a worker SIGKILLed at step 2 under NCCL: seconds until the launcher exits
 #                                (cluster.worker_timeout_s=600 must play no part)
+#  13 memory-model-cuda          ONE GPU, stages=1, bert-mini and bert-medium, 4 steps each (< 1 min): the planner's
+#                                predicted peak (planning.memory, device=cuda) within 25% of max_memory_allocated;
+#                                max_memory_reserved and the memory outside the allocator shown beside it
+#                                (bench/memory_model_cuda.py, bench/memory_model.md); alone:
+#                                python bench/memory_model_cuda.py
 # Written and reviewed on a CPU-only machine; it has not run on a GPU yet (see issue 15's note).
 set -uo pipefail
 
@@ -273,6 +278,13 @@ if need_two dead-worker-nccl; then
         report dead-worker-nccl FAIL "(exit $rc after ${took} s: $(tail -n 1 "$dir.log"))"
     fi
 fi
+
+# 13. the memory model against one GPU's caching allocator ----------------------------------------------
+figure="$("$PY" bench/memory_model_cuda.py 2>"$OUT/memory-model-cuda.log" | tail -n 1)"
+case "$figure" in
+    PASS*|FAIL*) report memory-model-cuda "${figure%% *}" "${figure#* }";;
+    *) report memory-model-cuda FAIL "(no result: $(tail -n 1 "$OUT/memory-model-cuda.log"))";;
+esac
 
 echo "gpu_check summary ($OUT):"
 status=0

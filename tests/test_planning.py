@@ -28,7 +28,7 @@ from pipefisher.planning import (
     what_if,
 )
 from pipefisher.planning.cli import plan_run, run_whatif
-from pipefisher.planning.memory import estimate_memory_per_worker, heads_logits_bytes
+from pipefisher.planning.memory import _activation_bytes, estimate_memory_per_worker, heads_logits_bytes
 from pipefisher.planning.whatif import METHODS
 from pipefisher.planning.config import register_schedule_configs, to_schedule_config
 from pipefisher.profiling import read_profile, write_profile
@@ -42,7 +42,7 @@ from pipefisher.schedules import (
 )
 from pipefisher.schedules.checks import stuck_positions
 from pipefisher.schedules.kfac import with_preconditioning
-from pipefisher.simulate import CostModel, simulate, simulate_phases
+from pipefisher.simulate import CostModel, peak_activations, simulate, simulate_phases
 from tests.conftest import CONF_DIR, PIPELINE_GRID, PIPELINE_GRID_IDS, REPO
 
 K = ActionKind
@@ -386,10 +386,18 @@ def test_memory_model_knows_forward_doubling_holds_7_8_8_7_activations_at_d4():
     assert doubling.partition == direct.partition and doubling.num_replicas == 2 and doubling.stages_per_worker == 2
     a = {w: m.activations for w, m in estimate_memory_per_worker(direct, "nvlamb").items()}
     b = {w: m.activations for w, m in estimate_memory_per_worker(doubling, "nvlamb").items()}
-    # Per micro-batch, each worker's largest stage: the same under both; peaks 3 4 4 3 against 7 8 8 7.
+    # In flight: 3 4 4 3 micro-batches against 7 8 8 7, each counted in its own stage (activation_peak).
+    assert list(peak_activations(direct.build_schedule()).values()) == [3, 4, 4, 3]
+    assert list(peak_activations(doubling.build_schedule()).values()) == [7, 8, 8, 7]
     # Workers 0 and 3 hold the heads (of one pipe each): their backward's two b·P·V buffers are once per worker.
     t = {w: 2 * heads_logits_bytes(direct) * (w in (0, 3)) for w in range(4)}
-    assert [(b[w] - t[w]) / ((a[w] - t[w]) / p) for w, p in zip(range(4), (3, 4, 4, 3))] == pytest.approx([7, 8, 8, 7])
+    # Workers 1 and 2 hold the two middle stages, of equal bytes: exactly 8/4 of direct's.
+    assert [(b[w] - t[w]) / ((a[w] - t[w]) / 4) for w in (1, 2)] == pytest.approx([8, 8])
+    # Workers 0 and 3 hold the first stage (embeddings) and the last (heads): their 7 lie between 7 of the
+    # smaller and 7 of the larger (the model counted 7 of the larger before activation_peak).
+    stage = [_activation_bytes(direct, s) for s in range(4)]
+    for w in (0, 3):
+        assert 7 * min(stage[0], stage[3]) < b[w] - t[w] < 7 * max(stage[0], stage[3])
     assert estimate_memory(doubling, "nvlamb").total > estimate_memory(direct, "nvlamb").total
 
 

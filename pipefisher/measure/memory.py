@@ -4,9 +4,9 @@
 CUDA: the caching allocator's ``max_memory_allocated`` since ``reset_peak_memory_stats`` (tensors
 only; the CUDA context and the cache's free blocks are not in it, nor in the prediction).
 CPU (Linux): the resident set's high-water mark ``VmHWM`` of /proc/self/status, reset to the
-current RSS by writing "5" to /proc/self/clear_refs (Linux ≥ 4.0). RSS includes the interpreter,
-libraries and freed-but-cached memory, so it reads above the prediction by a roughly constant
-amount. Where the reset is refused, the peak is over the process's lifetime (``kind`` says so);
+current RSS by writing "5" to /proc/self/clear_refs (Linux ≥ 4.0). RSS includes the interpreter and
+libraries (the baseline, taken before the model is built, which the summary subtracts) and the
+freed blocks glibc keeps, which the prediction for ``device="cpu"`` counts (``planning.memory``). Where the reset is refused, the peak is over the process's lifetime (``kind`` says so);
 elsewhere ``resource.getrusage``'s ``ru_maxrss`` (lifetime).
 """
 
@@ -71,7 +71,7 @@ class PeakMemory:
 
 
 def predicted_peak_bytes(run: RunShape, optimizer: str, schedule: Schedule | None = None,
-                         assignment: Assignment | None = None) -> dict[int, float]:
+                         assignment: Assignment | None = None, device: str = "cuda") -> dict[int, float]:
     """The planner's predicted peak memory of every worker (``estimate_memory_per_worker``'s totals).
 
     Args:
@@ -79,11 +79,13 @@ def predicted_peak_bytes(run: RunShape, optimizer: str, schedule: Schedule | Non
         optimizer: ``nvlamb``, ``kfac``, ``pipefisher``, ``adamw`` or ``muon``.
         schedule: the run's schedule (built from ``run`` when None).
         assignment: the K-FAC assignment, for the capture memory.
+        device: the device type measured (``cuda``: ``max_memory_allocated``; ``cpu``: the peak RSS
+            beyond the baseline, glibc's retention and the worker's non-tensor memory included).
 
     Returns:
         Worker rank -> bytes.
     """
-    per_worker = estimate_memory_per_worker(run, optimizer, schedule, assignment)
+    per_worker = estimate_memory_per_worker(run, optimizer, schedule, assignment, device)
     return {w: est.total for w, est in per_worker.items()}
 
 

@@ -419,13 +419,15 @@ def run_whatif(cfg: ScheduleConfig, out_dir: str | Path) -> str:
                               num_virtual=s.num_virtual, seq_len=cfg.data.seq_len,
                               max_predictions=cfg.data.max_predictions, precision=cfg.precision,
                               plan_options=PlanOptions.from_optimizer(cfg), split_backward_ratio=s.split_backward_ratio,
-                              refusal=refused, calibration=calibration, target_loss=cfg.target_loss)
+                              refusal=refused, calibration=calibration, target_loss=cfg.target_loss,
+                              device=cfg.memory_device)
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "whatif.json").write_text(json.dumps([asdict(c) for c in found], indent=1) + "\n")
     costs = (comm or CommCosts({}, hardware)).describe()
     header = (f"what-if: {cfg.model.name} on {cfg.devices} devices × {cfg.memory_gb:g} GB, global batch "
               f"{cfg.global_batch}, {cfg.data.seq_len} tokens; predicted by simulation from FLOP estimates "
-              f"(flops_per_s={cfg.flops_per_s:g} unless measured below); {costs}; memory excludes framework overhead")
+              f"(flops_per_s={cfg.flops_per_s:g} unless measured below); {costs}; memory: {cfg.memory_device}'s peak "
+              f"(planning.memory), without the interpreter and torch")
     _, notes = rank_by_time_to_target([c for c in found if c.excluded is None], calibration, cfg.target_loss,
                                       model=cfg.model, global_batch=cfg.global_batch, promote=cfg.promote_inverses)
     text = header + "\n" + format_strategies(found, cfg.search.top, notes)

@@ -11,8 +11,10 @@
                          3 for PipeFisher (deferred: the inverses in use and the ones being built);
                          with ``preconditioner="ekfac"`` the eigenbases take the inverses' place and
                          each layer adds its second moment in the eigenbasis, 4·(in+1)·out
-    activations          peak in-flight micro-batches of the schedule (``peak_activations``) × the
-                         activations one micro-batch leaves in the largest stage it holds: per encoder
+    activations          the peak over the worker's action list of the activations its micro-batches
+                         leave, each in the stage it went through (:func:`activation_peak`: a forward
+                         adds, its B or, split, its W frees; one stage per worker: ``peak_activations``
+                         × that stage's): per encoder
                          layer S·b·H·(34 + 5·A·S/H) bytes at 16 bits (Korthikanti et al., 2022,
                          "Reducing activation recomputation"), twice that in fp32; with recomputation
                          only each layer's input (S·b·H elements) plus one layer's full activations,
@@ -23,15 +25,27 @@
     captures (K-FAC)     a layer's input x (T × in) from its F until its CURV_A, its output gradient
                          (T × out) from its B until its CURV_B, for the layers refreshed in a step:
                          the peak over the worker's action list, the largest over the phases
+    allocator, runtime   by ``device`` (:data:`DEVICES`), what the measured peak holds beyond live tensors:
+                         cuda: nothing (the figure is ``max_memory_allocated``, live tensors only; the
+                         caching allocator's reserved pool above it is :func:`cuda_reserved_bytes`);
+                         cpu (peak resident set beyond the RSS before the model was built): glibc
+                         keeps freed blocks resident in its arenas (blocks under its mmap threshold,
+                         which rises to 32 MiB as tensors are freed) and a step's transient tensors
+                         (gradients, the optimizer's temporary, activations, captures; not the
+                         gradients and temporaries of parameter tensors of 32 MiB or more, always
+                         mmapped: :func:`mmapped_parameters`) reuse them only partly, so
+                         ``CPU_HEAP_RETENTION`` × transient more; and ``CPU_RUNTIME_BYTES``
+                         of memory that is no tensor (the worker's Python objects, thread pools, gloo,
+                         one-time kernel set-up): both measured, bench/memory_model.md
 
-Framework overhead (CUDA context, allocator fragmentation, workspaces) is not included: leave a
-margin of a few GB.
+The CUDA context and library handles (787 MB per process on an H200, torch 2.11) are outside
+``max_memory_allocated`` and this model.
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from pipefisher.config import KFAC_OPTIMIZERS, OPTIMIZERS
@@ -39,12 +53,25 @@ from pipefisher.model.config import BertConfig
 from pipefisher.planning.costs import RunShape, kfac_linear_dims, stage_parameters
 from pipefisher.schedules import ActionKind, Schedule
 from pipefisher.schedules.kfac import Assignment
-from pipefisher.simulate import peak_activations
 
-__all__ = ["MemoryEstimate", "estimate_memory", "estimate_memory_per_worker"]
+__all__ = ["CPU_HEAP_RETENTION", "CPU_RUNTIME_BYTES", "CUDA_RESERVED_SLACK", "DEVICES", "GLIBC_MMAP_THRESHOLD_MAX",
+           "MemoryEstimate", "activation_peak", "cuda_reserved_bytes", "device_overhead", "estimate_memory",
+           "estimate_memory_per_worker", "mmapped_parameters"]
 
 K = ActionKind
 GB = 1e9
+DEVICES = ("cuda", "cpu")
+# Measured on the 2-core AMD EPYC (glibc 2.36, torch 2.13 CPU, one intra-op thread per worker), bert-mini and
+# bert-medium, D=2, 1f1b / zb-v / chimera: bench/memory_model.md. The runtime is the peak less the live tensors
+# with glibc's mmap threshold fixed at 64 KiB (no retention); the retention is the rest over the transient.
+CPU_RUNTIME_BYTES = 80e6
+CPU_HEAP_RETENTION = 0.8
+# glibc's largest mmap threshold on 64-bit (DEFAULT_MMAP_THRESHOLD_MAX): a block this large or larger is always
+# mmapped and unmapped at its free, so none of it is retained.
+GLIBC_MMAP_THRESHOLD_MAX = 32 * 1024 * 1024
+# The caching allocator's reserved pool over max_memory_allocated, as a fraction of the live tensors: 0.28 on
+# bert-mini and 0.12 on bert-medium measured (H200, torch 2.11+cu130, stages=1, bench/memory_model_cuda.py).
+CUDA_RESERVED_SLACK = 0.2
 
 
 @dataclass(frozen=True)
@@ -57,10 +84,17 @@ class MemoryEstimate:
     optimizer: float
     activations: float
     captures: float
+    allocator: float = 0.0
+    runtime: float = 0.0
+
+    @property
+    def tensors(self) -> float:
+        """The live tensors at the peak: what CUDA's ``max_memory_allocated`` measures."""
+        return self.weights + self.gradients + self.optimizer + self.activations + self.captures
 
     @property
     def total(self) -> float:
-        return self.weights + self.gradients + self.optimizer + self.activations + self.captures
+        return self.tensors + self.allocator + self.runtime
 
     @property
     def total_gb(self) -> float:
@@ -68,7 +102,8 @@ class MemoryEstimate:
 
     def describe(self) -> str:
         parts = ", ".join(f"{name} {getattr(self, name) / GB:.1f}" for name in
-                          ("weights", "gradients", "optimizer", "activations", "captures"))
+                          ("weights", "gradients", "optimizer", "activations", "captures", "allocator", "runtime")
+                          if name not in ("allocator", "runtime") or getattr(self, name))
         return f"{self.total_gb:.1f} GB on worker {self.worker} ({parts} GB)"
 
 
@@ -117,6 +152,21 @@ def worker_parameters(run: RunShape, params: Sequence[float], stages: Sequence[i
     return p
 
 
+def activation_peak(schedule: Schedule, worker: int, stage_bytes: Callable[[int], float]) -> float:
+    """Most activation bytes ``worker`` holds at once: over its action list, each forward adds what one
+    micro-batch leaves in that action's stage (``stage_bytes(stage)``), each B (a split backward: its W)
+    takes it away again. With one stage per worker this is ``peak_activations`` × that stage's bytes; a
+    worker holding several stages (Chimera, V shapes, interleaved) counts each micro-batch in its own stage."""
+    held = peak = 0.0
+    for a in schedule.actions[worker]:
+        if a.kind == K.FORWARD:
+            held += stage_bytes(a.stage)
+            peak = max(peak, held)
+        elif a.kind in (K.BACKWARD, K.BACKWARD_WEIGHT):
+            held -= stage_bytes(a.stage)
+    return peak
+
+
 def _capture_peak(phase: Schedule, worker: int, run: RunShape, kfac_layers: list[int]) -> float:
     tokens = run.micro_batch_size * run.seq_len
     elem = run.bytes_per_element
@@ -140,8 +190,43 @@ def _capture_peak(phase: Schedule, worker: int, run: RunShape, kfac_layers: list
     return peak
 
 
+def mmapped_parameters(run: RunShape, stages: Sequence[int], tied_once: bool = True) -> float:
+    """Parameters of a worker's ``stages`` in tensors of at least ``GLIBC_MMAP_THRESHOLD_MAX`` bytes in fp32:
+    their gradients and the optimizer's temporaries are mmapped blocks, never retained on CPU. The word
+    embedding / decoder (V × H; once where ``worker_parameters`` counts it once) and encoder Linear weights."""
+    def big(n: float) -> float:
+        return n if 4.0 * n >= GLIBC_MMAP_THRESHOLD_MAX else 0.0
+
+    last = run.num_model_stages - 1
+    ends = [s for s in stages if s in (0, last)]
+    if tied_once and 0 in ends and last in ends and run.num_model_stages > 1:
+        ends = [0]
+    if run.num_model_stages == 1:
+        ends = [0]  # one stage: the embedding is the decoder, one tensor
+    n = len(ends) * big(tied_parameters(run.bert))
+    return n + sum(big(i * o) for s in stages for i, o in kfac_linear_dims(run.bert, run.encoder_layers[s]))
+
+
+def device_overhead(transient: float, device: str) -> tuple[float, float]:
+    """(allocator, runtime) bytes a worker's measured peak holds beyond its live tensors on ``device``,
+    given its ``transient`` tensor bytes in blocks glibc may retain (gradients, the optimizer's temporary,
+    activations, captures; less those of :func:`mmapped_parameters`): [Note: memory model]."""
+    if device not in DEVICES:
+        raise ValueError(f"device={device!r}: choose one of {', '.join(DEVICES)}")
+    if device == "cpu":
+        return CPU_HEAP_RETENTION * transient, CPU_RUNTIME_BYTES
+    return 0.0, 0.0
+
+
+def cuda_reserved_bytes(est: MemoryEstimate) -> float:
+    """The CUDA caching allocator's reserved pool at the peak (``max_memory_reserved``) of a worker
+    estimated for ``device="cuda"``: its live tensors and ``CUDA_RESERVED_SLACK`` of them more."""
+    return est.tensors * (1.0 + CUDA_RESERVED_SLACK)
+
+
 def estimate_memory_per_worker(run: RunShape, optimizer: str, schedule: Schedule | None = None,
-                               assignment: Assignment | None = None) -> dict[int, MemoryEstimate]:
+                               assignment: Assignment | None = None,
+                               device: str = "cuda") -> dict[int, MemoryEstimate]:
     """Memory of every worker of ``run`` under ``optimizer`` ([Note: memory model]).
 
     Args:
@@ -149,24 +234,26 @@ def estimate_memory_per_worker(run: RunShape, optimizer: str, schedule: Schedule
         optimizer: ``nvlamb``, ``kfac``, ``pipefisher``, ``adamw`` or ``muon``.
         schedule: the run's schedule (built from ``run`` when None).
         assignment: the K-FAC assignment, for the capture memory (none counted when None).
+        device: ``cuda`` (the peak ``max_memory_allocated`` measures) or ``cpu`` (the peak resident
+            set beyond the process's before its model was built).
 
     Returns:
         Worker rank -> its estimate, one entry per worker of the schedule.
     """
     if optimizer not in OPTIMIZERS:
         raise ValueError(f"optimizer={optimizer!r}: choose one of {', '.join(OPTIMIZERS)}")
+    device_overhead(0.0, device)  # the device's name checked before any work
     schedule = schedule or run.build_schedule()
     params = stage_parameters(run.bert, run.partition)
     encoder = run.encoder_layers
-    peaks = peak_activations(schedule)
     factor_sets = {"kfac": 2, "pipefisher": 3}.get(optimizer, 0)
     out: dict[int, MemoryEstimate] = {}
     for w in sorted(schedule.actions):
         stages = [s for (_, _, s) in schedule.placement.stages_of(w)]
         p = worker_parameters(run, params, stages)
         factors = sum(4.0 * ((i + 1) ** 2 + o * o) for s in stages for i, o in kfac_linear_dims(run.bert, encoder[s]))
-        act = peaks[w] * max(_activation_bytes(run, s) for s in stages) + heads_backward_bytes(run, stages)
-        moments = 8.0 * p + 4.0 * p  # the state, and the step's one temporary per parameter
+        act = activation_peak(schedule, w, lambda s: _activation_bytes(run, s)) + heads_backward_bytes(run, stages)
+        moments = 8.0 * p  # the state
         if run.preconditioner == "ekfac" and optimizer in KFAC_OPTIMIZERS:  # v in the eigenbasis
             moments += 4.0 * sum((i + 1) * o for s in stages for i, o in kfac_linear_dims(run.bert, encoder[s]))
         if optimizer == "muon":  # one moment for the encoder's Linear weights
@@ -174,12 +261,15 @@ def estimate_memory_per_worker(run: RunShape, optimizer: str, schedule: Schedule
         captures = 0.0
         if assignment is not None and optimizer in KFAC_OPTIMIZERS:
             captures = max(_capture_peak(ph, w, run, list(assignment.kfac_layers)) for ph in assignment.phases)
-        out[w] = MemoryEstimate(w, 4.0 * p, 4.0 * p, moments + factor_sets * factors, act, captures)
+        temporary = 4.0 * p  # the step's one temporary per parameter
+        allocator, runtime = device_overhead(8.0 * (p - mmapped_parameters(run, stages)) + act + captures, device)
+        out[w] = MemoryEstimate(w, 4.0 * p, 4.0 * p, moments + temporary + factor_sets * factors, act, captures,
+                                allocator, runtime)
     return out
 
 
 def estimate_memory(run: RunShape, optimizer: str, schedule: Schedule | None = None,
-                    assignment: Assignment | None = None) -> MemoryEstimate:
+                    assignment: Assignment | None = None, device: str = "cuda") -> MemoryEstimate:
     """Memory of the most loaded worker of ``run`` under ``optimizer`` ([Note: memory model]).
 
     Args and errors as :func:`estimate_memory_per_worker`.
@@ -187,5 +277,5 @@ def estimate_memory(run: RunShape, optimizer: str, schedule: Schedule | None = N
     Returns:
         The estimate of the worker with the largest total (the lowest rank among equals).
     """
-    per_worker = estimate_memory_per_worker(run, optimizer, schedule, assignment)
+    per_worker = estimate_memory_per_worker(run, optimizer, schedule, assignment, device)
     return max(per_worker.values(), key=lambda est: est.total)

@@ -102,7 +102,7 @@ def strategy_document(s: Strategy, model: ModelConfig, data: DataConfig, precisi
         "predicted": {"step_time_s": s.step_time_s, "samples_per_s": s.samples_per_s,
                       "peak_memory_bytes": max(per_worker), "peak_memory_per_worker_bytes": per_worker,
                       "memory_model": "planning.strategy_search [Note: the memory model]: model state, "
-                                      "activations and sync buffers; no framework overhead",
+                                      "activations, sync buffers and the search's memory_device terms",
                       **({"steps_multiplier": s.steps_multiplier, "time_to_target_s": s.time_to_target_s}
                          if s.steps_multiplier is not None else {})},
         **({"pipefisher": {"k": plan.k, "curvature_age_bound": plan.age_bound, "ages": list(plan.ages),
@@ -416,7 +416,7 @@ def report_strategy_run(path: str | Path, output_dir: str | Path) -> dict[str, A
             shown += f" ({max(above) / 1e6:.0f} MB above the process before its model)"
         if pred.get("peak_memory_bytes"):
             report["predicted_peak_memory_bytes"] = pred["peak_memory_bytes"]
-            shown += f" vs {pred['peak_memory_bytes'] / 1e6:.0f} MB predicted (model state and activations only)"
+            shown += f" vs {pred['peak_memory_bytes'] / 1e6:.0f} MB predicted (planning's memory model)"
         parts.append(shown)
     write_text_atomic(Path(output_dir) / REPORT_FILE, json.dumps(report, indent=1) + "\n")
     log.info("strategy %s: %s; wrote %s", path, "; ".join(parts), REPORT_FILE)

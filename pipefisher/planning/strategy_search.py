@@ -55,7 +55,8 @@ parameters of the stage replicas a worker holds on its tp rank)::
               4p accumulated unsharded over the step's micro-batches (gradient sync off until the
               stage's last backward; the 4p/k shard the reduce-scatter writes replaces them),
               optimizer 12p/k (Muon's as above, / k)
-    activations  peak in-flight micro-batches (the schedule's) × per encoder layer
+    activations  the peak over the worker's actions of what its in-flight micro-batches leave, each in
+              its own stage (planning.memory.activation_peak); per encoder layer
               S·b·H·(10 + 24/tp + 5·A·S/(H·tp)) bytes at 16 bits, twice in fp32 (Korthikanti et al.
               2022, Table 2, tensor parallel without sequence parallel; at tp = 1 planning.memory's
               34 + 5AS/H); recompute keeps each layer's input (S·b·H) and one layer's activations;
@@ -65,9 +66,13 @@ parameters of the stage replicas a worker holds on its tp rank)::
               max(activations, comm buffers): the sync runs after the stage's last backward, when
               that stage's activations are gone
 
-Left out: framework overhead (interpreter, torch, CUDA context, allocator caches and fragmentation;
-on CPU the resident set also keeps freed buffers unless glibc's ``MALLOC_MMAP_THRESHOLD_`` is set),
-optimizer temporaries, K-FAC under sdp or tp (refused by train.py: its factors are not sharded).
+    allocator, runtime  planning.memory's for the search's ``device`` (cpu: glibc's retention of the
+              transient tensors and the worker's non-tensor memory; cuda: none, the peak being
+              ``max_memory_allocated``)
+
+Left out: the interpreter and torch before the model (the measured peaks subtract them), the CUDA
+context and the caching allocator's reserved pool over the allocated peak, K-FAC under sdp or tp
+(refused by train.py: its factors are not sharded).
 """
 
 from __future__ import annotations
@@ -82,7 +87,8 @@ from pipefisher.model.partition import layer_costs
 from pipefisher.planning.calibration import Calibration
 from pipefisher.planning.comm_costs import CommCosts
 from pipefisher.planning.costs import Hardware, RunShape, estimate_run_costs, stage_parameters
-from pipefisher.planning.memory import (estimate_memory, heads_backward_bytes, saved_heads_bytes, tied_parameters,
+from pipefisher.planning.memory import (activation_peak, device_overhead, estimate_memory, heads_backward_bytes,
+                                        mmapped_parameters, saved_heads_bytes, tied_parameters,
                                         worker_parameters)
 from pipefisher.planning.optimizer_costs import (ELEMENTWISE_OPTIMIZERS, muon_matrices, optimizer_state_bytes,
                                                  optimizer_step_seconds)
@@ -243,11 +249,13 @@ class HybridMemory:
     activations: float
     captures: float = 0.0
     comm_buffers: float = 0.0
+    allocator: float = 0.0
+    runtime: float = 0.0
 
     @property
     def total(self) -> float:
         return (self.weights + self.gradients + self.optimizer + self.captures
-                + max(self.activations, self.comm_buffers))
+                + max(self.activations, self.comm_buffers) + self.allocator + self.runtime)
 
     @property
     def total_gb(self) -> float:
@@ -255,7 +263,8 @@ class HybridMemory:
 
     def describe(self) -> str:
         parts = ", ".join(f"{name} {getattr(self, name) / GB:.2f}" for name in
-                          ("weights", "gradients", "optimizer", "activations", "comm_buffers"))
+                          ("weights", "gradients", "optimizer", "activations", "comm_buffers", "allocator", "runtime")
+                          if name not in ("allocator", "runtime") or getattr(self, name))
         return f"{self.total_gb:.2f} GB on worker {self.worker} ({parts} GB)"
 
 
@@ -278,7 +287,7 @@ def _stage_activation_bytes(run: RunShape, tp: int, stage: int) -> float:
 
 
 def hybrid_memory_per_worker(run: RunShape, sdp: int = 1, tp: int = 1, schedule: Schedule | None = None,
-                             optimizer: str = "nvlamb") -> dict[int, HybridMemory]:
+                             optimizer: str = "nvlamb", device: str = "cuda") -> dict[int, HybridMemory]:
     """The memory of every worker of one pipeline of ``run`` ([Note: the memory model]).
 
     Args:
@@ -287,26 +296,33 @@ def hybrid_memory_per_worker(run: RunShape, sdp: int = 1, tp: int = 1, schedule:
         tp: tensor-parallel ranks of each stage.
         schedule: the pipeline's schedule (one data-parallel group); built from ``run`` when None.
         optimizer: nvlamb, adamw or muon (``planning.optimizer_costs``); K-FAC's factors are planning.memory's.
+        device: whose peak: ``cuda`` (``max_memory_allocated``) or ``cpu`` (peak RSS beyond the baseline:
+            planning.memory's allocator and runtime terms).
 
     Returns:
         Worker rank (of the simulated pipeline) -> its estimate.
     """
+    device_overhead(0.0, device)  # the device's name checked before any work
     schedule = schedule or run.build_schedule(dp_width=1)
     params = _local_parameters(run, tp)
     untied = _untied(params, run.bert)
-    peaks = peak_activations(schedule)
     replicas = run.num_replicas // sdp  # members of the gradient all-reduce after sharding
     out = {}
     for w in sorted(schedule.actions):
         stages = _stages_of(schedule, w)
         p = worker_parameters(run, params, stages, tied_once=sdp == 1 and tp == 1)
-        act = peaks[w] * max(_stage_activation_bytes(run, tp, s) for s in stages) + heads_backward_bytes(run, stages)
+        act = (activation_peak(schedule, w, lambda s: _stage_activation_bytes(run, tp, s))
+               + heads_backward_bytes(run, stages))
         state = optimizer_state_bytes(optimizer, p, _muon_parameters(run, stages) / tp, sdp)
         if sdp == 1:
             buffers = 4.0 * sum(untied[s] for s in stages) if replicas > 1 else 0.0
-            out[w] = HybridMemory(w, 4.0 * p, 4.0 * p, state, act, 0.0, buffers)  # 2 moments + the step's temporary
+            # transient: gradients, the step's temporary, activations or buffers
+            extra = device_overhead(8.0 * (p - mmapped_parameters(run, stages)) + max(act, buffers), device)
+            out[w] = HybridMemory(w, 4.0 * p, 4.0 * p, state, act, 0.0, buffers, *extra)
         else:
-            out[w] = HybridMemory(w, 4.0 * p / sdp + 4.0 * p, 4.0 * p, state, act, 0.0, 4.0 * p)
+            # transient: the gathered weights, the gradients, the shard's temporary, activations or buffers
+            extra = device_overhead(4.0 * p + 4.0 * p + 4.0 * p / sdp + max(act, 4.0 * p), device)
+            out[w] = HybridMemory(w, 4.0 * p / sdp + 4.0 * p, 4.0 * p, state, act, 0.0, 4.0 * p, *extra)
     return out
 
 
@@ -450,7 +466,8 @@ def search_strategies(bert: BertConfig, *, devices: int, memory_gb: float, globa
                       num_virtual: int = 2, seq_len: int = 128, max_predictions: int = 20, precision: str = "fp32",
                       plan_options: PlanOptions | None = None, split_backward_ratio: float = SPLIT_BACKWARD_RATIO,
                       refusal: Callable[[Strategy], str | None] | None = None,
-                      calibration: Calibration | None = None, target_loss: float | None = None) -> list[Strategy]:
+                      calibration: Calibration | None = None, target_loss: float | None = None,
+                      device: str = "cuda") -> list[Strategy]:
     """Rank every hybrid configuration that uses all ``devices`` by predicted time to target (with a
     calibration; ``planning.time_to_target``), else by simulated samples/s.
 
@@ -471,6 +488,8 @@ def search_strategies(bert: BertConfig, *, devices: int, memory_gb: float, globa
             None; a refused strategy is excluded with that reason, so the ranking holds runnable ones.
         calibration: steps to a held-out loss per optimizer (``planning.calibration``); None: throughput alone.
         target_loss: the held-out loss; None: the calibration's hardest.
+        device: whose peak the memory model predicts: ``cuda`` or ``cpu`` (``planning.memory``'s
+            allocator and runtime terms).
 
     Returns:
         The feasible strategies, best first (each with its throughput rank and, with a calibration, its time to
@@ -517,7 +536,7 @@ def search_strategies(bert: BertConfig, *, devices: int, memory_gb: float, globa
 
                             def evaluate(cand: Strategy, hw: Hardware = hw) -> tuple[list[Strategy], list[Strategy]]:
                                 return _evaluate(bert, cand, optimizers, hw, comm, budget, seq_len, max_predictions,
-                                                 precision, plan_options, split_backward_ratio, tp_ok, refusal)
+                                                 precision, plan_options, split_backward_ratio, tp_ok, refusal, device)
 
                             r, x = evaluate(base)
                             if not rc and True in recompute and _memory_bound(x):
@@ -573,7 +592,8 @@ def _partial_recompute(base: Strategy, bert: BertConfig, seq_len: int, max_predi
 def _evaluate(bert: BertConfig, base: Strategy, optimizers: Sequence[str], hardware: Hardware, comm: CommCosts,
               budget: float, seq_len: int, max_predictions: int, precision: str, plan_options: PlanOptions,
               split_backward_ratio: float, tp_ok: bool,
-              refusal: Callable[[Strategy], str | None] | None) -> tuple[list[Strategy], list[Strategy]]:
+              refusal: Callable[[Strategy], str | None] | None,
+              device: str = "cuda") -> tuple[list[Strategy], list[Strategy]]:
     ranked, excluded = [], []
     run = base.run_shape(bert, seq_len, max_predictions, precision)
     todo = []
@@ -590,12 +610,13 @@ def _evaluate(bert: BertConfig, base: Strategy, optimizers: Sequence[str], hardw
         return ranked, excluded
     schedule = run.build_schedule(dp_width=1)
     cost = pipeline_costs(run, hardware, comm, base.sdp, base.tp, schedule, split_backward_ratio)
-    memory = hybrid_memory_per_worker(run, base.sdp, base.tp, schedule)
+    memory = hybrid_memory_per_worker(run, base.sdp, base.tp, schedule, device=device)
     for opt in todo:
         cand = replace(base, optimizer=opt)
         age = None
         if opt in ELEMENTWISE_OPTIMIZERS:
-            mem = memory if opt == "nvlamb" else hybrid_memory_per_worker(run, base.sdp, base.tp, schedule, opt)
+            mem = memory if opt == "nvlamb" else hybrid_memory_per_worker(run, base.sdp, base.tp, schedule, opt,
+                                                                                   device)
             per_worker = tuple(m.total_gb for m in mem.values())
             own = cost if opt == "nvlamb" else pipeline_costs(run, hardware, comm, base.sdp, base.tp, schedule,
                                                                 split_backward_ratio, opt)
@@ -607,9 +628,10 @@ def _evaluate(bert: BertConfig, base: Strategy, optimizers: Sequence[str], hardw
             else:
                 plan = plan_for(schedule, cost, run.kfac_layers, plan_options)
                 a, age = plan.assignment, plan.age_bound
-            est = estimate_memory(run, opt, schedule, a)
+            est = estimate_memory(run, opt, schedule, a, device)
             m = memory[est.worker]
-            per_worker = (est.total_gb + max(m.comm_buffers - m.activations, 0) / GB,)
+            more = max(m.comm_buffers - m.activations, 0)  # the buffers' excess, retained like the rest on cpu
+            per_worker = ((est.total + more + device_overhead(more, device)[0]) / GB,)
             pred, _ = predict_assignment(a, cost, opt)
         worst = max(per_worker)
         if worst * GB > budget:

@@ -112,8 +112,8 @@ def what_if(bert: BertConfig, *, devices: int, memory_gb: float, global_batch: i
             micro_batch_sizes: Sequence[int] = (4, 8, 16, 32), optimizers: Sequence[str] = OPTIMIZERS,
             recompute: Sequence[bool] = (False, True), num_virtual: int = 2, seq_len: int = 128,
             max_predictions: int = 20, precision: str = "fp32", max_interval: int = 8,
-            split_backward_ratio: float = SPLIT_BACKWARD_RATIO, plan_options: PlanOptions | None = None
-            ) -> list[Candidate]:
+            split_backward_ratio: float = SPLIT_BACKWARD_RATIO, plan_options: PlanOptions | None = None,
+            device: str = "cuda") -> list[Candidate]:
     """Rank configurations by predicted throughput; list the excluded ones with the reason.
 
     Args:
@@ -129,6 +129,7 @@ def what_if(bert: BertConfig, *, devices: int, memory_gb: float, global_batch: i
         split_backward_ratio: (I+W)/B of zb-h1 and zb-v, a split backward's cost relative to a full one.
         plan_options: PipeFisher's planner options; None: train.py's ``optimizer=pipefisher`` defaults with
             ``max_interval`` (``planning.pipefisher_plan``, [Note: one planning path]).
+        device: whose peak the memory model predicts (``planning.memory``): ``cuda`` or ``cpu``.
 
     Returns:
         The feasible candidates, best first, then the excluded ones.
@@ -170,7 +171,7 @@ def what_if(bert: BertConfig, *, devices: int, memory_gb: float, global_batch: i
                         continue
                     run = RunShape(bert, method, d, n, mbs, w, v, seq_len, max_predictions, None, rc, precision)
                     ranked_here, excluded_here = _evaluate(run, base, optimizers, hardware, budget, options,
-                                                           split_backward_ratio)
+                                                           split_backward_ratio, device)
                     ranked += ranked_here
                     excluded += excluded_here
     progress.done(len(ranked), len(excluded))
@@ -205,7 +206,8 @@ def split_backward_costs(cost: CostModel, ratio: float) -> CostModel:
 
 
 def _evaluate(run: RunShape, base: Candidate, optimizers: Sequence[str], hardware: Hardware, budget: float,
-              options: PlanOptions, split_backward_ratio: float) -> tuple[list[Candidate], list[Candidate]]:
+              options: PlanOptions, split_backward_ratio: float,
+              device: str = "cuda") -> tuple[list[Candidate], list[Candidate]]:
     schedule = run.build_schedule(dp_width=1)
     cost = estimate_run_costs(run, hardware)
     if run.method in SPLIT_METHODS:
@@ -213,7 +215,7 @@ def _evaluate(run: RunShape, base: Candidate, optimizers: Sequence[str], hardwar
     ranked, excluded = [], []
     for opt in optimizers:
         cand = replace(base, optimizer=opt)
-        mem = estimate_memory(run, opt, schedule)
+        mem = estimate_memory(run, opt, schedule, device=device)
         if mem.total > budget:
             excluded.append(replace(cand, memory_gb=mem.total_gb, excluded=(
                 f"memory {mem.describe()} exceeds memory_gb={budget / 1e9:g}")))
@@ -226,7 +228,7 @@ def _evaluate(run: RunShape, base: Candidate, optimizers: Sequence[str], hardwar
                 a = critical_path_assignment(schedule, run.kfac_layers, 1)
             else:
                 a = plan_for(schedule, cost, run.kfac_layers, options).assignment
-            mem = estimate_memory(run, opt, schedule, a)
+            mem = estimate_memory(run, opt, schedule, a, device)
             if mem.total > budget:
                 excluded.append(replace(cand, memory_gb=mem.total_gb, interval=a.interval, excluded=(
                     f"memory {mem.describe()} (with K-FAC captures) exceeds memory_gb={budget / 1e9:g}")))

@@ -15,6 +15,7 @@ largest per worker beside the planner's prediction for that worker (``planning.m
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import statistics
 from collections.abc import Iterable, Sequence
@@ -33,7 +34,7 @@ from pipefisher.tracking import METRICS_FILE, MetricsWriter, WandbLogger
 from pipefisher.tracking.wandb_logger import RUN_ID_FILE
 from pipefisher.training import bert_config, progress_range
 
-__all__ = ["StepMeter", "StepReporter", "summary_fields", "summary_line"]
+__all__ = ["StepMeter", "StepReporter", "prediction_inputs", "summary_fields", "summary_line"]
 
 log = logging.getLogger(__name__)
 
@@ -78,9 +79,8 @@ class StepMeter:
             else:
                 self.peak = run_peak(one, self.device.type, cfg.num_workers)
             if cfg.tp == 1:  # the planner does not model tensor parallelism (yet): no prediction
-                self.predicted = predicted_peak_bytes(run_shape(cfg), cfg.optimizer.name,
-                                                      worker.schedule if worker is not None else None,
-                                                      worker.assignment if worker is not None else None)
+                self.predicted = predicted_peak_bytes(*prediction_inputs(cfg, worker),
+                                                      "cpu" if self.device.type == "cpu" else "cuda")
         self.memory = PeakMemory(self.device)
 
     def begin_step(self) -> None:
@@ -97,6 +97,15 @@ class StepMeter:
         if self.peak is not None:
             out["mfu"] = mfu(self.flops_per_step, step_time_s, self.peak)
         return out
+
+
+def prediction_inputs(cfg: TrainConfig, worker: Any = None) -> tuple[Any, str, Any, Any]:
+    """``(run, optimizer, schedule, assignment)`` the planner predicts ``cfg``'s peak memory from: a
+    pipeline worker's own schedule; one process (``worker`` None) runs each micro-batch's forward and
+    backward before the next one's, so one micro-batch's activations at a time (a one-micro-batch run)."""
+    if worker is not None:
+        return run_shape(cfg), cfg.optimizer.name, worker.schedule, worker.assignment
+    return dataclasses.replace(run_shape(cfg), num_micro_batches=1), cfg.optimizer.name, None, None
 
 
 _SUMMARY_KEYS = ("step", "step_time_s", "samples_per_s", "tflops", "mfu", "peak_memory_per_worker_bytes",
