@@ -139,3 +139,38 @@ def test_stage_steps_redo_or_confirm_equal_one_step_of_everything(optimizer, max
         results.append([p.detach().clone() for p in [*a.parameters(), *b.parameters()]])
     for x, y in zip(*results):
         torch.testing.assert_close(x, y, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("stop", [False, True])
+def test_a_nan_norm_rolls_back_or_stops_without_copies(stop) -> None:
+    """on_nonfinite=skip: the stage steps are undone (the parameters and the state as before the
+    step); stop without clipping keeps no copies and the run ends at the final STEP."""
+    a, b = _tiny_stage()
+    named = [("a." + n, p) for n, p in a.named_parameters()] + [("b." + n, p) for n, p in b.named_parameters()]
+    params = [*a.parameters(), *b.parameters()]
+    before = [p.detach().clone() for p in params]
+    opt = build_baseline_optimizer("adamw", named, lr=0.1, weight_decay=0.01, max_grad_norm=0.0)
+    for p in params:
+        p.grad = torch.ones_like(p)
+    steps = StageSteps(opt, {(0, 0): a, (0, 1): b}, [], 0.0, stop_on_nonfinite=stop)
+    assert steps.copies is not stop
+    steps.step_stage((0, 0))
+    steps.step_stage((0, 1))
+    assert not torch.equal(params[0], before[0])
+
+    class Stop(Exception):
+        pass
+
+    def nonfinite(norm: float) -> None:
+        if stop:
+            raise Stop(norm)
+
+    if stop:
+        with pytest.raises(Stop):
+            steps.finish(torch.tensor(float("nan")), nonfinite)
+        return
+    steps.finish(torch.tensor(float("nan")), nonfinite)
+    assert steps.rollbacks == 2
+    for p, q in zip(params, before):
+        torch.testing.assert_close(p.detach(), q, rtol=0, atol=0)
+    assert not opt.state  # AdamW's moments as before its first step: none

@@ -162,3 +162,14 @@ def test_1f1b_gains_nothing_in_the_simulator_the_global_step_already_runs_per_wo
     glob = CostModel(forward_ns=(1000,) * 4, backward_ns=(2000,) * 4, worker_step_ns=steps)
     per = CostModel(forward_ns=(1000,) * 4, backward_ns=(2000,) * 4, stage_step_ns=steps)
     assert _step_time(per_stage_steps(s), per) == _step_time(s, glob) == 34000
+
+
+def test_measured_costs_read_stage_steps_apart_from_the_final_step():
+    from pipefisher.runtime.step_metrics import measured_costs
+
+    s = per_stage_steps(build_schedule("chimera", 2, 4))
+    cost = CostModel(forward_ns=(1000, 1000), backward_ns=(2000, 2000), stage_step_ns=(300, 500),
+                     worker_step_ns=(70, 90))
+    got = measured_costs(simulate(s, cost), s)
+    assert got.stage_step_ns == (300, 500)
+    assert got.worker_step_ns == (70, 90)

@@ -121,7 +121,8 @@ class PipelineWorker:
                     self.assignment, phases=tuple(per_stage_steps(p) for p in self.assignment.phases))
                 check_assignment(self.assignment)
             self.stage_steps = StageSteps(self.optimizer, self.modules, tied_params(self.modules, self.schedule.num_stages),
-                                          cfg.optimizer.max_grad_norm, may_defer=cfg.sdp == 1 and cfg.tp == 1)
+                                          cfg.optimizer.max_grad_norm, may_defer=cfg.sdp == 1 and cfg.tp == 1,
+                                          stop_on_nonfinite=cfg.on_nonfinite == "stop")
         self.rollbacks = 0  # stage steps rolled back in the last step, over all workers
         self.executor = WorkerExecutor(
             self.assignment.phases if self.assignment is not None else self.schedule,

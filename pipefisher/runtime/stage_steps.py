@@ -20,7 +20,8 @@ global norm (the same all-reduce, over the same gradients, as the global step), 
 
 A stage whose own gradient is already non-finite or has a norm above max_norm cannot step with
 c = 1 (the global norm is at least its own) and defers its step to the final STEP instead: no
-wasted work, no rollback. Under sdp/tp a stage's processes step together (their optimizer steps
+wasted work, no rollback. Without clipping and with ``on_nonfinite=stop`` nothing is ever rolled back
+(a NaN ends the run), so no copies are kept. Under sdp/tp a stage's processes step together (their optimizer steps
 hold collectives), and each sees only its shard's norm, so they never defer: every stage steps
 optimistically there. The result equals the global step's bit for bit: the optimizers' updates are
 per tensor (NVLAMB's foreach kernels, torch's AdamW and Muon), so stepping a stage's tensors apart
@@ -59,10 +60,13 @@ class StageSteps:
         max_grad_norm: the global clip threshold; ``<= 0`` or ``inf``: no clipping.
         may_defer: a stage whose own gradient forbids c = 1 defers to the final STEP (False under
             sdp/tp, where a stage's processes must step together).
+        stop_on_nonfinite: ``on_nonfinite=stop``: a NaN/inf norm ends the run, so without clipping
+            nothing is ever rolled back and the stage steps keep no copies.
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, modules: dict[StageKey, nn.Module],
-                 tied: Iterable[nn.Parameter], max_grad_norm: float, may_defer: bool = True) -> None:
+                 tied: Iterable[nn.Parameter], max_grad_norm: float, may_defer: bool = True,
+                 stop_on_nonfinite: bool = False) -> None:
         self.optimizer = optimizer
         tied_ids = {id(p) for p in tied}
         self.stage_params = {key: [p for p in m.parameters() if p.requires_grad and id(p) not in tied_ids]
@@ -71,6 +75,8 @@ class StageSteps:
         self.clips = 0.0 < self.max_grad_norm < math.inf
         self.may_defer = may_defer
         self.keeps_grads = isinstance(optimizer, NVLAMB)  # NVLAMB clips a copy; AdamW and Muon the .grad
+        self.copies = self.clips or not stop_on_nonfinite  # a rollback may be needed
+        self._stepped: dict[StageKey, list[nn.Parameter]] = {}
         self._saved: dict[StageKey, list[_Saved]] = {}
         self.deferred: set[StageKey] = set()
         self.rollbacks = 0  # stage replicas rolled back in the last step
@@ -82,8 +88,10 @@ class StageSteps:
         if self.may_defer and self._forbids_unit_clip(params):
             self.deferred.add(key)
             return
-        self._saved[key] = [(p, local(p).detach().clone(), _copy_state(self._state_of(p)),
-                             None if self.keeps_grads else local(p.grad).detach().clone()) for p in params]
+        self._stepped[key] = params
+        if self.copies:
+            self._saved[key] = [(p, local(p).detach().clone(), _copy_state(self._state_of(p)),
+                                 None if self.keeps_grads else local(p.grad).detach().clone()) for p in params]
         with _only_grads(self.optimizer, params):
             # a float32 norm below max_norm: the clip factor of every such norm ([Note: post-validation])
             self.optimizer.step(grad_norm=torch.zeros((), dtype=torch.float32))
@@ -97,14 +105,17 @@ class StageSteps:
                 after the rollback.
         """
         norm = float(grad_norm)
-        stepped = {id(p) for saved in self._saved.values() for p, *_ in saved}
+        stepped = {id(p) for params in self._stepped.values() for p in params}
         confirmed = math.isfinite(norm) and (not self.clips or norm <= self.max_grad_norm)
-        if not confirmed:
-            self.rollbacks = len(self._saved)
+        self.rollbacks = 0
+        if not confirmed and self._stepped:
+            if not self.copies:  # on_nonfinite=stop without clipping: the run ends here
+                nonfinite(norm)
+                raise AssertionError("on_nonfinite=stop returned on a non-finite norm")  # pragma: no cover
+            self.rollbacks = len(self._stepped)
             self._roll_back()
             stepped = set()
-        else:
-            self.rollbacks = 0
+        self._stepped.clear()
         self._saved.clear()
         self.deferred.clear()
         if not math.isfinite(norm):
