@@ -74,8 +74,8 @@ def test_per_stage_steps_equal_the_global_step_bit_for_bit(case, placement_resul
     clip = case[4]
     if case[5:] == NAN:  # the workers without the NaN stepped their stages, and undid them
         assert rollbacks[1] > 0
-    elif case[3] == "nvlamb" and clip == ROLL_BACK:
-        assert sum(rollbacks) > 0
+    elif case[3] == "nvlamb" and clip == ROLL_BACK and case[0] in ("1f1b", "chimera"):
+        assert sum(rollbacks) > 0  # the rollback path runs (gpipe's N=2 norms differ: it may defer instead)
     elif case[3] == "nvlamb" and clip == OFF or (clip == DEFER and case[0] != "zb-v" and "sdp=2" not in case):
         assert rollbacks == [0] * STEPS  # confirmed, or deferred before stepping (zb-v's 4 stages: some
         # have their own norm below 0.5, step and roll back)
@@ -174,3 +174,19 @@ def test_a_nan_norm_rolls_back_or_stops_without_copies(stop) -> None:
     for p, q in zip(params, before):
         torch.testing.assert_close(p.detach(), q, rtol=0, atol=0)
     assert not opt.state  # AdamW's moments as before its first step: none
+
+
+def test_after_a_clipped_step_every_stage_defers_instead_of_rolling_back() -> None:
+    a, b = _tiny_stage()
+    named = [("a." + n, p) for n, p in a.named_parameters()] + [("b." + n, p) for n, p in b.named_parameters()]
+    params = [*a.parameters(), *b.parameters()]
+    opt = build_baseline_optimizer("adamw", named, lr=0.1, weight_decay=0.01, max_grad_norm=1.0)
+    steps = StageSteps(opt, {(0, 0): a, (0, 1): b}, [], 1.0)
+    for step, expected in enumerate([2, 0]):
+        for p in params:
+            p.grad = torch.full_like(p, 0.05)  # each stage's own norm below 1, the global norm 2 above it
+        steps.step_stage((0, 0))
+        steps.step_stage((0, 1))
+        assert steps.deferred == (set() if step == 0 else {(0, 0), (0, 1)})
+        steps.finish(torch.tensor(2.0), lambda n: pytest.fail("finite"))
+        assert steps.rollbacks == expected

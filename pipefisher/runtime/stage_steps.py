@@ -20,7 +20,10 @@ global norm (the same all-reduce, over the same gradients, as the global step), 
 
 A stage whose own gradient is already non-finite or has a norm above max_norm cannot step with
 c = 1 (the global norm is at least its own) and defers its step to the final STEP instead: no
-wasted work, no rollback. Without clipping and with ``on_nonfinite=stop`` nothing is ever rolled back
+wasted work, no rollback. So does every stage while the previous step's global norm was above
+max_norm: clipping comes in runs (early training), and a rollback costs the stage's step twice
+(Muon's Newton–Schulz: 7 rollbacks in 10 steps made bert-tiny's 1f1b step 1.2× the global one's,
+``bench/optimizer_placement.md``); that norm is global, so every process decides alike. Without clipping and with ``on_nonfinite=stop`` nothing is ever rolled back
 (a NaN ends the run), so no copies are kept. Under sdp/tp a stage's processes step together (their optimizer steps
 hold collectives), and each sees only its shard's norm, so they never defer: every stage steps
 optimistically there. The result equals the global step's bit for bit: the optimizers' updates are
@@ -80,12 +83,13 @@ class StageSteps:
         self._saved: dict[StageKey, list[_Saved]] = {}
         self.deferred: set[StageKey] = set()
         self.rollbacks = 0  # stage replicas rolled back in the last step
+        self.last_norm = 0.0  # the previous step's global norm: above max_norm, every stage defers
 
     def step_stage(self, key: StageKey) -> None:
         """The STEP of stage replica ``key``: optimistic (c = 1), keeping what a rollback needs, or
         deferred to the final STEP ([Note: post-validation])."""
         params = [p for p in self.stage_params[key] if p.grad is not None]
-        if self.may_defer and self._forbids_unit_clip(params):
+        if (self.clips and self.last_norm > self.max_grad_norm) or (self.may_defer and self._forbids_unit_clip(params)):
             self.deferred.add(key)
             return
         self._stepped[key] = params
@@ -105,6 +109,7 @@ class StageSteps:
                 after the rollback.
         """
         norm = float(grad_norm)
+        self.last_norm = norm if math.isfinite(norm) else 0.0
         stepped = {id(p) for params in self._stepped.values() for p in params}
         confirmed = math.isfinite(norm) and (not self.clips or norm <= self.max_grad_norm)
         self.rollbacks = 0
