@@ -59,7 +59,8 @@ PRECONDITIONERS = ("kfac", "ekfac")  # optimizer.preconditioner (as pipefisher.o
 DATA_KINDS = ("synthetic", "hdf5")
 PRECISIONS = ("fp32", "bf16")
 WANDB_MODES = ("offline", "online", "disabled")
-FAULT_MODES = ("none", "raise", "kill", "stall", "nan")
+FAULT_MODES = ("none", "raise", "kill", "stall", "nan", "nan_grad")
+OPTIMIZER_PLACEMENTS = ("global", "per_stage")
 NONFINITE_MODES = ("stop", "skip")
 INVERSE_DTYPES = ("auto", "float32", "float64")
 NS_DTYPES = ("auto", "bf16", "fp32")  # optimizer.ns_dtype (pipefisher.optim.muon.NS_DTYPES)
@@ -184,7 +185,7 @@ class ProfileConfig:
 class FaultConfig:
     """Inject a failure into one worker, to test that the job ends promptly (a testing aid)."""
 
-    mode: str = "none"  # none, raise (exception), kill (SIGKILL itself), stall (sleep forever), nan (poison its gradients)
+    mode: str = "none"  # none, raise (exception), kill (SIGKILL itself), stall (sleep forever), nan (poison its outputs), nan_grad (one LayerNorm's gradient NaN, the loss finite)
     rank: int = 0  # which worker fails
     step: int = 0  # at the start of which step
 
@@ -255,6 +256,7 @@ class TrainConfig:
     progress: bool = True  # show a progress bar on rank 0
     comm_ablation: bool = False  # 1-byte messages instead of activations/gradients/all-reduces (timing only: the loss is meaningless)
     on_nonfinite: str = "stop"  # NaN/inf in loss or gradients: stop (naming the step) or skip (drop that step's update)
+    optimizer_placement: str = "global"  # global: one STEP per worker after a global barrier; per_stage: each stage steps once its gradients are final, checked against the global norm (docs/optimizer-placement.md)
     max_skipped_steps: int = 10  # on_nonfinite=skip: most skipped steps in a row; one more stops the run
     resume: str = "none"  # none, auto (latest complete checkpoint in checkpoint.dir, if any) or a checkpoint path
     init_from: Optional[str] = None  # start from these weights only (new optimizer and schedule): a run folder, its final/, a step_<n> checkpoint or an export; NVIDIA's phase 2
@@ -542,6 +544,7 @@ def validate(cfg: TrainConfig) -> None:
     _check_choice("device", cfg.device, ("auto", "cpu", "cuda"))
     _check_choice("fault.mode", cfg.fault.mode, FAULT_MODES)
     _check_choice("on_nonfinite", cfg.on_nonfinite, NONFINITE_MODES)
+    _check_choice("optimizer_placement", cfg.optimizer_placement, OPTIMIZER_PLACEMENTS)
     _check_choice("optimizer.inverse_dtype", cfg.optimizer.inverse_dtype, INVERSE_DTYPES)
     if cfg.max_skipped_steps < 0:
         _fail("max_skipped_steps", cfg.max_skipped_steps, "must be >= 0 (skipped steps in a row tolerated before the run stops)")

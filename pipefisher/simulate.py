@@ -15,6 +15,9 @@ Chosen to match ``pipefisher.runtime.executor``:
   stage has reached its SYNC_GRAD and lasts ``cost.sync_ns[s]``; the worker does not wait for it.
 - ``STEP`` waits for the worker's all-reduces of the step and for every worker to reach its STEP
   (the global gradient norm is an all-reduce over all workers), then lasts ``cost.step_of(worker)``.
+- A stage ``STEP`` (``sSTEP@p``, ``passes.per_stage_steps``) waits for its replica's ``SYNC_GRAD``
+  all-reduce only, as ``PRECOND`` does, and lasts ``cost.stage_step_ns[s]``; the worker's final
+  ``STEP`` then costs what is left (``step_of``: the tied weight, the norm's check).
 - A compute-only schedule (no SEND/RECV) is simulated with its data dependencies instead: an F
   starts after the upstream F ended (+ ``p2p_ns`` across workers), a B or I after its own F and
   the downstream B or I, a W after its own I.
@@ -93,6 +96,8 @@ class CostModel:
         p2p_ns: latency of one point-to-point message (send issued → data received).
         sync_ns: gradient all-reduce cost of each stage (empty means 0 for every stage).
         step_ns: optimizer step cost per worker.
+        stage_step_ns: per-stage cost of a stage STEP (the optimizer step of that stage's parameters,
+            the tied weight excepted; ``passes.per_stage_steps``); empty: 0.
         worker_step_ns: optimizer step cost of each worker, where they differ (empty: ``step_ns``
             for every worker). A V schedule puts the embeddings and the heads on one worker, whose
             step then updates far more parameters than the others' (``bench/v_gap.py``).
@@ -122,6 +127,7 @@ class CostModel:
     input_grad_ns: tuple[int, ...] = ()
     weight_grad_ns: tuple[int, ...] = ()
     worker_step_ns: tuple[int, ...] = ()
+    stage_step_ns: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         n = len(self.forward_ns)
@@ -141,10 +147,12 @@ class CostModel:
         object.__setattr__(self, "sync_ns", _as_tuple(sync, n, "sync_ns"))
         precond = self.precond_ns if (isinstance(self.precond_ns, int) or len(self.precond_ns)) else 0
         object.__setattr__(self, "precond_ns", _as_tuple(precond, n, "precond_ns"))
+        stage_step = self.stage_step_ns if (isinstance(self.stage_step_ns, int) or len(self.stage_step_ns)) else 0
+        object.__setattr__(self, "stage_step_ns", _as_tuple(stage_step, n, "stage_step_ns"))
         _as_tuple(self.p2p_ns, 1, "p2p_ns")
         _as_tuple(self.step_ns, 1, "step_ns")
         object.__setattr__(self, "worker_step_ns", tuple(int(x) for x in self.worker_step_ns))
-        for name in ("backward_ns", "sync_ns", "precond_ns", "input_grad_ns", "weight_grad_ns"):
+        for name in ("backward_ns", "sync_ns", "precond_ns", "input_grad_ns", "weight_grad_ns", "stage_step_ns"):
             if len(getattr(self, name)) != n:
                 raise ValueError(f"CostModel.{name} has {len(getattr(self, name))} entries; "
                                  f"forward_ns has {n} (one per stage)")
@@ -165,7 +173,7 @@ class CostModel:
                 p2p_ns: int = 0, sync_ns: int = 0, step_ns: int = 0, kfac_layers: int = 0,
                 curv_a_ns: int = 0, curv_b_ns: int = 0, sync_factor_ns: int = 0, invert_ns: int = 0,
                 precond_ns: int = 0, input_grad_ns: int | None = None,
-                weight_grad_ns: int | None = None) -> CostModel:
+                weight_grad_ns: int | None = None, stage_step_ns: int = 0) -> CostModel:
         """Every stage costs the same.
 
         Args:
@@ -185,6 +193,7 @@ class CostModel:
             input_grad_ns: a split backward's I; with ``weight_grad_ns``, or both None (halves of
                 the backward).
             weight_grad_ns: a split backward's W.
+            stage_step_ns: a stage STEP (per-stage optimizer steps).
         """
         def table(value: int) -> KfacTable:
             return ((value,) * kfac_layers,) * num_stages if kfac_layers else ()
@@ -202,6 +211,7 @@ class CostModel:
             precond_ns=(precond_ns,) * num_stages,
             input_grad_ns=() if input_grad_ns is None else (input_grad_ns,) * num_stages,
             weight_grad_ns=() if weight_grad_ns is None else (weight_grad_ns,) * num_stages,
+            stage_step_ns=(stage_step_ns,) * num_stages,
         )
 
     def compute_ns(self, kind: ActionKind, stage: int) -> int:
@@ -414,6 +424,11 @@ class _Sim:
             self.times[(k, w, i)] = ActionTime(now, now, now)
             self.ptr[w] += 1
             return True
+        elif a.kind == K.STEP and a.stage is not None:  # a per-stage step: its replica's all-reduce only
+            if a.stage in self.open_syncs[(k, w)]:
+                return False
+            start = max(now, self.stage_sync_end.get((k, w, a.stage), 0))
+            end = start + self.cost.stage_step_ns[a.stage]
         elif a.kind == K.STEP:
             if self.open_syncs[(k, w)]:
                 return False
@@ -606,7 +621,8 @@ def simulated_bubble_ratio(schedule: Schedule, cost: CostModel | None = None) ->
     """
     if cost is None:
         cost = CostModel.uniform(schedule.num_stages, 1000)
-    cost = replace(cost, p2p_ns=0, sync_ns=(0,) * cost.num_stages, step_ns=0, worker_step_ns=())
+    cost = replace(cost, p2p_ns=0, sync_ns=(0,) * cost.num_stages, step_ns=0, worker_step_ns=(),
+                   stage_step_ns=(0,) * cost.num_stages)
     fb = frozenset(k.value for k in (K.FORWARD, K.BACKWARD, K.BACKWARD_INPUT, K.BACKWARD_WEIGHT))
     events = [e for e in simulate(schedule, cost) if e.kind in fb]
     return 1.0 - bubble_utilization(events, schedule.num_workers, kinds=fb)

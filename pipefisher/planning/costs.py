@@ -408,6 +408,7 @@ def costs_from_profile(profile: Profile, run: RunShape | None = None, *,
     durations: dict[tuple[str, int, int | None], list[int]] = defaultdict(list)
     steps: list[int] = []
     worker_steps: dict[int, list[int]] = defaultdict(list)
+    stage_steps: dict[int, list[int]] = defaultdict(list)
     sends: dict[tuple[int, int, str], int] = {}
     recvs: list[tuple[int, int, Action, int, int]] = []
     for e in profile.events:
@@ -416,6 +417,9 @@ def costs_from_profile(profile: Profile, run: RunShape | None = None, *,
         except ValueError:
             continue
         if is_wait(e):  # an action's wait for an all-reduce: neither the action's cost nor the all-reduce's
+            continue
+        if a.kind == K.STEP and a.stage is not None:  # a stage STEP (optimizer_placement=per_stage)
+            stage_steps[a.stage].append(e.duration_ns)
             continue
         if a.kind == K.STEP:
             steps.append(e.duration_ns)
@@ -519,6 +523,7 @@ def costs_from_profile(profile: Profile, run: RunShape | None = None, *,
         sync_ns=sync,
         step_ns=mean_ns(steps) if steps else 0,
         worker_step_ns=worker_step_costs(worker_steps),
+        stage_step_ns=tuple(mean_ns(stage_steps[s]) if stage_steps.get(s) else 0 for s in range(d)),
         curv_a_ns=table("CURV_A", "curv_a"),
         curv_b_ns=table("CURV_B", "curv_b"),
         sync_factor_ns=tuple(factor_sync),

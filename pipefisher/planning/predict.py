@@ -167,7 +167,7 @@ def split_steps(events: Sequence[Event], num_workers: int) -> StepSplit:
     spans = []
     for _, evs in sorted(by_step.items()):
         start = min(e.start_ns for e in evs)
-        ends = [e.end_ns for e in evs if e.kind == "STEP"]
+        ends = [e.end_ns for e in evs if e.kind == "STEP" and not e.name[:1].isdigit()]  # not a stage STEP ("1STEP@1")
         end = max(ends) if ends else max(e.end_ns for e in evs)
         spans.append((start, end))
         per_worker: dict[int, list[Event]] = defaultdict(list)

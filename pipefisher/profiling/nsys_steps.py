@@ -79,7 +79,7 @@ def delimiters(ranges: Sequence[ActionRange], enclosing_keys: set[Key], worker_o
     chosen: dict[int, list[ActionRange]] = defaultdict(list)
     brackets: dict[int, list[ActionRange]] = defaultdict(list)
     for r in ranges:
-        if r.kind == "STEP" and r.end is not None:
+        if r.kind == "STEP" and not r.name[:1].isdigit() and r.end is not None:  # not a stage STEP ("1STEP@1")
             (brackets if r.key in enclosing_keys else chosen)[worker_of[r.key]].append(r)
     return [r for w in set(chosen) | set(brackets) for r in (chosen.get(w) or brackets[w])]
 

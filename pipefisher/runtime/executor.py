@@ -46,6 +46,7 @@ waits for them, and that wait is an event of its own, just before the action's e
 action's name and the collective's kind (never in ``timeline.COMPUTE_KINDS``)::
 
     1PRECOND@1 SYNC_GRAD   this replica's gradient all-reduce (and copying its result back)
+    1STEP@1    SYNC_GRAD   the same for a stage STEP (per-stage optimizer steps)
     0INVERT#3  SYNC_FACTOR its layer's factor all-reduce (KfacWork.wait_for_syncs; the fold of
                            the synced factors is K-FAC work and stays in INVERT)
     STEP       SYNC_GRAD   sends, every gradient all-reduce, the tied weight's, the global norm
@@ -179,7 +180,10 @@ class WorkerExecutor:
             holders of the first or last stage; None when no tied weight crosses workers.
         grad_norm: called at STEP after all gradients are synchronized: the global gradient norm
             (a collective over all workers).
-        optimizer_step: then called with that norm to update the parameters.
+        optimizer_step: then called with that norm to update the parameters (with per-stage steps:
+            to confirm or redo them and step the rest, ``runtime.stage_steps``).
+        stage_step: called with (pipe, stage) at a stage STEP (``schedules.passes.per_stage_steps``),
+            after that replica's gradient all-reduce; None: the schedule has no stage STEPs.
         loss_scale: factor applied to each micro-batch loss before backward (1 / (N · W)).
         autocast: context factory wrapped around each forward.
         kfac: performs the K-FAC actions (None: the schedule has none).
@@ -209,6 +213,7 @@ class WorkerExecutor:
         cuda_timing: str = "events",
         sdp: ShardedStages | None = None,
         tp: int = 1,
+        stage_step: Callable[[StageKey], None] | None = None,
     ) -> None:
         self.clock = StepClock(cuda_timing if comm.device.type == "cuda" else "cpu")
         self.phases: list[Schedule] = [schedule] if isinstance(schedule, Schedule) else list(schedule)
@@ -223,6 +228,7 @@ class WorkerExecutor:
         self.tied = tied
         self.grad_norm = grad_norm
         self.optimizer_step = optimizer_step
+        self.stage_step = stage_step
         self.loss_scale = loss_scale
         self.autocast = autocast
         self.sdp = sdp
@@ -387,7 +393,12 @@ class WorkerExecutor:
         self.kfac.run(a)  # PRECOND and INVERT find their all-reduces done (waited for in run_step)
 
     def _step(self, a: Action, st: _StepState) -> None:
-        self.optimizer_step(st.grad_norm)
+        if a.stage is None:
+            self.optimizer_step(st.grad_norm)
+        elif self.stage_step is None:  # pragma: no cover - the worker passes one with such a schedule
+            raise ValueError(f"{a}: a stage STEP needs WorkerExecutor(stage_step=...)")
+        else:
+            self.stage_step((a.pipe, a.stage))
 
     def _capture(self, a: Action):
         return self.kfac.forward((a.pipe, a.stage), a.micro_batch) if self.kfac is not None else contextlib.nullcontext()
@@ -408,8 +419,8 @@ class WorkerExecutor:
             Whether anything was in flight, and for STEP the global gradient norm (a collective
             too, over all workers), else None.
         """
-        if a.kind == ActionKind.PRECOND:  # precondition synchronized gradients
-            return self._finish_grad_sync(syncs, (a.pipe, a.stage)), None
+        if a.kind == ActionKind.PRECOND or (a.kind == ActionKind.STEP and a.stage is not None):
+            return self._finish_grad_sync(syncs, (a.pipe, a.stage)), None  # this replica's gradients
         if a.kind == ActionKind.INVERT:
             return self.kfac.wait_for_syncs(a), None
         for work, _ in sends:

@@ -16,7 +16,7 @@ from torch import nn
 
 from pipefisher.config import TrainConfig
 
-__all__ = ["fault_here", "poison_outputs", "inject_fault"]
+__all__ = ["fault_here", "poison_outputs", "poison_gradient", "inject_fault"]
 
 log = logging.getLogger(__name__)
 
@@ -51,11 +51,29 @@ def poison_outputs(modules: Iterable[nn.Module], enabled: bool) -> Iterator[None
             h.remove()
 
 
+@contextlib.contextmanager
+def poison_gradient(modules: Iterable[nn.Module], enabled: bool) -> Iterator[None]:
+    """While active, the gradient of one LayerNorm parameter of the first of ``modules`` is NaN
+    (``fault.mode=nan_grad``): the loss and every other gradient stay finite, so only the global
+    norm sees it (what per-stage steps must catch afterwards: ``runtime.stage_steps``)."""
+    target = next((p for m in list(modules)[:1] for n, p in m.named_parameters() if "LayerNorm" in n), None) \
+        if enabled else None
+    if target is None:
+        yield
+        return
+    log.error("injecting fault 'nan_grad': a LayerNorm gradient of this worker is NaN for this step")
+    handle = target.register_hook(lambda g: g * float("nan"))
+    try:
+        yield
+    finally:
+        handle.remove()
+
+
 def inject_fault(cfg: TrainConfig, rank: int, step: int) -> None:
     """Fail as ``cfg.fault`` asks, at the start of ``step`` on worker ``rank`` (a testing aid;
     ``nan`` is done by :func:`poison_outputs` around the step)."""
     f = cfg.fault
-    if f.mode in ("none", "nan") or not fault_here(cfg, f.mode, rank, step):
+    if f.mode in ("none", "nan", "nan_grad") or not fault_here(cfg, f.mode, rank, step):
         return
     log.error("injecting fault %r on worker %d at step %d", f.mode, rank, step)
     if f.mode == "raise":

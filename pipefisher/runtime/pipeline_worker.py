@@ -7,6 +7,7 @@ preemption, evaluation, profile) is ``pipefisher.runtime.worker.train_worker``.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import logging
 import math
@@ -29,14 +30,17 @@ from pipefisher.runtime.build import (build_stage_modules, check_world_size, des
 from pipefisher.runtime.checkpoint import CheckpointError, load_shard, save_checkpoint
 from pipefisher.runtime.executor import CommSpec, StepResult, WorkerExecutor
 from pipefisher.runtime.init_weights import load_initial_weights
-from pipefisher.runtime.faults import fault_here, inject_fault, poison_outputs
+from pipefisher.runtime.faults import fault_here, inject_fault, poison_gradient, poison_outputs
 from pipefisher.runtime.kfac_work import KfacWork
 from pipefisher.runtime.sharded_checkpoint import ShardedCheckpointer, checkpoint_groups
 from pipefisher.runtime.sharding import dp_block, local, sdp_groups, shard_stages
+from pipefisher.runtime.stage_steps import StageSteps
 from pipefisher.runtime.tensor_parallel import parallelize_stages, schedule_worker, stage_meshes, tp_group, tp_index
 from pipefisher.runtime.state import (capture_rng_state, kfac_state, load_kfac_state, load_module_states,
                                       load_optimizer_state, module_key, optimizer_state, restore_rng_state, to_cpu)
-from pipefisher.schedules.kfac import Assignment
+from pipefisher.schedules.kfac import Assignment, check_assignment
+from pipefisher.schedules.checks import check_schedule
+from pipefisher.schedules.passes import per_stage_steps
 from pipefisher.training import autocast_context, data_plan, data_source, make_optimizer, refresh_decay
 
 __all__ = ["PipelineWorker"]
@@ -107,6 +111,19 @@ class PipelineWorker:
             }
             self.kfac = KfacWork(preconditioners, grad_groups, deferred=self.assignment.deferred,
                                  ablate=cfg.comm_ablation, promote=o.promote_inverses)
+        # optimizer_placement=per_stage: [Note: per-stage optimizer steps], [Note: post-validation].
+        self.stage_steps: StageSteps | None = None
+        if cfg.optimizer_placement == "per_stage":
+            self.schedule = per_stage_steps(self.schedule)
+            check_schedule(self.schedule)
+            if self.assignment is not None:
+                self.assignment = dataclasses.replace(
+                    self.assignment, phases=tuple(per_stage_steps(p) for p in self.assignment.phases))
+                check_assignment(self.assignment)
+            self.stage_steps = StageSteps(self.optimizer, self.modules, tied_params(self.modules, self.schedule.num_stages),
+                                          cfg.optimizer.max_grad_norm, may_defer=cfg.sdp == 1 and cfg.tp == 1,
+                                          stop_on_nonfinite=cfg.on_nonfinite == "stop")
+        self.rollbacks = 0  # stage steps rolled back in the last step, over all workers
         self.executor = WorkerExecutor(
             self.assignment.phases if self.assignment is not None else self.schedule,
             rank,
@@ -123,6 +140,7 @@ class PipelineWorker:
             cuda_timing="sync" if cfg.profile.enabled else "events",  # [Note: timing on a GPU]
             sdp=self.sdp,
             tp=cfg.tp,
+            stage_step=self.stage_steps.step_stage if self.stage_steps is not None else None,
         )
         if device.type == "cuda":
             mark_rank(rank)  # an nsys capture maps this process to its rank (issue 15)
@@ -246,11 +264,16 @@ class PipelineWorker:
         for hook in self.before_optimizer_step:
             hook()
         norm = float(grad_norm)  # all-reduced over every worker: all of them decide alike
-        if not math.isfinite(norm):
+        if self.stage_steps is not None:  # confirm or redo the stage steps, step the rest
+            self.stage_steps.finish(grad_norm, self._nonfinite_update)
+            if not math.isfinite(norm):
+                return
+        elif not math.isfinite(norm):
             self._nonfinite_update(norm)
             return
+        else:
+            self.optimizer.step(grad_norm=grad_norm)
         self.skipped_in_row = 0
-        self.optimizer.step(grad_norm=grad_norm)
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
 
@@ -292,7 +315,8 @@ class PipelineWorker:
         and this worker's step result (its timeline events)."""
         self._step, self.step_skipped = step, False
         inject_fault(self.cfg, self.rank, step)
-        with poison_outputs(self.modules.values(), fault_here(self.cfg, "nan", self.rank, step)):
+        with poison_outputs(self.modules.values(), fault_here(self.cfg, "nan", self.rank, step)), \
+                poison_gradient(self.modules.values(), fault_here(self.cfg, "nan_grad", self.rank, step)):
             self.batches.start_step(step)  # on CUDA: last step's micro-batches copied before any action is timed
             result = self.executor.run_step(step, lambda mb: self.get_batch(step, mb))
         # The preemption flag rides on the loss all-reduce (see [Note: stopping on a signal]).
@@ -300,9 +324,12 @@ class PipelineWorker:
         stop = float(preemption.requested())
         # Every tp rank of the last stage computed the same losses: tp index 0 alone adds them.
         loss_sum = result.loss_sum.float() if self.tp_index == 0 else torch.zeros_like(result.loss_sum, dtype=torch.float)
-        totals = torch.cat([loss_sum, torch.tensor([stop], device=result.loss_sum.device)])
+        # Rollbacks of stage steps ([Note: post-validation]) ride along: tp index 0 counts its worker's.
+        rolled = float(self.stage_steps.rollbacks) if self.stage_steps is not None and self.tp_index == 0 else 0.0
+        totals = torch.cat([loss_sum, torch.tensor([stop, rolled], device=result.loss_sum.device)])
         dist.all_reduce(totals)
         self.stop_agreed = bool(totals[2].item() > 0)
+        self.rollbacks = int(totals[3].item())
         losses = (totals[:2] / (self.cfg.num_micro_batches * self.cfg.data_replicas)).tolist()
         if self.kfac is not None:  # the oldest curvature any worker used this step (-1: none yet)
             age = self.kfac.curvature_age()

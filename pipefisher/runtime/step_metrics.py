@@ -27,8 +27,8 @@ def step_utilization(events: list[Event], num_workers: int, kinds: frozenset[str
 
 
 def measured_costs(events: list[Event], schedule: Schedule, kfac_layers: Sequence[int] = ()) -> CostModel:
-    """Mean F, B (and split I, W) time per stage, and each worker's STEP, in this step's timeline → a
-    cost model for the simulator.
+    """Mean F, B (and split I, W) time per stage, each worker's STEP and each stage's STEP (per-stage
+    optimizer steps), in this step's timeline → a cost model for the simulator.
 
     With ``kfac_layers`` (K-FAC layers per stage) the K-FAC units the step ran are costed too, as
     measured (a unit run for all of a stage's layers at once is split evenly over them; what the
@@ -37,8 +37,11 @@ def measured_costs(events: list[Event], schedule: Schedule, kfac_layers: Sequenc
     sums: dict[tuple[str, int], list[int]] = {}
     kfac: dict[tuple[str, int, int | None], list[int]] = {}
     steps: dict[int, list[int]] = {}
+    stage_steps: dict[int, list[int]] = {}
     for e in events:
-        if e.kind == "STEP":  # a wait of STEP has a collective's kind
+        if e.kind == "STEP" and e.name != "STEP":  # a stage STEP (per-stage optimizer steps)
+            stage_steps.setdefault(Action.from_str(e.name).stage, []).append(e.duration_ns)
+        elif e.kind == "STEP":  # a wait of STEP has a collective's kind
             steps.setdefault(e.worker, []).append(e.duration_ns)
         elif e.kind in ("F", "B", "I", "W"):
             stage = int(e.name.split(e.kind, 1)[0])
@@ -51,6 +54,7 @@ def measured_costs(events: list[Event], schedule: Schedule, kfac_layers: Sequenc
     compute = compute_cost_fields(mean, d)
     # each worker's STEP ([Note: simulated semantics]); none under tp, where process ranks are not workers
     compute["worker_step_ns"] = worker_step_costs(steps, schedule.num_workers)
+    compute["stage_step_ns"] = [mean_ns(stage_steps[s]) if s in stage_steps else 0 for s in range(d)]
     if not kfac_layers:
         return CostModel(**compute)
 

@@ -166,6 +166,8 @@ def train_worker(cfg: TrainConfig, rank: int, world_size: int, device: torch.dev
                 last["comm_ablation"] = True  # this loss is meaningless: the stages computed on zeros
             if worker.step_skipped:
                 last["skipped"] = True  # non-finite gradients: no update (on_nonfinite=skip)
+            if cfg.optimizer_placement == "per_stage":  # stage steps redone after the global norm's check
+                last["rollbacks"] = worker.rollbacks
             if reporter is not None:
                 events = [e for evs, _ in gathered for e in evs]
                 if cfg.profile.enabled and step >= cfg.profile.warmup_steps:

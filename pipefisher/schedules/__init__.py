@@ -35,7 +35,7 @@ from pipefisher.schedules.kfac import (
     kfac_layer_counts,
     strip_kfac,
 )
-from pipefisher.schedules.passes import add_communication, add_grad_sync_and_step
+from pipefisher.schedules.passes import add_communication, add_grad_sync_and_step, per_stage_steps
 
 __all__ = [
     "Action",
@@ -51,6 +51,7 @@ __all__ = [
     "interleaved",
     "add_communication",
     "add_grad_sync_and_step",
+    "per_stage_steps",
     "check_schedule",
     "build_schedule",
     "build_eval_schedule",

@@ -29,7 +29,8 @@ the all-layers form (no ``#layer``) with per-layer units of the same replica; a 
 comes after every curvature unit of its layer in the step and is issued by every replica of the
 stage; an ``INVERT`` comes after the ``SYNC_FACTOR`` of its layer when the step has one;
 ``PRECOND`` (whole replica, no layer) exactly once per stage replica, after the replica's
-``SYNC_GRAD``; every K-FAC unit before ``STEP``. Workers sharing collectives issue them all
+``SYNC_GRAD``; every K-FAC unit before ``STEP`` (and a replica's own units before its stage
+``STEP`` under per-stage steps, ``passes.per_stage_steps``). Workers sharing collectives issue them all
 (gradient and factor all-reduces) in one relative order.
 """
 
@@ -49,7 +50,7 @@ _SENDS = (K.SEND_F, K.SEND_B)
 _RECVS = (K.RECV_F, K.RECV_B)
 _COLLECTIVES = (K.SYNC_GRAD, K.SYNC_FACTOR)
 _LOCAL_KFAC = (K.CURV_A, K.CURV_B, K.INVERT, K.PRECOND)
-_NO_MICRO_BATCH = (K.SYNC_GRAD, K.SYNC_FACTOR, K.INVERT, K.PRECOND)
+_NO_MICRO_BATCH = (K.SYNC_GRAD, K.SYNC_FACTOR, K.INVERT, K.PRECOND, K.STEP)
 
 
 class ScheduleError(ValueError):
@@ -72,7 +73,7 @@ def check_schedule(schedule: Schedule, *, complete: bool = True, kfac: bool | No
     carried by a SEND after the producer and a RECV before the consumer, each SEND matching exactly
     one RECV on its peer (a split backward's I carries the B's messages; its W none); exactly one SYNC_GRAD per stage replica (after its last B), issued in the
     same relative order by workers that share collectives, and one STEP per worker after all its
-    work; the K-FAC rules of [Note: K-FAC rules of one step]; no deadlock (see
+    work (with per-stage steps also one stage STEP per replica after that replica's work); the K-FAC rules of [Note: K-FAC rules of one step]; no deadlock (see
     [Note: deadlock semantics]).
 
     Args:
@@ -151,9 +152,9 @@ def _check_placement(schedule: Schedule) -> None:
     for w, actions in schedule.actions.items():
         dp = dp_of[w]
         for i, a in enumerate(actions):
-            if a.kind == K.STEP:
-                if a.stage is not None or a.micro_batch is not None:
-                    _fail(schedule, f"STEP on worker {w} takes no stage or micro-batch", (w, i))
+            if a.kind == K.STEP and a.stage is None:  # the worker's final step
+                if a.micro_batch is not None or a.pipe:
+                    _fail(schedule, f"STEP on worker {w} takes no micro-batch or pipe", (w, i))
                 continue
             if a.stage is None or not 0 <= a.stage < schedule.num_stages:
                 _fail(schedule, f"{a} on worker {w}: stage out of range [0, {schedule.num_stages})", (w, i))
@@ -336,6 +337,7 @@ def _check_communication(schedule: Schedule) -> None:
 
 def _check_sync_and_step(schedule: Schedule) -> None:
     placement = schedule.placement
+    per_stage = any(a.kind == K.STEP and a.stage is not None for acts in schedule.actions.values() for a in acts)
     for w, actions in schedule.actions.items():
         held = [(s, p) for (_, p, s) in placement.stages_of(w)]
         stages = Counter(s for s, _ in held)
@@ -345,9 +347,16 @@ def _check_sync_and_step(schedule: Schedule) -> None:
         syncs: dict[tuple[int, int], list[int]] = defaultdict(list)
         last_b: dict[tuple[int, int], int] = {}
         steps: list[int] = []
+        stage_steps: dict[tuple[int, int], list[int]] = defaultdict(list)
+        last_of: dict[tuple[int, int], int] = {}  # last non-STEP action of each replica
         last_work = -1
         for i, a in enumerate(actions):
-            if a.kind == K.SYNC_GRAD:
+            if a.stage is not None and a.kind != K.STEP:
+                last_of[(a.stage, a.pipe)] = i
+            if a.kind == K.STEP and a.stage is not None:
+                stage_steps[(a.stage, a.pipe)].append(i)
+                last_work = i
+            elif a.kind == K.SYNC_GRAD:
                 syncs[(a.stage, a.pipe)].append(i)
                 last_work = i
             elif a.kind in (K.BACKWARD, K.BACKWARD_INPUT, K.BACKWARD_WEIGHT):
@@ -373,6 +382,27 @@ def _check_sync_and_step(schedule: Schedule) -> None:
         if steps[0] < last_work:
             _fail(schedule, f"STEP on worker {w} comes before the worker's last F/B/SYNC_GRAD/K-FAC unit",
                   (w, steps[0]))
+        _check_stage_steps(schedule, w, held, stage_steps, last_of, per_stage)
+
+
+def _check_stage_steps(schedule: Schedule, w: int, held: list[tuple[int, int]],
+                       stage_steps: dict[tuple[int, int], list[int]], last_of: dict[tuple[int, int], int],
+                       per_stage: bool) -> None:
+    """[Note: per-stage optimizer steps] (``passes.per_stage_steps``): either every worker steps all its
+    replicas at its final STEP (no stage STEP anywhere), or every replica steps once, after every
+    other action of that replica (its last B/W, its SYNC_GRAD, its PRECOND and other K-FAC units)."""
+    if not per_stage:
+        return
+    for s, p in held:
+        where = stage_steps.get((s, p), [])
+        name = f"{s}STEP" + (f"@{p}" if p else "")
+        if len(where) != 1:
+            _fail(schedule, f"worker {w} runs {name} {len(where)} times; with per-stage steps each stage "
+                            f"replica it holds steps exactly once", (w, where[1]) if where else None)
+        if where[0] < last_of.get((s, p), -1):
+            late = schedule.actions[w][last_of[(s, p)]]
+            _fail(schedule, f"{name} on worker {w} comes before {late}: a stage steps once its gradients "
+                            f"are final (after its last B/W, SYNC_GRAD and K-FAC units)", (w, where[0]))
 
 
 def _collective_key(a: Action) -> tuple[str, int, int | None]:

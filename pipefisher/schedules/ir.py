@@ -14,7 +14,9 @@ String form of an action (parses back with :meth:`Action.from_str`)::
     1SEND_F2>2 stage 1 sends the activation of micro-batch 2 to worker 2
     2RECV_F2<1 stage 2 receives that activation from worker 1
     1SYNC_GRAD stage 1 all-reduces its gradients with its replicas (no micro-batch)
-    STEP       optimizer step of every stage the worker holds (stage omitted)
+    STEP       optimizer step of every stage the worker holds (stage omitted); with per-stage
+               steps (passes.per_stage_steps) what is left: the tied weight, the norm's check
+    1STEP@1    per-stage optimizer step of stage 1 of pipe 1 (optimizer_placement=per_stage)
     1CURV_A3#2 K-FAC: A factor of the stage's Linear layer 2 from micro-batch 3
     2INVERT#0  K-FAC: damped inverses of both factors of stage 2's layer 0
 """
@@ -45,7 +47,7 @@ class ActionKind(str, Enum):
     SEND_B = "SEND_B"  # send an activation gradient upstream
     RECV_B = "RECV_B"
     SYNC_GRAD = "SYNC_GRAD"  # all-reduce a stage's gradients over its replicas (twin / data parallel)
-    STEP = "STEP"  # optimizer step
+    STEP = "STEP"  # optimizer step (of one stage replica when it has a stage: passes.per_stage_steps)
     # K-FAC work units (DESIGN.md, "K-FAC"); ``layer`` picks one Linear layer of the stage, or
     # None for all of them.
     CURV_A = "CURV_A"  # accumulate A = E[x xᵀ] from a micro-batch's captured inputs (after its F)
@@ -97,7 +99,8 @@ class Action:
 
     Attributes:
         kind: what to do.
-        stage: pipeline stage index in [0, D) the action works on (None for ``STEP``: all stages).
+        stage: pipeline stage index in [0, D) the action works on (None for the worker's final
+            ``STEP``; a stage ``STEP`` steps that stage replica alone).
         micro_batch: micro-batch index in [0, N) within the worker's data-parallel group, or None.
         pipe: which pipeline of the worker's group the stage belongs to (0 = down; Chimera's up
             pipeline is 1). Data flows from stage s to s+1 in every pipe; only the placement of

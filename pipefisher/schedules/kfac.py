@@ -351,14 +351,20 @@ def check_assignment(a: Assignment) -> None:
     if len(a.kfac_layers) != first.num_stages:
         raise ScheduleError(f"assignment kfac_layers={list(a.kfac_layers)}: need one count per stage "
                             f"({first.num_stages})")
-    base = strip_kfac(first).actions
+    def pipeline_of(phase: Schedule) -> dict[int, tuple[Action, ...]]:
+        """The phase's pipeline actions: no K-FAC units, and no stage STEPs, which follow their
+        replica's last unit (``passes.per_stage_steps``) and so sit where each phase's units end."""
+        return {w: tuple(x for x in acts if not (x.kind == K.STEP and x.stage is not None))
+                for w, acts in strip_kfac(phase).actions.items()}
+
+    base = pipeline_of(first)
     for p, phase in enumerate(a.phases):
         if (phase.method, phase.num_stages, phase.num_micro_batches, phase.placement,
                 phase.pipe_of_micro_batch) != (first.method, first.num_stages, first.num_micro_batches,
                                                first.placement, first.pipe_of_micro_batch):
             _fail(a, p, "the phase is a different pipeline from phase 0 (method, D, N or placement)")
-        if strip_kfac(phase).actions != base:
-            w = next(w for w in base if strip_kfac(phase).actions.get(w) != base[w])
+        if pipeline_of(phase) != base:
+            w = next(w for w in base if pipeline_of(phase).get(w) != base[w])
             mine = [(i, x) for i, x in enumerate(phase.actions.get(w, ())) if not x.kind.is_kfac]
             i = next((i for (i, x), y in zip(mine, base[w]) if x != y), mine[-1][0] if mine else 0)
             _fail(a, p, f"worker {w} runs different pipeline actions than in phase 0; phases differ "

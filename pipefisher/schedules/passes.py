@@ -4,6 +4,10 @@ Chained by :func:`pipefisher.schedules.build_schedule` in this order::
 
     generator (F, B)  ──►  add_communication (SEND_*/RECV_*)  ──►  add_grad_sync_and_step
 
+and, with ``optimizer_placement=per_stage``, after any K-FAC work has been assigned::
+
+    ──►  per_stage_steps (one STEP per stage replica, in the bubble after its gradients are final)
+
 Each pass takes a :class:`Schedule` and returns a new one; none mutates its input.
 
 [Note: ordering point-to-point messages]
@@ -50,6 +54,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+from collections import defaultdict
 from collections.abc import Iterable
 from dataclasses import replace
 
@@ -59,6 +64,8 @@ __all__ = [
     "HOIST_POLICIES",
     "add_communication",
     "add_grad_sync_and_step",
+    "per_stage_steps",
+    "stage_step_bounds",
     "worker_dp_groups",
     "matching_recv",
     "matching_send",
@@ -367,3 +374,113 @@ def add_grad_sync_and_step(schedule: Schedule, hoist: str = "earliest_send") -> 
         clusters.append([])
         segments[w] = (anchors, clusters)
     return replace(schedule, actions=_Legalizer(schedule, segments, hoist).run())
+
+
+def per_stage_steps(schedule: Schedule, positions: StepPositions | None = None) -> Schedule:
+    """Give every stage replica its own optimizer step once its gradients are final.
+
+    [Note: per-stage optimizer steps]
+    ``add_grad_sync_and_step`` ends each worker's list with one ``STEP`` that updates every stage
+    the worker holds after a global barrier (the gradient norm is all-reduced over all workers), so
+    every worker waits for stage 0's last backward before it steps (issue 36). Here each replica
+    (stage s, pipe p) gets ``STEP(s, p)`` (string form ``sSTEP@p``); a K-FAC run's ``PRECOND(s, p)``
+    moves with it, to just before it. The stage-less ``STEP`` stays last: it finishes the step (the
+    tied weight, which needs both ends of the pipeline; the global norm's check; the learning rate);
+    ``runtime.stage_steps`` [Note: post-validation] says why the early steps equal the global one.
+
+    Where: a stage STEP must follow every action of its replica (its last B or W, the SEND_B after
+    it, its SYNC_GRAD, its K-FAC units). By default it goes after the worker's last compute, the
+    messages and the SYNC_GRADs (a step must not hold back a SEND_B or an all-reduce), the replicas in the order of their SYNC_GRADs, so the replica whose all-reduce was
+    issued first steps while the later all-reduces are in flight, and the worker steps without
+    waiting for the other workers (the global norm is checked afterwards). Right after a replica's
+    last action is not better without costs: the step waits there for the replica's all-reduce and
+    delays the worker's later computes (interleaved D=2 in the simulator, F=1, B=2, step 0.7:
+    29.1 units per step against 28.4). ``positions`` places them elsewhere: the planner's
+    ``planning.step_placement.place_stage_steps`` searches them with a cost model. Moving PRECOND changes nothing it reads: it still follows every unit of its own
+    replica (its INVERTs included), and other replicas' actions do not touch its gradients.
+
+    1F1B, D=2, N=2 (computes and steps only; worker 1 holds the last stage)::
+
+        W0: 0F0 0F1 0B0 0B1 0SYNC_GRAD 0STEP STEP
+        W1: 1F0 1B0 1F1 1B1 1SYNC_GRAD 1STEP STEP      1STEP runs while W0 still runs 0B1
+
+    Args:
+        schedule: a complete schedule with one stage-less STEP last on every worker and no stage
+            STEPs (``build_schedule`` output, or a phase of a K-FAC assignment).
+        positions: per worker, replica (stage, pipe) → the index in the worker's list without its
+            PRECONDs and final STEP after which the replica's STEP goes (at least its replica's last
+            action, :func:`stage_step_bounds`); None: the rule above.
+
+    Returns:
+        A new schedule with one STEP per stage replica; nothing else moves except PRECOND.
+
+    Raises:
+        ValueError: the schedule already has stage STEPs, a worker's list does not end in STEP, or
+            a position comes before its replica's last action.
+    """
+    rests, firsts, slots = stage_step_bounds(schedule)
+    for w, mine in (positions or {}).items():
+        for r, i in mine.items():
+            if not firsts[w][r] <= i < len(rests[w]):
+                raise ValueError(f"STEP of stage {r[0]} pipe {r[1]} on worker {w} at {i}: it must follow its "
+                                 f"replica's last action ({firsts[w][r]}) and precede the final STEP")
+            slots[w][r] = i
+    return _place_steps(schedule, rests, slots)
+
+
+StepPositions = dict[int, dict[tuple[int, int], int]]
+"""Per worker: stage replica (stage, pipe) → index in the worker's list (without its PRECONDs and
+final STEP) after which the replica's STEP goes."""
+
+
+def stage_step_bounds(schedule: Schedule) -> tuple[dict[int, list[Action]], StepPositions, StepPositions]:
+    """Per worker, for :func:`per_stage_steps`: its list without PRECONDs and the final STEP, the
+    earliest position of each replica's STEP (after its last action) and the default one (also after
+    the worker's last compute).
+
+    Raises:
+        ValueError: as :func:`per_stage_steps`.
+    """
+    rests: dict[int, list[Action]] = {}
+    firsts: StepPositions = {}
+    slots: StepPositions = {}
+    for w, acts in schedule.actions.items():
+        if not acts or acts[-1] != Action(K.STEP):
+            raise ValueError(f"worker {w} does not end with STEP: per_stage_steps runs on a complete "
+                             f"schedule (build_schedule output)")
+        if any(a.kind == K.STEP and a.stage is not None for a in acts):
+            raise ValueError(f"worker {w} already has per-stage STEPs: per_stage_steps runs once")
+        rest = [a for a in acts[:-1] if a.kind != K.PRECOND]
+        replicas = sorted({(s, p) for (_, p, s) in schedule.placement.stages_of(w)})
+        last = {r: max((i for i, a in enumerate(rest) if (a.stage, a.pipe) == r), default=-1) for r in replicas}
+        # after the last compute, the messages and the all-reduces it starts: a step must not hold
+        # back a SEND_B, and the first replica's step then overlaps the later ones' all-reduces
+        last_work = max((i for i, a in enumerate(rest) if a.kind.is_compute or a.kind.is_comm
+                         or a.kind == K.SYNC_GRAD), default=-1)
+        rests[w], firsts[w] = rest, last
+        slots[w] = {r: max(i, last_work) for r, i in last.items()}
+    return rests, firsts, slots
+
+
+def _place_steps(schedule: Schedule, rests: dict[int, list[Action]],
+                 slots: dict[int, dict[tuple[int, int], int]]) -> Schedule:
+    """``schedule`` with [PRECOND(s, p)], STEP(s, p) after index ``slots[w][(s, p)]`` of each worker's
+    list without its PRECONDs and final STEP (``rests[w]``); replicas at one index in SYNC_GRAD order."""
+    actions: dict[int, tuple[Action, ...]] = {}
+    for w, acts in schedule.actions.items():
+        preconds = {(a.stage, a.pipe) for a in acts if a.kind == K.PRECOND}
+        rest = rests[w]
+        order = {(a.stage, a.pipe): i for i, a in enumerate(rest) if a.kind == K.SYNC_GRAD}
+        after: dict[int, list[Action]] = defaultdict(list)
+        for r in sorted(slots[w], key=lambda r: (slots[w][r], order.get(r, -1))):
+            s, p = r
+            if r in preconds:
+                after[slots[w][r]].append(Action(K.PRECOND, s, None, p))
+            after[slots[w][r]].append(Action(K.STEP, s, None, p))
+        out = list(after.get(-1, []))
+        for i, a in enumerate(rest):
+            out.append(a)
+            out.extend(after.get(i, []))
+        out.append(acts[-1])
+        actions[w] = tuple(out)
+    return replace(schedule, actions=actions)

@@ -1,0 +1,190 @@
+"""Per-stage optimizer steps against the global step, same optimizer (issue 36, items 1, 2 and 5).
+
+    python bench/optimizer_placement.py                                  # bert-tiny and bert-mini, D=2: 1f1b, chimera
+    python bench/optimizer_placement.py --models bert-mini --optimizers nvlamb muon --rounds 8
+    python bench/optimizer_placement.py --simulate-only                  # D=4 and D=8 through the simulator
+
+Measured (D=2, two worker processes on this machine's cores): each variant runs
+``PipelineWorker.train_step`` with ``optimizer_placement=global`` and ``per_stage`` in the same two
+processes, alternating step by step, the order rotated every round (``_harness`` [Note: measuring
+on a shared CPU]); dropout 0. Reported, medians over rounds: the step's wall time (slowest worker,
+after a barrier), the global STEP of each worker (its compute, after the wait for the global norm),
+each stage's STEP under per_stage (its optimizer work, in the bubble), the final STEP that remains
+(the tied weight, the norm's check), and the rollbacks ([Note: post-validation]).
+
+Simulated (D=4, D=8): the FLOP and memory-bandwidth estimate of ``planning.costs`` (``CPU_HARDWARE``,
+the runtime's start-up model), each stage's step priced by its own parameters (the tied weight at
+the final STEP of the workers holding the first or last stage), the global step by the sum over the
+worker's stages; per_stage with the pass's default placement and with ``place_stage_steps``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import statistics
+from collections import defaultdict
+from dataclasses import replace
+
+import torch
+import torch.distributed as dist
+
+import _harness as h
+from pipefisher.planning.costs import STEP_BYTES_PER_PARAM, estimate_run_costs, stage_parameters
+from pipefisher.planning.step_placement import place_stage_steps
+from pipefisher.runtime.build import CPU_HARDWARE, run_shape, stage_slices
+from pipefisher.runtime.worker import PipelineWorker
+from pipefisher.schedules.passes import per_stage_steps
+from pipefisher.simulate import CostModel, simulate
+from pipefisher.timeline import Event, is_wait
+
+PLACEMENTS = ("global", "per_stage")
+
+
+def hardware_line(threads: int) -> str:
+    """CPU model and the flags that decide its arithmetic, threads per worker, torch version."""
+    model, flags = platform.processor() or platform.machine(), set()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    model = line.split(":", 1)[1].strip()
+                elif line.startswith("flags"):
+                    flags = set(line.split(":", 1)[1].split())
+                    break
+    except OSError:
+        pass
+    shown = [x for x in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if x in flags]
+    return (f"{model} ({', '.join(shown) or 'no AVX2/AVX-512 flags'}), {h.cores()} cores, {threads} thread(s) "
+            f"per worker, torch {torch.__version__}")
+
+
+def _step_parts(events: list[Event]) -> dict[str, float]:
+    """This step's optimizer events in ms: per worker its global or final STEP, per stage its STEP."""
+    out: dict[str, float] = {}
+    for e in events:
+        if e.kind != "STEP" or is_wait(e):
+            continue
+        key = f"W{e.worker} STEP" if e.name == "STEP" else f"stage {e.name.split('STEP')[0]}{e.name.split('STEP')[1]}"
+        out[key] = out.get(key, 0.0) + e.duration_ns / 1e6
+    return out
+
+
+def _run(rank: int, world: int, variants: list[tuple[str, list[str]]], warmup: int, rounds: int) -> dict:
+    workers = {(name, placement): PipelineWorker(h.compose(overrides + [f"optimizer_placement={placement}"]), rank,
+                                                 world, torch.device("cpu"))
+               for name, overrides in variants for placement in PLACEMENTS}
+    rows: dict[str, list[dict]] = defaultdict(list)
+    keys = list(workers)
+    for step in range(warmup + rounds):
+        order = keys[step % len(keys):] + keys[:step % len(keys)]
+        for key in order:
+            worker = workers[key]
+            seconds, (_, result) = h.timed_step(lambda: worker.train_step(step))
+            gathered: list[list[Event]] = [None] * world  # type: ignore[list-item]
+            dist.all_gather_object(gathered, result.events)
+            if rank != 0 or step < warmup:
+                continue
+            events = [e for evs in gathered for e in evs]
+            rows[f"{key[0]}|{key[1]}"].append({"wall_ms": seconds * 1e3, "rollbacks": worker.rollbacks,
+                                               **_step_parts(events)})
+    return {"rows": dict(rows), "threads": torch.get_num_threads()}
+
+
+def measure(models: list[str], methods: list[str], optimizers: list[str], clips: list[str], micro_batches: int,
+            warmup: int, rounds: int) -> None:
+    variants = []
+    for model in models:
+        for method in methods:
+            for opt, clip in [(o, c) for o in optimizers for c in clips]:
+                variants.append((f"{model} {method} {opt} clip {clip}", [f"optimizer.max_grad_norm={clip}",
+                    f"model={model}", f"pipeline={method}", "stages=2", f"num_micro_batches={micro_batches}",
+                    "micro_batch_size=2", "data.seq_len=128", f"optimizer={opt}", f"steps={warmup + rounds + 1}",
+                    "model.hidden_dropout=0.0", "model.attention_dropout=0.0"]))
+    load = h.load()
+    out = h.launch(_run, 2, variants, warmup, rounds)
+    rows, threads = out[0]["result"]["rows"], out[0]["result"]["threads"]
+    print(f"Measured: D=2, N={micro_batches}, micro-batch 2, seq 128, fp32, dropout 0; {rounds} rounds after "
+          f"{warmup} warm-up, order rotated; medians over rounds. {h.caveat(2)} {load} before the run.")
+    print(f"Hardware: {hardware_line(threads)}")
+    table = []
+    for name, _ in variants:
+        g, p = rows[f"{name}|global"], rows[f"{name}|per_stage"]
+        med = lambda rs, k: statistics.median(r.get(k, 0.0) for r in rs)  # noqa: E731
+        ratio = statistics.median(b["wall_ms"] / a["wall_ms"] for a, b in zip(g, p))
+        glob_steps = ", ".join(f"{med(g, k):.1f}" for k in sorted(k for k in g[0] if k.endswith("STEP")))
+        stage_keys = sorted(k for k in p[0] if k.startswith("stage"))
+        stage_steps = ", ".join(f"{k[6:]}: {med(p, k):.1f}" for k in stage_keys)
+        final = ", ".join(f"{med(p, k):.1f}" for k in sorted(k for k in p[0] if k.endswith("STEP")))
+        table.append([name, med(g, "wall_ms"), med(p, "wall_ms"), ratio, glob_steps, stage_steps, final,
+                      sum(r["rollbacks"] for r in p)])
+    print(h.table(["variant", "global step ms", "per_stage step ms", "per_stage / global",
+                   "global STEP ms (W0, W1)", "stage STEP ms", "final STEP ms (W0, W1)", "rollbacks"], table))
+
+
+def _costs(model: str, method: str, stages: int, micro_batches: int) -> tuple:
+    """The global and per-stage cost models of a run shape, from the start-up estimate."""
+    cfg = h.compose([f"model={model}", f"pipeline={method}", f"stages={stages}", f"num_micro_batches={micro_batches}",
+                     "micro_batch_size=2", "data.seq_len=128"])
+    run = run_shape(cfg)
+    cost = estimate_run_costs(run, CPU_HARDWARE)
+    schedule = run.build_schedule()
+    params = stage_parameters(run.bert, stage_slices(cfg, schedule.num_stages))
+    tied = run.bert.vocab_size * run.bert.hidden_size
+    last = schedule.num_stages - 1
+    per_param = STEP_BYTES_PER_PARAM / CPU_HARDWARE.memory_bytes_per_s * 1e9  # ns per parameter
+    own = [p - (tied if s in (0, last) and last > 0 else 0) for s, p in enumerate(params)]
+    stage_ns = tuple(round(p * per_param) for p in own)
+    worker_global, worker_final = [], []
+    for w in sorted(schedule.actions):
+        stages_here = sorted({s for _, _, s in schedule.placement.stages_of(w)})
+        holds_tied = any(s in (0, last) for s in stages_here)
+        tied_ns = round(tied * per_param) if holds_tied else 0
+        worker_global.append(sum(stage_ns[s] for s in stages_here) + tied_ns)
+        worker_final.append(tied_ns)
+    glob = replace(cost, step_ns=0, worker_step_ns=tuple(worker_global))
+    per = replace(cost, step_ns=0, worker_step_ns=tuple(worker_final), stage_step_ns=stage_ns)
+    return schedule, glob, per
+
+
+def _steady(schedule, cost: CostModel) -> int:
+    events = simulate(schedule, cost, steps=3)
+    ends = [max(e.end_ns for e in events if e.step == k) for k in range(3)]
+    return ends[2] - ends[1]
+
+
+def simulated(cases: list[tuple[str, str, int, int]]) -> None:
+    print("Simulated (planning.costs estimate, CPU_HARDWARE; step priced by parameters, memory-bound; ms):")
+    table = []
+    for model, method, d, n in cases:
+        schedule, glob, per = _costs(model, method, d, n)
+        t_glob = _steady(schedule, glob)
+        t_per = _steady(per_stage_steps(schedule), per)
+        t_placed = _steady(place_stage_steps(schedule, per), per)
+        table.append([f"{model} {method} D={d} N={n}", t_glob / 1e6, t_per / 1e6, t_placed / 1e6, t_per / t_glob,
+                      t_placed / t_glob, max(glob.worker_step_ns) / 1e6])
+    print(h.table(["run", "global ms", "per_stage ms", "per_stage placed ms", "per_stage / global",
+                   "placed / global", "largest worker STEP ms"], table))
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--models", nargs="+", default=["bert-tiny", "bert-mini"])
+    p.add_argument("--methods", nargs="+", default=["1f1b", "chimera"])
+    p.add_argument("--optimizers", nargs="+", default=["nvlamb"])
+    p.add_argument("--clips", nargs="+", default=["1.0", "0"],
+                   help="optimizer.max_grad_norm values (1.0: the default, active early in training; 0: off)")
+    p.add_argument("--micro-batches", type=int, default=4)
+    p.add_argument("--rounds", type=int, default=6)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--simulate-only", action="store_true")
+    args = p.parse_args()
+    if not args.simulate_only:
+        measure(args.models, args.methods, args.optimizers, args.clips, args.micro_batches, args.warmup, args.rounds)
+        print()
+    simulated([(m, method, d, n) for m, d, n in (("bert-medium", 4, 8), ("bert-large", 8, 16))
+               for method in ("1f1b", "chimera", "zb-v")])
+
+
+if __name__ == "__main__":
+    h.main_guard(main)
