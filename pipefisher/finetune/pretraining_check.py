@@ -88,7 +88,8 @@ def _mlm_head(model: FinetuneModel, state_dict: Mapping[str, Tensor]) -> BertLMP
               "transform.LayerNorm.bias")
     if not all(prefix + k in state_dict for k in wanted):
         return None
-    head = BertLMPredictionHead(model.config)
+    with torch.random.fork_rng(devices=[]):  # its init must not move the run's RNG (dropout, head init)
+        head = BertLMPredictionHead(model.config)
     own = {k: state_dict[prefix + k] for k in wanted}
     own["decoder.weight"] = state_dict.get(prefix + "decoder.weight", state_dict[WORD_EMBEDDINGS_NAME])
     own["bias"] = state_dict.get(prefix + "bias", state_dict.get(prefix + "decoder.bias", torch.zeros(
