@@ -123,6 +123,16 @@ def test_run_name_keeps_what_a_run_trains_and_only_a_path_s_last_part():
     assert len(long) == 128 and long.endswith("…") and long.startswith("model.k000=1,model.k001=1")
 
 
+def test_run_name_shortens_each_path_of_a_list_value_and_keeps_its_brackets():
+    # issue 40: init.checkpoint='[runs/wt2]' was named "init.checkpoint=wt2]"
+    assert run_name_from_overrides(["init.checkpoint=[runs/wt2]"]) == "init.checkpoint=[wt2]"
+    assert run_name_from_overrides(["init.checkpoint=[ckpt/stage0.pt, /abs/ckpt/stage1.pt]", "task=mnli"]) == (
+        "init.checkpoint=[stage0.pt,stage1.pt],task=mnli")
+    assert run_name_from_overrides(["init.checkpoint=['runs/wt2/']"]) == "init.checkpoint=[wt2]"
+    assert run_name_from_overrides(["init.checkpoint=[]"]) == "init.checkpoint=[]"
+    assert run_name_from_overrides(["task.dev_files={dev: glue/SST-2/dev.tsv}"]) == "task.dev_files={dev: dev.tsv}"
+
+
 def test_resolve_mode_env_overrides_config_but_cannot_enable_a_disabled_run(monkeypatch):
     monkeypatch.setenv("WANDB_MODE", "online")
     assert resolve_mode("offline") == "online"

@@ -22,7 +22,7 @@ import json
 import logging
 import math
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -37,6 +37,7 @@ from pipefisher.finetune.checkpoint import load_checkpoint, load_encoder_weights
 from pipefisher.finetune.config import FinetuneConfig
 from pipefisher.finetune.encoding import trim
 from pipefisher.finetune.heads import FinetuneModel
+from pipefisher.finetune.pretraining_check import mlm_information, warn_if_frequency_only
 from pipefisher.finetune.tasks import SpanTask, Task, build_task
 from pipefisher.model import WORD_EMBEDDINGS_NAME, BertConfig
 from pipefisher.optim import KFAC, build_optimizer, param_groups
@@ -74,7 +75,8 @@ class FinetuneResult:
 # --------------------------------------------------------------------------------------------
 
 
-def build_model(cfg: FinetuneConfig, vocab_size: int, num_labels: int) -> tuple[FinetuneModel, list[str]]:
+def build_model(cfg: FinetuneConfig, vocab_size: int, num_labels: int,
+                state: Mapping[str, Tensor] | None = None) -> tuple[FinetuneModel, list[str]]:
     """The model, with the encoder from ``init.checkpoint`` when given.
 
     Args:
@@ -82,6 +84,7 @@ def build_model(cfg: FinetuneConfig, vocab_size: int, num_labels: int) -> tuple[
         vocab_size: the tokenizer's vocabulary size: the embedding rows of a random-init model;
             with a checkpoint, its rows must be at least this.
         num_labels: classes of a classification task.
+        state: the checkpoint when the caller has read it already (None: read ``init.checkpoint``).
 
     Returns:
         The model and the encoder names left at random init (see :func:`load_encoder_weights`).
@@ -92,7 +95,8 @@ def build_model(cfg: FinetuneConfig, vocab_size: int, num_labels: int) -> tuple[
     m = cfg.model
     sizes: dict[str, int] = {"vocab_size": vocab_size, "max_position_embeddings": m.max_position_embeddings,
                              "type_vocab_size": m.type_vocab_size}
-    state = load_checkpoint(cfg.init.checkpoint) if cfg.init.checkpoint else None
+    if state is None and cfg.init.checkpoint:
+        state = load_checkpoint(cfg.init.checkpoint)
     if state is not None:
         rows = int(state[WORD_EMBEDDINGS_NAME].shape[0])
         if rows < vocab_size:
@@ -275,9 +279,18 @@ def finetune(cfg: FinetuneConfig, output_dir: str | Path, wandb_logger: WandbLog
     torch.manual_seed(cfg.seed)
     task, tokenizer = build_task(cfg, out)
     num_labels = getattr(task, "num_labels", 2)
-    model, random_init = build_model(cfg, tokenizer.get_vocab_size(), num_labels)
-    if cfg.init.checkpoint:  # a pretrained encoder that ignores its input: say so (issue 24)
-        warn_if_collapsed(model, trim({k: task.train[k][:32].long() for k in _MODEL_INPUTS}))
+    state = load_checkpoint(cfg.init.checkpoint) if cfg.init.checkpoint else None
+    model, random_init = build_model(cfg, tokenizer.get_vocab_size(), num_labels, state)
+    if state is not None:  # a pretrained encoder that ignores its input: say so in one line (issues 24, 40)
+        sample = trim({k: task.train[k][:32].long() for k in _MODEL_INPUTS})
+        specials = tuple(i for t in ("[CLS]", "[SEP]", "[PAD]") if (i := tokenizer.token_to_id(t)) is not None)
+        info = mlm_information(model, state, sample, tokenizer.token_to_id("[MASK]"), specials)
+        if info is not None:
+            log.info("init.checkpoint: MLM predictions carry %.2f nats of token frequency and %.4f of context "
+                     "(%d masked positions)", info.frequency_nats, info.context_nats, info.positions)
+        if not warn_if_frequency_only(info):
+            warn_if_collapsed(model, sample)
+        del state
     init_encoder = {k: v.detach().clone() for k, v in model.encoder_state_dict().items()}
     model.to(device).train()
 

@@ -48,13 +48,33 @@ UNNAMED_KEYS: tuple[str, ...] = ("progress", "log_every", "resume")
 MAX_NAME = 128
 
 
+def _last_part(value: str) -> str:
+    """A path's last part (quotes dropped); anything else as it is."""
+    value = value.strip().strip("'\"")
+    return (Path(value.rstrip("/")).name or value) if "/" in value else value
+
+
+def _short_value(value: str) -> str:
+    """An override's value for a run name: a path's last part, element by element in a list
+    (``[a/b,c/d]`` -> ``[b,d]``) or dict (``{x: a/b}`` -> ``{x: b}``), so brackets stay paired."""
+    value = value.strip()
+    if len(value) >= 2 and (value[0], value[-1]) in (("[", "]"), ("{", "}")):
+        items = []
+        for item in value[1:-1].split(","):
+            key, colon, rest = item.partition(":") if value[0] == "{" else ("", "", item)
+            items.append(f"{key.strip()}: {_last_part(rest)}" if colon else _last_part(rest))
+        return value[0] + ",".join(items) + value[-1]
+    return _last_part(value)
+
+
 def run_name_from_overrides(overrides: Sequence[str], *, exclude: Sequence[str] = ()) -> str:
     """A run name from Hydra command-line overrides, e.g. ``"pipeline=chimera,stages=4"``.
 
     Like Hydra's ``hydra.job.override_dirname``: overrides sorted by key and joined with commas,
     so the same choices give the same name in any order. Leading ``+``, ``++`` and ``~`` are
     dropped; ``hydra.*``, ``wandb.*``, :data:`UNNAMED_KEYS` and keys in ``exclude`` are left
-    out; a path keeps its last part (``data.path=/scratch/u/wiki`` -> ``data.path=wiki``); a
+    out; a path keeps its last part (``data.path=/scratch/u/wiki`` -> ``data.path=wiki``), in a list
+    each element does (``init.checkpoint=[runs/wt2]`` -> ``init.checkpoint=[wt2]``; issue 40); a
     name longer than :data:`MAX_NAME` is cut there, ending in ``…``.
 
     Args:
@@ -73,9 +93,7 @@ def run_name_from_overrides(overrides: Sequence[str], *, exclude: Sequence[str] 
         key = key.strip()
         if key.split(".")[0] in ("hydra", "wandb") or key in UNNAMED_KEYS or key in exclude:
             continue
-        if "/" in value:
-            value = Path(value.rstrip("/")).name or value
-        parts.append((key, f"{key}={value}" if _ else key))
+        parts.append((key, f"{key}={_short_value(value)}" if _ else key))
     name = ",".join(item for _, item in sorted(parts)) or "default"
     return name if len(name) <= MAX_NAME else name[:MAX_NAME - 1] + "…"
 
