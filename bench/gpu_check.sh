@@ -30,7 +30,7 @@
 #  13 memory-model-cuda          ONE GPU, stages=1, bert-mini and bert-medium, 4 steps each (< 1 min): the planner's
 #                                predicted peak (planning.memory, device=cuda) within 25% of max_memory_allocated;
 #                                max_memory_reserved and the memory outside the allocator shown beside it
-#                                (bench/memory_model_cuda.py, bench/memory_model.md); alone:
+#                                (bench/memory_model_cuda.py, bench/studies/15-memory-model.md); alone:
 #                                python bench/memory_model_cuda.py
 # Written and reviewed on a CPU-only machine; it has not run on a GPU yet (see issue 15's note).
 set -uo pipefail

@@ -16,7 +16,7 @@ Each case runs in two fresh forked worker processes (``_harness.launch``, one in
   arenas (resident: glibc returns them only from the top of an arena);
 - the planner's prediction (``planning.memory.estimate_memory_per_worker``) and its components.
 
-See bench/memory_model.md for the figures and what they show.
+See bench/studies/15-memory-model.md for the figures and what they show.
 """
 
 from __future__ import annotations

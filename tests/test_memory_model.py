@@ -3,7 +3,7 @@
 The reference for weights, gradients and optimizer state is the real thing: a D=2 run's stage modules
 built as a worker builds them and the optimizer train.py makes, stepped once, their tensors' bytes
 counted; activations, heads and the device terms are the note's formulas written out by hand for the
-tiny case. bench/memory_model.md measures the whole against peak RSS.
+tiny case. bench/studies/15-memory-model.md measures the whole against peak RSS.
 """
 
 from __future__ import annotations

@@ -75,7 +75,7 @@ class ScheduleConfig:
     whatif: bool = False  # rank configurations instead of planning one
     devices: int = 16  # whatif: devices to use
     memory_gb: float = 40.0  # whatif: memory per device in GB
-    memory_device: str = "cuda"  # whatif: whose peak the memory model predicts: cuda (max_memory_allocated) or cpu (peak RSS beyond the interpreter's, glibc's retention included: bench/memory_model.md)
+    memory_device: str = "cuda"  # whatif: whose peak the memory model predicts: cuda (max_memory_allocated) or cpu (peak RSS beyond the interpreter's, glibc's retention included: bench/studies/15-memory-model.md)
     global_batch: int = 256  # whatif: sequences per optimizer step
     comm_costs: Optional[str] = None  # whatif: collectives.json of `python -m pipefisher.measure.collectives` (measured communication, and compute rates when it has them); None = the ring model at the *_bytes_per_s keys
     search: WhatIfConfig = field(default_factory=WhatIfConfig)  # whatif: the search space

@@ -36,7 +36,7 @@
                          mmapped: :func:`mmapped_parameters`) reuse them only partly, so
                          ``CPU_HEAP_RETENTION`` × transient more; and ``CPU_RUNTIME_BYTES``
                          of memory that is no tensor (the worker's Python objects, thread pools, gloo,
-                         one-time kernel set-up): both measured, bench/memory_model.md
+                         one-time kernel set-up): both measured, bench/studies/15-memory-model.md
 
 The CUDA context and library handles (787 MB per process on an H200, torch 2.11) are outside
 ``max_memory_allocated`` and this model.
@@ -62,7 +62,7 @@ K = ActionKind
 GB = 1e9
 DEVICES = ("cuda", "cpu")
 # Measured on the 2-core AMD EPYC (glibc 2.36, torch 2.13 CPU, one intra-op thread per worker), bert-mini and
-# bert-medium, D=2, 1f1b / zb-v / chimera: bench/memory_model.md. The runtime is the peak less the live tensors
+# bert-medium, D=2, 1f1b / zb-v / chimera: bench/studies/15-memory-model.md. The runtime is the peak less the live tensors
 # with glibc's mmap threshold fixed at 64 KiB (no retention); the retention is the rest over the transient.
 CPU_RUNTIME_BYTES = 80e6
 CPU_HEAP_RETENTION = 0.8

@@ -23,7 +23,7 @@ c = 1 (the global norm is at least its own) and defers its step to the final STE
 wasted work, no rollback. So does every stage while the previous step's global norm was above
 max_norm: clipping comes in runs (early training), and a rollback costs the stage's step twice
 (Muon's Newton–Schulz: 7 rollbacks in 10 steps made bert-tiny's 1f1b step 1.2× the global one's,
-``bench/optimizer_placement.md``); that norm is global, so every process decides alike. Without clipping and with ``on_nonfinite=stop`` nothing is ever rolled back
+``bench/studies/16-optimizer-placement.md``); that norm is global, so every process decides alike. Without clipping and with ``on_nonfinite=stop`` nothing is ever rolled back
 (a NaN ends the run), so no copies are kept. Under sdp/tp a stage's processes step together (their optimizer steps
 hold collectives), and each sees only its shard's norm, so they never defer: every stage steps
 optimistically there. The result equals the global step's bit for bit: the optimizers' updates are
