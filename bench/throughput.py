@@ -33,7 +33,7 @@ import torch
 import _harness as h
 from pipefisher.runtime.worker import PipelineWorker
 from pipefisher.tracking import read_metrics
-from pipefisher.training import train_single_process
+from tests.reference import train_single_process
 
 
 def _single(rank: int, world: int, overrides: list[str], warmup: int) -> list[float]:

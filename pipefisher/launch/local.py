@@ -51,11 +51,12 @@ from pipefisher.launch.slurm import report_lost_tasks, slurm_task_env
 from pipefisher.runtime import preemption
 from pipefisher.runtime.checkpoint import (check_compatible, checkpoint_root, find_latest, resolve_resume,
                                            verify_checkpoint)
+from pipefisher.runtime.device import check_local_gpus
 from pipefisher.runtime.preemption import INTERRUPT_SIGNALS, PREEMPTED_EXIT_CODE, PREEMPTED_FILE
 from pipefisher.runtime.worker import kfac_assignment, run_worker, schedule_for
 from pipefisher.schedules.ir import Schedule
 from pipefisher.tracking import WandbLogger, read_metrics, run_name_from_overrides
-from pipefisher.training import check_local_gpus, train_single_process
+from pipefisher.training import train_single_process
 
 __all__ = ["run_training", "launch_workers", "check_resume", "WorkerFailed", "STOP_GRACE_S", "WORKER_STOP_SIGNALS"]
 

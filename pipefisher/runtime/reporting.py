@@ -26,12 +26,13 @@ import torch
 
 from pipefisher.config import TrainConfig
 from pipefisher.measure import Peak, PeakMemory, mfu, predicted_peak_bytes, resolve_peak, run_peak, tflops, train_step_flops
+from pipefisher.run_spec import bert_config
 from pipefisher.runtime.build import run_shape
+from pipefisher.runtime.progress import progress_range
 from pipefisher.runtime.step_metrics import timeline_fields
 from pipefisher.timeline import Event
 from pipefisher.tracking import METRICS_FILE, MetricsWriter, WandbLogger
 from pipefisher.tracking.wandb_logger import RUN_ID_FILE
-from pipefisher.training import bert_config, progress_range
 
 __all__ = ["StepMeter", "StepReporter", "summary_fields", "summary_line"]
 
