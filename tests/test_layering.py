@@ -21,7 +21,7 @@ LAYERS: dict[str, int] = {
     "schedules": 1, "simulate": 1, "torch_schedule": 1,
     "profiling": 2, "config": 2, "run_folder": 2, "staleness_curve": 2, "run_spec": 2,
     "planning": 3, "evaluation": 3,
-    "measure": 4, "runtime": 4, "training": 4,
+    "measure": 4, "runtime": 4,
     "launch": 5, "export": 5, "finetune": 5, "compare": 5, "cli": 5,
 }
 
