@@ -21,7 +21,7 @@ import _harness as h
 from pipefisher.data import get_micro_batch
 from pipefisher.model import build_full_model
 from pipefisher.optim import EKFACPreconditioner, KFACPreconditioner
-from pipefisher.training import bert_config, data_plan, data_source
+from pipefisher.run_spec import bert_config, data_plan, data_source
 
 
 def _timed(fn) -> float:

@@ -3,7 +3,7 @@
     python bench/memory_model_cuda.py                 # on a CUDA machine: bert-mini and bert-medium, ~30 s
     python bench/memory_model_cuda.py --device cpu    # the same plumbing on CPU (peak RSS beyond the baseline)
 
-One process (``stages=1``, what ``train.py`` runs on one device: ``train_single_process``), N=4
+One process (``stages=1``, what ``train.py`` runs on one device: its worker, in this process), N=4
 micro-batches of 8 x 128, fp32, NVLAMB, 4 steps per model. Per model: the planner's prediction
 (``planning.memory`` for ``device=cuda``, one micro-batch in flight: ``reporting.prediction_inputs``)
 against the run's own per-step peak (``metrics.jsonl``: ``max_memory_allocated`` since the step's
@@ -25,7 +25,7 @@ import torch
 import _harness as h
 from pipefisher.planning.memory import cuda_reserved_bytes, estimate_memory_per_worker
 from pipefisher.runtime.reporting import prediction_inputs
-from pipefisher.training import train_single_process
+from pipefisher.launch.local import launch_workers
 
 MB = 1e6
 TOLERANCE = 0.25
@@ -39,7 +39,7 @@ def measure(model: str, device: str) -> str | None:
     if cuda:
         torch.cuda.empty_cache()
     with tempfile.TemporaryDirectory() as out:
-        train_single_process(cfg, out)
+        launch_workers(cfg, out)  # one worker: train.py's own path, in this process
         rows = [json.loads(line) for line in (Path(out) / "metrics.jsonl").read_text().splitlines() if line.strip()]
     peak = max(r["peak_memory_bytes"] - (r.get("memory_baseline_per_worker_bytes") or [0])[0] for r in rows)
     est = estimate_memory_per_worker(*prediction_inputs(cfg), "cuda" if cuda else "cpu")[0]

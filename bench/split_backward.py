@@ -50,9 +50,9 @@ import _harness as h
 from pipefisher.data.synthetic import SyntheticSource
 from pipefisher.model import BertStage
 from pipefisher.model.rng import dropout_key
+from pipefisher.run_spec import bert_config
 from pipefisher.runtime.build import build_stage_modules, schedule_for
 from pipefisher.runtime.split_backward import accumulating, apply_weight_grads, deferring, enable_split_backward
-from pipefisher.training import bert_config
 
 VARIANTS = ("B", "Bd", "Ba", "IW")
 

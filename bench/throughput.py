@@ -5,9 +5,9 @@
     python bench/throughput.py --quick    # bert-mini, B 4 and 16: ~45 s
     python bench/throughput.py --models bert-small --micro-batch-sizes 32   # the costly corner: ~3 min
 
-"one process" is ``train_single_process`` (what ``train.py`` runs with stages=1), given all cores as
-intra-op threads; "D=2 gpipe" is two pipeline workers (``PipelineWorker``), one thread each. Every
-configuration runs in fresh worker processes, so that each process's peak resident set size
+"one process" is the worker's loop (``train_worker``) in a process group of one: what ``train.py``
+runs with stages=1, step time as its metrics.jsonl reports it, given all cores as intra-op threads;
+"D=2 gpipe" is two pipeline workers (``PipelineWorker``), one thread each. Every configuration runs in fresh worker processes, so that each process's peak resident set size
 (``getrusage(RUSAGE_SELF).ru_maxrss``) belongs to that configuration alone. Workers are forked from
 this script after its imports, so every peak includes that baseline (peak − Δ, about 185 MiB); the
 "Δ" column is the growth during the run: weights, gradients, optimizer state, activations and
@@ -31,15 +31,14 @@ from pathlib import Path
 import torch
 
 import _harness as h
-from pipefisher.runtime.worker import PipelineWorker
+from pipefisher.runtime.worker import PipelineWorker, train_worker
 from pipefisher.tracking import read_metrics
-from pipefisher.training import train_single_process
 
 
 def _single(rank: int, world: int, overrides: list[str], warmup: int) -> list[float]:
     cfg = h.compose(overrides)
     with tempfile.TemporaryDirectory() as out:
-        train_single_process(cfg, out)
+        train_worker(cfg, rank, world, torch.device("cpu"), out)  # the harness joined the group of one
         return [m["step_time_s"] for m in read_metrics(Path(out) / "metrics.jsonl")][warmup:]
 
 

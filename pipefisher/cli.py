@@ -137,7 +137,7 @@ def _check_data(cfg: TrainConfig) -> None:
     """Open the hdf5 shards ``data.path`` names (fields, dtypes, shapes), and the held-out data when
     the run evaluates, before wandb and the workers start."""
     if cfg.data.kind == "hdf5":
-        from pipefisher.training import data_source  # imports torch: only after the config is valid
+        from pipefisher.run_spec import data_source  # imports torch: only after the config is valid
 
         data_source(cfg)
     if cfg.eval.every_steps > 0:

@@ -662,7 +662,7 @@ def validate(cfg: TrainConfig) -> None:
             if o.name != "pipefisher" or o.schedule:
                 _fail("optimizer.staleness_curve", o.staleness_curve, "only the pipefisher planner weighs a staleness "
                       "curve (optimizer=pipefisher without optimizer.schedule); pass it to schedule.py for a plan file")
-            from pipefisher.planning.staleness import load_staleness_curve  # json only; planning stays unimported
+            from pipefisher.staleness_curve import load_staleness_curve  # json only
 
             try:
                 curve = load_staleness_curve(o.staleness_curve)

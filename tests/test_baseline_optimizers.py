@@ -21,18 +21,19 @@ from pipefisher.config import ConfigError, TrainConfig
 from pipefisher.model import build_full_model
 from pipefisher.optim import is_no_decay, warmup_poly_lr
 from pipefisher.optim.baselines import GlobalNormAdamW, MuonAdamW
+from pipefisher.optim.factory import make_optimizer
 from pipefisher.planning.memory import estimate_memory_per_worker
+from pipefisher.run_spec import bert_config
 from pipefisher.runtime.checkpoint import list_checkpoints, load_shard, step_dir
 from pipefisher.runtime.state import load_optimizer_state, optimizer_state
 from pipefisher.runtime.worker import run_shape
 from pipefisher.tracking import read_metrics
-from pipefisher import training
-from pipefisher.training import bert_config, make_optimizer
 from tests import test_checkpoint as ckpt
 from tests import test_entry_points as entry
 from tests import test_pipeline_equivalence as equiv
 from tests.conftest import compose_train
 from tests.dist_harness import run_cases
+from tests.reference import one_thread
 
 SMALL = ["model.num_layers=2", "model.hidden_size=32", "model.num_heads=2", "model.vocab_size=128",
          "data.seq_len=16", "lr=0.01", "steps=6", "optimizer.warmup_proportion=0.4"]
@@ -325,13 +326,12 @@ def _pipeline_cfg(name: str) -> TrainConfig:
 
 
 @pytest.mark.slow
-def test_pipeline_runs_with_adamw_and_muon_equal_single_process(tmp_path: Path, monkeypatch) -> None:
+def test_pipeline_runs_with_adamw_and_muon_equal_single_process(tmp_path: Path) -> None:
     cfgs = {name: _pipeline_cfg(name) for name in PIPELINE}
     results = run_cases([(cfg, cfg.steps) for cfg in cfgs.values()], tmp_path)
-    # dist_harness's workers run one thread each; train_single_process would take every core.
-    monkeypatch.setattr(training, "set_cpu_threads", lambda processes: torch.set_num_threads(1) or 1)
     for (name, cfg), result in zip(cfgs.items(), results):
-        ref_params, ref_last_loss = equiv._reference_params(cfg)
+        with one_thread():  # as dist_harness's workers
+            ref_params, ref_last_loss = equiv._reference_params(cfg)
         tol = {"rtol": 0.0, "atol": 0.0} if name == "muon" else {"rtol": 1e-5, "atol": 1e-6}
         assert sum(result[0]["losses"][-1]) == pytest.approx(ref_last_loss, rel=1e-5)
         for pname, value in equiv._by_name(result, "params"):

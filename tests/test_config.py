@@ -145,7 +145,7 @@ def test_sdp_and_tp_optimizers_are_every_optimizer_but_kfacs() -> None:
 
 
 def test_factor_decay_per_step_scales_the_decay_of_a_refresh_every_k_steps() -> None:
-    from pipefisher.training import refresh_decay
+    from pipefisher.optim.factory import refresh_decay
 
     assert refresh_decay(0.95, "step", 1) == 0.95
     assert refresh_decay(0.95, "step", 4) == pytest.approx(0.95 ** 4)
@@ -186,3 +186,12 @@ def test_chimera_doubling_auto_micro_batches_is_two_units_of_stages() -> None:
     assert cfg.num_micro_batches == 8 and cfg.global_batch_size == 16 and cfg.micro_batch_size == 2
     assert compose_train(_CHIMERA4 + ["pipeline.chimera_stacking=doubling", "micro_batch_size=1",
                                       "global_batch_size=16"]).num_micro_batches == 16
+
+
+def test_the_optimizer_factory_names_the_optimizers_as_the_config_does() -> None:
+    """``pipefisher.optim.factory`` sits below ``config`` and repeats its names: they must agree."""
+    from pipefisher import config
+    from pipefisher.optim import factory
+
+    assert factory.KFAC_OPTIMIZERS == config.KFAC_OPTIMIZERS
+    assert factory.FACTOR_DECAY_UNITS == config.FACTOR_DECAY_UNITS

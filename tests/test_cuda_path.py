@@ -17,12 +17,12 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from pipefisher.runtime.build import kfac_assignment, schedule_for
-from pipefisher.training import device_type, resolve_device
 from pipefisher.config import ConfigError, TrainConfig
 from pipefisher.launch import launch_workers
 from pipefisher.launch import local as local_launch
 from pipefisher.launch.gpus import GpuRequestError, check_gpu_request, signal_delay_note
+from pipefisher.runtime.build import kfac_assignment, schedule_for
+from pipefisher.runtime.device import device_type, resolve_device
 from pipefisher.runtime.worker import run_worker
 from pipefisher.tracking import read_metrics
 from tests import cuda_standin

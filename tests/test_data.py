@@ -198,7 +198,7 @@ def test_micro_batch_indices_follow_the_plan_and_never_overlap() -> None:
 def test_two_stages_building_their_own_source_get_identical_micro_batches(
     kind: str, prepared: Path
 ) -> None:
-    def build() -> object:  # as pipefisher.training builds it: num_samples for either kind
+    def build() -> object:  # as pipefisher.run_spec.data_source builds it: num_samples for either kind
         extra = {} if kind == "synthetic" else {"cache_shards": 1}
         return build_source(kind, path=str(prepared), seq_len=S, max_predictions=P,
                             vocab_size=180, seed=3, num_samples=50, **extra)

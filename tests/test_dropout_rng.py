@@ -28,9 +28,10 @@ from pipefisher.model import (
     partition_layers,
 )
 from pipefisher.model.rng import KeyedDropout, dropout_key
-from pipefisher.training import bert_config, data_plan, data_source, train_single_process
+from pipefisher.run_spec import bert_config, data_plan, data_source
 from tests.conftest import compose_train
 from tests.dist_harness import run_cases
+from tests.reference import train_single_process
 
 DROPOUT = ["model.hidden_dropout=0.1", "model.attention_dropout=0.1"]  # the defaults; TINY sets 0
 MODEL = ["model.num_layers=4", "model.hidden_size=32", "model.num_heads=2", "model.vocab_size=128",

@@ -24,8 +24,9 @@ from pipefisher.config import ConfigError, TrainConfig
 from pipefisher.data import get_micro_batch
 from pipefisher.model import build_full_model
 from pipefisher.optim import EKFACPreconditioner, KFACPreconditioner, build_preconditioner, global_grad_norm
+from pipefisher.optim.factory import make_optimizer
+from pipefisher.run_spec import bert_config, data_plan, data_source
 from pipefisher.runtime.checkpoint import load_shard, step_dir
-from pipefisher.training import bert_config, data_plan, data_source, make_optimizer
 from tests.conftest import compose_train
 
 # -- dense reference on one small layer ------------------------------------------------------------

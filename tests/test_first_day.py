@@ -20,9 +20,9 @@ import pytest
 
 from pipefisher.config import ConfigError, check_override_keys
 from pipefisher.planning.config import ScheduleConfig
+from pipefisher.runtime.progress import LineProgress, progress_range
 from pipefisher.tracking import WandbLogger
 from pipefisher.tracking.wandb_logger import RUN_ID_FILE
-from pipefisher.training import LineProgress, progress_range
 from tests.conftest import REPO, TINY, compose_train
 
 

@@ -47,14 +47,15 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.distributed.tensor import DTensor
 
-from pipefisher import training
 from pipefisher.config import TrainConfig
 from pipefisher.model import build_full_model
+from pipefisher.optim.factory import make_optimizer
+from pipefisher.run_spec import bert_config
 from pipefisher.runtime.teardown import release_process_group
-from pipefisher.training import bert_config, make_optimizer
 from tests import test_pipeline_equivalence as equiv
 from tests.conftest import compose_train
 from tests.dist_harness import run_cases
+from tests.reference import one_thread
 
 MODEL = ["model.num_layers=2", "model.hidden_size=32", "model.num_heads=2", "model.vocab_size=128",
          "data.seq_len=16", "data.max_predictions=3", "micro_batch_size=2", "lr=0.01", "steps=3",
@@ -106,10 +107,9 @@ def test_first_step_loss_and_every_gradient_equal_single_process(case, hybrid_re
 
 @pytest.mark.slow
 @pytest.mark.parametrize("case", ADAMW, ids=[_id(c) for c in ADAMW])
-def test_parameters_after_three_steps_equal_single_process(case, hybrid_results, monkeypatch) -> None:
-    # dist_harness's workers run one thread each; train_single_process would take every core.
-    monkeypatch.setattr(training, "set_cpu_threads", lambda processes: torch.set_num_threads(1) or 1)
-    equiv.assert_params_equal_single_process(_cfg(*case), hybrid_results[case])  # Muon: replayed, below
+def test_parameters_after_three_steps_equal_single_process(case, hybrid_results) -> None:
+    with one_thread():  # as dist_harness's workers
+        equiv.assert_params_equal_single_process(_cfg(*case), hybrid_results[case])  # Muon: replayed, below
 
 
 # -- Muon replayed on the run's own gradients --------------------------------------------------------

@@ -67,7 +67,8 @@ from pipefisher.runtime.teardown import release_process_group
 from pipefisher.schedules import ActionKind
 from pipefisher.schedules.kfac import (assignment_to_json, check_assignment, critical_path_assignment,
                                        curvature_age_bound, kfac_layer_counts)
-from pipefisher.training import bert_config, data_plan, data_source, make_optimizer
+from pipefisher.optim.factory import make_optimizer
+from pipefisher.run_spec import bert_config, data_plan, data_source
 from tests.conftest import compose_train
 
 torch.set_num_threads(1)

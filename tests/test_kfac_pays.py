@@ -36,7 +36,7 @@ from pipefisher.schedules.kfac import (
     curvature_age_bound,
     kfac_layer_counts,
 )
-from pipefisher.training import is_kfac_parameter
+from pipefisher.optim.factory import is_kfac_parameter
 from tests.conftest import compose_train
 
 SMALL = ["model.num_layers=2", "model.hidden_size=32", "model.num_heads=2", "data.seq_len=16",

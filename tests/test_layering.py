@@ -17,11 +17,11 @@ PACKAGE = REPO / "pipefisher"
 
 #: Top-level unit of the package (subpackage or module) -> its layer (CONTRIBUTING.md).
 LAYERS: dict[str, int] = {
-    "atomic": 0, "tracking": 0, "optim": 0, "data": 0, "model": 0, "timeline": 0, "hardware": 0,
+    "atomic": 0, "tracking": 0, "optim": 0, "data": 0, "model": 0, "timeline": 0, "hardware": 0, "conf": 0,
     "schedules": 1, "simulate": 1, "torch_schedule": 1,
-    "profiling": 2, "config": 2, "run_folder": 2,
+    "profiling": 2, "config": 2, "run_folder": 2, "staleness_curve": 2, "run_spec": 2,
     "planning": 3, "evaluation": 3,
-    "measure": 4, "runtime": 4, "training": 4,
+    "measure": 4, "runtime": 4,
     "launch": 5, "export": 5, "finetune": 5, "compare": 5, "cli": 5,
 }
 

@@ -237,15 +237,15 @@ def test_a_run_reports_tflops_mfu_memory_and_a_summary(tmp_path, caplog, cache):
     planner's prediction and the last held-out figures."""
     import logging
 
+    from pipefisher.launch import run_training
     from pipefisher.tracking import read_metrics
-    from pipefisher.training import train_single_process
     from tests.conftest import compose_train
 
     cfg = compose_train(["steps=2", "model.num_layers=1", "model.hidden_size=32", "model.num_heads=2",
                          "model.vocab_size=128", "data.seq_len=16", "data.max_predictions=3", "data.num_samples=64",
                          "eval.every_steps=2", "eval.batches=1", "hardware.peak_tflops=0.001"])
-    with caplog.at_level(logging.INFO, logger="pipefisher.training"):
-        train_single_process(cfg, tmp_path)
+    with caplog.at_level(logging.INFO, logger="pipefisher.runtime.reporting"):
+        run_training(cfg, tmp_path)
     rows = read_metrics(tmp_path / "metrics.jsonl")
     flops = train_step_flops(BertConfig(vocab_size=128, hidden_size=32, num_layers=1, num_heads=2,
                                         intermediate_size=128), cfg.global_batch_size, 16, 3)

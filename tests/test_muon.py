@@ -22,7 +22,7 @@ from pipefisher.config import ConfigError
 from pipefisher.optim import muon
 from pipefisher.optim.muon import Muon, assign_owners, newton_schulz, ns_flops, resolve_ns_dtype
 from pipefisher.runtime.teardown import release_process_group
-from pipefisher.training import make_optimizer
+from pipefisher.optim.factory import make_optimizer
 from tests.conftest import compose_train
 
 EPYC = """processor\t: 0

@@ -22,10 +22,11 @@ from pipefisher.planning.memory import estimate_memory_per_worker
 from pipefisher.planning.strategy_file import apply_strategy, read_strategy, strategy_document, write_strategy
 from pipefisher.planning.strategy_search import (Strategy, hybrid_costs, hybrid_memory_per_worker, recompute_order,
                                                  search_strategies)
+from pipefisher.run_spec import bert_config
 from pipefisher.runtime.build import build_stage_modules, schedule_for
-from pipefisher.training import bert_config, train_single_process
 from tests.conftest import compose_dict, compose_train
 from tests.dist_harness import run_cases
+from tests.reference import train_single_process
 from tests.test_pipeline_equivalence import DECODER, MODEL, WORD, _by_name, assert_first_step_equals_single_process
 
 STEPS = 3

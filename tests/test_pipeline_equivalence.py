@@ -17,9 +17,10 @@ from pipefisher.config import TrainConfig
 from pipefisher.data import get_micro_batch
 from pipefisher.model import build_full_model
 from pipefisher.model.rng import dropout_key
-from pipefisher.training import bert_config, data_plan, data_source, train_single_process
+from pipefisher.run_spec import bert_config, data_plan, data_source
 from tests.conftest import compose_train
 from tests.dist_harness import run_cases
+from tests.reference import train_single_process
 
 MODEL = ["model.num_layers=4", "model.hidden_size=32", "model.num_heads=2", "model.vocab_size=128",
          "data.seq_len=16", "data.max_predictions=3", "micro_batch_size=2", "lr=0.01", "steps=5"]

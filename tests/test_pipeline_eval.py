@@ -20,11 +20,11 @@ import torch.multiprocessing as mp
 from pipefisher.config import TrainConfig
 from pipefisher.evaluation import eval_source, evaluate_model
 from pipefisher.model import build_full_model, load_hf_state_dict, merge_stage_state_dicts
+from pipefisher.run_spec import bert_config
 from pipefisher.runtime.evaluation import PipelineEvaluator
 from pipefisher.runtime.state import optimizer_state
 from pipefisher.runtime.teardown import release_process_group
 from pipefisher.runtime.worker import PipelineWorker
-from pipefisher.training import bert_config
 from tests.conftest import compose_train
 
 # Dropout on: evaluation must turn it off (and draw nothing from any RNG).

@@ -15,10 +15,11 @@ from pipefisher.config import TrainConfig
 from pipefisher.data import get_micro_batch
 from pipefisher.model import build_full_model
 from pipefisher.optim import KFACPreconditioner, global_grad_norm
+from pipefisher.optim.factory import make_optimizer
+from pipefisher.run_spec import bert_config, data_plan, data_source
 from pipefisher.runtime.build import kfac_assignment
 from pipefisher.runtime.worker import schedule_for
 from pipefisher.schedules.kfac import Assignment, assignment_to_json
-from pipefisher.training import bert_config, data_plan, data_source, make_optimizer
 from tests.conftest import compose_train
 from tests.dist_harness import run_cases
 

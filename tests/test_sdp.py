@@ -17,8 +17,8 @@ import pytest
 import torch
 
 from pipefisher.config import ConfigError, TrainConfig
+from pipefisher.run_spec import bert_config
 from pipefisher.runtime.teardown import release_process_group
-from pipefisher.training import bert_config
 from tests import test_pipeline_equivalence as equiv
 from tests.conftest import compose_train
 from tests.dist_harness import run_cases

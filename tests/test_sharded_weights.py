@@ -31,6 +31,7 @@ from pipefisher.finetune import finetune
 from pipefisher.finetune.checkpoint import load_checkpoint
 from pipefisher.model import build_full_model, load_hf_state_dict
 from pipefisher.model.hf_format import read_model_folder
+from pipefisher.run_spec import bert_config
 from pipefisher.runtime.build import build_stage_modules, schedule_for
 from pipefisher.runtime.checkpoint import CheckpointError, step_dir, write_manifest, write_shard
 from pipefisher.runtime.init_weights import load_initial_weights
@@ -38,9 +39,9 @@ from pipefisher.runtime.saved_weights import read_saved_weights
 from pipefisher.runtime.sharded_checkpoint import IN_DCP, dcp_folder
 from pipefisher.runtime.teardown import release_process_group
 from pipefisher.runtime.worker import train_worker
-from pipefisher.training import bert_config, train_single_process
 from tests import test_pipeline_equivalence as equiv
 from tests.conftest import REPO, compose_train
+from tests.reference import train_single_process
 from tests.test_finetune import compose_finetune
 
 RUN = ["steps=2", "checkpoint.every_steps=2", "lr=1e-2", "cluster.worker_timeout_s=120"]

@@ -25,8 +25,8 @@ from pathlib import Path
 
 import pytest
 
-from pipefisher.training import train_single_process
 from tests.conftest import compose_train
+from tests.reference import train_single_process
 from tests.slurm_harness import (
     REPO,
     START,

@@ -24,12 +24,12 @@ from pipefisher.config import ConfigError
 from pipefisher.data import get_micro_batch
 from pipefisher.model import build_full_model
 from pipefisher.model.rng import dropout_key
+from pipefisher.run_spec import bert_config, data_plan, data_source
 from pipefisher.runtime.teardown import release_process_group
 from pipefisher.schedules import GENERATORS, ScheduleError, build_schedule
 from pipefisher.schedules.torch_csv import build_from_torch_csv, from_torch_csv, to_torch_csv
 from pipefisher.torch_schedule import main as cli_main
 from pipefisher.torch_schedule import torch_schedule_csv
-from pipefisher.training import bert_config, data_plan, data_source
 from tests.conftest import compose_train
 from tests.dist_harness import run_cases
 

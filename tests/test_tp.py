@@ -24,9 +24,9 @@ from pipefisher.config import ConfigError, TrainConfig
 from pipefisher.data import get_micro_batch
 from pipefisher.model import build_full_model
 from pipefisher.model.rng import KeyedDropout, dropout_key
+from pipefisher.run_spec import bert_config, data_plan, data_source
 from pipefisher.runtime.teardown import release_process_group
 from pipefisher.runtime.tensor_parallel import process_rank, schedule_worker, tp_index
-from pipefisher.training import bert_config, data_plan, data_source
 from tests import test_pipeline_equivalence as equiv
 from tests.conftest import compose_train
 from tests.dist_harness import run_cases
@@ -139,7 +139,7 @@ def trap_results(tmp_path_factory: pytest.TempPathFactory) -> tuple[TrainConfig,
 
 def _reference_step(cfg: TrainConfig) -> tuple[float, dict[str, torch.Tensor]]:
     """The first step in one process: its gradient norm and the parameters after one NVLAMB step."""
-    from pipefisher.training import make_optimizer
+    from pipefisher.optim.factory import make_optimizer
 
     model = build_full_model(bert_config(cfg), seed=cfg.seed)
     source, plan = data_source(cfg), data_plan(cfg)

@@ -17,18 +17,19 @@ from pathlib import Path
 import pytest
 import torch
 
+from pipefisher.atomic import current_umask
 from pipefisher.config import ConfigError, TrainConfig
 from pipefisher.export import export_weights
 from pipefisher.finetune import finetune
 from pipefisher.launch import run_training
 from pipefisher.model import BertConfig, BertStage, build_full_model, load_hf_state_dict
 from pipefisher.model.hf_format import WEIGHTS_FILE, read_model_folder, write_model_folder
-from pipefisher.atomic import current_umask
+from pipefisher.run_spec import bert_config
 from pipefisher.runtime.build import build_stage_modules, schedule_for, stage_slices
 from pipefisher.runtime.checkpoint import load_shard, verify_checkpoint, write_manifest, write_shard
+from pipefisher.runtime.final_weights import write_final_weights
 from pipefisher.runtime.init_weights import POSITION_EMBEDDINGS_NAME, load_initial_weights
 from pipefisher.runtime.saved_weights import read_saved_weights
-from pipefisher.training import bert_config, save_final_weights
 from tests.conftest import REPO, compose_train
 from tests.test_finetune import compose_finetune
 
@@ -142,7 +143,7 @@ def test_the_vocab_beside_the_shards_goes_into_final_and_the_export(tmp_path: Pa
     (data / "vocab.txt").write_text("".join(f"tok{i}\n" for i in range(512)))
     cfg = compose_train(["data=hdf5", f"data.path={data}", "steps=5"])
     model = build_full_model(bert_config(cfg), seed=cfg.seed)
-    final = save_final_weights(cfg, [model.state_dict()], tmp_path / "run", step=4)
+    final = write_final_weights(cfg, [model.state_dict()], tmp_path / "run", step=4)
     assert (final / "vocab.txt").read_text() == (data / "vocab.txt").read_text()
     assert read_model_folder(final).meta["trained_steps"] == 5
     # From a checkpoint, the vocab comes from the manifest's data.path.
@@ -267,10 +268,11 @@ def test_init_from_weights_of_another_model_is_refused_naming_the_field(phase1: 
 
 @pytest.mark.slow
 def test_phase_two_run_starts_from_phase_one_and_save_final_false_saves_nothing(
-        phase1: Path, tmp_path: Path, capfd: pytest.CaptureFixture) -> None:
+        phase1: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     cfg = compose_train([f"init_from={phase1}", "data.seq_len=64", "data.max_predictions=10", "steps=1"])
-    assert run_training(cfg, tmp_path)["step"] == 0
-    err = capfd.readouterr().err  # the worker's log (init_from runs through the pipeline worker)
+    with caplog.at_level(logging.INFO, logger="pipefisher.runtime.init_weights"):
+        assert run_training(cfg, tmp_path)["step"] == 0  # one worker: its log is this process's
+    err = caplog.text
     assert f"init_from: weights after 10 steps at seq_len 32 from {phase1 / 'final'}" in err
     assert "position embeddings extended from 32 to 512 rows" in err
     phase2 = read_model_folder(tmp_path / "final")

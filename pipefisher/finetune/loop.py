@@ -41,8 +41,9 @@ from pipefisher.finetune.pretraining_check import mlm_information, warn_if_frequ
 from pipefisher.finetune.tasks import SpanTask, Task, build_task
 from pipefisher.model import WORD_EMBEDDINGS_NAME, BertConfig
 from pipefisher.optim import KFAC, build_optimizer, param_groups
+from pipefisher.runtime.device import resolve_device
+from pipefisher.runtime.step_timer import StepTimer
 from pipefisher.tracking import MetricsWriter, WandbLogger, run_name_from_overrides
-from pipefisher.training import StepTimer, resolve_device
 
 __all__ = ["ClippedAdamW", "FinetuneResult", "build_model", "finetune", "linear_warmup_decay", "run_finetune"]
 

@@ -4,7 +4,7 @@ SLURM gives a job's tasks only the GPUs it asked for (``hydra.launcher.gpus_per_
 the request a ``device=auto`` run finds no CUDA on the nodes and trains on the CPU over gloo, and a
 request smaller than the tasks on a node leaves workers without a GPU of their own (issue 25). On
 the node, every worker checks again before it joins the process group
-(``pipefisher.training.check_local_gpus``).
+(``pipefisher.runtime.device.check_local_gpus``).
 """
 
 from __future__ import annotations

@@ -38,7 +38,6 @@ import sys
 import threading
 import time
 import traceback
-from dataclasses import asdict
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -51,11 +50,11 @@ from pipefisher.launch.slurm import report_lost_tasks, slurm_task_env
 from pipefisher.runtime import preemption
 from pipefisher.runtime.checkpoint import (check_compatible, checkpoint_root, find_latest, resolve_resume,
                                            verify_checkpoint)
+from pipefisher.runtime.device import check_local_gpus
 from pipefisher.runtime.preemption import INTERRUPT_SIGNALS, PREEMPTED_EXIT_CODE, PREEMPTED_FILE
 from pipefisher.runtime.worker import kfac_assignment, run_worker, schedule_for
 from pipefisher.schedules.ir import Schedule
-from pipefisher.tracking import WandbLogger, read_metrics, run_name_from_overrides
-from pipefisher.training import check_local_gpus, train_single_process
+from pipefisher.tracking import read_metrics, run_name_from_overrides
 
 __all__ = ["run_training", "launch_workers", "check_resume", "WorkerFailed", "STOP_GRACE_S", "WORKER_STOP_SIGNALS"]
 
@@ -154,7 +153,8 @@ def launch_workers(cfg: TrainConfig, output_dir: str | os.PathLike, run_name: st
     """Run the ``stages × data_parallel`` workers of ``cfg`` and return rank 0's last metrics.
 
     Inside torchrun (``RANK``/``WORLD_SIZE`` set) or a multi-task SLURM step this process is one
-    worker; otherwise it starts all workers as local processes and waits for them. In a SLURM job
+    worker; otherwise it starts all workers as local processes and waits for them, or, for a run
+    of one worker, runs that worker in this process (no process start: :func:`_run_in_this_process`). In a SLURM job
     (``cluster.requeue``), a preemption or time-limit signal ends in a checkpoint and a requeue:
     this function then exits the process with status 255 instead of returning. After SIGINT or
     SIGTERM it exits with 130 or 143, naming the checkpoint and ``resume_command`` (the command
@@ -190,7 +190,10 @@ def launch_workers(cfg: TrainConfig, output_dir: str | os.PathLike, run_name: st
     try:
         check_resume(cfg, output_dir, schedule)
         if not preemption.interrupted():
-            _run_local_workers(cfg, output_dir, run_name, group)
+            if cfg.num_workers == 1:
+                _run_in_this_process(cfg, output_dir, run_name, group)
+            else:
+                _run_local_workers(cfg, output_dir, run_name, group)
         signum = preemption.received()
         if signum is None and not watch and (Path(output_dir) / PREEMPTED_FILE).is_file():
             # Only workers got the signal (`kill <worker pid>`): they stopped together all the same.
@@ -242,6 +245,53 @@ def _run_local_workers(cfg: TrainConfig, output_dir: str | os.PathLike, run_name
     finally:
         _kill_workers(context)
         del store
+
+
+def _run_in_this_process(cfg: TrainConfig, output_dir: str | os.PathLike, run_name: str | None,
+                         group: str | None) -> None:
+    """Run the one worker of a one-worker run in this process: a process group of one (gloo, or
+    NCCL on a GPU) over a store this process hosts, and the worker's loop, as a started worker runs it.
+
+    A signal stops it as it stops local workers ([Note: Ctrl-C and SIGTERM to the launcher]): after
+    the step, with a checkpoint by the same rules; a second SIGINT or SIGTERM stops it at once (a
+    ``KeyboardInterrupt`` inside the step), and the caller then names the last finished step.
+    """
+    timeout = datetime.timedelta(seconds=cfg.cluster.worker_timeout_s)
+    store = dist.TCPStore(cfg.cluster.master_addr, cfg.cluster.master_port, 1, is_master=True, timeout=timeout,
+                          wait_for_workers=False)
+    saved = {k: os.environ.get(k) for k in ("MASTER_ADDR", "MASTER_PORT")}
+    os.environ.update(MASTER_ADDR=cfg.cluster.master_addr, MASTER_PORT=str(store.port))
+    previous: dict[int, Any] = {}
+    if threading.current_thread() is threading.main_thread():
+        for s in INTERRUPT_SIGNALS:  # the launcher's handler records it (launch_workers); a second one stops at once
+            previous[s] = signal.signal(s, _stop_at_once_when_repeated(signal.getsignal(s)))
+    try:
+        run_worker(cfg, 0, 1, output_dir, run_name=run_name, group=group, local_rank=0, local_world_size=1,
+                   external_store=True)
+    except KeyboardInterrupt:
+        if not preemption.interrupted():  # Python's own handler: no recorded signal (e.g. no handler installed)
+            raise
+        log.warning("stopping now (second signal)")
+    finally:
+        for s, h in previous.items():
+            signal.signal(s, h if h is not None else signal.SIG_DFL)
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        del store
+
+
+def _stop_at_once_when_repeated(record: Any) -> Any:
+    """``record`` (the handler that records a signal), raising ``KeyboardInterrupt`` from the second
+    interrupt signal on, so that a second Ctrl-C ends a step that runs in this process."""
+    def handler(signum: int, frame: Any) -> None:
+        if callable(record):
+            record(signum, frame)
+        if preemption.repeated():
+            raise KeyboardInterrupt
+    return handler
 
 
 def _warn_if_oversubscribed(cfg: TrainConfig) -> None:
@@ -306,7 +356,7 @@ def _kill_workers(context: mp.ProcessContext) -> None:
 
 
 def _exit_interrupted(cfg: TrainConfig, output_dir: Path, signum: int,
-                      resume_command: str | None = None, single_process: bool = False) -> NoReturn:
+                      resume_command: str | None = None) -> NoReturn:
     """Name the last finished step, the last checkpoint and the command that continues from it
     (``resume_command``, else the same command with ``resume=<checkpoint>``), then exit with
     128 + ``signum``."""
@@ -327,10 +377,7 @@ def _exit_interrupted(cfg: TrainConfig, output_dir: Path, signum: int,
         sys.stderr.write("\n")
     log.warning("interrupted at step %s; last checkpoint: %s", "0 (no step finished)" if step is None else step,
                 folder or "none")
-    if not folder and single_process:
-        log.warning("(training in one process saves no checkpoint; with checkpoint.every_minutes=<m> the run "
-                    "trains in a worker process that also saves one on a stop)")
-    elif not folder and step is not None and cfg.checkpoint.on_stop_after_s >= 0:
+    if not folder and step is not None and cfg.checkpoint.on_stop_after_s >= 0:
         log.warning("(a stop saves a checkpoint once the run trained checkpoint.on_stop_after_s=%g s, or with "
                     "checkpoint.every_steps / checkpoint.every_minutes)", cfg.checkpoint.on_stop_after_s)
     if folder and resume_command:
@@ -344,9 +391,8 @@ def run_training(cfg: TrainConfig, output_dir: str | os.PathLike, overrides: lis
                  sweep_dir: str | None = None, resume_command: str | None = None) -> dict[str, Any]:
     """Train one run described by ``cfg``; metrics go to ``output_dir/metrics.jsonl`` and wandb.
 
-    ``stages=1, data_parallel=1`` with NVLAMB trains in this process (unless profiling,
-    checkpointing, resuming or starting from ``init_from``); anything else runs pipeline workers
-    (one process for a single stage).
+    Every run trains through the worker and its loop (``pipefisher.runtime.worker``): a run of
+    one worker in this process, more as local processes, torchrun's or SLURM's (:func:`launch_workers`).
     ``resume_command``: the command line that continues this run from its latest checkpoint,
     printed when a signal stopped it after a checkpoint.
 
@@ -357,39 +403,6 @@ def run_training(cfg: TrainConfig, output_dir: str | os.PathLike, overrides: lis
     output_dir.mkdir(parents=True, exist_ok=True)
     run_name = run_name_from_overrides(overrides or []) or None
     group = cfg.wandb.group or (Path(sweep_dir).name if sweep_dir else None)
-    # Profiles need the executor's timeline, K-FAC runs as schedule actions in the executor, and
-    # checkpoints, resume and init_from are the pipeline worker's (pipefisher.runtime.checkpoint).
-    # In a SLURM job, the workers also handle preemption (checkpoint and requeue).
-    if (cfg.num_workers > 1 or cfg.profile.enabled or cfg.optimizer.name in KFAC_OPTIMIZERS
-            or cfg.checkpoint.enabled or cfg.resume != "none" or cfg.init_from is not None
-            or preemption.watching(cfg.cluster.requeue)):
-        result = launch_workers(cfg, output_dir, run_name=run_name, group=group, resume_command=resume_command)
-    else:
-        result = _train_in_this_process(cfg, output_dir, run_name, group)
+    result = launch_workers(cfg, output_dir, run_name=run_name, group=group, resume_command=resume_command)
     log.info("finished: %s", {k: result[k] for k in ("step", "loss") if k in result})
     return result
-
-
-def _train_in_this_process(cfg: TrainConfig, output_dir: Path, run_name: str | None,
-                           group: str | None) -> dict[str, Any]:
-    """Single-process training; SIGINT or SIGTERM end it as they end a run of workers (logged step,
-    exit status 130 or 143), only at once: there is no peer to agree with and no checkpoint."""
-    seen: list[int] = []
-
-    def interrupt(signum: int, frame: Any) -> None:
-        seen.append(signum)
-        raise KeyboardInterrupt
-
-    previous = ({s: signal.signal(s, interrupt) for s in INTERRUPT_SIGNALS}
-                if threading.current_thread() is threading.main_thread() else {})
-    logger = WandbLogger(asdict(cfg), project=cfg.wandb.project, group=group, name=run_name,
-                         mode=cfg.wandb.mode, dir=str(output_dir), enabled=True)
-    try:
-        return train_single_process(cfg, output_dir, logger)
-    except KeyboardInterrupt:
-        seen.append(signal.SIGINT)  # the KeyboardInterrupt may have come from Python's own handler
-    finally:
-        logger.finish()
-        for s, h in previous.items():
-            signal.signal(s, h if h is not None else signal.SIG_DFL)
-    _exit_interrupted(cfg, output_dir, seen[0], single_process=True)

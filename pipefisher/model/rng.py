@@ -12,7 +12,7 @@ generator re-seeded, for every call, by a hash of
 
 and never from the process's global RNG. The first three are fixed when the stage is built
 (``name_dropout_sites``); the last two come from the ``dropout_key`` context the trainer opens
-around a micro-batch's forward: ``pipefisher.training`` (one process) and the pipeline executor
+around a micro-batch's forward: the tests' single-process reference (``tests/reference.py``) and the pipeline executor
 (``pipefisher.runtime.executor``), which numbers a data-parallel replica's micro-batches from
 ``replica * num_micro_batches``, as the data does (``pipefisher.data.micro_batch_indices``). So a
 sample meets the same masks whichever worker, stage split, pipe or replica runs it, and every

@@ -23,6 +23,8 @@ from pipefisher.model import BertStage, partition_layers
 from pipefisher.planning.costs import Hardware, RunShape
 from pipefisher.planning.pipefisher_plan import PlanOptions, plan_for, plan_from_file
 from pipefisher.planning.strategy_search import pipeline_costs
+from pipefisher.run_spec import bert_config
+from pipefisher.runtime.device import device_type
 from pipefisher.runtime.kfac_work import StageKey
 from pipefisher.runtime.step_metrics import kfac_plan_label
 from pipefisher.runtime.tensor_parallel import is_tp_sharded
@@ -30,7 +32,6 @@ from pipefisher.schedules.ir import Schedule
 from pipefisher.schedules.kfac import Assignment, critical_path_assignment, curvature_age_bound, kfac_layer_counts
 from pipefisher.schedules.kfac_baseline import on_critical_path
 from pipefisher.schedules.torch_csv import CSV_METHOD, build_from_torch_csv
-from pipefisher.training import bert_config, device_type
 
 __all__ = ["CPU_HARDWARE", "schedule_for", "build_stage_modules", "new_groups", "tie_local_copies", "tied_params", "norm_params",
            "stage_slices", "encoder_layers_per_stage", "kfac_assignment", "kfac_plan_label", "describe_kfac",

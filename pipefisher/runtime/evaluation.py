@@ -24,10 +24,10 @@ from torch import nn
 from pipefisher.config import TrainConfig
 from pipefisher.evaluation import eval_batch, eval_due, eval_figures, eval_source
 from pipefisher.model import EVAL_SUMS
+from pipefisher.runtime.device import autocast_context
 from pipefisher.runtime.executor import CommSpec, StageKey, action_tag, post_recv
 from pipefisher.schedules import forward_only
 from pipefisher.schedules.ir import Action, ActionKind, Schedule
-from pipefisher.training import autocast_context
 
 __all__ = ["PipelineEvaluator", "pass_actions", "pass_base", "run_forward_pass"]
 

@@ -36,7 +36,7 @@ after preconditioning.
 [Note: dropout]
 Each FORWARD runs under ``dropout_key(step, r * N + j)`` for micro-batch j of data-parallel replica
 r (N micro-batches per replica): the index the sample has in the step's global batch, and the one
-single-process training (``pipefisher.training``) gives it. Dropout masks are a function of that
+single-process training (``tests/reference.py``) gives it. Dropout masks are a function of that
 key and the dropout site, not of this worker's RNG, so every method draws the single-process masks
 (``pipefisher.model.rng``, [Note: randomness independent of placement]); recompute replays them.
 

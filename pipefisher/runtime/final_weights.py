@@ -3,11 +3,12 @@
 Entry point: :func:`save_final_weights` (a collective: every worker calls it once the run
 finished). One replica of each stage (data-parallel group 0, pipe 0: replicas of a stage hold
 equal weights) travels to rank 0, which merges the stages by name and writes the folder
-(``pipefisher.training.save_final_weights``: Hugging Face's layout, written atomically).
+(:func:`write_final_weights`: Hugging Face's layout, written atomically).
 """
 
 from __future__ import annotations
 
+import logging
 import os
 from pathlib import Path
 from typing import Any
@@ -15,11 +16,41 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from pipefisher.config import TrainConfig
+from pipefisher.data.hdf5 import vocab_file_near
+from pipefisher.model import merge_stage_state_dicts
+from pipefisher.model.hf_format import write_model_folder
+from pipefisher.run_spec import bert_config
 from pipefisher.runtime.sharding import full_state_dict
 from pipefisher.runtime.state import to_cpu
-from pipefisher.training import save_final_weights as write_final
 
-__all__ = ["save_final_weights"]
+__all__ = ["FINAL_DIR", "save_final_weights", "write_final_weights"]
+
+log = logging.getLogger(__name__)
+
+FINAL_DIR = "final"  # <run>/final/: the weights after the last step
+
+
+def write_final_weights(cfg: TrainConfig, state_dicts: list[dict[str, torch.Tensor]], output_dir: str | os.PathLike,
+                        step: int) -> Path:
+    """Write the trained model to ``<output_dir>/final/`` in Hugging Face's layout
+    (``pipefisher.model.hf_format``): the stages' state dicts merged, the architecture, and the
+    ``vocab.txt`` beside the run's hdf5 shards when there is one.
+
+    Args:
+        state_dicts: one state dict per stage (any order), or the full model's.
+        step: the last step trained (0-based, as metrics.jsonl counts).
+
+    Returns:
+        The folder.
+    """
+    vocab = vocab_file_near(cfg.data.path) if cfg.data.kind == "hdf5" and cfg.data.path else None
+    meta = {"trained_steps": step + 1, "seq_len": cfg.data.seq_len, "max_predictions": cfg.data.max_predictions}
+    folder = write_model_folder(Path(output_dir) / FINAL_DIR, merge_stage_state_dicts(state_dicts), bert_config(cfg),
+                                vocab=vocab, meta=meta)
+    log.info("final weights (after %d steps) in %s: config.json, model.safetensors%s; export or fine-tune from "
+             "this run folder", step + 1, folder, ", vocab.txt" if vocab else "")
+    return folder
 
 
 def save_final_weights(worker: Any, output_dir: str | os.PathLike, step: int) -> Path | None:
@@ -45,4 +76,4 @@ def save_final_weights(worker: Any, output_dir: str | os.PathLike, step: int) ->
     assert gathered is not None
     stages = {stage: state for part in gathered for stage, state in part.items()}
     assert sorted(stages) == list(range(worker.schedule.num_stages)), sorted(stages)
-    return write_final(worker.cfg, [stages[s] for s in sorted(stages)], output_dir, step)
+    return write_final_weights(worker.cfg, [stages[s] for s in sorted(stages)], output_dir, step)

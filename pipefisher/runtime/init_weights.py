@@ -24,9 +24,9 @@ from torch import Tensor
 
 from pipefisher.config import ConfigError, TrainConfig
 from pipefisher.model import BertStage, load_hf_state_dict
+from pipefisher.run_spec import bert_config
 from pipefisher.runtime.checkpoint_io import CheckpointError
 from pipefisher.runtime.saved_weights import SavedWeights, read_saved_weights
-from pipefisher.training import bert_config
 
 __all__ = ["POSITION_EMBEDDINGS_NAME", "check_architecture", "extend_positions", "load_initial_weights"]
 

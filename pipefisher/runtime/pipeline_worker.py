@@ -22,12 +22,15 @@ from torch.distributed.checkpoint.api import CheckpointException
 from pipefisher.config import KFAC_OPTIMIZERS, TrainConfig
 from pipefisher.data import get_micro_batch
 from pipefisher.optim import build_preconditioner
+from pipefisher.optim.factory import make_optimizer, refresh_decay
 from pipefisher.profiling.nvtx import mark_rank
+from pipefisher.run_spec import data_plan, data_source
 from pipefisher.runtime import preemption
 from pipefisher.runtime.batch_feed import BatchFeed
 from pipefisher.runtime.build import (build_stage_modules, check_world_size, describe_kfac, kfac_assignment,
                                       new_groups, norm_params, schedule_for, seed_worker_rngs, tied_params)
 from pipefisher.runtime.checkpoint import CheckpointError, load_shard, save_checkpoint
+from pipefisher.runtime.device import autocast_context
 from pipefisher.runtime.executor import CommSpec, StepResult, WorkerExecutor
 from pipefisher.runtime.init_weights import load_initial_weights
 from pipefisher.runtime.faults import fault_here, inject_fault, poison_gradient, poison_outputs
@@ -41,7 +44,6 @@ from pipefisher.runtime.state import (capture_rng_state, kfac_state, load_kfac_s
 from pipefisher.schedules.kfac import Assignment, check_assignment
 from pipefisher.schedules.checks import check_schedule
 from pipefisher.schedules.passes import per_stage_steps
-from pipefisher.training import autocast_context, data_plan, data_source, make_optimizer, refresh_decay
 
 __all__ = ["PipelineWorker"]
 

@@ -27,12 +27,13 @@ import torch
 
 from pipefisher.config import TrainConfig
 from pipefisher.measure import Peak, PeakMemory, mfu, predicted_peak_bytes, resolve_peak, run_peak, tflops, train_step_flops
+from pipefisher.run_spec import bert_config
 from pipefisher.runtime.build import run_shape
+from pipefisher.runtime.progress import progress_range
 from pipefisher.runtime.step_metrics import timeline_fields
 from pipefisher.timeline import Event
 from pipefisher.tracking import METRICS_FILE, MetricsWriter, WandbLogger
 from pipefisher.tracking.wandb_logger import RUN_ID_FILE
-from pipefisher.training import bert_config, progress_range
 
 __all__ = ["StepMeter", "StepReporter", "prediction_inputs", "summary_fields", "summary_line"]
 
@@ -100,12 +101,12 @@ class StepMeter:
 
 
 def prediction_inputs(cfg: TrainConfig, worker: Any = None) -> tuple[Any, str, Any, Any]:
-    """``(run, optimizer, schedule, assignment)`` the planner predicts ``cfg``'s peak memory from: a
-    pipeline worker's own schedule; one process (``worker`` None) runs each micro-batch's forward and
-    backward before the next one's, so one micro-batch's activations at a time (a one-micro-batch run)."""
+    """``(run, optimizer, schedule, assignment)`` the planner predicts ``cfg``'s peak memory from: the
+    worker's own schedule; without a worker, the schedule the run's shape builds (every run, one process
+    included, trains through the worker: a one-stage GPipe holds all N micro-batches between F and B)."""
     if worker is not None:
         return run_shape(cfg), cfg.optimizer.name, worker.schedule, worker.assignment
-    return dataclasses.replace(run_shape(cfg), num_micro_batches=1), cfg.optimizer.name, None, None
+    return run_shape(cfg), cfg.optimizer.name, None, None
 
 
 _SUMMARY_KEYS = ("step", "step_time_s", "samples_per_s", "tflops", "mfu", "peak_memory_per_worker_bytes",

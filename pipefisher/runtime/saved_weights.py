@@ -28,8 +28,8 @@ from pipefisher.model import BertConfig, merge_stage_state_dicts
 from pipefisher.model.hf_format import WEIGHTS_FILE, is_model_folder, read_model_folder
 from pipefisher.runtime.checkpoint_io import (MANIFEST, CheckpointError, _STEP_DIR, find_latest, list_checkpoints,
                                               load_shard, verify_checkpoint)
+from pipefisher.runtime.final_weights import FINAL_DIR
 from pipefisher.runtime.sharded_checkpoint import IN_DCP, dcp_folder, read_whole
-from pipefisher.training import FINAL_DIR
 
 __all__ = ["FINAL_DIR", "SavedWeights", "merge_checkpoint", "read_saved_weights", "resolve_saved_weights"]
 

@@ -40,6 +40,7 @@ from pipefisher.runtime.build import (CPU_HARDWARE, build_stage_modules, check_w
                                       encoder_layers_per_stage, kfac_assignment, run_shape, schedule_for,
                                       seed_worker_rngs, stage_slices)
 from pipefisher.runtime.checkpoint import checkpoint_root, resume_worker
+from pipefisher.runtime.device import check_local_gpus, resolve_device, set_cpu_threads
 from pipefisher.runtime.evaluation import PipelineEvaluator
 from pipefisher.runtime.final_weights import save_final_weights
 from pipefisher.runtime.pipeline_worker import PipelineWorker
@@ -47,10 +48,10 @@ from pipefisher.runtime.preemption import PREEMPTED_FILE
 from pipefisher.runtime.reporting import StepReporter, StepMeter
 from pipefisher.runtime.run_profile import gather_origins, write_run_profile
 from pipefisher.runtime.step_metrics import kfac_plan_label
+from pipefisher.runtime.step_timer import StepTimer
 from pipefisher.runtime.stopping import StopPolicy, requeue_from_rank0
 from pipefisher.runtime.teardown import release_process_group
 from pipefisher.timeline import Event
-from pipefisher.training import StepTimer, check_local_gpus, resolve_device, set_cpu_threads
 
 __all__ = ["run_worker", "train_worker", "PipelineWorker", "schedule_for", "run_shape", "kfac_assignment",
            "kfac_plan_label", "describe_kfac", "build_stage_modules", "gather_origins", "write_run_profile",

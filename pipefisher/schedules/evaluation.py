@@ -29,6 +29,7 @@ from typing import Any
 from pipefisher.schedules.checks import check_schedule
 from pipefisher.schedules.ir import ActionKind, Schedule
 from pipefisher.schedules.passes import add_communication
+from pipefisher.schedules.registry import build_schedule
 
 __all__ = ["FORWARD_KINDS", "forward_only", "build_eval_schedule"]
 
@@ -60,8 +61,6 @@ def forward_only(schedule: Schedule, num_micro_batches: int | None = None) -> Sc
         ScheduleError: the result fails the forward-only check.
     """
     if num_micro_batches is not None and num_micro_batches != schedule.num_micro_batches:
-        from pipefisher.schedules import build_schedule  # the package imports this module
-
         workers_per_group = schedule.placement.num_workers // schedule.dp_width
         schedule = build_schedule(schedule.method, workers_per_group, num_micro_batches, schedule.dp_width,
                                   num_virtual=schedule.num_stages // workers_per_group)
@@ -84,6 +83,4 @@ def build_eval_schedule(method: str, num_stages: int, num_micro_batches: int, dp
     Raises:
         ValueError: unknown method or option, or a shape the method does not support.
     """
-    from pipefisher.schedules import build_schedule  # the package imports this module
-
     return forward_only(build_schedule(method, num_stages, num_micro_batches, dp_width, **options))

@@ -50,7 +50,10 @@ def gpipe(num_stages: int, num_micro_batches: int, dp_width: int = 1) -> Schedul
 
     Backwards run in ascending micro-batch order, as ``torch.distributed.pipelining``'s
     ``ScheduleGPipe`` does; with uniform costs descending order gives the same bubble,
-    (D−1)/(N+D−1). Every stage holds N activations at its peak.
+    (D−1)/(N+D−1). Every stage holds N activations at its peak. With one stage there is no pipeline
+    to fill: each micro-batch's F is followed by its B (one activation held, as one-process training
+    does; the same sums in the same order), since every run, one process included, trains through
+    the worker.
 
     Args:
         num_stages: D, pipeline stages (one worker each per data-parallel group).
@@ -62,9 +65,10 @@ def gpipe(num_stages: int, num_micro_batches: int, dp_width: int = 1) -> Schedul
     """
     check_common(num_stages, num_micro_batches, dp_width)
     d, n = num_stages, num_micro_batches
-    orders = [
-        [Action(F, s, j) for j in range(n)] + [Action(B, s, j) for j in range(n)] for s in range(d)
-    ]
+    if d == 1:
+        orders = [[a for j in range(n) for a in (Action(F, 0, j), Action(B, 0, j))]]
+    else:
+        orders = [[Action(F, s, j) for j in range(n)] + [Action(B, s, j) for j in range(n)] for s in range(d)]
     return Schedule(
         method="gpipe",
         num_stages=d,
