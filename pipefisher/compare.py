@@ -1,5 +1,8 @@
 """Compare the runs of a Hydra sweep offline: a table and loss / utilization plots.
 
+Why one module: it is one offline program (load a sweep, summarize each run, tabulate, plot) whose steps pass
+the same :class:`Run` and :class:`Summary` records along, and nothing else imports its parts.
+
 ``python -m pipefisher.compare <multirun dir> [--out DIR] [--last N]`` reads every job under the
 sweep directory (any folder holding ``metrics.jsonl`` or ``.hydra/config.yaml``), prints one table
 row per run and writes ``compare_loss_vs_step``, ``compare_loss_vs_time``,

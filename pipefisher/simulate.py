@@ -1,5 +1,9 @@
 """Discrete-event simulation of a schedule under a cost model, giving a predicted timeline.
 
+Why one module: :class:`CostModel` and the event-driven simulation are the two halves of one contract ([Note:
+simulated semantics]: what each action costs and when it may start), and the helpers below them (phases,
+action times, peak activations, bubble ratio) are views of that one simulation.
+
 ``simulate(schedule, cost)`` walks every worker's action list in order and starts each action as
 soon as the worker is free and its inputs exist; it returns the same ``list[Event]`` the executor
 records, so profiling, plots and bubble utilization work on either. Pure Python; no torch.

@@ -195,3 +195,26 @@ def test_the_optimizer_factory_names_the_optimizers_as_the_config_does() -> None
 
     assert factory.KFAC_OPTIMIZERS == config.KFAC_OPTIMIZERS
     assert factory.FACTOR_DECAY_UNITS == config.FACTOR_DECAY_UNITS
+
+
+#: Every public name of the one-module ``pipefisher/config.py`` before it became a package (issue 39, item 2).
+_NAMES_BEFORE_THE_SPLIT = (
+    "CHIMERA_STACKINGS CheckpointConfig ClusterConfig ConfigError DATA_KINDS DEFAULT_GLOBAL_BATCH DataConfig EvalConfig "
+    "FACTOR_DECAY_UNITS FAULT_MODES FaultConfig HardwareConfig INVERSE_DTYPES KFAC_OPTIMIZERS KFAC_UPDATES ModelConfig "
+    "NONFINITE_MODES NS_DTYPES OPTIMIZERS OPTIMIZER_PLACEMENTS OptimizerConfig PIPELINE_METHODS PRECISIONS "
+    "PRECONDITIONERS PROMOTE_INVERSES PipelineConfig ProfileConfig RESUME_MODES SDP_OPTIMIZERS TP_OPTIMIZERS "
+    "TrainConfig V_METHODS WANDB_MODES WandbConfig check_override_keys micro_batch_rule num_micro_batches_for "
+    "refuse_unknown_keys register_configs resolve_batch schedule_method to_train_config validate _fail"
+).split()
+
+
+def test_the_config_package_still_offers_every_name_the_module_did() -> None:
+    import pipefisher.config as config
+
+    missing = [n for n in _NAMES_BEFORE_THE_SPLIT if not hasattr(config, n)]
+    assert not missing, f"pipefisher.config lost {missing}; re-export them in pipefisher/config/__init__.py"
+    assert callable(config.validate)  # the function, not the module pipefisher.config.validation
+    # Worker tracebacks name it so, and pipefisher.cli._USER_ERRORS recognizes it by that name.
+    assert (ConfigError.__module__, ConfigError.__qualname__) == ("pipefisher.config", "ConfigError")
+    with pytest.raises(ConfigError, match=r"^stages=0: must be at least 1$"):
+        TrainConfig(stages=0)

@@ -1,5 +1,9 @@
 """Text -> NVIDIA-format pretraining shards (``pipefisher-prepare``).
 
+Why one module: it is one pipeline from text to shards that follows Google's ``create_pretraining_data.py``
+step by step (tokenize, split documents into instances, mask, write shards), with its command line; each step
+feeds the next (finetuning reuses only its tokenizer loading and special tokens).
+
 Run as ``pipefisher-prepare --input wiki.txt --output-dir DIR ...`` or
 ``python -m pipefisher.data.prepare ...``.
 

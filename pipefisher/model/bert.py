@@ -1,5 +1,9 @@
 """BERT for pretraining (MLM + NSP) as a sequence of pipeline layers, split into stages.
 
+Why one module: it is one model whose submodules carry Hugging Face's names so that state dicts load
+unchanged, and :class:`BertStage` slices that same layer sequence into stages; the layers, the stage and the
+state-dict helpers change together.
+
 Shape legend:
     B  micro-batch size (sequences)
     S  sequence length (tokens)

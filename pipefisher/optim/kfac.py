@@ -1,5 +1,9 @@
 """K-FAC for ``nn.Linear`` layers as separately schedulable work units.
 
+Why one module: nearly all of it is one class, :class:`KFACPreconditioner`, whose capture hooks, work-unit
+dispatch and step logic share its per-layer state; the arithmetic and one layer's state already live in
+``kfac_factors`` and ``kfac_layer``.
+
 Shape legend:
     T   rows (tokens) of one micro-batch: B·S flattened
     I   input features of a layer; Ĩ = I + 1 with the bias column (else Ĩ = I)

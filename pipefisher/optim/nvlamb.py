@@ -1,5 +1,9 @@
 """NVLAMB: LAMB with one global gradient-norm clip, as in NVIDIA's BERT (apex ``FusedLAMB``).
 
+Why one module: everything here serves the one global gradient-norm clip and the steps that take it ([Note:
+the global norm]): the norm over devices and shards, the parameter groups, :class:`NVLAMB`, the clipped SGD,
+and :func:`build_optimizer`'s choice of apex ``FusedLAMB`` with the same clip.
+
 Per step, for every parameter tensor ``w`` with gradient ``g`` (``t`` = the tensor's step count,
 starting at 1)::
 

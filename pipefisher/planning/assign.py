@@ -1,5 +1,9 @@
 """PipeFisher: K-FAC work placed into the bubbles of the simulated pipeline by a list scheduler.
 
+Why one module: most of it is one list scheduler, :class:`_Planner`, whose passes (curvature, factor syncs,
+inverses, preconditioning) place units into the same shared bubble windows; the rest is its entry point and
+statistics.
+
 Entry point: :func:`plan_pipefisher` (``schedule.py`` calls it; the result is an
 :class:`~pipefisher.schedules.kfac.Assignment` with ``deferred=True``).
 

@@ -1,6 +1,10 @@
 """``schedule.py``: a profile (or an estimate) → a PipeFisher work assignment, a predicted timeline
 and a summary; or, with ``whatif=true``, a ranking of configurations under a memory budget.
 
+Why one module: it is ``schedule.py``'s program; the helpers that turn a profile, an export or a config into a
+run shape and check the command line against it serve only :func:`plan_run`, :func:`run_whatif` and the entry
+point.
+
 The entry point :func:`schedule_main` (``schedule.py``, console script ``pipefisher-schedule``)
 composes ``conf/schedule.yaml``; :func:`plan_run` and :func:`run_whatif` do the work and return
 the summary text, so tests call them without a subprocess.

@@ -1,5 +1,9 @@
 """Per-stage action costs for the simulator: estimated from FLOPs, or measured in a profile.
 
+Why one module: both sources of a cost model fill the same :class:`RunShape`'s costs, and the profile path
+falls back on the FLOP estimate for the K-FAC units a profile lacks, so both share the FLOP formulas of [Note:
+FLOP estimates].
+
 Two sources of a :class:`~pipefisher.simulate.CostModel` with K-FAC unit costs:
 
 - :func:`estimate_costs`: FLOP counts of the model at a given sustained FLOP rate and link speeds,

@@ -1,6 +1,10 @@
 """The hybrid strategy search: pipeline (every schedule) × data parallel × sharded data parallel × tensor
 parallel × micro-batches × recompute × optimizer, ranked by simulated samples/s under a per-worker memory budget.
 
+Why one module: a candidate's memory, cost model and feasibility are all computed from the same mesh shape (pp
+× dp × sdp × tp) and :class:`Strategy`, and the search ranks them together; splitting memory from costs would
+split one candidate's evaluation.
+
 Entry points: :func:`search_strategies` (the ranking, the excluded with the reason),
 :func:`hybrid_costs` (the simulator's cost model of one candidate), :func:`hybrid_memory_per_worker`
 (its memory), :func:`format_strategies`.

@@ -1,5 +1,9 @@
 """Read Nsight Systems SQLite exports (``nsys export --type sqlite``) into timeline events.
 
+Why one module: every function here reads one part of the same Nsight Systems SQLite layout (tables, string
+ids, thread ids, clocks) for the one reader :func:`read_nsys`; the GPU spans and the capture window already
+live in ``nsys_gpu`` and ``nsys_capture``.
+
 This module knows the Nsight Systems layout; ``pipefisher.profiling.sqlite`` writes our own
 ``profile.sqlite`` in the same layout and adds run metadata, so :func:`read_nsys` also reads ours
 (without the metadata). The tables used:

@@ -1,5 +1,9 @@
 """Execute one worker's action list for one training step with torch.distributed.
 
+Why one module: most of it is :class:`WorkerExecutor`, whose per-action handlers share one step's state
+(posted messages, saved activations, clock marks), and the message tags and specs beside it are its wire
+format (held-out evaluation reuses them to speak the same protocol).
+
 The executor decides nothing about order: it walks the list a schedule generator produced and
 checked (``pipefisher.schedules``), and records what it did as timeline events.
 

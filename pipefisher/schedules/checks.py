@@ -1,5 +1,9 @@
 """Static checks of a schedule: coverage, dependencies, message matching, collectives, deadlock.
 
+Why one module: the checks are the parts of one function, :func:`check_schedule`, run in a fixed order and
+failing through one :class:`ScheduleError` with the marked step × worker grid; each is short and pure, and
+together they are the schedule's specification.
+
 :func:`check_schedule` raises :class:`ScheduleError` with the step × worker grid
 (``Schedule.format_grid``) and the failing cell bracketed, e.g.::
 

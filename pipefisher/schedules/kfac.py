@@ -1,5 +1,8 @@
 """K-FAC work in the schedule IR: refresh-cycle assignments, their checks, and their JSON form.
 
+Why one module: the :class:`Assignment` type, its checks and its JSON form define one file format: the reader
+checks what it reads with the same checks, and the writer writes only what they accept.
+
 An :class:`Assignment` says which K-FAC work units (``CURV_A``, ``CURV_B``, ``SYNC_FACTOR``,
 ``INVERT``, ``PRECOND``; see ``pipefisher.schedules.ir``) each worker runs, where in its action
 list, over a refresh cycle of k steps: step t runs ``phases[t % k]``, a complete schedule (the

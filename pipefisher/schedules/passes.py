@@ -1,5 +1,9 @@
 """Pure passes that turn a compute-only schedule into an executable one.
 
+Why one module: the passes run in one documented order and share the rendezvous legalizer
+(:class:`_Legalizer`) that orders their floating actions, so the ordering note below and the code it explains
+stay together.
+
 Chained by :func:`pipefisher.schedules.build_schedule` in this order::
 
     generator (F, B)  ──►  add_communication (SEND_*/RECV_*)  ──►  add_grad_sync_and_step
