@@ -1,6 +1,7 @@
 """The convergence study's time to target (§7) repriced on today's step costs, per schedule × optimizer.
 
     python bench/reprice.py --out DIR --measure      # D=2 measured: every (schedule, arm) pipeline, rotated rounds
+    python bench/reprice.py --out DIR --paired 20    # the optimizer step alone, the arms taking turns in one process
     python bench/reprice.py --out DIR --simulate     # D=8 simulated (N=8 and 16) from D=2 profiles taken here
     python bench/reprice.py --out DIR                # the tables (markdown) from DIR/d2.json and DIR/d8.json
 
@@ -18,8 +19,9 @@ rounds; the order of the runs rotates every round.
 D=8 simulated: one ``optimizer=kfac`` profile at D=2 chimera (micro-batch 4 for N=8, 2 for N=16: batch 32), scaled
 to one encoder layer per stage (``bench/step_costs.py``); NVLAMB, K-FAC every step and PipeFisher (its planner's
 defaults) as step_costs.py simulates them, and AdamW and Muon as NVLAMB's pipeline with the STEP action's cost
-scaled by that optimizer's STEP / NVLAMB's STEP measured side by side in ``profile.py`` runs of D=2 chimera here
-(Muon with ``ns_dtype=auto`` and ``bf16``). zb-v (two model chunks per worker) is not in step_costs.py's methods.
+scaled by that optimizer's step / NVLAMB's, measured side by side in one process (``--paired``: the optimizer
+step alone on the whole bert-tiny, one thread as a D=2 worker has, arms taking turns; Muon with ``ns_dtype=auto``
+and ``bf16``). zb-v (two model chunks per worker) is not in step_costs.py's methods.
 """
 
 from __future__ import annotations
@@ -116,27 +118,57 @@ def _hardware() -> str:
     return describe_hardware()
 
 
-# --- D=8 simulated ---------------------------------------------------------------------------------------------
+# --- the optimizer step alone, paired -------------------------------------------------------------------------
 
-STEP_ARMS = {"nvlamb": ["optimizer=nvlamb"], "adamw": ["optimizer=adamw"], "muon": ["optimizer=muon"],
-             "muon-bf16": ["optimizer=muon", "optimizer.ns_dtype=bf16"]}
+PAIRED_ARMS = {"nvlamb": ["optimizer=nvlamb"], "adamw": ["optimizer=adamw"], "muon": ["optimizer=muon"],
+               "muon-bf16": ["optimizer=muon", "optimizer.ns_dtype=bf16"]}
 
 
-def step_action_ns(out: Path, rounds: int) -> dict[str, float]:
-    """Mean STEP action (ns, per worker) of each optimizer in ``profile.py`` runs of D=2 chimera at the study's
-    shape, the optimizers' runs in rotated rounds; per optimizer the median over rounds."""
-    arms = list(STEP_ARMS)
-    per: dict[str, list[float]] = {a: [] for a in arms}
-    for r in range(rounds):
+def paired_steps(out: Path, reps: int) -> dict[str, Any]:
+    """The optimizer step alone (``make_optimizer``, as train.py builds it) on the whole bert-tiny of the study's
+    shape (what one chimera D=2 worker steps: its two stages are the whole model), the arms in one process taking
+    turns step by step (A B C D, B C D A, ...), fixed random gradients; per arm the median. The pipelines of
+    NVLAMB, AdamW and Muon are the same, so this difference is the whole difference of their steps. Writes
+    ``out/paired.json``."""
+    import torch
+
+    from pipefisher.model import BertConfig, build_full_model
+    from pipefisher.training import make_optimizer
+
+    torch.manual_seed(0)
+    torch.set_num_threads(1)  # what each of the two D=2 workers gets on 2 cores (training.set_cpu_threads)
+    arms = list(PAIRED_ARMS)
+    opts, grads = {}, None
+    for arm in arms:
+        cfg = h.compose([*SHAPE, "steps=1000", *PAIRED_ARMS[arm]])
+        model = build_full_model(BertConfig(num_layers=2, hidden_size=128, num_heads=2, intermediate_size=512,
+                                            vocab_size=8192), seed=0)
+        named = [(n, q) for n, q in model.named_parameters() if q.requires_grad]
+        if grads is None:
+            grads = [torch.randn_like(q) * 1e-3 for _, q in named]
+        for (_, q), g in zip(named, grads):
+            q.grad = g.clone()
+        opts[arm] = make_optimizer(cfg, named, torch.device("cpu"), log_here=False)[0]
+    norm = torch.sqrt(sum((g.float() ** 2).sum() for g in grads))
+    times: dict[str, list[float]] = {a: [] for a in arms}
+    for r in range(reps + 1):
         for arm in arms[r % len(arms):] + arms[:r % len(arms)]:
-            keys = [*SHAPE, "stages=2", "pipeline=chimera", "micro_batch_size=8", "num_micro_batches=4", "steps=6",
-                    *STEP_ARMS[arm]]
-            path = sc.profile_run(keys, out / "step-profiles" / f"round{r}" / arm)
-            cost, _ = _costs(path)
-            per[arm].append(cost.step_ns)
-            print(f"  STEP round {r}: {arm} {cost.step_ns / 1e6:.2f} ms ({h.load()})", flush=True)
-    return {a: statistics.median(v) for a, v in per.items()}
+            start = time.perf_counter()
+            opts[arm].step(grad_norm=norm)
+            if r:  # the first round builds the optimizers' state
+                times[arm].append(time.perf_counter() - start)
+    doc = {"command": "python " + " ".join(sys.argv), "hardware": _hardware(), "threads": torch.get_num_threads(),
+           "reps": reps, "load": h.load(),
+           "step_s": {a: statistics.median(v) for a, v in times.items()},
+           "pair_ratio_to_nvlamb": {a: statistics.median(x / y for x, y in zip(v, times["nvlamb"]))
+                                    for a, v in times.items()}}
+    (out / "paired.json").write_text(json.dumps(doc, indent=1) + "\n")
+    print("  optimizer step alone (ms): " + ", ".join(f"{a} {v * 1e3:.2f}" for a, v in doc["step_s"].items()),
+          flush=True)
+    return doc
 
+
+# --- D=8 simulated ---------------------------------------------------------------------------------------------
 
 def _costs(path: Path) -> tuple[Any, Any]:
     from pipefisher.planning.costs import RunShape, costs_from_profile
@@ -146,10 +178,13 @@ def _costs(path: Path) -> tuple[Any, Any]:
     return costs_from_profile(profile, path=path), RunShape.from_train_config(profile.metadata["config"])
 
 
-def simulate_d8(out: Path, methods: tuple[str, ...], ns: tuple[int, ...], step_rounds: int) -> dict[str, Any]:
-    """D=8 step seconds per (method, N, arm); writes ``out/d8.json``."""
-    steps_ns = step_action_ns(out, step_rounds)
+def simulate_d8(out: Path, methods: tuple[str, ...], ns: tuple[int, ...], reps: int) -> dict[str, Any]:
+    """D=8 step seconds per (method, N, arm); AdamW's and Muon's STEP = the profile's STEP × their paired
+    optimizer step over NVLAMB's (``out/paired.json``, measured first when missing); writes ``out/d8.json``."""
+    paired = out / "paired.json"
+    ratio = (json.loads(paired.read_text()) if paired.is_file() else paired_steps(out, reps))["pair_ratio_to_nvlamb"]
     sims: dict[str, Any] = {}
+    step_ms: dict[str, float] = {}
     for n in ns:
         mb = 32 // n
         keys = sc.profile_overrides("bert-tiny", 64, mb, max_predictions=10, method="chimera", micro_batches=4,
@@ -157,6 +192,7 @@ def simulate_d8(out: Path, methods: tuple[str, ...], ns: tuple[int, ...], step_r
         print(f"profiling (optimizer=kfac, micro-batch {mb}): python profile.py {' '.join(keys)} ({h.load()})",
               flush=True)
         cost, measured = sc.load_costs(sc.profile_run(keys, out / f"kfac-profile-mb{mb}"))
+        step_ms[f"micro-batch {mb}"] = cost.step_ns / 1e6
         for method in methods:
             rows = sc.simulated_step_costs(cost, measured, 8, method, n, intervals=(1,))
             res = {"nvlamb": rows["nvlamb"]["step_s"], "kfac-k1": rows["kfac-k1"]["step_s"],
@@ -164,13 +200,13 @@ def simulate_d8(out: Path, methods: tuple[str, ...], ns: tuple[int, ...], step_r
             target = sc.simulated_run(measured, 8, method, n)
             schedule = target.build_schedule(dp_width=1)
             for arm in ("adamw", "muon", "muon-bf16"):
-                c = dataclasses.replace(cost, step_ns=round(cost.step_ns * steps_ns[arm] / steps_ns["nvlamb"]))
+                c = dataclasses.replace(cost, step_ns=round(cost.step_ns * ratio[arm]))
                 res[arm] = sc.steady_step_ns((schedule,), sc.scale_costs(c, measured, target)) / 1e9
             sims[f"{method}/N={n}"] = {"step_s": res, "pipefisher_k": rows["pipefisher"]["k"],
                                        "pipefisher_note": rows["pipefisher"]["note"]}
             print(f"  D=8 {method} N={n}: " + ", ".join(f"{a} {v * 1e3:.1f} ms" for a, v in res.items()), flush=True)
-    doc = {"command": "python " + " ".join(sys.argv), "hardware": _hardware(), "step_action_ms":
-           {a: v / 1e6 for a, v in steps_ns.items()}, "simulated": sims}
+    doc = {"command": "python " + " ".join(sys.argv), "hardware": _hardware(), "step_ratio_to_nvlamb": ratio,
+           "profile_step_ms": step_ms, "simulated": sims}
     (out / "d8.json").write_text(json.dumps(doc, indent=1) + "\n")
     return doc
 
@@ -178,10 +214,14 @@ def simulate_d8(out: Path, methods: tuple[str, ...], ns: tuple[int, ...], step_r
 # --- tables ----------------------------------------------------------------------------------------------------
 
 
-def time_to_target(arm: str, step_s: float, target: str) -> tuple[float, float, float]:
-    """(mean, low, high) seconds to ``target``: the study's steps (mean, seed range) × ``step_s``."""
+def time_to_target(arm: str, step_s: float, target: str, step_range: tuple[float, float] | None = None
+                   ) -> tuple[float, float, float]:
+    """(mean, low, high) seconds to ``target``: the study's steps (mean, seed range) × ``step_s``; with
+    ``step_range`` (the step's lowest and highest measurement) the interval also spans the step's noise:
+    [fewest steps × lowest step, most steps × highest step]."""
     m, lo, hi = STUDY_STEPS[STEPS_OF[arm]][target]
-    return m * step_s, lo * step_s, hi * step_s
+    s_lo, s_hi = step_range or (step_s, step_s)
+    return m * step_s, lo * s_lo, hi * s_hi
 
 
 def overlap(a: tuple[float, float, float], b: tuple[float, float, float]) -> bool:
@@ -189,11 +229,13 @@ def overlap(a: tuple[float, float, float], b: tuple[float, float, float]) -> boo
     return a[1] <= b[2] and b[1] <= a[2]
 
 
-def setting_table(steps: dict[str, float], title: str) -> str:
-    """Markdown: per arm its step, × NVLAMB's step, time to each target (s, seed interval), × NVLAMB's time
-    [range over seed pairs] and whether it is separated from NVLAMB's and from the fastest arm."""
+def setting_table(steps: dict[str, float], title: str, ranges: dict[str, tuple[float, float]] | None = None) -> str:
+    """Markdown: per arm its step, × NVLAMB's step, time to each target (s, interval over seeds and, with
+    ``ranges``, over the step's measurements), × NVLAMB's time [range over the intervals' ends] and whether it
+    is separated from NVLAMB's and from the fastest arm (intervals disjoint)."""
     ref = steps["nvlamb"]
-    times = {t: {a: time_to_target(a, s, t) for a, s in steps.items()} for t in TARGETS}
+    ranges = ranges or {}
+    times = {t: {a: time_to_target(a, s, t, ranges.get(a)) for a, s in steps.items()} for t in TARGETS}
     best = {t: min(times[t], key=lambda a: times[t][a][0]) for t in TARGETS}
     rows = []
     for arm, s in steps.items():
@@ -208,7 +250,7 @@ def setting_table(steps: dict[str, float], title: str) -> str:
         rows.append(row)
     head = ["arm", "step ms", "× nvlamb step"]
     for t in TARGETS:
-        head += [f"{t}: s [seeds]", f"{t}: × nvlamb", f"{t}: vs fastest"]
+        head += [f"{t}: s [interval]", f"{t}: × nvlamb", f"{t}: vs fastest"]
     return f"**{title}**\n\n" + h.table(head, rows)
 
 
@@ -225,16 +267,27 @@ def report(out: Path) -> str:
             by_sched.setdefault(s, {})[a] = r["step_s"]
         for s, steps in by_sched.items():
             rounds = {a: doc["runs"][f"{s}/{a}"]["rounds_s"] for a in steps}
-            parts.append(setting_table(steps, f"D=2 measured, {s}, 4 micro-batches of 8"))
+            parts.append(setting_table(steps, f"D=2 measured, {s}, 4 micro-batches of 8",
+                                       {a: (min(v), max(v)) for a, v in rounds.items()}))
             parts.append("rounds (ms): " + "; ".join(f"{a} " + ", ".join(f"{x * 1e3:.0f}" for x in v)
                                                     for a, v in rounds.items()))
         all_runs = {key: r["step_s"] for key, r in doc["runs"].items()}
-        parts.append(ranking(all_runs, "D=2 measured, every (schedule, arm)"))
+        parts.append(ranking(all_runs, "D=2 measured, every (schedule, arm)",
+                             {key: (min(r["rounds_s"]), max(r["rounds_s"])) for key, r in doc["runs"].items()}))
+    paired = out / "paired.json"
+    if paired.is_file():
+        doc = json.loads(paired.read_text())
+        parts.append(f"Optimizer step alone, paired ({doc['hardware']}, {doc['threads']} thread, {doc['reps']} "
+                     f"rounds, {doc['load']}; `{doc['command']}`)\n\n" + h.table(
+                         ["arm", "step ms (median)", "× nvlamb (median of pairs)"],
+                         [[a, 1e3 * v, doc["pair_ratio_to_nvlamb"][a]] for a, v in doc["step_s"].items()]))
     d8 = out / "d8.json"
     if d8.is_file():
         doc = json.loads(d8.read_text())
-        parts.append(f"D=8 simulated: {doc['hardware']}; `{doc['command']}`; STEP action per worker at D=2 "
-                     "chimera (ms): " + ", ".join(f"{a} {v:.2f}" for a, v in doc["step_action_ms"].items()))
+        parts.append(f"D=8 simulated: {doc['hardware']}; `{doc['command']}`; the profiles' STEP (ms): "
+                     + ", ".join(f"{a} {v:.2f}" for a, v in doc["profile_step_ms"].items())
+                     + "; optimizer step / NVLAMB's (paired): "
+                     + ", ".join(f"{a} {v:.3f}" for a, v in doc["step_ratio_to_nvlamb"].items()))
         for setting, r in doc["simulated"].items():
             parts.append(setting_table(r["step_s"], f"D=8 simulated, {setting} (PipeFisher k={r['pipefisher_k']}, "
                                                     f"{r['pipefisher_note']})"))
@@ -243,13 +296,14 @@ def report(out: Path) -> str:
     return "\n\n".join(parts) + "\n"
 
 
-def ranking(steps: dict[str, float], title: str) -> str:
-    """The five fastest (schedule, arm) to H-0.3 over all of a setting's runs, with overlap against the first."""
-    rows = sorted(((k, time_to_target(k.rsplit("/", 1)[1], s, "H-0.3")) for k, s in steps.items()),
+def ranking(steps: dict[str, float], title: str, ranges: dict[str, tuple[float, float]] | None = None) -> str:
+    """The eight fastest (schedule, arm) to H-0.3 over all of a setting's runs, with overlap against the first."""
+    ranges = ranges or {}
+    rows = sorted(((k, time_to_target(k.rsplit("/", 1)[1], s, "H-0.3", ranges.get(k))) for k, s in steps.items()),
                   key=lambda kv: kv[1][0])
     first = rows[0][1]
     return f"**{title}, fastest to H-0.3**\n\n" + h.table(
-        ["rank", "schedule/arm", "s [seeds]", "vs first"],
+        ["rank", "schedule/arm", "s [interval]", "vs first"],
         [[i + 1, k, f"{t[0]:.0f} [{t[1]:.0f}–{t[2]:.0f}]", "" if i == 0 else
           ("overlaps" if overlap(t, first) else "separated")] for i, (k, t) in enumerate(rows[:8])])
 
@@ -259,12 +313,12 @@ def main() -> None:
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--measure", action="store_true", help="D=2 measured runs (minutes)")
     p.add_argument("--simulate", action="store_true", help="D=8 simulated from profiles taken here (minutes)")
+    p.add_argument("--paired", type=int, default=0, metavar="REPS", help="the optimizer step alone, paired, REPS rounds")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--steps", type=int, default=16, help="steps per D=2 run (PipeFisher at least 32)")
     p.add_argument("--runs", default="", help="schedule/arm,... (default: the study's list, D2_RUNS)")
     p.add_argument("--methods", default="chimera,1f1b,zb-h1", help="D=8 simulated schedules")
     p.add_argument("--micro-batches", default="8,16", help="D=8 simulated N (batch 32: micro-batch 32/N)")
-    p.add_argument("--step-rounds", type=int, default=2, help="rounds of the STEP profiles")
     p.add_argument("--timeout-s", type=int, default=900)
     args = p.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
@@ -272,9 +326,11 @@ def main() -> None:
     start = time.perf_counter()
     if args.measure:
         measure_d2(args.out, args.rounds, args.steps, runs, args.timeout_s)  # type: ignore[arg-type]
+    if args.paired:
+        paired_steps(args.out, args.paired)
     if args.simulate:
         simulate_d8(args.out, tuple(args.methods.split(",")), tuple(int(n) for n in args.micro_batches.split(",")),
-                    args.step_rounds)
+                    args.paired or 20)
     text = report(args.out)
     (args.out / "tables.md").write_text(text)
     print(text)
