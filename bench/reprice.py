@@ -7,8 +7,9 @@
 
 Steps to target are the study's (bench/studies/07-convergence.md, seeds 0-2 mean and range; the numerics do not
 depend on the schedule, the placement or Newton-Schulz's time), step costs are measured or simulated here;
-time to target = steps × step cost, its interval = the seed range of steps × the step (the step's own noise is
-given beside it, not folded in). Bench study 17 (bench/studies/17-repriced-time-to-target.md) reads the output.
+time to target = steps × step cost; its interval = the seed range of steps × the step, at D=2 × the step's
+range over rounds as well (the fewest steps at the fastest round to the most at the slowest). Bench study 17
+(bench/studies/17-repriced-time-to-target.md) reads the output.
 
 D=2 measured: ``train.py stages=2 pipeline=<schedule>`` with 4 micro-batches of 8 (global batch 32, bert-tiny,
 vocabulary 8,192, seq 64, 10 predictions: the study's shape), synthetic data of that shape (step cost does not
@@ -29,7 +30,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import math
 import statistics
 import subprocess
 import sys
@@ -334,8 +334,7 @@ def main() -> None:
     text = report(args.out)
     (args.out / "tables.md").write_text(text)
     print(text)
-    if not math.isclose(start, time.perf_counter()):
-        print(f"({time.perf_counter() - start:.0f} s)")
+    print(f"({time.perf_counter() - start:.0f} s)")
 
 
 if __name__ == "__main__":
