@@ -1,0 +1,53 @@
+"""bench/reprice.py's arithmetic: time to target = the study's steps × a step, intervals and separation."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[1] / "bench"
+
+
+@pytest.fixture(scope="module")
+def rp():
+    sys.path.insert(0, str(BENCH))
+    try:
+        spec = importlib.util.spec_from_file_location("reprice", BENCH / "reprice.py")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = module
+        spec.loader.exec_module(module)
+    finally:
+        sys.path.remove(str(BENCH))
+    return module
+
+
+def test_time_to_target_is_steps_times_step(rp):
+    # muon to H-0.3 in the study: 1245 steps, seeds 1186-1301; muon-bf16 has the same steps
+    assert rp.time_to_target("muon", 0.1, "H-0.3") == pytest.approx((124.5, 118.6, 130.1))
+    assert rp.time_to_target("muon-bf16", 0.2, "H-0.3") == pytest.approx((249.0, 237.2, 260.2))
+    assert rp.time_to_target("nvlamb", 1.0, "H-0.2") == (672, 594, 742)
+
+
+def test_overlap(rp):
+    assert rp.overlap((0, 1, 2), (0, 2, 3))       # touching counts as overlapping
+    assert not rp.overlap((0, 1, 2), (0, 2.5, 3))
+    assert rp.overlap((0, 2.5, 3), (0, 1, 2.6))
+
+
+def test_setting_table_names_the_fastest_and_separation(rp):
+    # equal steps: muon (1186-1301 steps) is separated from nvlamb (1586-1631) at H-0.3 and fastest there
+    text = rp.setting_table({"nvlamb": 0.1, "muon": 0.1}, "t")
+    muon = next(line for line in text.splitlines() if line.startswith("| muon"))
+    cells = [c.strip() for c in muon.strip("|").split("|")]
+    assert cells[6] == "124 [119–130]"
+    assert cells[7] == "0.78 [0.73–0.82] sep."   # 07-convergence.md's D=8 figure at equal steps
+    assert cells[8] == "fastest"
+    # a Muon step 1.3x NVLAMB's: no longer separated from NVLAMB at H-0.3, and NVLAMB is ahead
+    slow = rp.setting_table({"nvlamb": 0.1, "muon": 0.13}, "t")
+    muon = next(line for line in slow.splitlines() if line.startswith("| muon"))
+    cells = [c.strip() for c in muon.strip("|").split("|")]
+    assert cells[7].endswith("not sep.")
+    assert cells[8] == "overlaps nvlamb"
