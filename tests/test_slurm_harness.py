@@ -5,6 +5,7 @@ the fix. Fast: the decision is a pure function, and the start path runs against 
 from __future__ import annotations
 
 import os
+import shutil
 import stat
 from pathlib import Path
 
@@ -52,7 +53,10 @@ def fake_slurm(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     _stand_in(bin_dir, "sinfo", f'[ -f {flag} ] || {{ echo "Unable to contact slurm controller" >&2; exit 1; }}\n'
                                 'printf "pfnode1 idle\\npfnode2 idle\\n"\n')
     _stand_in(tmp_path, "start.sh", f'echo "$@" >> {tmp_path}/calls; touch {flag}\n')
-    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}/usr/bin{os.pathsep}/bin")
+    tools = tmp_path / "tools"  # what the stand-ins run, and nothing else: a real SLURM's sinfo (CI starts one) stays out
+    tools.mkdir()
+    (tools / "touch").symlink_to(shutil.which("touch"))
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{tools}")
     monkeypatch.delenv("PIPEFISHER_SKIP_SLURM", raising=False)
     monkeypatch.setattr(slurm_harness, "_SBIN", ())
     monkeypatch.setattr(slurm_harness, "_start_failed", {})
