@@ -91,7 +91,7 @@ def test_memory_model_gives_the_papers_fraction_of_one_f_one_b(d: int) -> None:
 # ~p/m, V-Min ~2p/3m, V-Half ~p/2m, leading order in p. In idle time, rate × m(F+B+W) with F+B+W = 6
 # chunk units per micro-batch on a worker: 1F1B 6p (exactly 6(p−1)), V-Min 4p, V-Half 3p — the 2/3 and
 # 1/2 of 1F1B. Where our list scheduler idles more than that, by how many units (documented in
-# docs/profiling-nsys-clock.md, "V schedules against the paper"): the test holds each such figure exactly.
+# docs/schedules.md, "V schedules against the paper"): the test holds each such figure exactly.
 PAPER_IDLE = {"v-half": lambda p: 3 * p, "v-min": lambda p: 4 * p}
 OVER_PAPER = {("v-half", 8): 3, ("v-min", 8): 1}
 V_GEN = {"v-half": v_half, "v-min": v_min}
@@ -99,7 +99,7 @@ V_GEN = {"v-half": v_half, "v-min": v_min}
 
 V_MIN_D6 = pytest.mark.xfail(strict=True, reason=(
     "v-min at D=6 (cap 6 chunk activations): the list scheduler's idle grows with N (25, 33, 49 at N = 2D, 4D, "
-    "8D), above the paper's 4p = 24 and 1F1B's 30; docs/profiling-nsys-clock.md"))
+    "8D), above the paper's 4p = 24 and 1F1B's 30; docs/schedules.md"))
 
 
 @pytest.mark.parametrize("method,d", [(m, d) for m in ("v-half", "v-min") for d in (3, 4, 5, 6, 8)

@@ -30,7 +30,7 @@ so V-Half has 0.28× (D=4) and 0.64× (D=8) of 1F1B's bubble at (p+2)/2p of its 
 (and V-Half at D=6); 3 and 1 units over at D=8 (27 and 33), the greedy order not reaching the paper's
 hand-placed blocks; V-Min at D=6 (cap 6) idles 25, 33, 49 at N = 2D, 4D, 8D, growing with N, above
 1F1B's 30 — a known defect of the list scheduler under that cap (tests/test_v_schedules.py holds every
-figure; docs/profiling-nsys-clock.md). For D ≤ 2 both caps equal zb-v's 2D (the formulas give p), so
+figure; docs/schedules.md). For D ≤ 2 both caps equal zb-v's 2D (the formulas give p), so
 the schedules are zb-v's order.
 
 ZB-H2 (one stage per worker, no bubble at about 2p micro-batches) is not built: any one-chunk
