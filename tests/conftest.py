@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -65,3 +67,18 @@ def compose_train(overrides: list[str], tiny: bool = True) -> TrainConfig:
 @pytest.fixture
 def make_cfg() -> Callable[..., TrainConfig]:
     return lambda *overrides, tiny=True: compose_train(list(overrides), tiny=tiny)
+
+
+def load_bench(name: str, as_name: str | None = None):
+    """``bench/<name>.py`` as a module (registered as ``as_name``, default ``name``); it imports
+    ``bench/_harness.py`` by name, as when run as a script, so ``bench/`` is on the path while it loads."""
+    bench = REPO / "bench"
+    sys.path.insert(0, str(bench))
+    try:
+        spec = importlib.util.spec_from_file_location(as_name or name, bench / f"{name}.py")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = module  # dataclasses look their module up by name
+        spec.loader.exec_module(module)
+    finally:
+        sys.path.remove(str(bench))
+    return module

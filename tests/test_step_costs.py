@@ -3,11 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import json
 import statistics
-import sys
-from pathlib import Path
 
 import pytest
 
@@ -15,22 +12,14 @@ from pipefisher.model import BertConfig
 from pipefisher.planning.costs import RunShape
 from pipefisher.schedules import build_schedule
 from pipefisher.simulate import CostModel
+from tests.conftest import load_bench
 
-BENCH = Path(__file__).resolve().parents[1] / "bench"
 
 
 @pytest.fixture(scope="module")
 def sc():
     """bench/step_costs.py as a module (it imports bench/_harness.py by name, as when run as a script)."""
-    sys.path.insert(0, str(BENCH))
-    try:
-        spec = importlib.util.spec_from_file_location("bench_step_costs", BENCH / "step_costs.py")
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[spec.name] = module
-        spec.loader.exec_module(module)
-    finally:
-        sys.path.remove(str(BENCH))
-    return module
+    return load_bench("step_costs", "bench_step_costs")
 
 
 # A D=2 stage with 6 K-FAC layers (one encoder layer); distinct per-layer costs, so a sum that
