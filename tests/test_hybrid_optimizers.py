@@ -32,8 +32,8 @@ AdamW (``MuonAdamW`` over the whole model in one process) replayed on them must 
 parameters bit for bit: the optimizer under sdp/tp is single-process Muon, whatever the rounding.
 The first step's loss and gradients are compared with single-process training at tolerance, as for
 AdamW.
-:func:`test_sharded_muon_equals_torch_muon_bit_for_bit` checks ``ShardedMuon`` alone against torch's
-Muon on row-, column- and unevenly sharded weights.
+``tests/test_muon.py``'s ``test_sharded_muon_orthogonalizes_each_matrix_once_and_equals_muon`` checks
+``ShardedMuon`` alone against torch's Muon (bf16) and ours (fp32) on row-, column- and unevenly sharded weights.
 """
 
 from __future__ import annotations
@@ -195,58 +195,6 @@ def test_muon_steps_equal_single_process_muon_on_the_same_gradients(case, replay
     final = _named(results, "final")
     for name, p in named.items():
         assert torch.equal(p.detach(), final[name]), f"{name}: {(p.detach() - final[name]).abs().max()}"
-
-
-# -- ShardedMuon on its own: the same gradients, the same bits ------------------------------------
-
-
-SHAPES = [(8, 6), (7, 6), (6, 10)]  # (7, 6) splits 4 + 3 rows: FSDP2's uneven last shard
-MUON = dict(lr=0.02, weight_decay=0.1, momentum=0.95, nesterov=True, adjust_lr_fn="match_rms_adamw")
-
-
-def _muon_worker(rank: int, out: str) -> None:
-    """Three steps of ShardedMuon on weights sharded over 2 processes (dim 0 and dim 1) and of
-    torch's Muon on the whole weights, from the same weights and gradients."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import Shard, distribute_tensor
-
-    from pipefisher.optim.baselines import ShardedMuon
-
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{out}/pg", rank=rank, world_size=2,
-                            timeout=datetime.timedelta(seconds=120))
-    try:
-        mesh = init_device_mesh("cpu", (2,))
-        gen = torch.Generator().manual_seed(0)
-        weights = [torch.randn(s, generator=gen) for s in SHAPES]
-        grads = [[torch.randn(s, generator=gen) for s in SHAPES] for _ in range(3)]
-        whole = [torch.nn.Parameter(w.clone()) for w in weights]
-        reference = torch.optim.Muon(whole, **MUON)
-        found = {}
-        for dim in (0, 1):
-            parts = [torch.nn.Parameter(distribute_tensor(w.clone(), mesh, [Shard(dim)])) for w in weights]
-            sharded = ShardedMuon(parts, **MUON)
-            for step_grads in grads:
-                for p, g in zip(parts, step_grads):
-                    p.grad = distribute_tensor(g, mesh, [Shard(dim)])
-                sharded.step()
-            found[dim] = [p.full_tensor().detach() for p in parts]
-        for step_grads in grads:
-            for p, g in zip(whole, step_grads):
-                p.grad = g.clone()
-            reference.step()
-        torch.save({"found": found, "want": [p.detach() for p in whole]}, f"{out}/muon{rank}.pt")
-    finally:
-        release_process_group()
-
-
-def test_sharded_muon_equals_torch_muon_bit_for_bit(tmp_path: Path) -> None:
-    mp.start_processes(_muon_worker, args=(str(tmp_path),), nprocs=2, join=True, start_method="spawn")
-    for rank in range(2):
-        res = torch.load(tmp_path / f"muon{rank}.pt", weights_only=True)
-        for dim, got in res["found"].items():
-            for shape, g, w in zip(SHAPES, got, res["want"]):
-                assert torch.equal(g, w), f"rank {rank}, Shard({dim}), shape {shape}: {(g - w).abs().max()}"
 
 
 # -- AdamW's groups: one kind of tensor each --------------------------------------------------------
