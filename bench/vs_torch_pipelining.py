@@ -129,7 +129,7 @@ def _run(rank: int, world: int, overrides: list[str], warmup: int, repeats: int,
     losses: dict[str, list[list[float]]] = {v: [] for v in variants}
     phases: dict[str, list[dict[str, float]]] = {v: [] for v in variants}
     for step in range(warmup + repeats):
-        order = variants[step % len(variants):] + variants[:step % len(variants)]  # rotate: A B C D, B C D A, …
+        order = h.rotated(variants, step)
         for variant in order:
             seconds, (loss, phase) = h.timed_step(lambda: runners[variant](step))
             losses[variant].append(loss)

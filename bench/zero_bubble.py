@@ -141,7 +141,7 @@ def _run(rank: int, world: int, overrides: list[str], warmup: int, repeats: int,
         warmup = max(warmup, cycle)
         repeats = -(-repeats // cycle) * cycle
     for step in range(warmup + repeats):
-        order = variants[step % len(variants):] + variants[:step % len(variants)]
+        order = h.rotated(variants, step)
         for v in order:
             seconds, (loss, c) = h.timed_step(lambda: runners[v](step))
             losses[v].append(loss)
