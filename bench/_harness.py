@@ -48,6 +48,7 @@ __all__ = [
     "launch",
     "timed_step",
     "rotated",
+    "timed_rotation",
     "timed_rounds",
     "median",
     "load",
@@ -147,6 +148,7 @@ def timed_step(run: Callable[[], Any]) -> tuple[float, Any]:
 
 T = TypeVar("T")
 K = TypeVar("K")
+V = TypeVar("V")
 
 
 def rotated(items: Sequence[T], round_: int) -> list[T]:
@@ -154,6 +156,21 @@ def rotated(items: Sequence[T], round_: int) -> list[T]:
     each takes every position in turn and none always runs first after the others."""
     k = round_ % len(items)
     return [*items[k:], *items[:k]]
+
+
+def timed_rotation(runners: Mapping[K, Callable[[int], V]], warmup: int,
+                   rounds: int) -> Iterator[tuple[int, K, float, V]]:
+    """Run every runner once per round, ``runner(step)``, in :func:`rotated` order, each timed on the slowest rank
+    (:func:`timed_step`); call it on every rank of the group.
+
+    Yields:
+        On every rank, warm-up included: ``(step, key, seconds, runner's return value)``; ``step`` is the round.
+    """
+    keys = list(runners)
+    for step in range(warmup + rounds):
+        for key in rotated(keys, step):
+            seconds, value = timed_step(lambda: runners[key](step))
+            yield step, key, seconds, value
 
 
 def timed_rounds(workers: Mapping[K, Any], warmup: int, rounds: int) -> Iterator[tuple[K, float, list]]:
@@ -170,16 +187,13 @@ def timed_rounds(workers: Mapping[K, Any], warmup: int, rounds: int) -> Iterator
         On rank 0 only, after the warm-up: ``(key, seconds, events)`` for each step, ``events`` being every
         rank's timeline of that step gathered on rank 0. Other ranks yield nothing but take part in every step.
     """
-    keys = list(workers)
-    for step in range(warmup + rounds):
-        for key in rotated(keys, step):
-            worker = workers[key]
-            seconds, (_, result) = timed_step(lambda: worker.train_step(step))
-            rank0 = dist.get_rank() == 0
-            gathered: list | None = [None] * dist.get_world_size() if rank0 else None
-            dist.gather_object(result.events, gathered, dst=0)
-            if rank0 and step >= warmup:
-                yield key, seconds, [e for evs in gathered for e in evs]
+    rank0 = dist.get_rank() == 0
+    steps = {key: worker.train_step for key, worker in workers.items()}
+    for step, key, seconds, (_, result) in timed_rotation(steps, warmup, rounds):
+        gathered: list | None = [None] * dist.get_world_size() if rank0 else None
+        dist.gather_object(result.events, gathered, dst=0)
+        if rank0 and step >= warmup:
+            yield key, seconds, [e for evs in gathered for e in evs]
 
 
 def load() -> str:

@@ -1,7 +1,7 @@
-"""``bench/_harness.py``'s rotated rounds (:func:`rotated`, :func:`timed_rounds`), which the side-by-side
-benchmarks (v_gap, optimizer_placement, executor_overhead) time their variants with: each round's order is the
-keys rotated by the round, the warm-up is not reported, every rank's events come back on rank 0, and a step
-is timed on the slowest rank."""
+"""``bench/_harness.py``'s rotated rounds (:func:`rotated`, :func:`timed_rotation`, :func:`timed_rounds`), which
+the side-by-side benchmarks (v_gap, optimizer_placement, executor_overhead, vs_torch_pipelining, zero_bubble) time
+their variants with: each round's order is the keys rotated by the round, the warm-up is not reported, every
+rank's events come back on rank 0, and a step is timed on the slowest rank."""
 
 from __future__ import annotations
 
@@ -43,12 +43,15 @@ def test_timed_rounds_one_rank_rotates_skips_the_warm_up_and_steps_every_worker_
     try:
         workers = {k: _Fake(k, 0, sleep_s=0.01 if k == "b" else 0.0) for k in ("a", "b", "c")}
         got = list(h.timed_rounds(workers, warmup=2, rounds=3))
+        plain = list(h.timed_rotation({"p": lambda step: step * 10, "q": lambda step: -step}, warmup=1, rounds=1))
     finally:
         release_process_group()
     assert [k for k, _, _ in got] == [k for step in (2, 3, 4) for k in h.rotated(["a", "b", "c"], step)]
     assert all(events == [(0, k, step)] for (k, _, events), step in zip(got, [2] * 3 + [3] * 3 + [4] * 3))
     assert all(w.steps == [0, 1, 2, 3, 4] for w in workers.values())
     assert all(seconds >= 0.01 for k, seconds, _ in got if k == "b")
+    # timed_rotation yields the warm-up too, with each runner's return value
+    assert [(step, k, value) for step, k, _, value in plain] == [(0, "p", 0), (0, "q", 0), (1, "q", -1), (1, "p", 10)]
 
 
 def _two_ranks(rank: int, out_dir: str) -> None:
