@@ -24,9 +24,9 @@ import sys
 import tempfile
 import time
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -47,6 +47,9 @@ __all__ = [
     "caveat",
     "launch",
     "timed_step",
+    "rotated",
+    "timed_rotation",
+    "timed_rounds",
     "median",
     "load",
     "table",
@@ -141,6 +144,56 @@ def timed_step(run: Callable[[], Any]) -> tuple[float, Any]:
     elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
     dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
     return float(elapsed.item()), value
+
+
+T = TypeVar("T")
+K = TypeVar("K")
+V = TypeVar("V")
+
+
+def rotated(items: Sequence[T], round_: int) -> list[T]:
+    """``items`` in round ``round_``'s order: rotated left by the round (A B C D, B C D A, …), so that
+    each takes every position in turn and none always runs first after the others."""
+    k = round_ % len(items)
+    return [*items[k:], *items[:k]]
+
+
+def timed_rotation(runners: Mapping[K, Callable[[int], V]], warmup: int,
+                   rounds: int) -> Iterator[tuple[int, K, float, V]]:
+    """Run every runner once per round, ``runner(step)``, in :func:`rotated` order, each timed on the slowest rank
+    (:func:`timed_step`); call it on every rank of the group.
+
+    Yields:
+        On every rank, warm-up included: ``(step, key, seconds, runner's return value)``; ``step`` is the round.
+    """
+    keys = list(runners)
+    for step in range(warmup + rounds):
+        for key in rotated(keys, step):
+            seconds, value = timed_step(lambda: runners[key](step))
+            yield step, key, seconds, value
+
+
+def timed_rounds(workers: Mapping[K, Any], warmup: int, rounds: int) -> Iterator[tuple[K, float, list]]:
+    """Step every worker of this process once per round, in :func:`rotated` order, each step timed on the
+    slowest rank (:func:`timed_step`); call it on every rank of the group.
+
+    Args:
+        workers: one ``PipelineWorker`` (anything with ``train_step(step)`` returning ``(losses, result)``
+            whose ``result.events`` is this rank's timeline) per variant, built alike on every rank.
+        warmup: rounds run first and not reported.
+        rounds: rounds reported after them.
+
+    Yields:
+        On rank 0 only, after the warm-up: ``(key, seconds, events)`` for each step, ``events`` being every
+        rank's timeline of that step gathered on rank 0. Other ranks yield nothing but take part in every step.
+    """
+    rank0 = dist.get_rank() == 0
+    steps = {key: worker.train_step for key, worker in workers.items()}
+    for step, key, seconds, (_, result) in timed_rotation(steps, warmup, rounds):
+        gathered: list | None = [None] * dist.get_world_size() if rank0 else None
+        dist.gather_object(result.events, gathered, dst=0)
+        if rank0 and step >= warmup:
+            yield key, seconds, [e for evs in gathered for e in evs]
 
 
 def load() -> str:

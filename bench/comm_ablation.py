@@ -57,7 +57,7 @@ def _run(rank: int, world: int, overrides: list[str], methods: tuple[str, ...], 
                for m, a in variants}
     figures: dict[str, list[dict[str, float]]] = {_key(m, a): [] for m, a in variants}
     for step in range(warmup + rounds):
-        order = methods[step % len(methods):] + methods[:step % len(methods)]
+        order = h.rotated(methods, step)
         for i, m in enumerate(order):
             for a in ((False, True) if (step + i) % 2 == 0 else (True, False)):
                 seconds, (losses, result) = h.timed_step(lambda: workers[(m, a)].train_step(step))

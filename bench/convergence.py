@@ -512,7 +512,7 @@ def measure_d2(args: argparse.Namespace, data: Data | None, out: Path, batch: in
     :func:`cycle_mean_step_s`. Evaluation off; both workers unpinned (one per core)."""
     per_arm: dict[str, list[float]] = {a: [] for a in arms}
     for r in range(rounds):
-        for arm in arms[r % len(arms):] + arms[:r % len(arms)]:
+        for arm in h.rotated(arms, r):
             run_dir = out / "timing" / f"round{r}" / arm
             shutil.rmtree(run_dir, ignore_errors=True)
             common = common_overrides(args, data, batch, steps, stages=2, num_micro_batches=4, evaluate=False)

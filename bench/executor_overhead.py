@@ -27,7 +27,6 @@ import time
 from collections import defaultdict
 
 import torch
-import torch.distributed as dist
 
 import _harness as h
 from pipefisher.config import TrainConfig
@@ -109,16 +108,9 @@ def _run(rank: int, world: int, overrides: list[str], warmup: int, repeats: int)
     workers = {m: PipelineWorker(h.compose(overrides + [f"pipeline={m}"]), rank, world, torch.device("cpu"))
                for m in METHODS}
     figures: dict[str, list[dict[str, float]]] = {m: [] for m in METHODS}
-    for step in range(warmup + repeats):
-        order = METHODS[step % len(METHODS):] + METHODS[:step % len(METHODS)]
-        for m in order:
-            wall, (_, result) = h.timed_step(lambda: workers[m].train_step(step))
-            gathered: list | None = [None] * world if rank == 0 else None
-            dist.gather_object(result.events, gathered, dst=0)
-            if rank == 0 and step >= warmup:
-                events = [e for evs in gathered for e in evs]
-                figures[m].append(_analyse(events, wall, workers[m].schedule))
-                figures[m][-1].update(_bookkeeping_ms(events, workers[m].schedule, world))
+    for m, wall, events in h.timed_rounds(workers, warmup, repeats):
+        figures[m].append(_analyse(events, wall, workers[m].schedule))
+        figures[m][-1].update(_bookkeeping_ms(events, workers[m].schedule, world))
     return figures if rank == 0 else None
 
 

@@ -27,7 +27,6 @@ from collections import defaultdict
 from dataclasses import replace
 
 import torch
-import torch.distributed as dist
 
 import _harness as h
 from pipefisher.planning.costs import STEP_BYTES_PER_PARAM, estimate_run_costs, stage_parameters
@@ -75,19 +74,9 @@ def _run(rank: int, world: int, variants: list[tuple[str, list[str]]], warmup: i
                                                  world, torch.device("cpu"))
                for name, overrides in variants for placement in PLACEMENTS}
     rows: dict[str, list[dict]] = defaultdict(list)
-    keys = list(workers)
-    for step in range(warmup + rounds):
-        order = keys[step % len(keys):] + keys[:step % len(keys)]
-        for key in order:
-            worker = workers[key]
-            seconds, (_, result) = h.timed_step(lambda: worker.train_step(step))
-            gathered: list[list[Event]] = [None] * world  # type: ignore[list-item]
-            dist.all_gather_object(gathered, result.events)
-            if rank != 0 or step < warmup:
-                continue
-            events = [e for evs in gathered for e in evs]
-            rows[f"{key[0]}|{key[1]}"].append({"wall_ms": seconds * 1e3, "rollbacks": worker.rollbacks,
-                                               **_step_parts(events)})
+    for key, seconds, events in h.timed_rounds(workers, warmup, rounds):
+        rows[f"{key[0]}|{key[1]}"].append({"wall_ms": seconds * 1e3, "rollbacks": workers[key].rollbacks,
+                                           **_step_parts(events)})
     return {"rows": dict(rows), "threads": torch.get_num_threads()}
 
 

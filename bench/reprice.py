@@ -84,7 +84,7 @@ def measure_d2(out: Path, rounds: int, steps: int, runs: list[tuple[str, str]], 
     ks: dict[str, int] = {}
     doc: dict[str, Any] = {}
     for r in range(rounds):
-        order = runs[r % len(runs):] + runs[:r % len(runs)]
+        order = h.rotated(runs, r)
         for schedule, arm in order:
             key = f"{schedule}/{arm}"
             run_dir = out / "d2" / f"round{r}" / schedule / arm
@@ -152,7 +152,7 @@ def paired_steps(out: Path, reps: int) -> dict[str, Any]:
     norm = torch.sqrt(sum((g.float() ** 2).sum() for g in grads))
     times: dict[str, list[float]] = {a: [] for a in arms}
     for r in range(reps + 1):
-        for arm in arms[r % len(arms):] + arms[:r % len(arms)]:
+        for arm in h.rotated(arms, r):
             start = time.perf_counter()
             opts[arm].step(grad_norm=norm)
             if r:  # the first round builds the optimizers' state

@@ -160,7 +160,7 @@ def _time(case: _Case, warmup: int, repeats: int, fresh: bool, cold: bool) -> di
             _run(case, v, fresh, cold)
     out: dict[str, list[float]] = defaultdict(list)
     for r in range(repeats):
-        order = VARIANTS[r % len(VARIANTS):] + VARIANTS[:r % len(VARIANTS)]
+        order = h.rotated(VARIANTS, r)
         if r // len(VARIANTS) % 2:
             order = order[::-1]
         for v in order:

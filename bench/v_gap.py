@@ -30,7 +30,6 @@ from collections import defaultdict
 from dataclasses import replace
 
 import torch
-import torch.distributed as dist
 
 import _harness as h
 from pipefisher.runtime.worker import PipelineWorker
@@ -132,30 +131,21 @@ def _run(rank: int, world: int, overrides: list[str], warmup: int, rounds: int, 
                                  torch.device("cpu"))
                for v in variants}
     rows: dict[str, list[dict]] = {v: [] for v in variants}
-    for step in range(warmup + rounds):
-        order = variants[step % len(variants):] + variants[:step % len(variants)]
-        for v in order:
-            worker = workers[v]
-            seconds, (_, result) = h.timed_step(lambda: worker.train_step(step))
-            gathered: list[list[Event]] = [None] * world  # type: ignore[list-item]
-            dist.all_gather_object(gathered, result.events)
-            if rank != 0 or step < warmup:
-                continue
-            events = [e for evs in gathered for e in evs]
-            schedule = worker.schedule
-            steps = [e.end_ns - e.start_ns for e in events if e.kind == "STEP"]
-            cost: CostModel = replace(measured_costs(events, schedule), step_ns=round(statistics.fmean(steps)))
-            lat = message_latency(events)
-            sim = _span(simulate(schedule, cost))
-            sim_p2p = _span(simulate(schedule, replace(cost, p2p_ns=lat)))
-            per_stage = {f"{kind}{s}": t / 1e6 for kind, values in
-                         (("F", cost.forward), ("B", cost.backward), ("I", cost.input_grad_ns or ()),
-                          ("W", cost.weight_grad_ns or ())) for s, t in enumerate(values)}
-            rows[v].append({"wall": seconds * 1e9, "span": _span(events), "sim": sim, "sim_p2p": sim_p2p,
-                            "replay": replay(schedule, events, lat), "latency": lat,
-                            "breakdown": breakdown(events), "stage_ms": per_stage,
-                            "stages_of_worker": {w: sorted({a.stage for a in acts if a.kind.is_compute})
-                                                 for w, acts in schedule.actions.items()}})
+    for v, seconds, events in h.timed_rounds(workers, warmup, rounds):
+        schedule = workers[v].schedule
+        steps = [e.end_ns - e.start_ns for e in events if e.kind == "STEP"]
+        cost: CostModel = replace(measured_costs(events, schedule), step_ns=round(statistics.fmean(steps)))
+        lat = message_latency(events)
+        sim = _span(simulate(schedule, cost))
+        sim_p2p = _span(simulate(schedule, replace(cost, p2p_ns=lat)))
+        per_stage = {f"{kind}{s}": t / 1e6 for kind, values in
+                     (("F", cost.forward), ("B", cost.backward), ("I", cost.input_grad_ns or ()),
+                      ("W", cost.weight_grad_ns or ())) for s, t in enumerate(values)}
+        rows[v].append({"wall": seconds * 1e9, "span": _span(events), "sim": sim, "sim_p2p": sim_p2p,
+                        "replay": replay(schedule, events, lat), "latency": lat,
+                        "breakdown": breakdown(events), "stage_ms": per_stage,
+                        "stages_of_worker": {w: sorted({a.stage for a in acts if a.kind.is_compute})
+                                             for w, acts in schedule.actions.items()}})
     return rows
 
 

@@ -128,14 +128,11 @@ def _run(rank: int, world: int, overrides: list[str], warmup: int, repeats: int,
     times: dict[str, list[float]] = {v: [] for v in variants}
     losses: dict[str, list[list[float]]] = {v: [] for v in variants}
     phases: dict[str, list[dict[str, float]]] = {v: [] for v in variants}
-    for step in range(warmup + repeats):
-        order = variants[step % len(variants):] + variants[:step % len(variants)]  # rotate: A B C D, B C D A, …
-        for variant in order:
-            seconds, (loss, phase) = h.timed_step(lambda: runners[variant](step))
-            losses[variant].append(loss)
-            if step >= warmup:
-                times[variant].append(seconds)
-                phases[variant].append(phase)
+    for step, variant, seconds, (loss, phase) in h.timed_rotation(runners, warmup, repeats):
+        losses[variant].append(loss)
+        if step >= warmup:
+            times[variant].append(seconds)
+            phases[variant].append(phase)
     return {"times": times, "losses": losses, "phases": phases}
 
 

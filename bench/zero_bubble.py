@@ -140,15 +140,12 @@ def _run(rank: int, world: int, overrides: list[str], warmup: int, repeats: int,
     if cycle > 1:
         warmup = max(warmup, cycle)
         repeats = -(-repeats // cycle) * cycle
-    for step in range(warmup + repeats):
-        order = variants[step % len(variants):] + variants[:step % len(variants)]
-        for v in order:
-            seconds, (loss, c) = h.timed_step(lambda: runners[v](step))
-            losses[v].append(loss)
-            if step >= warmup:
-                times[v].append(seconds)
-                for kind, values in c.items():
-                    costs[v][kind] += values
+    for step, v, seconds, (loss, c) in h.timed_rotation(runners, warmup, repeats):
+        losses[v].append(loss)
+        if step >= warmup:
+            times[v].append(seconds)
+            for kind, values in c.items():
+                costs[v][kind] += values
     return {"times": times, "losses": losses, "costs": {v: dict(c) for v, c in costs.items()},
             "warmup": warmup, "repeats": repeats}
 
