@@ -15,7 +15,6 @@ from typing import Any
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 from pipefisher.config import ConfigError, TrainConfig
 from pipefisher.model import build_full_model
@@ -32,7 +31,7 @@ from tests import test_checkpoint as ckpt
 from tests import test_entry_points as entry
 from tests import test_pipeline_equivalence as equiv
 from tests.conftest import compose_train
-from tests.dist_harness import run_cases
+from tests.dist_harness import run_cases, start_workers
 from tests.reference import one_thread
 
 SMALL = ["model.num_layers=2", "model.hidden_size=32", "model.num_heads=2", "model.vocab_size=128",
@@ -374,7 +373,7 @@ def test_resumed_adamw_and_muon_runs_equal_uninterrupted_runs_bitwise(tmp_path: 
         jobs.append(([resume, resume], str(tmp_path / name / "resumed"), False, None))
     (tmp_path / "pg").mkdir()
     start = time.monotonic()
-    mp.start_processes(ckpt._worker, args=(jobs, str(tmp_path / "pg")), nprocs=2, join=True, start_method="spawn")
+    start_workers(ckpt._worker, (jobs, str(tmp_path / "pg")), 2)
     logging.getLogger(__name__).info("resume runs: %.1f s", time.monotonic() - start)
     for name in ("adamw", "muon"):
         steps, straight = ckpt._losses(tmp_path / name / "straight")

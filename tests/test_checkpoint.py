@@ -48,6 +48,7 @@ from pipefisher.runtime.teardown import release_process_group
 from pipefisher.runtime.worker import train_worker
 from pipefisher.tracking import read_metrics
 from tests.conftest import compose_train
+from tests.dist_harness import start_workers
 
 MODEL = ["model.num_layers=2", "model.hidden_size=32", "model.num_heads=2", "model.vocab_size=128",
          "data.seq_len=16", "data.max_predictions=3", "micro_batch_size=2", "lr=0.01", "steps=6",
@@ -159,7 +160,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, floa
     jobs.append(([resume, resume], str(tmp / "corrupt"), False, _corrupt_latest_two))
     (tmp / "pg").mkdir()
     start = time.monotonic()
-    mp.start_processes(_worker, args=(jobs, str(tmp / "pg")), nprocs=2, join=True, start_method="spawn")
+    start_workers(_worker, (jobs, str(tmp / "pg")), 2)
     return tmp, {"seconds": time.monotonic() - start}
 
 

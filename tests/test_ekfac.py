@@ -17,7 +17,6 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 
 from pipefisher.config import ConfigError, TrainConfig
@@ -28,6 +27,7 @@ from pipefisher.optim.factory import make_optimizer
 from pipefisher.run_spec import bert_config, data_plan, data_source
 from pipefisher.runtime.checkpoint import load_shard, step_dir
 from tests.conftest import compose_train
+from tests.dist_harness import start_workers
 
 # -- dense reference on one small layer ------------------------------------------------------------
 
@@ -292,7 +292,7 @@ def test_resumed_ekfac_run_equals_uninterrupted_run_with_bases_and_moments_resto
             (_interrupted(saving), str(tmp_path / "resumed"), True, None),
             ([resume, resume], str(tmp_path / "resumed"), False, None)]
     (tmp_path / "pg").mkdir()
-    mp.start_processes(_worker, args=(jobs, str(tmp_path / "pg")), nprocs=2, join=True, start_method="spawn")
+    start_workers(_worker, (jobs, str(tmp_path / "pg")), 2)
     assert not dist.is_initialized()
     steps, losses = _losses(tmp_path / "straight")
     resumed_steps, resumed = _losses(tmp_path / "resumed")

@@ -14,7 +14,6 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from pipefisher.config import TrainConfig
 from pipefisher.evaluation import EVAL_FIELDS
@@ -22,6 +21,7 @@ from pipefisher.runtime.teardown import release_process_group
 from pipefisher.runtime.worker import train_worker
 from pipefisher.tracking import read_metrics
 from tests.conftest import compose_train
+from tests.dist_harness import start_workers
 
 MODEL = ["model.num_layers=2", "model.hidden_size=32", "model.num_heads=2", "model.vocab_size=128",
          "data.seq_len=16", "data.max_predictions=3", "micro_batch_size=2", "lr=0.01", "steps=6",
@@ -63,7 +63,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
         jobs.append((_cfg(case, "checkpoint.every_steps=2"), str(tmp / case / "resumed"), True))
         jobs.append((_cfg(case, "checkpoint.every_steps=2", "resume=auto"), str(tmp / case / "resumed"), False))
     (tmp / "pg").mkdir()
-    mp.start_processes(_worker, args=(jobs, str(tmp / "pg")), nprocs=2, join=True, start_method="spawn")
+    start_workers(_worker, (jobs, str(tmp / "pg")), 2)
     return tmp
 
 

@@ -14,7 +14,6 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from hydra import compose, initialize_config_dir
 
 from pipefisher.config import TrainConfig
@@ -34,6 +33,7 @@ from pipefisher.simulate import CostModel, simulate
 from pipefisher.timeline import COMPUTE_KINDS, Event, busy_ns, is_wait
 from pipefisher.tracking import read_metrics
 from tests.conftest import CONF_DIR, compose_train
+from tests.dist_harness import start_workers
 
 DELAY_S = 0.3
 # Steps of the K-FAC run at which worker 1's wait for an all-reduce is delayed (steps 0–2 warm up;
@@ -120,7 +120,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("honest")
     kfac_cfg = compose_train(MODEL + ["optimizer=kfac", f"steps={KFAC_STEPS}"])
     timed_cfg = compose_train(MODEL + ["steps=5", "log_every=2"])
-    mp.start_processes(_worker, args=(kfac_cfg, timed_cfg, str(out)), nprocs=2, join=True, start_method="spawn")
+    start_workers(_worker, (kfac_cfg, timed_cfg, str(out)), 2)
     return out
 
 

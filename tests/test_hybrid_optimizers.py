@@ -44,7 +44,6 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch.distributed.tensor import DTensor
 
 from pipefisher.config import TrainConfig
@@ -54,7 +53,7 @@ from pipefisher.run_spec import bert_config
 from pipefisher.runtime.teardown import release_process_group
 from tests import test_pipeline_equivalence as equiv
 from tests.conftest import compose_train
-from tests.dist_harness import run_cases
+from tests.dist_harness import run_cases, start_workers
 from tests.reference import one_thread
 
 MODEL = ["model.num_layers=2", "model.hidden_size=32", "model.num_heads=2", "model.vocab_size=128",
@@ -166,7 +165,7 @@ def replay_results(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple, dict
     out = tmp_path_factory.mktemp("replay")
     cfgs = [_cfg(*c) for c in REPLAY]
     world = max(c.num_workers for c in cfgs)
-    mp.start_processes(_replay_worker, args=(cfgs, str(out)), nprocs=world, join=True, start_method="spawn")
+    start_workers(_replay_worker, (cfgs, str(out)), world)
     return {case: {r: torch.load(out / f"replay{i}_rank{r}.pt", weights_only=True) for r in range(cfg.num_workers)}
             for i, (case, cfg) in enumerate(zip(REPLAY, cfgs))}
 

@@ -54,7 +54,6 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import Tensor, nn
 from torch.testing import assert_close
 
@@ -70,6 +69,7 @@ from pipefisher.schedules.kfac import (assignment_to_json, check_assignment, cri
 from pipefisher.optim.factory import make_optimizer
 from pipefisher.run_spec import bert_config, data_plan, data_source
 from tests.conftest import compose_train
+from tests.dist_harness import start_workers
 
 torch.set_num_threads(1)
 
@@ -216,7 +216,7 @@ def ours(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
         if case.lag:
             _lagged_plan(case, out / f"plan{i}.json")
     world = max(c.stages for c in CASES)
-    mp.start_processes(_worker, args=(CASES, str(out)), nprocs=world, join=True, start_method="spawn")
+    start_workers(_worker, (CASES, str(out)), world)
     merged = {}
     for i, case in enumerate(CASES):
         shards = [torch.load(out / f"case{i}_rank{r}.pt", weights_only=True) for r in range(case.stages)]

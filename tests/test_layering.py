@@ -8,7 +8,6 @@ import is still a circle a reader has to untangle.
 from __future__ import annotations
 
 import ast
-from collections import defaultdict
 from pathlib import Path
 
 from tests.conftest import REPO

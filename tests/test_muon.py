@@ -15,7 +15,6 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from pipefisher import hardware
 from pipefisher.config import ConfigError
@@ -24,6 +23,7 @@ from pipefisher.optim.muon import Muon, assign_owners, newton_schulz, ns_flops, 
 from pipefisher.runtime.teardown import release_process_group
 from pipefisher.optim.factory import make_optimizer
 from tests.conftest import compose_train
+from tests.dist_harness import start_workers
 
 EPYC = """processor\t: 0
 vendor_id\t: AuthenticAMD
@@ -270,7 +270,7 @@ def _sharded_worker(rank: int, out: str) -> None:
 
 @pytest.mark.slow
 def test_sharded_muon_orthogonalizes_each_matrix_once_and_equals_muon(tmp_path: Path) -> None:
-    mp.start_processes(_sharded_worker, args=(str(tmp_path),), nprocs=2, join=True, start_method="spawn")
+    start_workers(_sharded_worker, (str(tmp_path),), 2)
     res = [torch.load(tmp_path / f"muon{rank}.pt", weights_only=True) for rank in range(2)]
     owners = assign_owners(SHAPES, 2)
     assert [r["runs"].pop(("rows", 0))[3] for r in res] == [1, 0]  # (1, 6): rank 1's part is empty

@@ -15,7 +15,6 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from pipefisher.config import TrainConfig
 from pipefisher.evaluation import eval_source, evaluate_model
@@ -26,6 +25,7 @@ from pipefisher.runtime.state import optimizer_state
 from pipefisher.runtime.teardown import release_process_group
 from pipefisher.runtime.worker import PipelineWorker
 from tests.conftest import compose_train
+from tests.dist_harness import start_workers
 
 # Dropout on: evaluation must turn it off (and draw nothing from any RNG).
 MODEL = ["model.num_layers=4", "model.hidden_size=32", "model.num_heads=2", "model.vocab_size=128",
@@ -106,8 +106,7 @@ def _equal(a, b) -> bool:
 def results(tmp_path_factory: pytest.TempPathFactory) -> list[dict[int, dict]]:
     out = tmp_path_factory.mktemp("eval")
     cases = [_cfg(*c) for c in CASES]
-    mp.start_processes(_worker, args=(cases, str(out)), nprocs=max(c.num_workers for c in cases), join=True,
-                       start_method="spawn")
+    start_workers(_worker, (cases, str(out)), max(c.num_workers for c in cases))
     return [{r: torch.load(out / f"case{i}_rank{r}.pt", weights_only=False) for r in range(c.num_workers)}
             for i, c in enumerate(cases)]
 

@@ -19,7 +19,6 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from pipefisher.config import ConfigError, TrainConfig
 from pipefisher.runtime.checkpoint import (MANIFEST, check_compatible, find_latest, list_checkpoints, load_shard,
@@ -29,6 +28,7 @@ from pipefisher.runtime.teardown import release_process_group
 from pipefisher.runtime.worker import train_worker
 from tests.conftest import compose_train
 from tests.test_checkpoint import _assert_same_state, _losses
+from tests.dist_harness import start_workers
 
 MODEL = ["model.num_layers=2", "model.hidden_size=32", "model.num_heads=2", "model.intermediate_size=64",
          "model.vocab_size=128", "data.seq_len=16", "data.max_predictions=3", "micro_batch_size=2", "lr=0.01",
@@ -91,7 +91,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
         resume = _cfg(case, "checkpoint.every_steps=2", "resume=auto")
         jobs.append((_interrupted(resume, step=2), str(tmp / case / "resumed"), False))
     (tmp / "pg").mkdir()
-    mp.start_processes(_worker, args=(jobs, str(tmp / "pg")), nprocs=WORLD, join=True, start_method="spawn")
+    start_workers(_worker, (jobs, str(tmp / "pg")), WORLD)
     return tmp
 
 

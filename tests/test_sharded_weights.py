@@ -23,7 +23,6 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-import torch.multiprocessing as mp
 
 from pipefisher.config import ConfigError, TrainConfig
 from pipefisher.export import export_weights
@@ -43,6 +42,7 @@ from tests import test_pipeline_equivalence as equiv
 from tests.conftest import REPO, compose_train
 from tests.reference import train_single_process
 from tests.test_finetune import compose_finetune
+from tests.dist_harness import start_workers
 
 RUN = ["steps=2", "checkpoint.every_steps=2", "lr=1e-2", "cluster.worker_timeout_s=120"]
 CASES = {  # bert-tiny, vocab 512, seq 32 (conftest.TINY); the DCP layout each writes
@@ -93,7 +93,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
     source, overrides = INIT_FROM
     jobs.append((compose_train(overrides), str(tmp / "init_from"), str(step_dir(tmp / source / "checkpoints", LAST))))
     (tmp / "pg").mkdir()
-    mp.start_processes(_worker, args=(jobs, str(tmp / "pg")), nprocs=WORLD, join=True, start_method="spawn")
+    start_workers(_worker, (jobs, str(tmp / "pg")), WORLD)
     return tmp
 
 

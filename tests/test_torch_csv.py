@@ -16,7 +16,6 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 from torch.distributed.pipelining.schedules import _Action, _validate_schedule
 
@@ -31,7 +30,7 @@ from pipefisher.schedules.torch_csv import build_from_torch_csv, from_torch_csv,
 from pipefisher.torch_schedule import main as cli_main
 from pipefisher.torch_schedule import torch_schedule_csv
 from tests.conftest import compose_train
-from tests.dist_harness import run_cases
+from tests.dist_harness import run_cases, start_workers
 
 # Dropout on: both executors key its masks by (step, micro-batch), as the reference does.
 MODEL = ["model.num_layers=4", "model.hidden_size=32", "model.num_heads=2", "model.vocab_size=128",
@@ -267,7 +266,7 @@ def test_our_schedules_run_in_torchs_runtime_with_single_process_losses(tmp_path
         path = tmp_path / f"{method}.csv"
         path.write_text(to_torch_csv(build_schedule(method, 2, 4, **_options(method))))
         cases.append((cfg, str(path)))
-    mp.start_processes(_torch_runtime_worker, args=(cases, str(tmp_path)), nprocs=2, join=True, start_method="spawn")
+    start_workers(_torch_runtime_worker, (cases, str(tmp_path)), 2)
     for i, (cfg, _) in enumerate(cases):
         results = {r: torch.load(tmp_path / f"case{i}_rank{r}.pt", weights_only=True) for r in range(2)}
         assert results[0]["loss"] == results[1]["loss"]

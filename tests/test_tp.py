@@ -18,7 +18,6 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from pipefisher.config import ConfigError, TrainConfig
 from pipefisher.data import get_micro_batch
@@ -29,7 +28,7 @@ from pipefisher.runtime.teardown import release_process_group
 from pipefisher.runtime.tensor_parallel import process_rank, schedule_worker, tp_index
 from tests import test_pipeline_equivalence as equiv
 from tests.conftest import compose_train
-from tests.dist_harness import run_cases
+from tests.dist_harness import run_cases, start_workers
 
 DROPOUT_ON = ["model.hidden_dropout=0.1", "model.attention_dropout=0.1"]
 MODEL = ["model.num_layers=2", "model.hidden_size=32", "model.num_heads=2", "model.vocab_size=128",
@@ -133,7 +132,7 @@ def _trap_worker(rank: int, cfg: TrainConfig, out: str) -> None:
 def trap_results(tmp_path_factory: pytest.TempPathFactory) -> tuple[TrainConfig, list[dict]]:
     out = tmp_path_factory.mktemp("tp_traps")
     cfg = _cfg("gpipe", 1, 2, 1, 1, 2, False)
-    mp.start_processes(_trap_worker, args=(cfg, str(out)), nprocs=2, join=True, start_method="spawn")
+    start_workers(_trap_worker, (cfg, str(out)), 2)
     return cfg, [torch.load(out / f"trap{r}.pt", weights_only=True) for r in range(2)]
 
 
@@ -202,7 +201,7 @@ def test_tp_held_out_evaluation_equals_single_process_evaluation(tmp_path: Path)
     from pipefisher.model import load_hf_state_dict, merge_stage_state_dicts
 
     cfg = compose_train(MODEL + EVAL + ["pipeline=1f1b", "stages=2", "tp=2", "num_micro_batches=2"])
-    mp.start_processes(_eval_worker, args=(cfg, str(tmp_path)), nprocs=4, join=True, start_method="spawn")
+    start_workers(_eval_worker, (cfg, str(tmp_path)), 4)
     ranks = [torch.load(tmp_path / f"eval{r}.pt", weights_only=True) for r in range(4)]
     stages = {s: sd for r in ranks for s, sd in r["stages"].items()}
     model = build_full_model(bert_config(cfg), seed=cfg.seed + 1)  # other weights, replaced by the workers'
