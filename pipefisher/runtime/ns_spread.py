@@ -42,7 +42,9 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Iterable, Iterator, Sequence
+import time
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -54,7 +56,7 @@ from pipefisher.runtime.kfac_work import StageKey
 from pipefisher.schedules.ir import ActionKind, Schedule
 from pipefisher.simulate import CostModel, simulate
 
-__all__ = ["NsSpread", "late_workers", "plan_owners"]
+__all__ = ["NsSpread", "late_workers", "only_grads", "plan_owners"]
 
 MatrixId = tuple[int, str]  # (stage, the parameter's name in its stage module): the same on every replica
 _Pending = tuple[Tensor, Tensor, dict[str, Any]]  # (parameter, momentum update, group)
@@ -134,11 +136,13 @@ class NsSpread:
     """One worker's part of ``optimizer.ns_owners=pipeline`` ([Note: NS owners across the pipeline]).
 
     Built on every worker (a collective: the catalog of every worker's Muon matrices is gathered).
+    Per step: stage STEPs run inside :meth:`deferring` (``stage_step=True``); the final STEP calls
+    :meth:`step` for what steps there, then :meth:`resolve`.
 
     Args:
         muon: the worker's Muon (``MuonAdamW.muon``); None when the worker has no Muon matrix.
         modules: the worker's stage replicas, keyed by (pipe, stage).
-        late: whether this worker's stage STEPs leave their NS pending (:func:`late_workers`).
+        late: the ranks whose stage STEPs leave their NS pending (:func:`late_workers`).
         ns_dtype: the NS precision (``resolve_ns_dtype``; the same on every rank).
         device: where the exchanged tensors live (CPU with gloo, the GPU with NCCL).
         group: the process group of all workers (None: the default group).
@@ -146,15 +150,19 @@ class NsSpread:
     Attributes:
         ns_runs: orthogonalizations this process ran in the last :meth:`resolve`.
         received: matrices this process orthogonalized for another in the last :meth:`resolve`.
+        resolve_s, ns_s: host wall time of the last :meth:`start` + :meth:`resolve` and of their
+            orthogonalizations (benchmarks; on a GPU the time to launch them, not to run them).
     """
 
-    def __init__(self, muon: Muon | None, modules: dict[StageKey, nn.Module], late: bool, ns_dtype: torch.dtype,
+    def __init__(self, muon: Muon | None, modules: dict[StageKey, nn.Module], late: set[int], ns_dtype: torch.dtype,
                  device: torch.device, group: dist.ProcessGroup | None = None) -> None:
-        self.muon, self.late, self.dtype, self.device, self.group = muon, late, ns_dtype, device, group
+        self.muon, self.dtype, self.device, self.group = muon, ns_dtype, device, group
+        self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
+        self.late_ranks = set(late)
+        self.late = self.rank in self.late_ranks
         if muon is not None and len({(g["ns_coefficients"], g["ns_steps"], g["eps"]) for g in muon.param_groups}) > 1:
             raise ValueError("NsSpread: an owner orthogonalizes others' matrices with its own Newton-Schulz "
                              "settings, so every Muon group must share ns_coefficients, ns_steps and eps")
-        self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
         mine = {id(p) for g in muon.param_groups for p in g["params"]} if muon is not None else set()
         self.ids: dict[int, MatrixId] = {}  # id(parameter) -> its matrix
         shapes: dict[MatrixId, tuple[int, ...]] = {}
@@ -166,13 +174,20 @@ class NsSpread:
         catalogs: list[Any] = [None] * self.world
         dist.all_gather_object(catalogs, sorted(shapes.items()), group=group)
         every = dict(kv for c in catalogs for kv in c)
-        self.takers = [r for r, c in enumerate(catalogs) if c]  # ranks with a Muon (and its NS settings)
         self.matrices: list[MatrixId] = sorted(every)  # the run's Muon matrices, one order on every rank
         self.shapes = [every[m] for m in self.matrices]
         self.index = {m: i for i, m in enumerate(self.matrices)}
+        self.held = [{self.index[m] for m, _ in c} for c in catalogs]  # rank -> the matrices it steps
+        self.takers = [r for r, c in enumerate(catalogs) if c]  # ranks with a Muon (and its NS settings)
         self.pending: dict[int, list[_Pending]] = {}  # matrix index -> this rank's pending updates (replicas)
+        self._plan: _Plan | None = None
         self.ns_runs = 0
         self.received = 0
+        self.resolve_s = self.ns_s = 0.0
+
+    def holds(self, p: Tensor) -> bool:
+        """Whether ``p`` is one of this worker's Muon matrices."""
+        return id(p) in self.ids
 
     @contextlib.contextmanager
     def deferring(self, stage_step: bool = False) -> Iterator[None]:
@@ -186,6 +201,25 @@ class NsSpread:
         for item in pending:
             self.pending.setdefault(self.index[self.ids[id(item[0])]], []).append(item)
 
+    def step(self, optimizer: torch.optim.Optimizer, params: list[Tensor], grad_norm: Tensor,
+             everything: bool) -> None:
+        """The final STEP's update of ``params``: the Muon matrices first (momentum; NS left pending),
+        then :meth:`start`, so the matrices travel while the rest (AdamW) steps. The updates are per
+        tensor and the clip factor comes from ``grad_norm``, so the split changes no bit.
+
+        Args:
+            everything: every rank leaves all its matrices to this STEP (the global placement, a stage
+                step deferred after a clipped step, or rolled back); False: the stage steps were
+                confirmed and only the late ranks' matrices are pending ([Note: NS owners across the
+                pipeline]). The same on every rank.
+        """
+        matrices = [p for p in params if self.holds(p)]
+        with only_grads(optimizer, matrices), self.deferring():
+            optimizer.step(grad_norm=grad_norm)
+        self.start(everything)
+        with only_grads(optimizer, [p for p in params if not self.holds(p)]):
+            optimizer.step(grad_norm=grad_norm)
+
     def discard(self, params: Iterable[Tensor]) -> None:
         """Drop the pending updates of ``params`` (their stage step is rolled back and redone)."""
         gone = {id(p) for p in params}
@@ -197,52 +231,75 @@ class NsSpread:
     def clear(self) -> None:
         """Drop every pending update (a skipped step: nothing resolved, nothing counted)."""
         self.pending.clear()
+        self._plan = None
         self.ns_runs = self.received = 0
+        self.resolve_s = self.ns_s = 0.0
 
     @torch.no_grad()
-    def resolve(self) -> None:
-        """Orthogonalize every pending matrix of every rank once, on its owner, and apply the results
-        where they are held. A collective over all workers: every worker calls it at its final STEP."""
-        m = len(self.matrices)
-        if m == 0:
-            return
-        flags = torch.zeros(self.world, m, dtype=torch.int32, device=self.device)
-        flags[self.rank, list(self.pending)] = 1
-        dist.all_reduce(flags, group=self.group)  # each rank wrote its own row: the sum is every row
-        held = flags.cpu().bool()
-        todo = [i for i in range(m) if held[:, i].any()]
-        holders = [[r for r in range(self.world) if held[r, i]] for i in todo]
+    def start(self, everything: bool) -> None:
+        """Plan the owners of the pending matrices and send the moved ones' updates to their owners
+        (asynchronously). A collective over all workers when a matrix moves; every worker calls it
+        at its final STEP, after its Muon matrices' momentum.
+
+        Which matrices are pending is known on every rank without a message: all of every rank's
+        (``everything``) or the late ranks' ([Note: NS owners across the pipeline]). A matrix
+        pending here outside that set (a stage that deferred on its own norm when rounding let the
+        global norm pass) is orthogonalized here, as ``ns_owners=holder`` would.
+        """
+        self.ns_s, started = 0.0, time.perf_counter()
+        expected = [r for r in range(self.world) if everything or r in self.late_ranks]
+        todo = sorted({i for r in expected for i in self.held[r]})
+        holders = [[r for r in expected if i in self.held[r]] for i in todo]
+        missing = [i for i, h in zip(todo, holders) if self.rank in h and i not in self.pending]
+        if missing:
+            raise AssertionError(f"ns_spread: rank {self.rank} was expected to hold pending updates of "
+                                 f"{[self.matrices[i] for i in missing]}")
         owners = plan_owners([ns_flops(self.shapes[i]) for i in todo], holders, self.world, self.takers)
         # the input of a matrix its owner does not hold comes from its lowest holder
         source = [o if o in h else h[0] for o, h in zip(owners, holders)]
         moved = [k for k in range(len(todo)) if source[k] != owners[k]]
-        back = [k for k in range(len(todo)) if any(r != owners[k] for r in holders[k])]
-        self.ns_runs = sum(o == self.rank for o in owners)
-        self.received = sum(owners[k] == self.rank for k in moved)
-        dtype = self.dtype
-        results: dict[int, Tensor] = {}  # k -> orthogonalized update (owned here)
-        inputs, work = None, None
-        if moved:  # updates to their owners; our own matrices are orthogonalized meanwhile
-            send = [(owners[k], self._update(todo[k]).to(dtype)) for k in moved if source[k] == self.rank]
+        plan = _Plan(todo, holders, owners, source, moved, local=sorted(set(self.pending) - set(todo)))
+        if moved:
+            send = [(owners[k], self._update(todo[k]).to(self.dtype)) for k in moved if source[k] == self.rank]
             recv = [(source[k], self.shapes[todo[k]]) for k in moved if owners[k] == self.rank]
-            inputs, work = self._exchange(send, recv, dtype, async_op=True)
+            plan.inputs, plan.work = self._exchange(send, recv, async_op=True)
+        self._plan = plan
+        self.resolve_s = time.perf_counter() - started
+
+    @torch.no_grad()
+    def resolve(self) -> None:
+        """Orthogonalize the pending matrices this rank owns, send the results to their holders and
+        apply what is held here (a collective over all workers when a result has to travel)."""
+        plan, self._plan = self._plan, None
+        if plan is None:  # the final STEP stepped nothing through step() (no Muon matrix anywhere)
+            return
+        started = time.perf_counter()
+        todo, holders, owners, source, moved = plan.todo, plan.holders, plan.owners, plan.source, plan.moved
+        me = self.rank
+        results: dict[int, Tensor] = {}  # k -> orthogonalized update (owned here)
         for k in range(len(todo)):
-            if owners[k] == self.rank and source[k] == self.rank:
+            if owners[k] == me and source[k] == me:  # ours first, while the moved updates travel
                 results[k] = self._orthogonalize(todo[k], self._update(todo[k]))
-        if work is not None:
-            work.wait()
-            for k, x in zip([k for k in moved if owners[k] == self.rank], inputs()):
+        if plan.work is not None:
+            plan.work.wait()
+            for k, x in zip([k for k in moved if owners[k] == me], plan.inputs()):
                 results[k] = self._orthogonalize(todo[k], x)
-        got: dict[int, Tensor] = {k: results[k] for k in results if self.rank in holders[k]}
+        got: dict[int, Tensor] = {todo[k]: x for k, x in results.items() if me in holders[k]}
+        back = [k for k in range(len(todo)) if any(r != owners[k] for r in holders[k])]
         if back:  # results to every holder that is not the owner
-            send = [(r, results[k]) for k in back if owners[k] == self.rank for r in holders[k] if r != self.rank]
-            mine = [k for k in back if owners[k] != self.rank and self.rank in holders[k]]
-            outputs, _ = self._exchange(send, [(owners[k], self.shapes[todo[k]]) for k in mine], dtype)
-            got.update(zip(mine, outputs()))
-        for k, ortho in got.items():
-            for p, _, group in self.pending[todo[k]]:
+            send = [(r, results[k]) for k in back if owners[k] == me for r in holders[k] if r != me]
+            mine = [k for k in back if owners[k] != me and me in holders[k]]
+            outputs, _ = self._exchange(send, [(owners[k], self.shapes[todo[k]]) for k in mine])
+            got.update(zip([todo[k] for k in mine], outputs()))
+        for i in plan.local:  # pending here but not in the plan: orthogonalized by its holder
+            got[i] = self._orthogonalize(i, self._update(i))
+        self.ns_runs = sum(o == me for o in owners) + len(plan.local)
+        self.received = sum(owners[k] == me for k in moved)
+        for i, ortho in got.items():
+            for p, _, group in self.pending[i]:
                 Muon.apply(p, ortho, group)
         self.pending.clear()
+        self.resolve_s += time.perf_counter() - started
 
     def _update(self, i: int) -> Tensor:
         """This rank's momentum update of matrix ``i`` (replicas on one worker hold equal ones)."""
@@ -250,12 +307,15 @@ class NsSpread:
 
     def _orthogonalize(self, i: int, update: Tensor) -> Tensor:
         group = self.pending[i][0][2] if i in self.pending else self.muon.param_groups[0]
-        return self.muon.orthogonalize(update, group)
+        start = time.perf_counter()
+        ortho = self.muon.orthogonalize(update, group)
+        self.ns_s += time.perf_counter() - start
+        return ortho
 
-    def _exchange(self, send: list[tuple[int, Tensor]], recv: list[tuple[int, tuple[int, ...]]], dtype: torch.dtype,
-                  async_op: bool = False) -> tuple[Any, dist.Work | None]:
+    def _exchange(self, send: list[tuple[int, Tensor]], recv: list[tuple[int, tuple[int, ...]]],
+                  async_op: bool = False) -> tuple[Callable[[], list[Tensor]], dist.Work | None]:
         """One ``all_to_all_single``: ``send`` (destination, tensor) in order, ``recv`` (source, shape)
-        in the order the sources send them (matrix order on both sides).
+        in the order the sources send them (matrix order on both sides), in the NS precision.
 
         Returns:
             ``(tensors, work)``: ``tensors()`` gives the received tensors in ``recv``'s order once
@@ -264,8 +324,8 @@ class NsSpread:
         send_splits = [sum(t.numel() for d, t in send if d == r) for r in range(self.world)]
         recv_splits = [sum(math.prod(s) for src, s in recv if src == r) for r in range(self.world)]
         flat = [t.reshape(-1) for r in range(self.world) for d, t in send if d == r]
-        buffer = torch.cat(flat) if flat else torch.empty(0, dtype=dtype, device=self.device)
-        received = torch.empty(sum(recv_splits), dtype=dtype, device=self.device)
+        buffer = torch.cat(flat) if flat else torch.empty(0, dtype=self.dtype, device=self.device)
+        received = torch.empty(sum(recv_splits), dtype=self.dtype, device=self.device)
         work = dist.all_to_all_single(received, buffer, recv_splits, send_splits, group=self.group, async_op=async_op)
 
         def tensors() -> list[Tensor]:
@@ -278,3 +338,33 @@ class NsSpread:
             return out
 
         return tensors, work
+
+
+@dataclass
+class _Plan:
+    """One final STEP's owners (:meth:`NsSpread.start`), indexed k over the pending matrices ``todo``."""
+
+    todo: list[int]  # matrix indices
+    holders: list[list[int]]
+    owners: list[int]
+    source: list[int]  # who sends the update of a moved matrix (its lowest holder)
+    moved: list[int]  # k of the matrices whose owner does not hold them
+    local: list[int]  # matrices pending here outside the plan
+    inputs: Callable[[], list[Tensor]] | None = None
+    work: dist.Work | None = None
+
+
+@contextlib.contextmanager
+def only_grads(optimizer: torch.optim.Optimizer, params: list[Tensor]) -> Iterator[None]:
+    """While active, only ``params`` of ``optimizer`` have a ``.grad``: its step updates them alone
+    (every optimizer here skips a parameter without a gradient)."""
+    keep = {id(p) for p in params}
+    hidden = [(p, p.grad) for g in optimizer.param_groups for p in g["params"]
+              if p.grad is not None and id(p) not in keep]
+    for p, _ in hidden:
+        p.grad = None
+    try:
+        yield
+    finally:
+        for p, grad in hidden:
+            p.grad = grad

@@ -127,7 +127,7 @@ class PipelineWorker:
         # optimizer.ns_owners=pipeline: [Note: NS owners across the pipeline] (a collective: every worker builds it)
         self.ns_spread: NsSpread | None = None
         if cfg.optimizer.name == "muon" and cfg.optimizer.ns_owners == "pipeline":
-            self.ns_spread = NsSpread(self.optimizer.muon, self.modules, self.schedule_worker in late_workers(self.schedule),
+            self.ns_spread = NsSpread(self.optimizer.muon, self.modules, late_workers(self.schedule),
                                       resolve_ns_dtype(cfg.optimizer.ns_dtype, device)[0], device)
         if cfg.optimizer_placement == "per_stage":
             self.stage_steps = StageSteps(self.optimizer, self.modules, tied_params(self.modules, self.schedule.num_stages),
@@ -281,9 +281,9 @@ class PipelineWorker:
         elif not math.isfinite(norm):
             self._nonfinite_update(norm)
             return
-        elif self.ns_spread is not None:
-            with self.ns_spread.deferring():
-                self.optimizer.step(grad_norm=grad_norm)
+        elif self.ns_spread is not None:  # every matrix's NS is left to the spread
+            params = [p for g in self.optimizer.param_groups for p in g["params"] if p.grad is not None]
+            self.ns_spread.step(self.optimizer, params, grad_norm, everything=True)
         else:
             self.optimizer.step(grad_norm=grad_norm)
         if self.ns_spread is not None:  # every pending Newton–Schulz, on its owner (a collective)

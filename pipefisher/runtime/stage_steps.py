@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -45,6 +45,7 @@ from torch import nn
 from pipefisher.optim.nvlamb import NVLAMB
 from pipefisher.runtime.kfac_work import StageKey
 from pipefisher.runtime.ns_spread import NsSpread
+from pipefisher.runtime.ns_spread import only_grads as _only_grads
 from pipefisher.runtime.sharding import local
 
 __all__ = ["StageSteps"]
@@ -114,6 +115,7 @@ class StageSteps:
                 after the rollback.
         """
         norm = float(grad_norm)
+        every_stage_deferred = self.clips and self.last_norm > self.max_grad_norm  # the same on every rank
         self.last_norm = norm if math.isfinite(norm) else 0.0
         stepped = {id(p) for params in self._stepped.values() for p in params}
         confirmed = math.isfinite(norm) and (not self.clips or norm <= self.max_grad_norm)
@@ -136,7 +138,10 @@ class StageSteps:
             nonfinite(norm)
             return
         rest = [p for g in self.optimizer.param_groups for p in g["params"] if p.grad is not None and id(p) not in stepped]
-        with _only_grads(self.optimizer, rest), self._deferring():
+        if self.ns is not None:  # [Note: NS owners across the pipeline]
+            self.ns.step(self.optimizer, rest, grad_norm, everything=not confirmed or every_stage_deferred)
+            return
+        with _only_grads(self.optimizer, rest):
             self.optimizer.step(grad_norm=grad_norm)
 
     def _deferring(self, stage_step: bool = False) -> contextlib.AbstractContextManager:
@@ -180,19 +185,3 @@ def _copy_state(state: dict[str, Any] | None) -> dict[str, Any] | None:
     if state is None:
         return None
     return {k: v.detach().clone() if isinstance(v, torch.Tensor) else v for k, v in state.items()}
-
-
-@contextlib.contextmanager
-def _only_grads(optimizer: torch.optim.Optimizer, params: list[nn.Parameter]) -> Iterator[None]:
-    """While active, only ``params`` of ``optimizer`` have a ``.grad``: its step updates them alone
-    (every optimizer here skips a parameter without a gradient)."""
-    keep = {id(p) for p in params}
-    hidden = [(p, p.grad) for g in optimizer.param_groups for p in g["params"]
-              if p.grad is not None and id(p) not in keep]
-    for p, _ in hidden:
-        p.grad = None
-    try:
-        yield
-    finally:
-        for p, grad in hidden:
-            p.grad = grad

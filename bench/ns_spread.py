@@ -1,0 +1,116 @@
+"""Muon's step against NVLAMB's at D=2, with Newton–Schulz spread over the pipeline (issue 36 item 3).
+
+    python bench/ns_spread.py                                   # bert-tiny, 1f1b and chimera, clip 0 and 1.0
+    python bench/ns_spread.py --methods 1f1b --clips 0 --rounds 12
+
+Measured (D=2, two worker processes on this machine's cores): six arms of one run shape live in the
+same two processes and take turns step by step, the order rotated every round (``_harness``
+[Note: measuring on a shared CPU]): NVLAMB and Muon, each with ``optimizer_placement=global`` and
+``per_stage``, and Muon with ``optimizer.ns_owners=pipeline`` ("+spread") under both placements
+(``runtime.ns_spread`` [Note: NS owners across the pipeline]). Reported, medians over rounds: the
+step's wall time (slowest worker, after a barrier); Muon against NVLAMB as the median of per-round
+ratios (the two arms ran back to back), against NVLAMB with the same placement and against NVLAMB's
+global step (today's default); each worker's final STEP, the stage STEPs, and under +spread the
+final STEP's resolve (flag all-reduce, exchanges, NS) and its NS alone, per worker, with the number
+of matrices a worker orthogonalized for the other.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+from collections import defaultdict
+
+import torch
+import torch.distributed as dist
+
+import _harness as h
+from optimizer_placement import _step_parts, hardware_line
+from pipefisher.runtime.worker import PipelineWorker
+from pipefisher.timeline import Event
+
+# (label, optimizer, placement, ns_owners)
+ARMS = [("nvlamb global", "nvlamb", "global", "holder"), ("nvlamb per_stage", "nvlamb", "per_stage", "holder"),
+        ("muon global", "muon", "global", "holder"), ("muon per_stage", "muon", "per_stage", "holder"),
+        ("muon global+spread", "muon", "global", "pipeline"),
+        ("muon per_stage+spread", "muon", "per_stage", "pipeline")]
+
+
+def _overrides(model: str, method: str, clip: str, micro_batches: int, steps: int, arm: tuple) -> list[str]:
+    _, opt, placement, owners = arm
+    return [f"model={model}", f"pipeline={method}", "stages=2", f"num_micro_batches={micro_batches}",
+            "micro_batch_size=2", "data.seq_len=128", f"optimizer={opt}", f"optimizer.max_grad_norm={clip}",
+            f"optimizer_placement={placement}", f"steps={steps}", "model.hidden_dropout=0.0",
+            "model.attention_dropout=0.0"] + ([f"optimizer.ns_owners={owners}"] if opt == "muon" else [])
+
+
+def _run(rank: int, world: int, shapes: list[tuple[str, list[list[str]]]], warmup: int, rounds: int) -> dict:
+    workers = {(shape, i): PipelineWorker(h.compose(ov), rank, world, torch.device("cpu"))
+               for shape, arms in shapes for i, ov in enumerate(arms)}
+    rows: dict[str, list[dict]] = defaultdict(list)
+    keys = list(workers)
+    for step in range(warmup + rounds):
+        order = keys[step % len(keys):] + keys[:step % len(keys)]
+        for key in order:
+            worker = workers[key]
+            seconds, (_, result) = h.timed_step(lambda: worker.train_step(step))
+            spread = worker.ns_spread
+            mine = [spread.resolve_s * 1e3, spread.ns_s * 1e3, spread.received] if spread is not None else [0, 0, 0]
+            gathered: list[list] = [None] * world  # type: ignore[list-item]
+            dist.all_gather_object(gathered, (result.events, mine))
+            if rank != 0 or step < warmup:
+                continue
+            events: list[Event] = [e for evs, _ in gathered for e in evs]
+            row = {"step": step, "wall_ms": seconds * 1e3, "rollbacks": worker.rollbacks, **_step_parts(events)}
+            for r, (_, (res, ns, got)) in enumerate(gathered):
+                row.update({f"W{r} resolve": res, f"W{r} NS": ns, f"W{r} got": got})
+            rows[f"{key[0]}|{key[1]}"].append(row)
+    return {"rows": dict(rows), "threads": torch.get_num_threads()}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="bert-tiny")
+    p.add_argument("--methods", nargs="+", default=["1f1b", "chimera"])
+    p.add_argument("--clips", nargs="+", default=["0", "1.0"],
+                   help="optimizer.max_grad_norm (0: off, every stage step confirmed; 1.0: the default, active "
+                        "early in training, so every stage defers to the final STEP)")
+    p.add_argument("--micro-batches", type=int, default=4)
+    p.add_argument("--rounds", type=int, default=10)
+    p.add_argument("--warmup", type=int, default=2)
+    args = p.parse_args()
+    steps = args.warmup + args.rounds + 1
+    shapes = [(f"{args.model} {m} clip {c}", [_overrides(args.model, m, c, args.micro_batches, steps, a) for a in ARMS])
+              for m in args.methods for c in args.clips]
+    before = h.load()
+    out = h.launch(_run, 2, shapes, args.warmup, args.rounds)
+    rows, threads = out[0]["result"]["rows"], out[0]["result"]["threads"]
+    print(f"Measured: D=2, N={args.micro_batches}, micro-batch 2, seq 128, fp32 model, dropout 0; {args.rounds} "
+          f"rounds after {args.warmup} warm-up, {len(ARMS)} arms per shape, order rotated; medians over rounds. "
+          f"{h.caveat(2)} {before} before the run, {h.load()} after.")
+    print(f"Hardware: {hardware_line(threads)}")
+    for shape, _ in shapes:
+        arm = {label: rows[f"{shape}|{i}"] for i, (label, *_) in enumerate(ARMS)}
+        med = lambda rs, k: statistics.median(r.get(k, 0.0) for r in rs)  # noqa: E731
+        ratio = lambda a, b: statistics.median(x["wall_ms"] / y["wall_ms"] for x, y in zip(arm[a], arm[b]))  # noqa: E731
+        table = []
+        for label, opt, placement, owners in ARMS:
+            rs = arm[label]
+            same = f"nvlamb {placement}"
+            stage_keys = sorted(k for k in rs[0] if k.startswith("stage"))
+            table.append([
+                label, med(rs, "wall_ms"), ratio(label, same) if opt == "muon" else 1.0, ratio(label, "nvlamb global"),
+                ", ".join(f"{med(rs, f'W{w} STEP'):.1f}" for w in (0, 1)),
+                ", ".join(f"{k[6:]}: {med(rs, k):.1f}" for k in stage_keys) or "-",
+                ", ".join(f"{med(rs, f'W{w} resolve'):.1f} ({med(rs, f'W{w} NS'):.1f})" for w in (0, 1))
+                if owners == "pipeline" else "-",
+                ", ".join(f"{med(rs, f'W{w} got'):g}" for w in (0, 1)) if owners == "pipeline" else "-",
+                sum(r["rollbacks"] for r in rs)])
+        print(f"\n{shape}")
+        print(h.table(["arm", "step ms", "/ NVLAMB same placement", "/ NVLAMB global", "final STEP ms (W0, W1)",
+                       "stage STEP ms", "resolve ms (NS ms) W0, W1", "NS for the other (W0, W1)", "rollbacks"],
+                      table))
+
+
+if __name__ == "__main__":
+    h.main_guard(main)
