@@ -19,7 +19,9 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import time
 from collections import defaultdict
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -44,26 +46,64 @@ def _overrides(model: str, method: str, clip: str, micro_batches: int, steps: in
             "model.attention_dropout=0.0"] + ([f"optimizer.ns_owners={owners}"] if opt == "muon" else [])
 
 
+def _timed(spent: dict[str, float], name: str, fn: Callable) -> Callable:
+    """``fn``, adding its wall time in ms to ``spent[name]``."""
+    def run(*args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            spent[name] = spent.get(name, 0.0) + (time.perf_counter() - start) * 1e3
+    return run
+
+
+def _phases(worker: PipelineWorker) -> dict[str, float]:
+    """Per-phase optimizer time of one worker, summed over a step's STEPs (reset by the caller): the
+    whole ``optimizer.step`` calls ("opt"), and for Muon its Newton–Schulz runs ("NS", in the holder's
+    step and in the spread's resolve alike), Muon's step without them ("momentum", with the update's
+    decay and add) and AdamW's half ("adamw")."""
+    spent: dict[str, float] = {}
+    opt = worker.optimizer
+    opt.step = _timed(spent, "opt", opt.step)
+    muon = getattr(opt, "muon", None)
+    if muon is not None:
+        muon._orthogonalize = _timed(spent, "NS", muon._orthogonalize)  # the holder's NS
+        muon.orthogonalize = _timed(spent, "NS spread", muon.orthogonalize)  # the spread's (and the holder's inside)
+        muon.step = _timed(spent, "muon", muon.step)
+        opt.adamw.step = _timed(spent, "adamw", opt.adamw.step)
+    return spent
+
+
 def _run(rank: int, world: int, shapes: list[tuple[str, list[list[str]]]], warmup: int, rounds: int) -> dict:
     workers = {(shape, i): PipelineWorker(h.compose(ov), rank, world, torch.device("cpu"))
                for shape, arms in shapes for i, ov in enumerate(arms)}
+    spent = {key: _phases(w) for key, w in workers.items()}
     rows: dict[str, list[dict]] = defaultdict(list)
     keys = list(workers)
     for step in range(warmup + rounds):
         order = keys[step % len(keys):] + keys[:step % len(keys)]
         for key in order:
             worker = workers[key]
+            spent[key].clear()
             seconds, (_, result) = h.timed_step(lambda: worker.train_step(step))
             spread = worker.ns_spread
-            mine = [spread.resolve_s * 1e3, spread.ns_s * 1e3, spread.received] if spread is not None else [0, 0, 0]
+            phases = dict(spent[key])
+            # the holder's NS goes through _orthogonalize (which calls orthogonalize); the spread's through
+            # orthogonalize alone: NS = the latter; Muon's step less its own NS is the momentum and update
+            ns = phases.pop("NS spread", 0.0)
+            phases["momentum"] = phases.get("muon", 0.0) - phases.pop("NS", 0.0)
+            phases["NS"] = ns
+            mine = [spread.resolve_s * 1e3 if spread else 0.0, spread.ns_s * 1e3 if spread else 0.0,
+                    spread.received if spread else 0, phases]
             gathered: list[list] = [None] * world  # type: ignore[list-item]
             dist.all_gather_object(gathered, (result.events, mine))
             if rank != 0 or step < warmup:
                 continue
             events: list[Event] = [e for evs, _ in gathered for e in evs]
             row = {"step": step, "wall_ms": seconds * 1e3, "rollbacks": worker.rollbacks, **_step_parts(events)}
-            for r, (_, (res, ns, got)) in enumerate(gathered):
-                row.update({f"W{r} resolve": res, f"W{r} NS": ns, f"W{r} got": got})
+            for r, (_, (res, ns, got, phases)) in enumerate(gathered):
+                row.update({f"W{r} resolve": res, f"W{r} NS": ns, f"W{r} got": got,
+                            **{f"W{r} {k}": v for k, v in phases.items()}})
             rows[f"{key[0]}|{key[1]}"].append(row)
     return {"rows": dict(rows), "threads": torch.get_num_threads()}
 
@@ -110,6 +150,18 @@ def main() -> None:
         print(h.table(["arm", "step ms", "/ NVLAMB same placement", "/ NVLAMB global", "final STEP ms (W0, W1)",
                        "stage STEP ms", "resolve ms (NS ms) W0, W1", "NS for the other (W0, W1)", "rollbacks"],
                       table))
+        phases = []
+        for label, opt, _, _ in ARMS:
+            rs = arm[label]
+            cells = [label]
+            for w in (0, 1):
+                cells.append(f"{med(rs, f'W{w} opt'):.1f}" if opt == "nvlamb" else
+                             " / ".join(f"{med(rs, f'W{w} {k}'):.1f}" for k in ("opt", "NS", "momentum", "adamw")))
+            phases.append(cells)
+        print(f"\n{shape}: optimizer phases per worker, ms per step (summed over its STEPs; NVLAMB: its step; "
+              "Muon: optimizer.step calls / NS / Muon's momentum and update / AdamW's half; the spread's NS "
+              "runs in the final STEP's resolve, outside optimizer.step)")
+        print(h.table(["arm", "W0", "W1"], phases))
 
 
 if __name__ == "__main__":
