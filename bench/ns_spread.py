@@ -2,6 +2,7 @@
 
     python bench/ns_spread.py                                   # bert-tiny, 1f1b and chimera, clip 0 and 1.0
     python bench/ns_spread.py --methods 1f1b --clips 0 --rounds 12
+    python bench/ns_spread.py --simulate-only                   # D=4 and D=8, 1f1b, through the simulator
 
 Measured (D=2, two worker processes on this machine's cores): six arms of one run shape live in the
 same two processes and take turns step by step, the order rotated every round (``_harness``
@@ -10,9 +11,18 @@ same two processes and take turns step by step, the order rotated every round (`
 (``runtime.ns_spread`` [Note: NS owners across the pipeline]). Reported, medians over rounds: the
 step's wall time (slowest worker, after a barrier); Muon against NVLAMB as the median of per-round
 ratios (the two arms ran back to back), against NVLAMB with the same placement and against NVLAMB's
-global step (today's default); each worker's final STEP, the stage STEPs, and under +spread the
+global step (today's default), and +spread against Muon's holder arm of the same placement; each worker's final STEP, the stage STEPs, and under +spread the
 final STEP's resolve (flag all-reduce, exchanges, NS) and its NS alone, per worker, with the number
 of matrices a worker orthogonalized for the other.
+
+Simulated (1f1b, D=4 and D=8, ``--simulate-only``): ``optimizer_placement.py``'s cost model (the FLOP and
+memory estimate of ``planning.costs`` with ``CPU_HARDWARE``; each stage's elementwise step at 28 B per
+parameter, the tied weight at the final STEP of the workers holding the first or last stage) plus Muon's
+Newton–Schulz, ``ns_flops`` of each encoder matrix at the hardware's FLOP rate, where it runs: in the
+global STEP, in its stage STEP, or (+spread) in the final STEP of the owner ``plan_owners`` gives it,
+with two transfers of each moved matrix (fp32, at the p2p bandwidth) and, when a matrix moves, every
+worker's final STEP lasting as long as the slowest one's (the result exchange is a collective over all
+workers). Chimera is not modelled: the simulator prices a stage STEP per stage, not per replica.
 """
 
 from __future__ import annotations
@@ -22,13 +32,18 @@ import statistics
 import time
 from collections import defaultdict
 from collections.abc import Callable
+from dataclasses import replace
 
 import torch
 import torch.distributed as dist
 
 import _harness as h
-from optimizer_placement import _step_parts, hardware_line
+from optimizer_placement import _costs, _steady, _step_parts, hardware_line
+from pipefisher.optim.muon import ns_flops
+from pipefisher.runtime.build import CPU_HARDWARE, encoder_layers_per_stage
+from pipefisher.runtime.ns_spread import late_workers, plan_owners
 from pipefisher.runtime.worker import PipelineWorker
+from pipefisher.schedules.passes import per_stage_steps
 from pipefisher.timeline import Event
 
 # (label, optimizer, placement, ns_owners)
@@ -108,6 +123,64 @@ def _run(rank: int, world: int, shapes: list[tuple[str, list[list[str]]]], warmu
     return {"rows": dict(rows), "threads": torch.get_num_threads()}
 
 
+def _muon_costs(model: str, method: str, d: int, n: int) -> dict[str, tuple]:
+    """(schedule, cost model) of each simulated arm ([module docstring]); 1F1B-like: worker w holds stage w."""
+    schedule, glob, per = _costs(model, method, d, n)
+    cfg = h.compose([f"model={model}", f"pipeline={method}", f"stages={d}", f"num_micro_batches={n}",
+                     "micro_batch_size=2", "data.seq_len=128"])
+    hidden = cfg.model.hidden_size
+    ffn = cfg.model.intermediate_size or 4 * hidden
+    layer = [(hidden, hidden)] * 4 + [(ffn, hidden), (hidden, ffn)]  # Q, K, V, output; FFN in, out
+    shapes = [layer * k for k in encoder_layers_per_stage(cfg, d)]  # per stage
+    ns = [round(sum(ns_flops(x) for x in stage) / CPU_HARDWARE.flops_per_s * 1e9) for stage in shapes]
+    tied = per.worker_step_ns  # the final STEP: the tied weight's elementwise step (first and last worker)
+    elem = per.stage_step_ns
+    arms = {"nvlamb global": (schedule, glob), "nvlamb per_stage": (per_stage_steps(schedule), per)}
+    arms["muon global"] = (schedule, replace(glob, worker_step_ns=tuple(
+        g + ns[w] for w, g in enumerate(glob.worker_step_ns))))
+    arms["muon per_stage"] = (per_stage_steps(schedule), replace(per, stage_step_ns=tuple(
+        e + ns[s] for s, e in enumerate(elem))))
+
+    def spread(pending_workers: list[int], base: list[int]) -> tuple[int, ...]:
+        """Each worker's final STEP: ``base`` plus its owners' share of the pending matrices' NS."""
+        items = [(w, x) for w in pending_workers for x in shapes[w]]
+        takers = [w for w in range(d) if shapes[w]]
+        owners = plan_owners([ns_flops(x) for _, x in items], [[w] for w, _ in items], d, takers)
+        load = [0.0] * d
+        comm = [0.0] * d
+        for (w, x), o in zip(items, owners):
+            load[o] += ns_flops(x) / CPU_HARDWARE.flops_per_s * 1e9
+            if o != w:  # there and back, on both ends' links
+                t = 2 * 4 * x[0] * x[1] / CPU_HARDWARE.p2p_bytes_per_s * 1e9
+                comm[o] += t
+                comm[w] += t
+        final = [base[w] + load[w] + comm[w] for w in range(d)]
+        if any(o != w for (w, _), o in zip(items, owners)):
+            final = [max(final)] * d  # the result exchange is a collective over all workers
+        return tuple(round(f) for f in final)
+
+    late = sorted(late_workers(per_stage_steps(schedule)))
+    arms["muon global+spread"] = (schedule, replace(glob, worker_step_ns=spread(list(range(d)), list(glob.worker_step_ns))))
+    arms["muon per_stage+spread"] = (per_stage_steps(schedule), replace(
+        per, stage_step_ns=tuple(e + (0 if s in late else ns[s]) for s, e in enumerate(elem)),
+        worker_step_ns=spread(late, list(tied))))
+    return arms
+
+
+def simulated(cases: list[tuple[str, str, int, int]]) -> None:
+    print("Simulated (planning.costs estimate, CPU_HARDWARE: 3e10 FLOP/s, 1e10 B/s memory, 2e9 B/s p2p; "
+          "NS = ns_flops at the FLOP rate; steady-state step, ms):")
+    table = []
+    for model, method, d, n in cases:
+        arms = {k: _steady(s, c) / 1e6 for k, (s, c) in _muon_costs(model, method, d, n).items()}
+        for label in ("muon global", "muon per_stage", "muon global+spread", "muon per_stage+spread"):
+            placement = label.split()[1].split("+")[0]
+            table.append([f"{model} {method} D={d} N={n}", label, arms[label], arms[f"nvlamb {placement}"],
+                          arms[label] / arms[f"nvlamb {placement}"], arms[label] / arms["nvlamb global"]])
+    print(h.table(["run", "arm", "Muon ms", "NVLAMB same placement ms", "Muon / NVLAMB same placement",
+                   "Muon / NVLAMB global"], table))
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="bert-tiny")
@@ -118,7 +191,13 @@ def main() -> None:
     p.add_argument("--micro-batches", type=int, default=4)
     p.add_argument("--rounds", type=int, default=10)
     p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--simulate-only", action="store_true")
     args = p.parse_args()
+    sims = [("bert-tiny", "1f1b", 2, 4), ("bert-mini", "1f1b", 4, 8), ("bert-medium", "1f1b", 4, 8),
+            ("bert-medium", "1f1b", 8, 16), ("bert-large", "1f1b", 8, 16)]
+    if args.simulate_only:
+        simulated(sims)
+        return
     steps = args.warmup + args.rounds + 1
     shapes = [(f"{args.model} {m} clip {c}", [_overrides(args.model, m, c, args.micro_batches, steps, a) for a in ARMS])
               for m in args.methods for c in args.clips]
@@ -140,6 +219,7 @@ def main() -> None:
             stage_keys = sorted(k for k in rs[0] if k.startswith("stage"))
             table.append([
                 label, med(rs, "wall_ms"), ratio(label, same) if opt == "muon" else 1.0, ratio(label, "nvlamb global"),
+                ratio(label, label.split("+")[0]) if owners == "pipeline" else "-",
                 ", ".join(f"{med(rs, f'W{w} STEP'):.1f}" for w in (0, 1)),
                 ", ".join(f"{k[6:]}: {med(rs, k):.1f}" for k in stage_keys) or "-",
                 ", ".join(f"{med(rs, f'W{w} resolve'):.1f} ({med(rs, f'W{w} NS'):.1f})" for w in (0, 1))
@@ -147,7 +227,7 @@ def main() -> None:
                 ", ".join(f"{med(rs, f'W{w} got'):g}" for w in (0, 1)) if owners == "pipeline" else "-",
                 sum(r["rollbacks"] for r in rs)])
         print(f"\n{shape}")
-        print(h.table(["arm", "step ms", "/ NVLAMB same placement", "/ NVLAMB global", "final STEP ms (W0, W1)",
+        print(h.table(["arm", "step ms", "/ NVLAMB same placement", "/ NVLAMB global", "/ Muon holder", "final STEP ms (W0, W1)",
                        "stage STEP ms", "resolve ms (NS ms) W0, W1", "NS for the other (W0, W1)", "rollbacks"],
                       table))
         phases = []

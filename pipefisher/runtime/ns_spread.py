@@ -18,23 +18,29 @@ data-parallel copies) orthogonalize the same matrix on every worker that holds i
    before, and leave each Muon matrix's momentum update *pending* (``Muon.collecting``). Every other
    stage STEP orthogonalizes at once, in its worker's bubble. At the final STEP, the stages that
    step there (the global step, deferred or rolled-back stage steps) leave theirs pending too.
-2. The final STEP is where all workers meet anyway (the norm's all-reduce). There, after the clip
-   factor is known and the optimistic stage steps are confirmed or redone, each rank's pending
-   matrices are made known to all (one all-reduce of a flag per matrix of the run's catalog), and
+2. The final STEP is where all workers meet anyway (the norm's all-reduce). There, once the clip
+   factor is known and the optimistic stage steps are confirmed or redone, the Muon matrices that
+   step at the final STEP step first (momentum; their NS left pending), and every rank knows which
+   matrices are pending where without a message: every rank's all (the global placement; stage steps
+   deferred after a clipped step; rolled back), or the late ranks' (stage steps confirmed).
    :func:`plan_owners` gives each pending matrix one owner: first its least loaded holder (a matrix
    held by several workers, Chimera's twins, is orthogonalized once), then matrices move from the
    most to the least loaded rank while that lowers the larger of the two loads (load = ``ns_flops``).
 3. Two ``all_to_all_single`` over all workers: the momentum updates of moved matrices go to their
-   owners, cast to the NS precision (NS's first operation is that cast, so this is exact); the owner
-   orthogonalizes (its own pending matrices while the first exchange is in flight); the results go
-   back to every holder, which applies decay and update. Nothing is exchanged when no matrix moves.
+   owners, cast to the NS precision (NS's first operation is that cast, so this is exact), while the
+   rest of the final STEP (AdamW's half) steps; the owners orthogonalize (their own pending matrices
+   first); the results go back to every holder, which applies decay and update. Neither exchange
+   runs when no matrix moves or has a second holder.
 
 The NS inputs are the same tensors, in the same dtype, through the same function
 (``Muon.orthogonalize`` = the ``newton_schulz`` call ``Muon.step`` makes), and Muon's updates are per
 tensor, so the parameters equal ``ns_owners=holder``'s bit for bit; only the process that computes
 each NS changes. A rolled-back stage step drops its pending matrices with the rest of the step.
-Cost: per moved matrix two messages of its size in the NS precision, plus one small all-reduce per
-step; the spread pays where the NS it takes off the slowest worker costs more than that.
+Cost: per moved matrix two messages of its size in the NS precision, and a second synchronization of
+all workers after the norm's (the result exchange). It pays where the NS it takes off the slowest worker
+costs more than that and the owners are idle at the final STEP; measured and simulated figures:
+``bench/studies/19-muon-off-critical-path.md`` (at D=2 on a CPU it pays for Chimera's twins, which
+orthogonalize each matrix once instead of twice, and not for 1F1B, whose last stage is not idle then).
 Under ``sdp``/``tp`` (``ShardedMuon``: one owner per matrix inside each mesh already) it is refused.
 """
 
