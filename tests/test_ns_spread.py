@@ -51,10 +51,10 @@ def test_a_move_happens_only_if_it_lowers_the_larger_load_and_only_to_eligible_r
         plan_owners([1], [[]], 2)
 
 
-@pytest.mark.parametrize("method, d, late", [("1f1b", 2, {0}), ("gpipe", 4, {0}), ("chimera", 2, {0, 1}),
-                                             ("1f1b", 4, {0})])
-def test_the_late_workers_are_those_whose_last_backward_ends_last(method, d, late) -> None:
-    schedule = build_schedule(method, d, 2 * d)
+@pytest.mark.parametrize("method, d, dp, late", [("1f1b", 2, 1, {0}), ("gpipe", 4, 1, {0}), ("chimera", 2, 1, {0, 1}),
+                                                 ("1f1b", 4, 1, {0}), ("1f1b", 2, 2, {0, 2})])
+def test_the_late_workers_are_those_whose_last_backward_ends_last(method, d, dp, late) -> None:
+    schedule = build_schedule(method, d, 2 * d, dp_width=dp)
     assert late_workers(schedule) == late
     assert late_workers(per_stage_steps(schedule)) == late
 
@@ -90,9 +90,11 @@ def test_ns_owners_is_validated_with_a_one_line_error() -> None:
 
 # -- pipeline runs (slow) -----------------------------------------------------------------------------------------
 
+DP = ("data_parallel=2",)  # two 1f1b pipelines: each matrix has two holders, and 4 ranks to spread over
 CASES = ([(m, placement, clip) for m in ("1f1b", "chimera") for placement in ("global", "per_stage")
           for clip in (OFF, DEFER, ROLL_BACK)]
-         + [(m, "per_stage", OFF, *NAN) for m in ("1f1b", "chimera")])
+         + [(m, "per_stage", OFF, *NAN) for m in ("1f1b", "chimera")]
+         + [("1f1b", "per_stage", OFF, *DP), ("1f1b", "global", ROLL_BACK, *DP)])
 OWNERS = ("holder", "pipeline")
 
 
@@ -104,14 +106,18 @@ def _ns_cfg(case: tuple, owners: str):
 
 def _id(case: tuple) -> str:
     method, placement, clip, *extra = case
-    return "-".join([method, placement, f"clip{clip:g}", *(["nan"] if extra else [])])
+    return "-".join([method, placement, f"clip{clip:g}", *(["nan"] if tuple(extra) == NAN else []),
+                     *(["dp2"] if tuple(extra) == DP else [])])
 
 
 @pytest.fixture(scope="module")
 def spread_results(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple, dict[str, dict]]:
-    runs = [(_ns_cfg(c, owners), STEPS) for c in CASES for owners in OWNERS]
-    out = run_cases(runs, tmp_path_factory.mktemp("ns_spread"))
-    return {c: dict(zip(OWNERS, out[2 * i:2 * i + 2])) for i, c in enumerate(CASES)}
+    results = {}
+    for cases in ([c for c in CASES if c[3:] != DP], [c for c in CASES if c[3:] == DP]):  # one spawn per world
+        out = run_cases([(_ns_cfg(c, owners), STEPS) for c in cases for owners in OWNERS],
+                        tmp_path_factory.mktemp("ns_spread"))
+        results.update({c: dict(zip(OWNERS, out[2 * i:2 * i + 2])) for i, c in enumerate(cases)})
+    return results
 
 
 @pytest.mark.slow
@@ -127,10 +133,17 @@ def test_ns_owners_pipeline_equals_holder_bit_for_bit(case, spread_results) -> N
     method, placement, clip, *extra = case
     ns = [spread[r]["ns"] for r in sorted(spread)]  # per rank, per step: (NS runs, of which for another rank)
     assert holder[0]["ns"] == [] and all(len(x) == STEPS for x in ns)
-    if extra:  # the NaN step (1) skips the update: the others resolve as usual
+    if tuple(extra) == NAN:  # the NaN step (1) skips the update: the others resolve as usual
         assert ns[0][1] == ns[1][1] == (0, 0)
-    steps = [t for t in range(STEPS) if not extra or t != 1]
-    if method == "chimera":  # every matrix is held by twins: orthogonalized once, half on each worker
+    steps = [t for t in range(STEPS) if tuple(extra) != NAN or t != 1]
+    if tuple(extra) == DP:  # workers 0 and 2 hold stage 0, 1 and 3 stage 1
+        for t in steps:
+            runs = [ns[r][t][0] for r in range(4)]
+            if placement == "per_stage":  # stage 0 of both pipelines, each matrix once, over all four ranks
+                assert sum(runs) == MATRICES_PER_STAGE and ns[1][t][1] > 0 and ns[3][t][1] > 0
+            else:  # every matrix, each once (its two holders share it)
+                assert sum(runs) == 2 * MATRICES_PER_STAGE
+    elif method == "chimera":  # every matrix is held by twins: orthogonalized once, half on each worker
         for t in steps:
             assert [ns[r][t][0] for r in (0, 1)] == [MATRICES_PER_STAGE, MATRICES_PER_STAGE]
     elif placement == "global" or clip == DEFER:  # each worker its own stage at the final STEP: nothing moves
@@ -142,6 +155,6 @@ def test_ns_owners_pipeline_equals_holder_bit_for_bit(case, spread_results) -> N
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("case", [c for c in CASES if len(c) == 3], ids=_id)
+@pytest.mark.parametrize("case", [c for c in CASES if tuple(c[3:]) != NAN], ids=_id)
 def test_ns_owners_pipeline_equals_single_process_training(case, spread_results) -> None:
     assert_params_equal_single_process(_ns_cfg(case, "pipeline"), spread_results[case]["pipeline"])
