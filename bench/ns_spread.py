@@ -11,7 +11,8 @@ same two processes and take turns step by step, the order rotated every round (`
 (``runtime.ns_spread`` [Note: NS owners across the pipeline]). Reported, medians over rounds: the
 step's wall time (slowest worker, after a barrier); Muon against NVLAMB as the median of per-round
 ratios (the two arms ran back to back), against NVLAMB with the same placement and against NVLAMB's
-global step (today's default), and +spread against Muon's holder arm of the same placement; each worker's final STEP, the stage STEPs, and under +spread the
+global step (today's default), and +spread against Muon's holder arm of the same placement (a fused-AdamW
+holder arm against its single-tensor twin); each worker's final STEP, the stage STEPs, and under +spread the
 final STEP's resolve (flag all-reduce, exchanges, NS) and its NS alone, per worker, with the number
 of matrices a worker orthogonalized for the other.
 
@@ -51,6 +52,10 @@ ARMS = [("nvlamb global", "nvlamb", "global", "holder"), ("nvlamb per_stage", "n
         ("muon global", "muon", "global", "holder"), ("muon per_stage", "muon", "per_stage", "holder"),
         ("muon global+spread", "muon", "global", "pipeline"),
         ("muon per_stage+spread", "muon", "per_stage", "pipeline")]
+# --fused-adamw: the same Muon arms with AdamW's half switched to torch's fused CPU kernel in the benchmark
+# only (``group["fused"] = True`` on the built optimizer; not a config option: it rounds differently from
+# the single-tensor AdamW the runs and tests use, by ~1e-6)
+FUSED = " (AdamW fused)"
 
 
 def _overrides(model: str, method: str, clip: str, micro_batches: int, steps: int, arm: tuple) -> list[str]:
@@ -89,9 +94,20 @@ def _phases(worker: PipelineWorker) -> dict[str, float]:
     return spent
 
 
-def _run(rank: int, world: int, shapes: list[tuple[str, list[list[str]]]], warmup: int, rounds: int) -> dict:
+def _fuse_adamw(worker: PipelineWorker) -> PipelineWorker:
+    """Switch Muon's AdamW half to torch's fused kernel (before its first step: its state is made then)."""
+    for g in worker.optimizer.adamw.param_groups:
+        g["fused"], g["foreach"] = True, False
+    return worker
+
+
+def _run(rank: int, world: int, shapes: list[tuple[str, list[list[str]]]], warmup: int, rounds: int,
+         labels: list[str]) -> dict:
     workers = {(shape, i): PipelineWorker(h.compose(ov), rank, world, torch.device("cpu"))
                for shape, arms in shapes for i, ov in enumerate(arms)}
+    for (shape, i), w in workers.items():
+        if labels[i].endswith(FUSED):
+            _fuse_adamw(w)
     spent = {key: _phases(w) for key, w in workers.items()}
     rows: dict[str, list[dict]] = defaultdict(list)
     keys = list(workers)
@@ -192,34 +208,38 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=10)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--simulate-only", action="store_true")
+    p.add_argument("--fused-adamw", action="store_true",
+                   help="add Muon arms whose AdamW half runs torch's fused CPU kernel (benchmark only)")
     args = p.parse_args()
+    arms = ARMS + ([(label + FUSED, *rest) for label, *rest in ARMS if rest[0] == "muon"] if args.fused_adamw else [])
     sims = [("bert-tiny", "1f1b", 2, 4), ("bert-mini", "1f1b", 4, 8), ("bert-medium", "1f1b", 4, 8),
             ("bert-medium", "1f1b", 8, 16), ("bert-large", "1f1b", 8, 16)]
     if args.simulate_only:
         simulated(sims)
         return
     steps = args.warmup + args.rounds + 1
-    shapes = [(f"{args.model} {m} clip {c}", [_overrides(args.model, m, c, args.micro_batches, steps, a) for a in ARMS])
+    shapes = [(f"{args.model} {m} clip {c}", [_overrides(args.model, m, c, args.micro_batches, steps, a) for a in arms])
               for m in args.methods for c in args.clips]
     before = h.load()
-    out = h.launch(_run, 2, shapes, args.warmup, args.rounds)
+    out = h.launch(_run, 2, shapes, args.warmup, args.rounds, [a[0] for a in arms])
     rows, threads = out[0]["result"]["rows"], out[0]["result"]["threads"]
     print(f"Measured: D=2, N={args.micro_batches}, micro-batch 2, seq 128, fp32 model, dropout 0; {args.rounds} "
-          f"rounds after {args.warmup} warm-up, {len(ARMS)} arms per shape, order rotated; medians over rounds. "
+          f"rounds after {args.warmup} warm-up, {len(arms)} arms per shape, order rotated; medians over rounds. "
           f"{h.caveat(2)} {before} before the run, {h.load()} after.")
     print(f"Hardware: {hardware_line(threads)}")
     for shape, _ in shapes:
-        arm = {label: rows[f"{shape}|{i}"] for i, (label, *_) in enumerate(ARMS)}
+        arm = {label: rows[f"{shape}|{i}"] for i, (label, *_) in enumerate(arms)}
         med = lambda rs, k: statistics.median(r.get(k, 0.0) for r in rs)  # noqa: E731
         ratio = lambda a, b: statistics.median(x["wall_ms"] / y["wall_ms"] for x, y in zip(arm[a], arm[b]))  # noqa: E731
         table = []
-        for label, opt, placement, owners in ARMS:
+        for label, opt, placement, owners in arms:
             rs = arm[label]
             same = f"nvlamb {placement}"
             stage_keys = sorted(k for k in rs[0] if k.startswith("stage"))
             table.append([
                 label, med(rs, "wall_ms"), ratio(label, same) if opt == "muon" else 1.0, ratio(label, "nvlamb global"),
-                ratio(label, label.split("+")[0]) if owners == "pipeline" else "-",
+                ratio(label, label.split("+")[0] + (FUSED if label.endswith(FUSED) else "")) if owners == "pipeline"
+                else ratio(label, label[:-len(FUSED)]) if label.endswith(FUSED) else "-",
                 ", ".join(f"{med(rs, f'W{w} STEP'):.1f}" for w in (0, 1)),
                 ", ".join(f"{k[6:]}: {med(rs, k):.1f}" for k in stage_keys) or "-",
                 ", ".join(f"{med(rs, f'W{w} resolve'):.1f} ({med(rs, f'W{w} NS'):.1f})" for w in (0, 1))
@@ -231,7 +251,7 @@ def main() -> None:
                        "stage STEP ms", "resolve ms (NS ms) W0, W1", "NS for the other (W0, W1)", "rollbacks"],
                       table))
         phases = []
-        for label, opt, _, _ in ARMS:
+        for label, opt, _, _ in arms:
             rs = arm[label]
             cells = [label]
             for w in (0, 1):
