@@ -65,11 +65,13 @@ def _worker(rank: int, cases: list[tuple[TrainConfig, int]], out_dir: str) -> No
                             out[f"{pipe}/{stage}/{name}"] = _whole(p.grad).detach().clone()
 
             worker.before_optimizer_step.append(capture)
-            losses, factors, events, rollbacks = [], {}, [], []
+            losses, factors, events, rollbacks, ns = [], {}, [], [], []
             for step in range(steps):
                 loss, result = worker.train_step(step)
                 losses.append(loss)
                 rollbacks.append(worker.rollbacks)
+                if worker.ns_spread is not None:  # optimizer.ns_owners=pipeline: NS run here, of which for others
+                    ns.append((worker.ns_spread.ns_runs, worker.ns_spread.received))
                 if step == 0:  # the first step's timeline: (name, kind, is a wait)
                     events = [(e.name, e.kind, is_wait(e)) for e in result.events]
                 if step == 0 and worker.kfac is not None:  # K-FAC factors after the first refresh
@@ -83,7 +85,7 @@ def _worker(rank: int, cases: list[tuple[TrainConfig, int]], out_dir: str) -> No
             params = {f"{pipe}/{stage}/{name}": _whole(p).detach().clone()
                       for (pipe, stage), m in worker.modules.items() for name, p in m.named_parameters()}
             torch.save({"losses": losses, "grads": first_grads, "params": params, "factors": factors,
-                        "events": events, "rollbacks": rollbacks},
+                        "events": events, "rollbacks": rollbacks, "ns": ns},
                        Path(out_dir) / f"case{i}_rank{rank}.pt")
         finally:
             release_process_group()
@@ -102,7 +104,9 @@ def run_cases(cases: list[tuple[TrainConfig, int]], out_dir: Path) -> list[dict[
         (and, with K-FAC, preconditioned) gradients, "params": parameters after the last step,
         "factors": K-FAC factors after the first step ("pipe/stage/name/A|B")}, keyed
         "pipe/stage/name", "events": the first step's timeline as (name, kind, is a wait), and
-        "rollbacks": per step, the stage steps rolled back over all workers (``optimizer_placement=per_stage``).
+        "rollbacks": per step, the stage steps rolled back over all workers (``optimizer_placement=per_stage``),
+        "ns": per step, (NS runs on this rank, of which for matrices it does not hold) with
+        ``optimizer.ns_owners=pipeline`` (else empty).
     """
     max_world = max(cfg.num_workers for cfg, _ in cases)
     start_workers(_worker, (cases, str(out_dir)), max_world)

@@ -22,6 +22,7 @@ OPTIMIZER_PLACEMENTS = ("global", "per_stage")
 NONFINITE_MODES = ("stop", "skip")
 INVERSE_DTYPES = ("auto", "float32", "float64")
 NS_DTYPES = ("auto", "bf16", "fp32")  # optimizer.ns_dtype (pipefisher.optim.muon.NS_DTYPES)
+NS_OWNERS = ("holder", "pipeline")  # optimizer.ns_owners (pipefisher.runtime.ns_spread)
 KFAC_UPDATES = ("lamb", "momentum")
 RESUME_MODES = ("none", "auto")  # or a path to a checkpoint (step_<n>) or a checkpoint directory
 SDP_OPTIMIZERS = ("nvlamb", "adamw", "muon")  # the optimizers built for sharded (DTensor) weights

@@ -17,9 +17,9 @@ from pipefisher.config.batch import resolve_batch
 from pipefisher.config.checks import (_check_csv, _check_cluster, _validate_checkpoint, _validate_eval, _validate_sdp,
                                       _validate_tp)
 from pipefisher.config.choices import (CHIMERA_STACKINGS, DATA_KINDS, FACTOR_DECAY_UNITS, FAULT_MODES, INVERSE_DTYPES,
-                                       KFAC_OPTIMIZERS, KFAC_UPDATES, NONFINITE_MODES, NS_DTYPES, OPTIMIZER_PLACEMENTS,
-                                       OPTIMIZERS, PIPELINE_METHODS, PRECISIONS, PRECONDITIONERS, PROMOTE_INVERSES,
-                                       V_METHODS, WANDB_MODES, _check_choice, _fail)
+                                       KFAC_OPTIMIZERS, KFAC_UPDATES, NONFINITE_MODES, NS_DTYPES, NS_OWNERS,
+                                       OPTIMIZER_PLACEMENTS, OPTIMIZERS, PIPELINE_METHODS, PRECISIONS,
+                                       PRECONDITIONERS, PROMOTE_INVERSES, V_METHODS, WANDB_MODES, _check_choice, _fail)
 
 log = logging.getLogger("pipefisher.config")  # the name the one-module config logged under (Hydra prints it)
 
@@ -260,6 +260,12 @@ def validate(cfg: Any) -> None:
     _check_choice("optimizer.ns_dtype", o.ns_dtype, NS_DTYPES)
     if o.name != "muon" and o.ns_dtype != type(o).ns_dtype:
         log.warning("optimizer.ns_dtype has no effect unless optimizer=muon")
+    _check_choice("optimizer.ns_owners", o.ns_owners, NS_OWNERS)
+    if o.name != "muon" and o.ns_owners != type(o).ns_owners:
+        log.warning("optimizer.ns_owners has no effect unless optimizer=muon")
+    if o.name == "muon" and o.ns_owners == "pipeline" and (cfg.sdp > 1 or cfg.tp > 1):
+        _fail("optimizer.ns_owners", o.ns_owners, f"needs sdp=1 and tp=1 (sdp={cfg.sdp}, tp={cfg.tp}: ShardedMuon "
+              "already orthogonalizes each matrix once per mesh); use optimizer.ns_owners=holder")
     _validate_checkpoint(cfg)
     _validate_sdp(cfg)
     _validate_tp(cfg)

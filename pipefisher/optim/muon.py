@@ -39,8 +39,9 @@ mesh with strided shards) and replicated ones keep the former way: gathered whol
 
 from __future__ import annotations
 
+import contextlib
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -155,16 +156,46 @@ class Muon(_MUON_BASE):  # type: ignore[misc, valid-type]
 
     Attributes:
         ns_runs: orthogonalizations this process ran in its last step.
+        pending: while :meth:`collecting` is active, the (parameter, momentum update, group) of
+            each parameter stepped, left for someone else to orthogonalize; else None.
     """
 
     def __init__(self, params: Any, *, ns_dtype: torch.dtype | str = torch.bfloat16, **kwargs: Any) -> None:
         super().__init__(params, **kwargs)
         self.ns_dtype = _ns_dtype(ns_dtype)
         self.ns_runs = 0
+        self.pending: list[tuple[Tensor, Tensor, dict[str, Any]]] | None = None
 
     def _orthogonalize(self, update: Tensor, group: dict[str, Any]) -> Tensor:
         self.ns_runs += 1
+        return self.orthogonalize(update, group)
+
+    @torch.no_grad()
+    def orthogonalize(self, update: Tensor, group: dict[str, Any]) -> Tensor:
+        """Newton–Schulz of one momentum update with ``group``'s settings, in ``ns_dtype`` (the same
+        call :meth:`step` makes; not counted in ``ns_runs``)."""
         return newton_schulz(update, group["ns_coefficients"], group["ns_steps"], group["eps"], self.ns_dtype)
+
+    @staticmethod
+    @torch.no_grad()
+    def apply(param: Tensor, ortho: Tensor, group: dict[str, Any]) -> None:
+        """Decay and update ``param`` with its orthogonalized update (what :meth:`step` does after NS)."""
+        _apply(param, ortho, group)
+
+    @contextlib.contextmanager
+    def collecting(self) -> Iterator[list[tuple[Tensor, Tensor, dict[str, Any]]]]:
+        """While active, :meth:`step` moves the momentum and leaves each parameter's update in the
+        yielded list, not orthogonalized and not applied (``runtime.ns_spread``: someone else runs
+        the Newton–Schulz; :meth:`apply` then finishes the step). Calls may nest; the outer list
+        gets everything."""
+        if self.pending is not None:
+            yield self.pending
+            return
+        self.pending = []
+        try:
+            yield self.pending
+        finally:
+            self.pending = None
 
     def _updates(self) -> list[tuple[Tensor, Tensor, dict[str, Any]]]:
         """(parameter, momentum update, group) of every parameter with a gradient, buffers stepped."""
@@ -188,7 +219,11 @@ class Muon(_MUON_BASE):  # type: ignore[misc, valid-type]
             bufs: list[Tensor] = []
             self._init_group(group, params, grads, bufs)
             for p, g, b in zip(params, grads, bufs):
-                _apply(p, self._orthogonalize(_momentum_update(g, b, group), group), group)
+                update = _momentum_update(g, b, group)
+                if self.pending is not None:  # collecting: orthogonalized elsewhere (runtime.ns_spread)
+                    self.pending.append((p, update, group))
+                else:
+                    _apply(p, self._orthogonalize(update, group), group)
         return loss
 
 
@@ -204,6 +239,9 @@ class ShardedMuon(Muon):
     @torch.no_grad()
     def step(self, closure: Callable[[], Tensor] | None = None) -> Tensor | None:  # type: ignore[override]
         """One Muon step of every parameter with a gradient (collectives over each DTensor's mesh)."""
+        if self.pending is not None:
+            raise ValueError("ShardedMuon: its Newton-Schulz already has one owner per matrix in each mesh; "
+                             "optimizer.ns_owners=pipeline needs sdp=1 and tp=1")
         loss = _closure_loss(closure)
         self.ns_runs = 0
         items = self._updates()

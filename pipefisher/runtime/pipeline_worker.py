@@ -23,6 +23,7 @@ from pipefisher.config import KFAC_OPTIMIZERS, TrainConfig
 from pipefisher.data import get_micro_batch
 from pipefisher.optim import build_preconditioner
 from pipefisher.optim.factory import make_optimizer, refresh_decay
+from pipefisher.optim.muon import resolve_ns_dtype
 from pipefisher.profiling.nvtx import mark_rank
 from pipefisher.run_spec import data_plan, data_source
 from pipefisher.runtime import preemption
@@ -35,6 +36,7 @@ from pipefisher.runtime.executor import CommSpec, StepResult, WorkerExecutor
 from pipefisher.runtime.init_weights import load_initial_weights
 from pipefisher.runtime.faults import fault_here, inject_fault, poison_gradient, poison_outputs
 from pipefisher.runtime.kfac_work import KfacWork
+from pipefisher.runtime.ns_spread import NsSpread, late_workers
 from pipefisher.runtime.sharded_checkpoint import ShardedCheckpointer, checkpoint_groups
 from pipefisher.runtime.sharding import dp_block, local, sdp_groups, shard_stages
 from pipefisher.runtime.stage_steps import StageSteps
@@ -122,9 +124,15 @@ class PipelineWorker:
                 self.assignment = dataclasses.replace(
                     self.assignment, phases=tuple(per_stage_steps(p) for p in self.assignment.phases))
                 check_assignment(self.assignment)
+        # optimizer.ns_owners=pipeline: [Note: NS owners across the pipeline] (a collective: every worker builds it)
+        self.ns_spread: NsSpread | None = None
+        if cfg.optimizer.name == "muon" and cfg.optimizer.ns_owners == "pipeline":
+            self.ns_spread = NsSpread(self.optimizer.muon, self.modules, late_workers(self.schedule),
+                                      resolve_ns_dtype(cfg.optimizer.ns_dtype, device)[0], device)
+        if cfg.optimizer_placement == "per_stage":
             self.stage_steps = StageSteps(self.optimizer, self.modules, tied_params(self.modules, self.schedule.num_stages),
                                           cfg.optimizer.max_grad_norm, may_defer=cfg.sdp == 1 and cfg.tp == 1,
-                                          stop_on_nonfinite=cfg.on_nonfinite == "stop")
+                                          stop_on_nonfinite=cfg.on_nonfinite == "stop", ns=self.ns_spread)
         self.rollbacks = 0  # stage steps rolled back in the last step, over all workers
         self.executor = WorkerExecutor(
             self.assignment.phases if self.assignment is not None else self.schedule,
@@ -273,8 +281,13 @@ class PipelineWorker:
         elif not math.isfinite(norm):
             self._nonfinite_update(norm)
             return
+        elif self.ns_spread is not None:  # every matrix's NS is left to the spread
+            params = [p for g in self.optimizer.param_groups for p in g["params"] if p.grad is not None]
+            self.ns_spread.step(self.optimizer, params, grad_norm, everything=True)
         else:
             self.optimizer.step(grad_norm=grad_norm)
+        if self.ns_spread is not None:  # every pending Newton–Schulz, on its owner (a collective)
+            self.ns_spread.resolve()
         self.skipped_in_row = 0
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
@@ -289,6 +302,8 @@ class PipelineWorker:
             FloatingPointError: naming the step, on every worker at once (the norm is global).
         """
         cfg, step = self.cfg, self._step
+        if self.ns_spread is not None:  # nothing is applied: no Newton–Schulz to spread
+            self.ns_spread.clear()
         if cfg.on_nonfinite == "stop":
             raise FloatingPointError(
                 f"step {step}: the global gradient norm is {norm} (NaN/inf in the loss or gradients); "

@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -44,6 +44,8 @@ from torch import nn
 
 from pipefisher.optim.nvlamb import NVLAMB
 from pipefisher.runtime.kfac_work import StageKey
+from pipefisher.runtime.ns_spread import NsSpread
+from pipefisher.runtime.ns_spread import only_grads as _only_grads
 from pipefisher.runtime.sharding import local
 
 __all__ = ["StageSteps"]
@@ -65,12 +67,16 @@ class StageSteps:
             sdp/tp, where a stage's processes must step together).
         stop_on_nonfinite: ``on_nonfinite=stop``: a NaN/inf norm ends the run, so without clipping
             nothing is ever rolled back and the stage steps keep no copies.
+        ns: ``optimizer.ns_owners=pipeline``: Muon's Newton–Schulz of a late worker's stage steps and
+            of the final STEP's rest is left pending for the worker's :meth:`NsSpread.resolve`
+            ([Note: NS owners across the pipeline]); None: each step orthogonalizes its own.
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, modules: dict[StageKey, nn.Module],
                  tied: Iterable[nn.Parameter], max_grad_norm: float, may_defer: bool = True,
-                 stop_on_nonfinite: bool = False) -> None:
+                 stop_on_nonfinite: bool = False, ns: NsSpread | None = None) -> None:
         self.optimizer = optimizer
+        self.ns = ns
         tied_ids = {id(p) for p in tied}
         self.stage_params = {key: [p for p in m.parameters() if p.requires_grad and id(p) not in tied_ids]
                              for key, m in modules.items()}
@@ -96,7 +102,7 @@ class StageSteps:
         if self.copies:
             self._saved[key] = [(p, local(p).detach().clone(), _copy_state(self._state_of(p)),
                                  None if self.keeps_grads else local(p.grad).detach().clone()) for p in params]
-        with _only_grads(self.optimizer, params):
+        with _only_grads(self.optimizer, params), self._deferring(stage_step=True):
             # a float32 norm below max_norm: the clip factor of every such norm ([Note: post-validation])
             self.optimizer.step(grad_norm=torch.zeros((), dtype=torch.float32))
 
@@ -109,6 +115,7 @@ class StageSteps:
                 after the rollback.
         """
         norm = float(grad_norm)
+        every_stage_deferred = self.clips and self.last_norm > self.max_grad_norm  # the same on every rank
         self.last_norm = norm if math.isfinite(norm) else 0.0
         stepped = {id(p) for params in self._stepped.values() for p in params}
         confirmed = math.isfinite(norm) and (not self.clips or norm <= self.max_grad_norm)
@@ -119,16 +126,26 @@ class StageSteps:
                 raise AssertionError("on_nonfinite=stop returned on a non-finite norm")  # pragma: no cover
             self.rollbacks = len(self._stepped)
             self._roll_back()
+            if self.ns is not None:  # their pending Newton–Schulz inputs went with them
+                self.ns.discard(p for params in self._stepped.values() for p in params)
             stepped = set()
         self._stepped.clear()
         self._saved.clear()
         self.deferred.clear()
         if not math.isfinite(norm):
+            if self.ns is not None:
+                self.ns.clear()
             nonfinite(norm)
             return
         rest = [p for g in self.optimizer.param_groups for p in g["params"] if p.grad is not None and id(p) not in stepped]
+        if self.ns is not None:  # [Note: NS owners across the pipeline]
+            self.ns.step(self.optimizer, rest, grad_norm, everything=not confirmed or every_stage_deferred)
+            return
         with _only_grads(self.optimizer, rest):
             self.optimizer.step(grad_norm=grad_norm)
+
+    def _deferring(self, stage_step: bool = False) -> contextlib.AbstractContextManager:
+        return self.ns.deferring(stage_step) if self.ns is not None else contextlib.nullcontext()
 
     def _forbids_unit_clip(self, params: list[nn.Parameter]) -> bool:
         """The stage's own gradient is not finite or its norm exceeds max_norm (so ‖G‖ does too)."""
@@ -168,19 +185,3 @@ def _copy_state(state: dict[str, Any] | None) -> dict[str, Any] | None:
     if state is None:
         return None
     return {k: v.detach().clone() if isinstance(v, torch.Tensor) else v for k, v in state.items()}
-
-
-@contextlib.contextmanager
-def _only_grads(optimizer: torch.optim.Optimizer, params: list[nn.Parameter]) -> Iterator[None]:
-    """While active, only ``params`` of ``optimizer`` have a ``.grad``: its step updates them alone
-    (every optimizer here skips a parameter without a gradient)."""
-    keep = {id(p) for p in params}
-    hidden = [(p, p.grad) for g in optimizer.param_groups for p in g["params"]
-              if p.grad is not None and id(p) not in keep]
-    for p, _ in hidden:
-        p.grad = None
-    try:
-        yield
-    finally:
-        for p, grad in hidden:
-            p.grad = grad
