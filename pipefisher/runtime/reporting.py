@@ -15,7 +15,6 @@ largest per worker beside the planner's prediction for that worker (``planning.m
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import statistics
 from collections.abc import Iterable, Sequence
