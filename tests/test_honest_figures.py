@@ -35,7 +35,7 @@ from pipefisher.tracking import read_metrics
 from tests.conftest import CONF_DIR, compose_train
 from tests.dist_harness import start_workers
 
-DELAY_S = 0.3
+DELAY_S = 1.0  # long beside a step's noise under load: a wait counted as compute would add all of it
 # Steps of the K-FAC run at which worker 1's wait for an all-reduce is delayed (steps 0–2 warm up;
 # the others measure worker 1's undelayed busy time).
 DELAYED = {4: "precond", 6: "invert"}
@@ -141,7 +141,7 @@ def test_a_delayed_all_reduce_leaves_busy_time_unchanged_and_its_wait_absorbs_it
     busy = [busy_ns(events)[1] / 1e9 for events in steps]
     baseline = statistics.median(busy[s] for s in range(3, KFAC_STEPS) if s not in DELAYED)
     for step, unit in DELAYED.items():
-        assert busy[step] - baseline < DELAY_S / 3, (step, busy)
+        assert busy[step] - baseline < DELAY_S / 2, (step, busy)
         kind = "SYNC_GRAD" if unit == "precond" else "SYNC_FACTOR"
         waited = [e for e in steps[step] if e.worker == 1 and is_wait(e) and e.kind == kind
                   and unit.upper() in e.name]
