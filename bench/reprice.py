@@ -138,7 +138,7 @@ def paired_steps(out: Path, reps: int) -> dict[str, Any]:
     import torch
 
     from pipefisher.model import BertConfig, build_full_model
-    from pipefisher.training import make_optimizer
+    from pipefisher.optim.factory import make_optimizer
 
     torch.manual_seed(0)
     torch.set_num_threads(1)  # what each of the two D=2 workers gets on 2 cores (training.set_cpu_threads)
