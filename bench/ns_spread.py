@@ -52,15 +52,14 @@ ARMS = [("nvlamb global", "nvlamb", "global", "holder"), ("nvlamb per_stage", "n
         ("muon global", "muon", "global", "holder"), ("muon per_stage", "muon", "per_stage", "holder"),
         ("muon global+spread", "muon", "global", "pipeline"),
         ("muon per_stage+spread", "muon", "per_stage", "pipeline")]
-# --fused-adamw: the same Muon arms with AdamW's half switched to torch's fused CPU kernel in the benchmark
-# only (``group["fused"] = True`` on the built optimizer; not a config option: it rounds differently from
-# the single-tensor AdamW the runs and tests use, by ~1e-6)
+# --fused-adamw: the same Muon arms with AdamW's half on torch's fused kernel, ``optimizer.adamw_kernel=fused``
+# (``pipefisher.optim.baselines`` [Note: AdamW's kernel]; the other arms keep ``auto``, the per-tensor loop on CPU)
 FUSED = " (AdamW fused)"
 
 
 def _overrides(model: str, method: str, clip: str, micro_batches: int, steps: int, arm: tuple) -> list[str]:
-    _, opt, placement, owners = arm
-    return [f"model={model}", f"pipeline={method}", "stages=2", f"num_micro_batches={micro_batches}",
+    label, opt, placement, owners = arm
+    return (["optimizer.adamw_kernel=fused"] if label.endswith(FUSED) else []) + [f"model={model}", f"pipeline={method}", "stages=2", f"num_micro_batches={micro_batches}",
             "micro_batch_size=2", "data.seq_len=128", f"optimizer={opt}", f"optimizer.max_grad_norm={clip}",
             f"optimizer_placement={placement}", f"steps={steps}", "model.hidden_dropout=0.0",
             "model.attention_dropout=0.0"] + ([f"optimizer.ns_owners={owners}"] if opt == "muon" else [])
@@ -94,20 +93,9 @@ def _phases(worker: PipelineWorker) -> dict[str, float]:
     return spent
 
 
-def _fuse_adamw(worker: PipelineWorker) -> PipelineWorker:
-    """Switch Muon's AdamW half to torch's fused kernel (before its first step: its state is made then)."""
-    for g in worker.optimizer.adamw.param_groups:
-        g["fused"], g["foreach"] = True, False
-    return worker
-
-
-def _run(rank: int, world: int, shapes: list[tuple[str, list[list[str]]]], warmup: int, rounds: int,
-         labels: list[str]) -> dict:
+def _run(rank: int, world: int, shapes: list[tuple[str, list[list[str]]]], warmup: int, rounds: int) -> dict:
     workers = {(shape, i): PipelineWorker(h.compose(ov), rank, world, torch.device("cpu"))
                for shape, arms in shapes for i, ov in enumerate(arms)}
-    for (shape, i), w in workers.items():
-        if labels[i].endswith(FUSED):
-            _fuse_adamw(w)
     spent = {key: _phases(w) for key, w in workers.items()}
     rows: dict[str, list[dict]] = defaultdict(list)
     keys = list(workers)
@@ -209,7 +197,7 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--simulate-only", action="store_true")
     p.add_argument("--fused-adamw", action="store_true",
-                   help="add Muon arms whose AdamW half runs torch's fused CPU kernel (benchmark only)")
+                   help="add Muon arms with optimizer.adamw_kernel=fused (AdamW's half on torch's fused kernel)")
     args = p.parse_args()
     arms = ARMS + ([(label + FUSED, *rest) for label, *rest in ARMS if rest[0] == "muon"] if args.fused_adamw else [])
     sims = [("bert-tiny", "1f1b", 2, 4), ("bert-mini", "1f1b", 4, 8), ("bert-medium", "1f1b", 4, 8),
@@ -221,7 +209,7 @@ def main() -> None:
     shapes = [(f"{args.model} {m} clip {c}", [_overrides(args.model, m, c, args.micro_batches, steps, a) for a in arms])
               for m in args.methods for c in args.clips]
     before = h.load()
-    out = h.launch(_run, 2, shapes, args.warmup, args.rounds, [a[0] for a in arms])
+    out = h.launch(_run, 2, shapes, args.warmup, args.rounds)
     rows, threads = out[0]["result"]["rows"], out[0]["result"]["threads"]
     print(f"Measured: D=2, N={args.micro_batches}, micro-batch 2, seq 128, fp32 model, dropout 0; {args.rounds} "
           f"rounds after {args.warmup} warm-up, {len(arms)} arms per shape, order rotated; medians over rounds. "

@@ -22,7 +22,7 @@ to one encoder layer per stage (``bench/step_costs.py``); NVLAMB, K-FAC every st
 defaults) as step_costs.py simulates them, and AdamW and Muon as NVLAMB's pipeline with the STEP action's cost
 scaled by that optimizer's step / NVLAMB's, measured side by side in one process (``--paired``: the optimizer
 step alone on the whole bert-tiny, one thread as a D=2 worker has, arms taking turns; Muon with ``ns_dtype=auto``
-and ``bf16``). zb-v (two model chunks per worker) is not in step_costs.py's methods.
+and ``bf16``; AdamW and Muon also with ``optimizer.adamw_kernel=fused``, the ``-fused`` arms). zb-v (two model chunks per worker) is not in step_costs.py's methods.
 """
 
 from __future__ import annotations
@@ -52,8 +52,9 @@ STUDY_STEPS: dict[str, dict[str, tuple[int, int, int]]] = {
     "pipefisher": {"H-0.2": (571, 542, 610), "H-0.3": (1277, 1248, 1312)},
 }
 #: which study arm's steps an arm's time uses (Muon's steps do not depend on its Newton-Schulz precision)
-STEPS_OF = {"nvlamb": "nvlamb", "adamw": "adamw", "muon": "muon", "muon-bf16": "muon", "kfac-k1": "kfac-k1",
-            "pipefisher": "pipefisher"}
+#: nor on AdamW's kernel (optimizer.adamw_kernel=fused rounds differently, ~1e-7 per step: tests/test_adamw_kernel.py)
+STEPS_OF = {"nvlamb": "nvlamb", "adamw": "adamw", "adamw-fused": "adamw", "muon": "muon", "muon-fused": "muon",
+            "muon-bf16": "muon", "kfac-k1": "kfac-k1", "pipefisher": "pipefisher"}
 
 SCHEDULES = ("chimera", "1f1b", "zb-h1", "zb-v")
 #: the D=2 runs: (schedule, arm)
@@ -69,6 +70,8 @@ def arm_keys(arm: str) -> list[str]:
         return ["optimizer=pipefisher", f"optimizer.factor_decay={DECAY_PER_STEP:g}", "optimizer.factor_decay_per=step"]
     if arm == "muon-bf16":
         return ["optimizer=muon", "optimizer.ns_dtype=bf16"]
+    if arm.endswith("-fused"):  # adamw-fused, muon-fused: AdamW (Muon's AdamW half) on torch's fused kernel
+        return [f"optimizer={arm.removesuffix('-fused')}", "optimizer.adamw_kernel=fused"]
     return arm_overrides(arm, DECAY_PER_STEP)
 
 
@@ -121,7 +124,9 @@ def _hardware() -> str:
 # --- the optimizer step alone, paired -------------------------------------------------------------------------
 
 PAIRED_ARMS = {"nvlamb": ["optimizer=nvlamb"], "adamw": ["optimizer=adamw"], "muon": ["optimizer=muon"],
-               "muon-bf16": ["optimizer=muon", "optimizer.ns_dtype=bf16"]}
+               "muon-bf16": ["optimizer=muon", "optimizer.ns_dtype=bf16"],
+               "adamw-fused": ["optimizer=adamw", "optimizer.adamw_kernel=fused"],
+               "muon-fused": ["optimizer=muon", "optimizer.adamw_kernel=fused"]}
 
 
 def paired_steps(out: Path, reps: int) -> dict[str, Any]:
@@ -133,7 +138,7 @@ def paired_steps(out: Path, reps: int) -> dict[str, Any]:
     import torch
 
     from pipefisher.model import BertConfig, build_full_model
-    from pipefisher.training import make_optimizer
+    from pipefisher.optim.factory import make_optimizer
 
     torch.manual_seed(0)
     torch.set_num_threads(1)  # what each of the two D=2 workers gets on 2 cores (training.set_cpu_threads)
@@ -199,7 +204,7 @@ def simulate_d8(out: Path, methods: tuple[str, ...], ns: tuple[int, ...], reps: 
                    "pipefisher": rows["pipefisher"]["step_s"]}
             target = sc.simulated_run(measured, 8, method, n)
             schedule = target.build_schedule(dp_width=1)
-            for arm in ("adamw", "muon", "muon-bf16"):
+            for arm in [a for a in ("adamw", "adamw-fused", "muon", "muon-fused", "muon-bf16") if a in ratio]:
                 c = dataclasses.replace(cost, step_ns=round(cost.step_ns * ratio[arm]))
                 res[arm] = sc.steady_step_ns((schedule,), sc.scale_costs(c, measured, target)) / 1e9
             sims[f"{method}/N={n}"] = {"step_s": res, "pipefisher_k": rows["pipefisher"]["k"],

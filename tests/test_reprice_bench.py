@@ -41,3 +41,11 @@ def test_setting_table_names_the_fastest_and_separation(rp):
     cells = [c.strip() for c in muon.strip("|").split("|")]
     assert cells[7].endswith("not sep.")
     assert cells[8] == "overlaps nvlamb"
+
+
+def test_fused_arms_take_their_optimizers_steps_and_set_the_kernel(rp):
+    # optimizer.adamw_kernel=fused changes the step's cost, not the steps to target (tests/test_adamw_kernel.py)
+    assert rp.time_to_target("muon-fused", 0.1, "H-0.3") == rp.time_to_target("muon", 0.1, "H-0.3")
+    assert rp.time_to_target("adamw-fused", 0.1, "H-0.2") == rp.time_to_target("adamw", 0.1, "H-0.2")
+    assert rp.arm_keys("muon-fused") == ["optimizer=muon", "optimizer.adamw_kernel=fused"]
+    assert rp.PAIRED_ARMS["adamw-fused"] == ["optimizer=adamw", "optimizer.adamw_kernel=fused"]

@@ -16,7 +16,7 @@ from typing import Any
 from pipefisher.config.batch import resolve_batch
 from pipefisher.config.checks import (_check_csv, _check_cluster, _validate_checkpoint, _validate_eval, _validate_sdp,
                                       _validate_tp)
-from pipefisher.config.choices import (CHIMERA_STACKINGS, DATA_KINDS, FACTOR_DECAY_UNITS, FAULT_MODES, INVERSE_DTYPES,
+from pipefisher.config.choices import (ADAMW_KERNELS, CHIMERA_STACKINGS, DATA_KINDS, FACTOR_DECAY_UNITS, FAULT_MODES, INVERSE_DTYPES,
                                        KFAC_OPTIMIZERS, KFAC_UPDATES, NONFINITE_MODES, NS_DTYPES, NS_OWNERS,
                                        OPTIMIZER_PLACEMENTS, OPTIMIZERS, PIPELINE_METHODS, PRECISIONS,
                                        PRECONDITIONERS, PROMOTE_INVERSES, V_METHODS, WANDB_MODES, _check_choice, _fail)
@@ -266,6 +266,7 @@ def validate(cfg: Any) -> None:
     if o.name == "muon" and o.ns_owners == "pipeline" and (cfg.sdp > 1 or cfg.tp > 1):
         _fail("optimizer.ns_owners", o.ns_owners, f"needs sdp=1 and tp=1 (sdp={cfg.sdp}, tp={cfg.tp}: ShardedMuon "
               "already orthogonalizes each matrix once per mesh); use optimizer.ns_owners=holder")
+    _check_adamw_kernel(cfg)
     _validate_checkpoint(cfg)
     _validate_sdp(cfg)
     _validate_tp(cfg)
@@ -287,6 +288,27 @@ def validate(cfg: Any) -> None:
 
         if not torch.cuda.is_available():
             _fail("device", "cuda", "no CUDA device is visible; use device=cpu or device=auto")
+
+
+def _check_adamw_kernel(cfg: Any) -> None:
+    """``optimizer.adamw_kernel``: a choice; only AdamW (optimizer=adamw, muon's half) reads it; ``fused`` needs
+    torch's fused AdamW on the run's device (``torch.utils._foreach_utils``' list: cpu and cuda from torch 2.4)."""
+    o = cfg.optimizer
+    _check_choice("optimizer.adamw_kernel", o.adamw_kernel, ADAMW_KERNELS)
+    if o.name not in ("adamw", "muon"):
+        if o.adamw_kernel != type(o).adamw_kernel:
+            log.warning("optimizer.adamw_kernel has no effect unless optimizer=adamw or muon")
+        return
+    if o.adamw_kernel != "fused":
+        return
+    import torch  # local: as the device check below
+    from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
+
+    kinds = ["cpu", "cuda"] if cfg.device == "auto" else [cfg.device]  # auto: either, decided in the worker
+    missing = [k for k in kinds if k not in _get_fused_kernels_supported_devices()]
+    if missing:
+        _fail("optimizer.adamw_kernel", "fused", f"torch {torch.__version__} has no fused AdamW for device "
+              f"{'/'.join(missing)}; use optimizer.adamw_kernel=foreach (or auto)")
 
 
 def _check_recompute_stages(cfg: Any, total_stages: int) -> None:

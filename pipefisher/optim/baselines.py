@@ -28,6 +28,18 @@ Newton–Schulz precision]), and for DTensor weights (``sdp``, ``tp``)
 :class:`~pipefisher.optim.muon.ShardedMuon`, which orthogonalizes each whole matrix once, on one
 owner per matrix ([Note: one owner per matrix]). AdamW needs nothing of the kind: its update is
 elementwise, so torch's AdamW runs on the local parts.
+
+[Note: AdamW's kernel]
+torch's AdamW has three implementations of the same update: a loop over the tensors (torch's choice on
+CPU), ``foreach`` (lists of tensors per op; torch's choice on CUDA; bit for bit the loop's on CPU) and
+``fused`` (one kernel per device and dtype, on CPU and CUDA from torch 2.4, on DTensors too: DTensor
+propagates ``_fused_adamw_`` pointwise). ``optimizer.adamw_kernel`` picks one (``auto`` leaves torch's
+choice, today's runs). On CPU the fused kernel runs AdamW's update on a bert-tiny stage's non-matrix
+tensors in 4.6 ms against the loop's 36 ms (bench/studies/19, section 3), and it rounds differently:
+it computes the step in another order (its bias corrections and ``lr/bias1`` folded), so parameters
+differ from the loop's in the last bits (about 1e-7 relative per step, measured in
+tests/test_adamw_kernel.py), not bit for bit. A checkpoint keeps the group's kernel flags; loading it
+restores this run's choice (:func:`_use_kernel`), so a resumed run may change kernels.
 """
 
 from __future__ import annotations
@@ -45,6 +57,7 @@ from pipefisher.optim.muon import Muon, ShardedMuon
 from pipefisher.optim.nvlamb import GlobalNormClipStep, _closure_loss, clip_by_global_norm, param_groups
 
 __all__ = [
+    "ADAMW_KERNELS",
     "BASELINE_OPTIMIZERS",
     "GlobalNormAdamW",
     "MuonAdamW",
@@ -57,6 +70,34 @@ __all__ = [
 #: Names accepted by :func:`build_baseline_optimizer`.
 BASELINE_OPTIMIZERS: tuple[str, ...] = ("adamw", "muon")
 
+#: ``optimizer.adamw_kernel``'s choices and the AdamW options each sets ([Note: AdamW's kernel]).
+ADAMW_KERNEL_OPTIONS: dict[str, dict[str, bool | None]] = {
+    "auto": {"foreach": None, "fused": None},  # torch's choice: the per-tensor loop on CPU, foreach on CUDA
+    "foreach": {"foreach": True, "fused": None},
+    "fused": {"foreach": None, "fused": True},
+}
+ADAMW_KERNELS: tuple[str, ...] = tuple(ADAMW_KERNEL_OPTIONS)
+
+
+def _kernel_options(kernel: str) -> dict[str, bool | None]:
+    if kernel not in ADAMW_KERNEL_OPTIONS:
+        raise ValueError(f"adamw_kernel={kernel!r}: choose one of {', '.join(ADAMW_KERNELS)}")
+    return ADAMW_KERNEL_OPTIONS[kernel]
+
+
+def _use_kernel(opt: torch.optim.AdamW, kernel: str) -> None:
+    """Set ``kernel``'s flags on every group of ``opt`` and move each ``step`` count where that kernel
+    keeps it (fused: float32 on the parameter's device; the others: a CPU scalar), as torch's own
+    ``load_state_dict`` does for the kernel a checkpoint was saved with."""
+    options = _kernel_options(kernel)
+    for group in opt.param_groups:
+        group.update(options)
+        for p in group["params"]:
+            step = opt.state.get(p, {}).get("step")
+            if isinstance(step, Tensor) and not group.get("capturable"):
+                device = p.device if options["fused"] else torch.device("cpu")
+                opt.state[p]["step"] = step.to(device=device, dtype=torch.float32)
+
 
 class GlobalNormAdamW(GlobalNormClipStep, torch.optim.AdamW):
     """``torch.optim.AdamW`` that takes ``step(grad_norm=...)`` and clips by the global norm first.
@@ -66,12 +107,19 @@ class GlobalNormAdamW(GlobalNormClipStep, torch.optim.AdamW):
             LayerNorm).
         lr, betas, eps, weight_decay: AdamW's (decoupled decay; a group's own value wins).
         max_grad_norm: global-norm clip threshold; ``<= 0`` disables it.
+        kernel: torch's implementation, one of :data:`ADAMW_KERNELS` ([Note: AdamW's kernel]).
     """
 
     def __init__(self, params: Any, lr: float, betas: tuple[float, float], eps: float, weight_decay: float,
-                 max_grad_norm: float) -> None:
-        super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+                 max_grad_norm: float, kernel: str = "auto") -> None:
+        super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, **_kernel_options(kernel))
         self.max_grad_norm = float(max_grad_norm)
+        self.kernel = kernel
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """torch's, then this optimizer's kernel again (the saved groups carry the saving run's)."""
+        super().load_state_dict(state_dict)
+        _use_kernel(self, self.kernel)
 
 
 class MuonAdamW(torch.optim.Optimizer):
@@ -92,6 +140,7 @@ class MuonAdamW(torch.optim.Optimizer):
         max_grad_norm: global-norm clip threshold over both halves; ``<= 0`` disables it.
         ns_dtype: Newton–Schulz precision (default bf16, torch's; ``optimizer.ns_dtype`` resolved by
             :func:`~pipefisher.optim.muon.resolve_ns_dtype`).
+        adamw_kernel: the AdamW half's implementation, one of :data:`ADAMW_KERNELS` ([Note: AdamW's kernel]).
 
     Raises:
         ValueError: no parameters at all, a Muon parameter that is not 2-D, or a torch without Muon.
@@ -100,7 +149,7 @@ class MuonAdamW(torch.optim.Optimizer):
     def __init__(self, muon_params: Iterable[nn.Parameter], adamw_groups: Iterable[dict[str, Any]], *,
                  lr: float, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-6,
                  weight_decay: float = 0.01, muon_momentum: float = 0.95, max_grad_norm: float = 1.0,
-                 ns_dtype: torch.dtype = torch.bfloat16) -> None:
+                 ns_dtype: torch.dtype = torch.bfloat16, adamw_kernel: str = "auto") -> None:
         muon_params = list(muon_params)
         adamw_groups = [g for g in adamw_groups if g["params"]]
         if not muon_params and not adamw_groups:
@@ -115,8 +164,9 @@ class MuonAdamW(torch.optim.Optimizer):
         muon_class = ShardedMuon if any(isinstance(p, DTensor) for p in muon_params) else Muon
         self.muon = muon_class(muon_params, lr=lr, weight_decay=weight_decay, momentum=muon_momentum,
                                nesterov=True, adjust_lr_fn="match_rms_adamw", ns_dtype=ns_dtype) if muon_params else None
-        self.adamw = (torch.optim.AdamW(adamw_groups, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
-                      if adamw_groups else None)
+        self.adamw = (torch.optim.AdamW(adamw_groups, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
+                                        **_kernel_options(adamw_kernel)) if adamw_groups else None)
+        self.adamw_kernel = adamw_kernel
         super().__init__([p for opt in self._inner() for g in opt.param_groups for p in g["params"]], {"lr": lr})
         self.max_grad_norm = float(max_grad_norm)
         self._link()
@@ -170,6 +220,8 @@ class MuonAdamW(torch.optim.Optimizer):
                 "state": {i - offset: s for i, s in state_dict["state"].items() if i in ids},
                 "param_groups": [{**g, "params": [i - offset for i in g["params"]]} for g in mine],
             })
+        if self.adamw is not None:
+            _use_kernel(self.adamw, self.adamw_kernel)
         self._link()
 
 
@@ -210,6 +262,7 @@ def build_baseline_optimizer(
     eps: float = 1e-6,
     muon_momentum: float = 0.95,
     ns_dtype: torch.dtype = torch.bfloat16,
+    adamw_kernel: str = "auto",
 ) -> torch.optim.Optimizer:
     """Build ``adamw`` (:class:`GlobalNormAdamW`) or ``muon`` (:class:`MuonAdamW`) over one stage's
     parameters, with NVLAMB's groups (:func:`~pipefisher.optim.param_groups`: no decay on bias and
@@ -225,13 +278,16 @@ def build_baseline_optimizer(
         betas, eps: AdamW's.
         muon_momentum: Muon's momentum (``muon`` only).
         ns_dtype: Muon's Newton–Schulz precision (``muon`` only; default bf16, torch's).
+        adamw_kernel: AdamW's implementation (``adamw``, and ``muon``'s AdamW half), one of
+            :data:`ADAMW_KERNELS`; ``auto`` is torch's choice.
 
     Raises:
-        ValueError: unknown ``name``, or no trainable parameters.
+        ValueError: unknown ``name`` or ``adamw_kernel``, or no trainable parameters.
     """
     key = name.lower()
     if key not in BASELINE_OPTIMIZERS:
         raise ValueError(f"unknown optimizer {name!r}; choose one of: {', '.join(BASELINE_OPTIMIZERS)}")
+    _kernel_options(adamw_kernel)
     named: list[tuple[str, nn.Parameter]] = []
     seen: set[int] = set()
     for n, p in named_parameters:
@@ -242,8 +298,9 @@ def build_baseline_optimizer(
         raise ValueError("build_baseline_optimizer: no trainable parameters were given")
     if key == "adamw":
         return GlobalNormAdamW(_split_by_kind(param_groups(named, weight_decay)), lr=lr, betas=betas, eps=eps,
-                               weight_decay=weight_decay, max_grad_norm=max_grad_norm)
+                               weight_decay=weight_decay, max_grad_norm=max_grad_norm, kernel=adamw_kernel)
     muon = [p for n, p in named if is_muon_parameter(n)]
     rest = _split_by_kind(param_groups([(n, p) for n, p in named if not is_muon_parameter(n)], weight_decay))
     return MuonAdamW(muon, rest, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
-                     muon_momentum=muon_momentum, max_grad_norm=max_grad_norm, ns_dtype=ns_dtype)
+                     muon_momentum=muon_momentum, max_grad_norm=max_grad_norm, ns_dtype=ns_dtype,
+                     adamw_kernel=adamw_kernel)

@@ -58,7 +58,9 @@ def make_optimizer(cfg: Any, named_params: list[tuple[str, torch.nn.Parameter]],
     the momentum rule (``pipefisher.optim.nvlamb`` [Note: the momentum rule]) at ``optimizer.kfac_lr``
     under the same warm-up and decay; the rest by NVLAMB. Every group follows the same schedule.
     Muon's Newton–Schulz precision follows ``optimizer.ns_dtype`` and the device
-    (:func:`~pipefisher.optim.muon.resolve_ns_dtype`), logged in one line when ``log_here``.
+    (:func:`~pipefisher.optim.muon.resolve_ns_dtype`), logged in one line when ``log_here``. AdamW's
+    implementation (``optimizer=adamw`` and Muon's AdamW half) is ``optimizer.adamw_kernel``
+    (``pipefisher.optim.baselines`` [Note: AdamW's kernel]).
     """
     o = cfg.optimizer
     if o.name in BASELINE_OPTIMIZERS:
@@ -67,7 +69,8 @@ def make_optimizer(cfg: Any, named_params: list[tuple[str, torch.nn.Parameter]],
             log.info("%s", line)
         opt = build_baseline_optimizer(o.name, named_params, lr=cfg.lr, weight_decay=o.weight_decay,
                                        max_grad_norm=o.max_grad_norm, betas=(o.beta1, o.beta2), eps=o.eps,
-                                       muon_momentum=o.muon_momentum, ns_dtype=ns_dtype)
+                                       muon_momentum=o.muon_momentum, ns_dtype=ns_dtype,
+                                       adamw_kernel=o.adamw_kernel)
     else:
         opt = _nvlamb(cfg, named_params, device)
     sched = make_lr_scheduler(
