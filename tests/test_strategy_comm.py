@@ -134,3 +134,34 @@ def test_a_measured_tp_step_scales_the_modelled_tp_stage_costs(tmp_path: Path):
     read = CommCosts.from_json(path)
     assert read.tp_seconds_fb == {(2, 4): 0.25} and read.compute_model == ("bert-mini", 64, 10)
     assert "tp=2 micro-batch 4: 250 ms" in read.describe()
+
+
+def test_the_compute_measurement_takes_the_runs_vocabulary(tmp_path: Path):
+    """``--vocab-size``: the model measured is the run's (its heads' FLOPs follow the vocabulary); the file
+    names it, and the tp ratio models the same model (bert-tiny's heads at vocabulary 30,522 are most of its
+    FLOPs, at 8,192 about a quarter)."""
+    from dataclasses import replace
+
+    import torch
+
+    from pipefisher.measure.collectives import _model_and_batch
+    from pipefisher.planning.strategy_search import tp_measured_over_modelled
+
+    bert, net, batch = _model_and_batch("bert-tiny", 2, 16, 2, torch.device("cpu"), vocab_size=512)
+    assert bert.vocab_size == 512 and int(batch["input_ids"].max()) < 512
+    rows = {p.shape[0] for p in net.parameters()}
+    assert 512 in rows and 30522 not in rows  # the word embedding (tied to the MLM decoder) has the run's rows
+    doc = collectives_json("gloo", "cpu", 2, {"all_reduce": {2: [(4096, 1e-4), (1 << 20, 1e-3)]}},
+                           compute={"model": "bert-tiny", "vocab_size": 8192, "seq_len": 64, "max_predictions": 10,
+                                    "micro_batch": {"8": {"flops_per_s": 2e10}},
+                                    "optimizer_step": {"memory_bytes_per_s": 4e9},
+                                    "tensor_parallel": {"2": {"8": {"seconds_fb": 0.25}}}})
+    path = tmp_path / "c.json"
+    path.write_text(json.dumps(doc))
+    read = CommCosts.from_json(path)
+    assert read.compute_vocab_size == 8192
+    preset = replace(read, compute_vocab_size=None)  # the same seconds against the preset's (larger) heads
+    assert tp_measured_over_modelled(read, 2, 8) > 1.5 * tp_measured_over_modelled(preset, 2, 8)
+    del doc["compute"]["vocab_size"]  # files written before the field: the preset's
+    path.write_text(json.dumps(doc))
+    assert CommCosts.from_json(path).compute_vocab_size is None

@@ -407,6 +407,8 @@ def tp_measured_over_modelled(comm: CommCosts, tp: int, micro_batch_size: int) -
     b = min(rows, key=lambda m: (abs(m - micro_batch_size), -m))
     size, seq_len, max_predictions = comm.compute_model
     bert = BertConfig.from_size(size.removeprefix("bert-"))
+    if comm.compute_vocab_size is not None:  # measured at the run's vocabulary (measure.collectives --vocab-size)
+        bert = replace(bert, vocab_size=comm.compute_vocab_size)
     costs = layer_costs(bert, seq_len, max_predictions)
     f, bwd = _stage_seconds(sum(costs), costs[1], bert.num_layers, tp,
                             comm.seconds("all_reduce", tp, 4.0 * b * seq_len * bert.hidden_size),
