@@ -95,3 +95,36 @@ def test_pairs(v):
     assert v.pairs_of(False, "gpipe/kfac,zb-h1/muon") == [("gpipe", "kfac"), ("zb-h1", "muon")]
     with pytest.raises(ValueError, match="--pairs chimera/sgd"):
         v.pairs_of(False, "chimera/sgd")
+
+
+def test_training_time_to_an_interpolated_step_leaves_evaluations_out(v):
+    rows = [{"step": 0, "step_time_s": 1.0}, {"step": 1, "step_time_s": 2.0, "eval_mlm_loss": 7.0},
+            {"step": 2, "step_time_s": 4.0}]
+    assert v.time_at_steps(rows, 2) == 3.0
+    assert v.time_at_steps(rows, 2.5) == 5.0  # half of step 2's 4 s
+    with pytest.raises(ValueError, match="do not cover 4"):
+        v.time_at_steps(rows, 4)
+
+
+def test_decompose_separates_a_common_rate_from_one_mispriced_optimizer(v):
+    """Every prediction 2x (a rate measured at another load) and muon's another 1.5x: the common factor is 2,
+    muon's median over it 1.5, the others 1."""
+    predicted, measured = {}, {}
+    for sched in ("gpipe", "1f1b", "chimera"):
+        for opt, extra in (("nvlamb", 1.0), ("adamw", 1.0), ("muon", 1.5)):
+            predicted[f"{sched}/{opt}"] = _pred(0.2 * 2 * extra, 1000)
+            measured[f"{sched}/{opt}"] = [0.2]
+    d = v.decompose(v.assemble_rows(predicted, measured))
+    assert d["common"] == pytest.approx(2.0)
+    assert d["optimizer"] == pytest.approx({"nvlamb": 1.0, "adamw": 1.0, "muon": 1.5})
+    assert d["schedule"] == pytest.approx({"gpipe": 1.0, "1f1b": 1.0, "chimera": 1.0})
+    assert d["worst_after_common"][0].endswith("/muon") and d["worst_after_common"][1] == pytest.approx(0.5)
+    assert d["within_after_common"] == 6
+
+
+def test_round_spread_is_the_measurements_own_noise(v):
+    predicted = {"a/nvlamb": _pred(0.2, 1000), "b/nvlamb": _pred(0.2, 1000), "c/nvlamb": _pred(0.2, 1000)}
+    measured = {"a/nvlamb": [0.2, 0.3], "b/nvlamb": [0.2, 0.22, 0.21], "c/nvlamb": [0.4]}
+    median, largest, pairs = v.round_spread(v.assemble_rows(predicted, measured))
+    assert pairs == 2 and largest == pytest.approx(0.5) and median == pytest.approx((0.5 + 0.1) / 2)
+    assert v.round_spread(v.assemble_rows(predicted, {"c/nvlamb": [0.4]})) is None
