@@ -572,11 +572,17 @@ def top_pick(out: Path, timeout_s: int, text_dir: Path) -> dict[str, Any]:
     return doc
 
 
+def _load_range(loads: Sequence[str], when: str) -> str:
+    """``1-min load average <when>: min-max, median N`` of ``h.load()`` lines."""
+    values = [float(x.split()[1]) for x in loads]
+    return (f"1-min load average {when}: {min(values):.1f}-{max(values):.1f}, median {statistics.median(values):.1f} "
+            f"on {loads[0].split()[-2]} cores") if values else ""
+
+
 def top_pick_lines(doc: Mapping[str, Any]) -> list[str]:
     lines = [f"top pick (goal 2): {doc['top']}; `{doc['command']}`", f"hardware: {doc['hardware']}",
              f"uptime before: {doc['uptime_before']}; after: {doc['uptime_after']}",
-             f"loads while it trained: {', '.join(sorted({l.split()[1] for l in doc['loads']}, key=float))}"
-             if doc.get("loads") else ""]
+             _load_range(doc.get("loads", []), "while it trained (every 5 s)")]
     if doc.get("reached") is None:
         lines.append(f"did not reach {doc['target']:.3f} (last evaluations {doc['curve'][-3:]})")
         return lines
@@ -600,7 +606,7 @@ def report(doc: Mapping[str, Any]) -> str:
     loads = doc.get("loads", [])
     lines = [f"hardware: {doc['hardware']}", f"command: `{doc['command']}`",
              f"uptime before: {doc.get('uptime_before', '?')}; after: {doc.get('uptime_after', '?')}",
-             f"loads at the runs' starts: {', '.join(l.split()[1] for l in loads)}" if loads else "",
+             _load_range(loads, "at the runs' starts"),
              "rates measured here (the search's comm_costs):", *[f"- {x}" for x in doc.get("rates", [])], ""]
     lines += table_lines(rows)
     lines.append("")
