@@ -205,6 +205,23 @@ def round_spread(rows: Sequence[Row]) -> tuple[float, float, int] | None:
     return (statistics.median(spreads), max(spreads), len(spreads)) if spreads else None
 
 
+def round_spearman(rows: Sequence[Row]) -> tuple[float, int] | None:
+    """Spearman of round 0's measured time to target against round 1's, over the pairs measured in both: how well
+    the measurement orders the pairs against itself, the ceiling for any prediction on this machine."""
+    both = [r for r in rows if len(r.rounds_s) >= 2]
+    if len(both) < 3:
+        return None
+    return spearman([r.steps * r.rounds_s[0] for r in both], [r.steps * r.rounds_s[1] for r in both]), len(both)
+
+
+def twin_spread(rows: Sequence[Row], a: str = "nvlamb", b: str = "adamw") -> dict[str, float]:
+    """Per schedule, NVLAMB's measured step / AdamW's - 1: the same pipeline and nearly the same optimizer step
+    (AdamW's is NVLAMB's without the trust ratio, a few % of a D=2 step), so the search prices them equal and
+    any difference is the measurement's noise."""
+    steps = {(r.schedule, r.optimizer): r.measured_s for r in rows}
+    return {s: steps[(s, a)] / steps[(s, b)] - 1 for s, o in steps if o == a and (s, b) in steps}
+
+
 def table_lines(rows: Sequence[Row]) -> list[str]:
     """Markdown: every pair, fastest measured time first, with both ranks."""
     pr = ranks([r.predicted_time_s for r in rows])
@@ -622,6 +639,15 @@ def report(doc: Mapping[str, Any]) -> str:
                         if "worst_error_builtin" in s else ""))
         lines.append(f"steps to H-0.3 are the calibration's for both columns, so these ranks order step time x each "
                      f"optimizer's steps ({', '.join(sorted({f'{r.optimizer} {r.steps:.0f}' for r in rows}))})")
+    twins = twin_spread(rows)
+    if twins:
+        lines.append("NVLAMB / AdamW measured step - 1 (the same pipeline, priced equal): " + ", ".join(
+            f"{k} {v:+.0%}" for k, v in twins.items()) + f"; median |.| {statistics.median(abs(v) for v in twins.values()):.0%}"
+            " (the measurement's noise on this machine)")
+    ceiling = round_spearman(rows)
+    if ceiling:
+        lines.append(f"Spearman of round 0's measured times against round 1's ({ceiling[1]} pairs): {ceiling[0]:.3f} "
+                     "(the measurement against itself: the ceiling for any prediction here)")
     spread = round_spread(rows)
     if spread:
         lines.append(f"the same pair's rounds differ by {spread[0]:.0%} (median over {spread[2]} pairs; largest "

@@ -128,3 +128,16 @@ def test_round_spread_is_the_measurements_own_noise(v):
     median, largest, pairs = v.round_spread(v.assemble_rows(predicted, measured))
     assert pairs == 2 and largest == pytest.approx(0.5) and median == pytest.approx((0.5 + 0.1) / 2)
     assert v.round_spread(v.assemble_rows(predicted, {"c/nvlamb": [0.4]})) is None
+
+
+def test_twin_spread_compares_nvlamb_and_adamw_on_the_same_schedule(v):
+    predicted = {k: _pred(0.2, 1606) for k in ("a/nvlamb", "a/adamw", "b/nvlamb", "b/adamw", "c/nvlamb")}
+    measured = {"a/nvlamb": [0.3], "a/adamw": [0.2], "b/nvlamb": [0.2], "b/adamw": [0.25], "c/nvlamb": [0.2]}
+    assert v.twin_spread(v.assemble_rows(predicted, measured)) == pytest.approx({"a": 0.5, "b": -0.2})
+
+
+def test_round_spearman_orders_the_measurement_against_itself(v):
+    predicted = {f"s{i}/nvlamb": _pred(0.2, 1000) for i in range(4)}
+    measured = {"s0/nvlamb": [0.1, 0.4], "s1/nvlamb": [0.2, 0.3], "s2/nvlamb": [0.3, 0.2], "s3/nvlamb": [0.4, 0.1]}
+    assert v.round_spearman(v.assemble_rows(predicted, measured)) == (pytest.approx(-1.0), 4)
+    assert v.round_spearman(v.assemble_rows(predicted, {"s0/nvlamb": [0.1, 0.2]})) is None
