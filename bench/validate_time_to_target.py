@@ -1,8 +1,14 @@
 """Validate the strategy search's time to target at D=2 measured (issue 37's goals), every schedule × optimizer.
 
-    python bench/validate_time_to_target.py --out DIR --measure             # every pair, 2 rounds (~30 min here)
-    python bench/validate_time_to_target.py --out DIR --measure --quick     # 6 pairs, the same way (~5 min)
+    python bench/validate_time_to_target.py --out DIR --measure --steps 8   # every pair, 2 rounds (see below)
+    python bench/validate_time_to_target.py --out DIR --measure --quick     # 6 pairs, the same way (6 min here)
+    python bench/validate_time_to_target.py --out DIR --diagnose            # each action's cost: search vs profile
+    python bench/validate_time_to_target.py --out DIR --top-pick            # goal 2: the top pick trained to H-0.3
     python bench/validate_time_to_target.py --out DIR                       # the tables again from DIR/validation.json
+
+Duration: a round is 40 train.py runs (8 schedules x 5 optimizers), 20-60 s each on 2 cores at load 6-10 (most of it
+start-up), so 35-50 min per round there, more while other benchmarks hold the lock; ``--rounds 1`` halves it,
+``--quick`` is 6 runs.
 
 Shape: bert-tiny (vocabulary 8,192, seq 64, 10 predictions), global batch 32 in 4 micro-batches of 8, 2 workers
 (pp=2, one pipeline): the convergence study's, whose steps the calibration holds.
