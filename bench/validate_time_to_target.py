@@ -700,13 +700,9 @@ def main() -> None:
     start = time.perf_counter()
     path = args.out / "validation.json"
     if args.top_pick:
-        print("\n".join(top_pick_lines(top_pick(args.out, args.timeout_s, args.text_dir))))
-        if not args.measure and not path.is_file():
-            return
+        top_pick(args.out, args.timeout_s, args.text_dir)
     if args.diagnose:
         diagnose(args.out)
-        if not args.measure and not path.is_file():
-            return
     if args.measure:
         pairs = pairs_of(args.quick, args.pairs)
         doc: dict[str, Any] = {"command": "python " + " ".join(sys.argv), "hardware": _hardware(),
@@ -735,8 +731,18 @@ def main() -> None:
                           args.timeout_s, doc)
         doc["uptime_after"] = _uptime()
         path.write_text(json.dumps(doc, indent=1) + "\n")
+    parts = []
+    if (args.out / "top_pick.json").is_file():
+        parts.append("\n".join(top_pick_lines(json.loads((args.out / "top_pick.json").read_text()))))
+    if (args.out / "diagnose.json").is_file():
+        diag = json.loads((args.out / "diagnose.json").read_text())
+        parts += [f"diagnose {opt} ({p['load']}; {p['rates']}):\n" + h.table(
+            ["cost", "search ms", "profiled ms", "search / profiled"], p["rows"]) for opt, p in diag["profiles"].items()]
+    if not path.is_file():
+        print("\n\n".join(parts))
+        return
     doc = json.loads(path.read_text())
-    text = report(doc)
+    text = "\n\n".join([report(doc), *parts])
     (args.out / "validation.md").write_text(text)
     print(text)
     print(f"({time.perf_counter() - start:.0f} s)")
