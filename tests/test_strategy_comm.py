@@ -165,3 +165,22 @@ def test_the_compute_measurement_takes_the_runs_vocabulary(tmp_path: Path):
     del doc["compute"]["vocab_size"]  # files written before the field: the preset's
     path.write_text(json.dumps(doc))
     assert CommCosts.from_json(path).compute_vocab_size is None
+
+
+def test_kfac_factor_all_reduces_are_priced_by_the_measured_collectives():
+    """Study 20: the search priced K-FAC's factor all-reduce from the FLOP estimate's ring model (no latency:
+    0.01 ms per layer at D=2 chimera) while the profile measured 0.3-1.1 ms; it now takes the same collective
+    model as the gradient all-reduce. Without a file the two agree (train.py's plans do not move)."""
+    from pipefisher.model.config import BertConfig
+    from pipefisher.planning.costs import RunShape, estimate_run_costs, kfac_linear_dims
+    from pipefisher.planning.strategy_search import hybrid_costs
+
+    bert = BertConfig(num_layers=2, hidden_size=128, num_heads=2, intermediate_size=512, vocab_size=8192)
+    run = RunShape(bert, "chimera", 2, 4, 8, seq_len=64, max_predictions=10)  # two pipes: factors over 2 replicas
+    hw = Hardware(flops_per_s=1e10, p2p_bytes_per_s=2e9, memory_bytes_per_s=1e10)
+    assert hybrid_costs(run, 1, 1, hw, CommCosts({}, hw)).sync_factor_ns == estimate_run_costs(run, hw).sync_factor_ns
+    measured = CommCosts({"all_reduce": {2: LinkFit(500e-6, 1e9)}}, hw)
+    got = hybrid_costs(run, 1, 1, hw, measured).sync_factor_ns
+    want = tuple(tuple(round((500e-6 + 4.0 * (i * i + o * o) / 1e9) * 1e9) for i, o in kfac_linear_dims(bert, n))
+                 for n in run.encoder_layers)
+    assert got == want and min(min(row) for row in got) >= 500_000
