@@ -184,3 +184,20 @@ def test_kfac_factor_all_reduces_are_priced_by_the_measured_collectives():
     want = tuple(tuple(round((500e-6 + 4.0 * (i * i + o * o) / 1e9) * 1e9) for i, o in kfac_linear_dims(bert, n))
                  for n in run.encoder_layers)
     assert got == want and min(min(row) for row in got) >= 500_000
+
+
+def test_step_prices_the_tied_weight_once_where_a_worker_holds_both_of_its_copies():
+    """Study 20: a chimera D=2 worker holds stage 0 and the last stage, whose word embedding and MLM decoder are
+    one Parameter on that worker (runtime.build.tie_local_copies), so its NVLAMB step updates the whole model
+    once: bert-tiny's parameter count, not the two stages' sum (the search charged 2.60 M for 1.55 M)."""
+    from pipefisher.model.bert import build_full_model
+    from pipefisher.model.config import BertConfig
+    from pipefisher.planning.costs import STEP_BYTES_PER_PARAM, RunShape
+    from pipefisher.planning.strategy_search import hybrid_costs
+
+    bert = BertConfig(num_layers=2, hidden_size=128, num_heads=2, intermediate_size=512, vocab_size=8192)
+    whole = sum(p.numel() for p in build_full_model(bert).parameters() if p.requires_grad)
+    hw = Hardware(flops_per_s=1e10, p2p_bytes_per_s=1e30, memory_bytes_per_s=1e9)  # collectives free
+    chimera = hybrid_costs(RunShape(bert, "chimera", 2, 4, 8, seq_len=64, max_predictions=10), 1, 1, hw,
+                           CommCosts({}, hw))
+    assert chimera.step_ns == pytest.approx(whole * STEP_BYTES_PER_PARAM / 1e9 * 1e9, abs=2)

@@ -374,7 +374,9 @@ def hybrid_costs(run: RunShape, sdp: int, tp: int, hardware: Hardware, comm: Com
     # The tied weight: holders of stage 0 or the last one (every replica's one worker at D = 1), per sdp index.
     holders = run.dp_width * (1 if d == 1 else 2) // sdp
     element_wise = optimizer if optimizer in ELEMENTWISE_OPTIMIZERS else "nvlamb"
-    own = max(optimizer_step_seconds(element_wise, sum(params[s] for s in _stages_of(schedule, w)),
+    # a worker holding the first and the last stage steps the tied weight once (runtime.build.tie_local_copies)
+    own = max(optimizer_step_seconds(element_wise, worker_parameters(run, params, _stages_of(schedule, w),
+                                                                      tied_once=sdp == 1 and tp == 1),
                                      [m for s in _stages_of(schedule, w)
                                       for m in muon_matrices(bert, run.encoder_layers[s])], hardware, comm, sdp, tp)
               for w in schedule.actions)
