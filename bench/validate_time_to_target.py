@@ -186,6 +186,13 @@ def summary(rows: Sequence[Row]) -> dict[str, Any]:
     return out
 
 
+def round_rows(doc: Mapping[str, Any], r: int) -> list[Row]:
+    """Round ``r`` alone: its own prediction (from the rates measured just before it) against its own runs, for the
+    pairs measured in it (the rounds' runs are appended in order, so a pair's ``r``-th entry is round ``r``'s)."""
+    measured = {k: [v[r]] for k, v in doc["measured"].items() if len(v) > r}
+    return assemble_rows(doc["predicted_rounds"][r], measured, doc.get("builtin"), doc.get("measured_k"))
+
+
 def decompose(rows: Sequence[Row]) -> dict[str, Any]:
     """Where the step error sits: the common factor (median of predicted / measured over every pair: a rate that
     is off for all of them, e.g. measured at another load), each optimizer's and each schedule's median ratio
@@ -645,6 +652,13 @@ def report(doc: Mapping[str, Any]) -> str:
                         if "worst_error_builtin" in s else ""))
         lines.append(f"steps to H-0.3 are the calibration's for both columns, so these ranks order step time x each "
                      f"optimizer's steps ({', '.join(sorted({f'{r.optimizer} {r.steps:.0f}' for r in rows}))})")
+    for r in range(len(doc.get("predicted_rounds", []))) if len(doc.get("predicted_rounds", [])) > 1 else ():
+        rr = round_rows(doc, r)
+        if len(rr) >= 3:
+            sr = summary(rr)
+            lines.append(f"round {r} alone (its own rates against its own runs, {len(rr)} pairs): Spearman "
+                         f"{sr['spearman']:.3f}, median step error {statistics.median(x.error for x in rr):+.0%}, "
+                         f"worst {sr['worst_error']:+.0%} ({sr['worst_pair']}), {sr['within_goal']} within 10 %")
     twins = twin_spread(rows)
     if twins:
         lines.append("NVLAMB / AdamW measured step - 1 (the same pipeline, priced equal): " + ", ".join(

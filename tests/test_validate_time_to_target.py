@@ -141,3 +141,12 @@ def test_round_spearman_orders_the_measurement_against_itself(v):
     measured = {"s0/nvlamb": [0.1, 0.4], "s1/nvlamb": [0.2, 0.3], "s2/nvlamb": [0.3, 0.2], "s3/nvlamb": [0.4, 0.1]}
     assert v.round_spearman(v.assemble_rows(predicted, measured)) == (pytest.approx(-1.0), 4)
     assert v.round_spearman(v.assemble_rows(predicted, {"s0/nvlamb": [0.1, 0.2]})) is None
+
+
+def test_round_rows_pair_each_rounds_prediction_with_its_own_runs(v):
+    doc = {"predicted_rounds": [{"a/nvlamb": _pred(0.4, 1000), "b/muon": _pred(0.5, 800)},
+                                {"a/nvlamb": _pred(0.2, 1000), "b/muon": _pred(0.25, 800)}],
+           "measured": {"a/nvlamb": [0.4, 0.25], "b/muon": [0.5]}}
+    r0, r1 = v.round_rows(doc, 0), v.round_rows(doc, 1)
+    assert [(r.optimizer, r.error) for r in r0] == [("nvlamb", 0.0), ("muon", 0.0)]
+    assert [(r.optimizer, r.predicted_s, r.measured_s) for r in r1] == [("nvlamb", 0.2, 0.25)]  # muon not yet run
