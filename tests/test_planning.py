@@ -503,7 +503,33 @@ def test_whatif_searches_every_schedule_train_py_runs_with_its_memory():
     assert ("chimera-doubling", 4) in ranked  # D=4, W=1: N=8 = 2D
     reasons = {(c.method, c.stages): c.excluded for c in found if c.excluded}
     assert reasons[("chimera-doubling", 1)] == "chimera-doubling needs an even number of stages (stages=1)"
-    assert reasons[("zb-v", 4)] == "8 model stages exceed the model's 4 encoder layers"
+    assert reasons[("zb-v", 4)] == ("8 model stages exceed model.num_layers=4 + 2 (one encoder layer per stage, "
+                                    "plus a stage for the heads and one for the embeddings)")
+
+
+def test_search_ranks_the_shapes_train_py_runs_with_stages_of_heads_or_embeddings_alone():
+    """bert-tiny (2 encoder layers) at D=2 with two chunks per worker: 4 model stages, which train.py runs (the
+    heads and the embeddings get stages of their own, config.validation's L + 2); the search refused them."""
+    from pipefisher.config import ConfigError
+    from pipefisher.planning.strategy_search import search_strategies
+    from tests.conftest import compose_train
+
+    tiny = BertConfig.from_size("tiny")
+    two_chunks = ["interleaved", "zb-v", "dualpipev", "v-half", "v-min"]
+    found = search_strategies(tiny, devices=2, memory_gb=100.0, global_batch=32, methods=two_chunks,
+                              micro_batch_sizes=[8], optimizers=["nvlamb", "pipefisher"], recompute=[False],
+                              sdp_degrees=[1], tp_degrees=[1], seq_len=64, max_predictions=10)
+    ranked = {(c.method, c.optimizer) for c in found if c.excluded is None and c.stages == 2}
+    assert ranked == {(m, o) for m in two_chunks for o in ("nvlamb", "pipefisher")}
+    for method in two_chunks:  # and train.py accepts each of them
+        compose_train(["model=bert-tiny", "stages=2", f"pipeline={method}", "num_micro_batches=4"], tiny=False)
+    at_d4 = [c for c in what_if(tiny, devices=4, memory_gb=100.0, global_batch=32, methods=["zb-v"],
+                                micro_batch_sizes=[4], optimizers=["nvlamb"], recompute=[False], seq_len=64,
+                                max_predictions=10) if c.stages == 4]
+    assert [c.excluded for c in at_d4] == ["8 model stages exceed model.num_layers=2 + 2 (one encoder layer per "
+                                           "stage, plus a stage for the heads and one for the embeddings)"]
+    with pytest.raises(ConfigError, match=r"exceeds model.num_layers=2 \+ 2"):
+        compose_train(["model=bert-tiny", "stages=4", "pipeline=zb-v", "num_micro_batches=8"], tiny=False)
 
 
 def test_whatif_memory_budget_excludes_forward_doubling_where_direct_chimera_fits():

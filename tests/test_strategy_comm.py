@@ -134,3 +134,70 @@ def test_a_measured_tp_step_scales_the_modelled_tp_stage_costs(tmp_path: Path):
     read = CommCosts.from_json(path)
     assert read.tp_seconds_fb == {(2, 4): 0.25} and read.compute_model == ("bert-mini", 64, 10)
     assert "tp=2 micro-batch 4: 250 ms" in read.describe()
+
+
+def test_the_compute_measurement_takes_the_runs_vocabulary(tmp_path: Path):
+    """``--vocab-size``: the model measured is the run's (its heads' FLOPs follow the vocabulary); the file
+    names it, and the tp ratio models the same model (bert-tiny's heads at vocabulary 30,522 are most of its
+    FLOPs, at 8,192 about a quarter)."""
+    from dataclasses import replace
+
+    import torch
+
+    from pipefisher.measure.collectives import _model_and_batch
+    from pipefisher.planning.strategy_search import tp_measured_over_modelled
+
+    bert, net, batch = _model_and_batch("bert-tiny", 2, 16, 2, torch.device("cpu"), vocab_size=512)
+    assert bert.vocab_size == 512 and int(batch["input_ids"].max()) < 512
+    rows = {p.shape[0] for p in net.parameters()}
+    assert 512 in rows and 30522 not in rows  # the word embedding (tied to the MLM decoder) has the run's rows
+    doc = collectives_json("gloo", "cpu", 2, {"all_reduce": {2: [(4096, 1e-4), (1 << 20, 1e-3)]}},
+                           compute={"model": "bert-tiny", "vocab_size": 8192, "seq_len": 64, "max_predictions": 10,
+                                    "micro_batch": {"8": {"flops_per_s": 2e10}},
+                                    "optimizer_step": {"memory_bytes_per_s": 4e9},
+                                    "tensor_parallel": {"2": {"8": {"seconds_fb": 0.25}}}})
+    path = tmp_path / "c.json"
+    path.write_text(json.dumps(doc))
+    read = CommCosts.from_json(path)
+    assert read.compute_vocab_size == 8192
+    preset = replace(read, compute_vocab_size=None)  # the same seconds against the preset's (larger) heads
+    assert tp_measured_over_modelled(read, 2, 8) > 1.5 * tp_measured_over_modelled(preset, 2, 8)
+    del doc["compute"]["vocab_size"]  # files written before the field: the preset's
+    path.write_text(json.dumps(doc))
+    assert CommCosts.from_json(path).compute_vocab_size is None
+
+
+def test_kfac_factor_all_reduces_are_priced_by_the_measured_collectives():
+    """Study 20: the search priced K-FAC's factor all-reduce from the FLOP estimate's ring model (no latency:
+    0.01 ms per layer at D=2 chimera) while the profile measured 0.3-1.1 ms; it now takes the same collective
+    model as the gradient all-reduce. Without a file the two agree (train.py's plans do not move)."""
+    from pipefisher.model.config import BertConfig
+    from pipefisher.planning.costs import RunShape, estimate_run_costs, kfac_linear_dims
+    from pipefisher.planning.strategy_search import hybrid_costs
+
+    bert = BertConfig(num_layers=2, hidden_size=128, num_heads=2, intermediate_size=512, vocab_size=8192)
+    run = RunShape(bert, "chimera", 2, 4, 8, seq_len=64, max_predictions=10)  # two pipes: factors over 2 replicas
+    hw = Hardware(flops_per_s=1e10, p2p_bytes_per_s=2e9, memory_bytes_per_s=1e10)
+    assert hybrid_costs(run, 1, 1, hw, CommCosts({}, hw)).sync_factor_ns == estimate_run_costs(run, hw).sync_factor_ns
+    measured = CommCosts({"all_reduce": {2: LinkFit(500e-6, 1e9)}}, hw)
+    got = hybrid_costs(run, 1, 1, hw, measured).sync_factor_ns
+    want = tuple(tuple(round((500e-6 + 4.0 * (i * i + o * o) / 1e9) * 1e9) for i, o in kfac_linear_dims(bert, n))
+                 for n in run.encoder_layers)
+    assert got == want and min(min(row) for row in got) >= 500_000
+
+
+def test_step_prices_the_tied_weight_once_where_a_worker_holds_both_of_its_copies():
+    """Study 20: a chimera D=2 worker holds stage 0 and the last stage, whose word embedding and MLM decoder are
+    one Parameter on that worker (runtime.build.tie_local_copies), so its NVLAMB step updates the whole model
+    once: bert-tiny's parameter count, not the two stages' sum (the search charged 2.60 M for 1.55 M)."""
+    from pipefisher.model.bert import build_full_model
+    from pipefisher.model.config import BertConfig
+    from pipefisher.planning.costs import STEP_BYTES_PER_PARAM, RunShape
+    from pipefisher.planning.strategy_search import hybrid_costs
+
+    bert = BertConfig(num_layers=2, hidden_size=128, num_heads=2, intermediate_size=512, vocab_size=8192)
+    whole = sum(p.numel() for p in build_full_model(bert).parameters() if p.requires_grad)
+    hw = Hardware(flops_per_s=1e10, p2p_bytes_per_s=1e30, memory_bytes_per_s=1e9)  # collectives free
+    chimera = hybrid_costs(RunShape(bert, "chimera", 2, 4, 8, seq_len=64, max_predictions=10), 1, 1, hw,
+                           CommCosts({}, hw))
+    assert chimera.step_ns == pytest.approx(whole * STEP_BYTES_PER_PARAM / 1e9 * 1e9, abs=2)

@@ -9,7 +9,7 @@ apart). Each point is the median over repeats of the slowest rank's time; the po
 and group size are fitted as latency + bytes / bandwidth (``planning.comm_costs``, [Note: the fit];
 bytes as in [Note: what a message's bytes are]). The file holds the points and the fits.
 
-With ``--model bert-mini --micro-batch-sizes 8`` the same processes also time the whole model's forward
+With ``--model bert-mini --micro-batch-sizes 8`` (``--vocab-size``: the run's vocabulary) the same processes also time the whole model's forward
 and backward (one micro-batch, synthetic data, all processes at once, as a run's workers compute side by
 side) and store the FLOP rate that achieves under the planner's FLOP count (``model.partition.layer_costs``
 × 3 for forward and backward): ``compute.flops_per_s`` per micro-batch size, which the search then uses
@@ -112,15 +112,24 @@ def _time_op(op: str, g: int, rank: int, num_bytes: int, group: dist.ProcessGrou
     return t / 2 if op == "p2p" else t  # one way
 
 
+def _bert(model: str, vocab_size: int | None = None) -> Any:
+    """The BERT preset ``model`` (``bert-mini``), with ``vocab_size`` where given (the run's own vocabulary)."""
+    from dataclasses import replace
+
+    from pipefisher.model.config import BertConfig
+
+    bert = BertConfig.from_size(model.removeprefix("bert-"))
+    return bert if vocab_size is None else replace(bert, vocab_size=vocab_size)
+
+
 def _model_and_batch(model: str, micro_batch_size: int, seq_len: int, max_predictions: int,
-                     device: torch.device) -> tuple[Any, Any, dict[str, torch.Tensor]]:
+                     device: torch.device, vocab_size: int | None = None) -> tuple[Any, Any, dict[str, torch.Tensor]]:
     """(config, the whole model in train mode, one synthetic micro-batch) for the compute timings."""
     from pipefisher.data.batches import get_micro_batch
     from pipefisher.data.synthetic import SyntheticSource
     from pipefisher.model.bert import build_full_model
-    from pipefisher.model.config import BertConfig
 
-    bert = BertConfig.from_size(model.removeprefix("bert-"))
+    bert = _bert(model, vocab_size)
     net = build_full_model(bert).to(device).train()
     source = SyntheticSource(seq_len, max_predictions, bert.vocab_size, seed=0)
     batch = {k: v.to(device) for k, v in get_micro_batch(source, 0, 0, 0, micro_batch_size=micro_batch_size,
@@ -154,17 +163,17 @@ def _median_fb_seconds(net: Any, batch: dict[str, torch.Tensor], device: torch.d
 
 
 def _compute_rate(model: str, micro_batch_size: int, seq_len: int, max_predictions: int, device: torch.device,
-                  repeats: int, budget_s: float) -> tuple[float, float]:
+                  repeats: int, budget_s: float, vocab_size: int | None = None) -> tuple[float, float]:
     """(seconds of one forward + backward of the whole model on one micro-batch, its planner FLOPs)."""
     from pipefisher.model.partition import layer_costs
 
-    bert, net, batch = _model_and_batch(model, micro_batch_size, seq_len, max_predictions, device)
+    bert, net, batch = _model_and_batch(model, micro_batch_size, seq_len, max_predictions, device, vocab_size)
     flops = 3.0 * micro_batch_size * sum(layer_costs(bert, seq_len, max_predictions))
     return _median_fb_seconds(net, batch, device, repeats, budget_s), flops
 
 
 def _tp_seconds(model: str, micro_batch_size: int, seq_len: int, max_predictions: int, device: torch.device,
-                repeats: int, budget_s: float, world: int) -> float:
+                repeats: int, budget_s: float, world: int, vocab_size: int | None = None) -> float:
     """Seconds of one forward + backward of the whole model on one micro-batch with its encoder
     layers split over all ``world`` processes (train.py's tensor parallel, ``runtime.tensor_parallel``):
     what the strategy search's time model sets its tp estimate against ([Note: the time model])."""
@@ -172,18 +181,18 @@ def _tp_seconds(model: str, micro_batch_size: int, seq_len: int, max_predictions
 
     from pipefisher.runtime.tensor_parallel import parallelize_stages
 
-    _, net, batch = _model_and_batch(model, micro_batch_size, seq_len, max_predictions, device)
+    _, net, batch = _model_and_batch(model, micro_batch_size, seq_len, max_predictions, device, vocab_size)
     parallelize_stages({(0, 0): net}, {(0, 0): init_device_mesh(device.type, (world,), mesh_dim_names=("tp_measure",))})
     return _median_fb_seconds(net, batch, device, repeats, budget_s, collective=True)
 
 
-def _optimizer_rate(model: str, device: torch.device, repeats: int, budget_s: float) -> tuple[float, int]:
+def _optimizer_rate(model: str, device: torch.device, repeats: int, budget_s: float,
+                    vocab_size: int | None = None) -> tuple[float, int]:
     """(seconds of one NVLAMB step over the whole model's parameters, the parameter count)."""
     from pipefisher.model.bert import build_full_model
-    from pipefisher.model.config import BertConfig
     from pipefisher.optim.nvlamb import NVLAMB
 
-    net = build_full_model(BertConfig.from_size(model.removeprefix("bert-"))).to(device)
+    net = build_full_model(_bert(model, vocab_size)).to(device)
     params = [p for p in net.parameters() if p.requires_grad]
     for p in params:
         p.grad = torch.full_like(p, 1e-3)
@@ -235,23 +244,21 @@ def _worker(rank: int, world: int, port: int, backend: str, sizes: Sequence[int]
             for mbs in compute["micro_batch_sizes"]:
                 dist.barrier()
                 seconds, flops = _compute_rate(compute["model"], mbs, compute["seq_len"], compute["max_predictions"],
-                                               device, repeats, 2 * budget_s)
+                                               device, repeats, 2 * budget_s, compute["vocab_size"])
                 seconds = _slowest(seconds, device)
                 rates[str(mbs)] = {"seconds_fb": seconds, "flops_fb": flops, "flops_per_s": flops / seconds}
             dist.barrier()
-            seconds, params = _optimizer_rate(compute["model"], device, repeats, 2 * budget_s)
+            seconds, params = _optimizer_rate(compute["model"], device, repeats, 2 * budget_s, compute["vocab_size"])
             seconds = _slowest(seconds, device)
             step = {"seconds": seconds, "parameters": params, "memory_bytes_per_s": STEP_BYTES_PER_PARAM * params / seconds}
             tp_rows = {}
-            from pipefisher.model.config import BertConfig
-
-            bert = BertConfig.from_size(compute["model"].removeprefix("bert-"))
+            bert = _bert(compute["model"], compute["vocab_size"])
             for mbs in compute["micro_batch_sizes"] if bert.splits_over(world) else ():
                 dist.barrier()
                 seconds = _tp_seconds(compute["model"], mbs, compute["seq_len"], compute["max_predictions"], device,
-                                      repeats, 2 * budget_s, world)
+                                      repeats, 2 * budget_s, world, compute["vocab_size"])
                 tp_rows[str(mbs)] = {"seconds_fb": _slowest(seconds, device)}
-            extra["compute"] = {"model": compute["model"], "seq_len": compute["seq_len"],
+            extra["compute"] = {"model": compute["model"], "vocab_size": bert.vocab_size, "seq_len": compute["seq_len"],
                                 "max_predictions": compute["max_predictions"], "processes": world, "micro_batch": rates,
                                 "optimizer_step": step, "tensor_parallel": {str(world): tp_rows}}
         if rank == 0:
@@ -267,7 +274,7 @@ def _worker(rank: int, world: int, port: int, backend: str, sizes: Sequence[int]
 def measure_collectives(out: str | os.PathLike, world: int = 2, backend: str = "auto", min_bytes: int = 4096,
                         max_bytes: int = 16 << 20, repeats: int = 20, budget_s: float = 0.5, model: str | None = None,
                         micro_batch_sizes: Sequence[int] = (8,), seq_len: int = 128,
-                        max_predictions: int = 20) -> dict[str, Any]:
+                        max_predictions: int = 20, vocab_size: int | None = None) -> dict[str, Any]:
     """Measure and write ``out``; returns the document written.
 
     Args:
@@ -281,6 +288,7 @@ def measure_collectives(out: str | os.PathLike, world: int = 2, backend: str = "
             and with tensor parallel over all ``world`` processes (where ``world`` divides its heads and
             FFN width); None: none.
         micro_batch_sizes, seq_len, max_predictions: the compute measurement's shapes.
+        vocab_size: the measured model's vocabulary (a run's ``model.vocab_size``); None: the preset's.
 
     Raises:
         ValueError: a bad argument, naming it.
@@ -300,8 +308,10 @@ def measure_collectives(out: str | os.PathLike, world: int = 2, backend: str = "
 
         if model.removeprefix("bert-") not in BERT_SIZES:
             raise ValueError(f"--model={model}: choose one of {', '.join('bert-' + k for k in BERT_SIZES)}")
+        if vocab_size is not None and vocab_size < 1:
+            raise ValueError(f"--vocab-size={vocab_size}: give the run's model.vocab_size (a positive count)")
         compute = {"model": model, "micro_batch_sizes": list(micro_batch_sizes), "seq_len": seq_len,
-                   "max_predictions": max_predictions}
+                   "max_predictions": max_predictions, "vocab_size": vocab_size}
     threads = max(1, (os.cpu_count() or 1) // world) if backend == "gloo" else 1
     port = _free_port()
     mp.start_processes(_worker, args=(world, port, backend, sizes, repeats, budget_s, threads, str(out), compute),
@@ -334,12 +344,15 @@ def main(argv: Sequence[str] | None = None) -> None:
     p.add_argument("--micro-batch-sizes", default="8", help="--model: comma-separated micro-batch sizes (default 8)")
     p.add_argument("--seq-len", type=int, default=128, help="--model: tokens per sequence (default 128)")
     p.add_argument("--max-predictions", type=int, default=20, help="--model: masked positions (default 20)")
+    p.add_argument("--vocab-size", type=int, default=None,
+                   help="--model: vocabulary of the measured model (a run's model.vocab_size; default the preset's)")
     args = p.parse_args(argv)
     try:
         doc = measure_collectives(args.out, args.world, args.backend, _bytes(args.min_bytes), _bytes(args.max_bytes),
                                   args.repeats, model=args.model,
                                   micro_batch_sizes=[int(x) for x in args.micro_batch_sizes.split(",")],
-                                  seq_len=args.seq_len, max_predictions=args.max_predictions)
+                                  seq_len=args.seq_len, max_predictions=args.max_predictions,
+                                  vocab_size=args.vocab_size)
     except ValueError as exc:
         raise SystemExit(f"collectives: {exc}") from None
     print(f"{doc['backend']} on {doc['device']}, {doc['world_size']} processes, "
@@ -348,7 +361,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         for g, row in groups.items():
             print(f"  {op:>14} g={g}: {row['latency_s'] * 1e6:8.1f} us + bytes / {row['bytes_per_s'] / 1e9:6.3f} GB/s")
     for mbs, row in doc.get("compute", {}).get("micro_batch", {}).items():
-        print(f"  compute {doc['compute']['model']} micro-batch {mbs}: forward+backward {row['seconds_fb'] * 1e3:.1f} ms "
+        print(f"  compute {doc['compute']['model']} (vocabulary {doc['compute'].get('vocab_size', '?')}) micro-batch {mbs}: forward+backward {row['seconds_fb'] * 1e3:.1f} ms "
               f"= {row['flops_per_s'] / 1e9:.2f} GFLOP/s (planner FLOPs)")
     if "optimizer_step" in doc.get("compute", {}):
         step = doc["compute"]["optimizer_step"]

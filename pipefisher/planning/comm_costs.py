@@ -107,6 +107,8 @@ class CommCosts:
         tp_seconds_fb: (tp, micro-batch size) -> measured seconds of one forward + backward of the
             whole ``compute_model`` with tensor parallel over tp processes, if any.
         compute_model: the measured BERT size and shape, ``(size, seq_len, max_predictions)``, if any.
+        compute_vocab_size: the measured model's vocabulary where the file names it (``--vocab-size``), else
+            None (the preset's).
     """
 
     fits: Mapping[str, Mapping[int, LinkFit]] = field(default_factory=dict)
@@ -116,6 +118,7 @@ class CommCosts:
     memory_bytes_per_s: float | None = None
     tp_seconds_fb: Mapping[tuple[int, int], float] = field(default_factory=dict)
     compute_model: tuple[str, int, int] | None = None
+    compute_vocab_size: int | None = None
 
     def hardware_for(self, micro_batch_size: int) -> Hardware:
         """``hardware`` with the measured compute rates where the file has them: the FLOP rate of the
@@ -189,13 +192,14 @@ class CommCosts:
                   for t, rows in (compute.get("tensor_parallel") or {}).items() for b, row in rows.items()}
             shape = (str(compute["model"]), int(compute["seq_len"]), int(compute["max_predictions"])) \
                 if compute.get("model") is not None else None
+            vocab = int(compute["vocab_size"]) if compute.get("vocab_size") is not None else None
         except (KeyError, TypeError, ValueError, AttributeError):
             raise ValueError(f"comm_costs={path}: field compute needs model, seq_len, max_predictions, "
                              f"micro_batch.<size>.flops_per_s, optimizer_step.memory_bytes_per_s and, if present, "
                              f"tensor_parallel.<tp>.<size>.seconds_fb (numbers); {make}") from None
         if any(not r > 0 for r in [*rates.values(), *tp.values()]) or (memory is not None and not memory > 0):
             raise ValueError(f"comm_costs={path}: field compute: rates and times must be positive; {make}")
-        return cls(fits, hardware, str(path), rates, memory, tp, shape)
+        return cls(fits, hardware, str(path), rates, memory, tp, shape, vocab)
 
     def describe(self) -> str:
         """One line: the source and each measured op's group sizes."""

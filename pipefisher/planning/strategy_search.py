@@ -32,6 +32,7 @@ the ring model; compute from FLOPs at ``Hardware.flops_per_s``, which a measurem
     message          p2p(b·S·H·bytes) between neighbouring stages (each tp rank to its peer)
     SYNC_GRAD(s)     sdp > 1: reduce_scatter(sdp, 4·p_s) + all_reduce(dp·twins, 4·p'_s / sdp)
                      sdp = 1: all_reduce(dp·twins, 4·p'_s)      (p'_s: without the tied word embedding)
+    SYNC_FACTOR      K-FAC (sdp = 1): all_reduce(dp·twins, 4·(in² + out²)) per layer, A and G together
     STEP             sdp > 1: all_gather(sdp, 4·p_s) of the next step's weights (one gather per stage
                      per step, reshard_after_forward=false; charged here, where it is sequential too)
                      + all_reduce(tied holders / sdp, 4·V·H / sdp) of the tied weight (stage 0 and the
@@ -90,7 +91,7 @@ from pipefisher.model.config import BertConfig
 from pipefisher.model.partition import layer_costs
 from pipefisher.planning.calibration import Calibration
 from pipefisher.planning.comm_costs import CommCosts
-from pipefisher.planning.costs import Hardware, RunShape, estimate_run_costs, stage_parameters
+from pipefisher.planning.costs import Hardware, RunShape, estimate_run_costs, kfac_linear_dims, stage_parameters
 from pipefisher.planning.memory import (activation_peak, device_overhead, estimate_memory, heads_backward_bytes,
                                         mmapped_parameters, saved_heads_bytes, tied_parameters,
                                         worker_parameters)
@@ -373,7 +374,9 @@ def hybrid_costs(run: RunShape, sdp: int, tp: int, hardware: Hardware, comm: Com
     # The tied weight: holders of stage 0 or the last one (every replica's one worker at D = 1), per sdp index.
     holders = run.dp_width * (1 if d == 1 else 2) // sdp
     element_wise = optimizer if optimizer in ELEMENTWISE_OPTIMIZERS else "nvlamb"
-    own = max(optimizer_step_seconds(element_wise, sum(params[s] for s in _stages_of(schedule, w)),
+    # a worker holding the first and the last stage steps the tied weight once (runtime.build.tie_local_copies)
+    own = max(optimizer_step_seconds(element_wise, worker_parameters(run, params, _stages_of(schedule, w),
+                                                                      tied_once=sdp == 1 and tp == 1),
                                      [m for s in _stages_of(schedule, w)
                                       for m in muon_matrices(bert, run.encoder_layers[s])], hardware, comm, sdp, tp)
               for w in schedule.actions)
@@ -381,9 +384,14 @@ def hybrid_costs(run: RunShape, sdp: int, tp: int, hardware: Hardware, comm: Com
             + comm.seconds("all_reduce", run.num_workers * tp, 8.0))
     if sdp > 1:
         step += max(comm.seconds("all_gather", sdp, 4.0 * p) for p in params)
+    # K-FAC's factor all-reduces (A and G of each layer over the replicas) by the same collective model as the
+    # gradients': measured latency and bandwidth where comm has them (the FLOP estimate's ring model has no latency)
+    factor_sync = tuple(tuple(_ns(comm.seconds("all_reduce", replicas, 4.0 * (i * i + o * o)))
+                              for i, o in kfac_linear_dims(bert, n)) for n in run.encoder_layers)
     cost = replace(base, forward_ns=tuple(_ns(x) for x in forward), backward_ns=tuple(_ns(x) for x in backward),
                    p2p_ns=_ns(comm.seconds("p2p", 2, activation)) if d > 1 else 0,
-                   sync_ns=tuple(_ns(x) for x in sync), step_ns=_ns(step), input_grad_ns=(), weight_grad_ns=())
+                   sync_ns=tuple(_ns(x) for x in sync), step_ns=_ns(step), input_grad_ns=(), weight_grad_ns=(),
+                   sync_factor_ns=factor_sync)
     return cost
 
 
@@ -407,6 +415,8 @@ def tp_measured_over_modelled(comm: CommCosts, tp: int, micro_batch_size: int) -
     b = min(rows, key=lambda m: (abs(m - micro_batch_size), -m))
     size, seq_len, max_predictions = comm.compute_model
     bert = BertConfig.from_size(size.removeprefix("bert-"))
+    if comm.compute_vocab_size is not None:  # measured at the run's vocabulary (measure.collectives --vocab-size)
+        bert = replace(bert, vocab_size=comm.compute_vocab_size)
     costs = layer_costs(bert, seq_len, max_predictions)
     f, bwd = _stage_seconds(sum(costs), costs[1], bert.num_layers, tp,
                             comm.seconds("all_reduce", tp, 4.0 * b * seq_len * bert.hidden_size),

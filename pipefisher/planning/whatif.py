@@ -100,8 +100,9 @@ def shape_problem(bert: BertConfig, method: str, d: int, v: int, n: int) -> str 
         return f"{method} needs num_micro_batches={n} to be at least 2 x stages={2 * d}"
     if method == "interleaved" and d == 1 and v > 1:
         return "interleaved needs stages>=2 (one stage leaves its virtual stages nobody to pass activations to)"
-    if d * v > bert.num_layers:
-        return f"{d * v} model stages exceed the model's {bert.num_layers} encoder layers"
+    if d * v > bert.num_layers + 2:  # train.py's limit (config.validation): the embeddings and the heads may have stages of their own
+        return (f"{d * v} model stages exceed model.num_layers={bert.num_layers} + 2 (one encoder layer per stage, "
+                f"plus a stage for the heads and one for the embeddings)")
     if method in ("chimera", "interleaved") and n % d:
         return f"{method} needs num_micro_batches={n} to be a multiple of stages={d}"
     return None

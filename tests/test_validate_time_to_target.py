@@ -1,0 +1,152 @@
+"""bench/validate_time_to_target.py's arithmetic: ranks, Spearman, the rows and the goal verdicts (issue 37)."""
+
+from __future__ import annotations
+
+import itertools
+import random
+
+import pytest
+
+from tests.conftest import load_bench
+
+
+@pytest.fixture(scope="module")
+def v():
+    return load_bench("validate_time_to_target")
+
+
+def test_ranks_share_ties(v):
+    assert v.ranks([3.0, 1.0, 2.0, 2.0]) == [4.0, 1.0, 2.5, 2.5]
+    assert v.ranks([5.0, 5.0, 5.0]) == [2.0, 2.0, 2.0]
+
+
+def test_spearman_equals_the_closed_form_without_ties(v):
+    """Independent reference: 1 - 6 sum d^2 / (n (n^2 - 1)) holds when no value repeats."""
+    rng = random.Random(0)
+    for n in (2, 5, 9):
+        xs = [rng.random() for _ in range(n)]
+        ys = [rng.random() for _ in range(n)]
+        d2 = sum((a - b) ** 2 for a, b in zip(v.ranks(xs), v.ranks(ys)))
+        assert v.spearman(xs, ys) == pytest.approx(1 - 6 * d2 / (n * (n * n - 1)))
+    assert v.spearman([1, 2, 3, 4], [10, 20, 30, 40]) == pytest.approx(1.0)
+    assert v.spearman([1, 2, 3, 4], [4, 3, 2, 1]) == pytest.approx(-1.0)
+
+
+def test_spearman_with_ties_by_hand(v):
+    # ranks x: 1, 2.5, 2.5, 4; y: 1, 2, 3, 4 -> Pearson of the ranks = 4.5 / sqrt(4.5 * 5)
+    assert v.spearman([1, 2, 2, 3], [1, 2, 3, 4]) == pytest.approx(4.5 / (4.5 * 5) ** 0.5)
+    with pytest.raises(ValueError, match="constant"):
+        v.spearman([1, 1, 1], [1, 2, 3])
+    with pytest.raises(ValueError, match="at least 2"):
+        v.spearman([1], [1])
+
+
+def _pred(step_s, steps, k=1):
+    return {"step_s": step_s, "steps": steps, "k": k}
+
+
+def test_rows_price_both_sides_with_the_same_steps_and_the_order_weighs_them(v):
+    """A slower step can reach the target first when its optimizer needs fewer steps: the order compares
+    times (steps x step), not steps alone."""
+    predicted = {"chimera/nvlamb": _pred(0.200, 1606), "chimera/muon": _pred(0.230, 1245),
+                 "1f1b/pipefisher": _pred(0.260, 1277, k=6)}
+    measured = {"chimera/nvlamb": [0.21, 0.19, 0.25], "chimera/muon": [0.22], "1f1b/pipefisher": [0.30, 0.28]}
+    rows = v.assemble_rows(predicted, measured, builtin={k: _pred(0.05, 0) for k in predicted},
+                           measured_k={"1f1b/pipefisher": 6})
+    by = {f"{r.schedule}/{r.optimizer}": r for r in rows}
+    nv = by["chimera/nvlamb"]
+    assert nv.measured_s == 0.21 and nv.rounds_s == (0.21, 0.19, 0.25)  # the median of the rounds
+    assert nv.error == pytest.approx(0.200 / 0.21 - 1)
+    assert nv.predicted_time_s == pytest.approx(1606 * 0.200) and nv.measured_time_s == pytest.approx(1606 * 0.21)
+    assert by["1f1b/pipefisher"].k_predicted == 6 and by["1f1b/pipefisher"].k_measured == 6
+    assert by["chimera/muon"].builtin_error == pytest.approx(0.05 / 0.22 - 1)
+    s = v.summary(rows)
+    # times: nvlamb 321/337, muon 286/274, pipefisher 332/345 -> the same order predicted and measured
+    assert s["spearman"] == pytest.approx(1.0) and s["spearman_met"]
+    assert s["worst_pair"] == "1f1b/pipefisher" and s["worst_error"] == pytest.approx(0.26 / 0.29 - 1)
+    assert not s["step_error_met"] and s["within_goal"] == 2
+    # by step alone the order would be nvlamb < muon < pipefisher measured too, but muon is first in time
+    table = v.table_lines(rows)
+    assert table[2].startswith("| chimera  | muon") and "1/-" in table[2]
+    with pytest.raises(ValueError, match="1f1b/kfac: measured but not predicted"):
+        v.assemble_rows(predicted, {"1f1b/kfac": [0.3]})
+
+
+def test_a_swapped_pair_lowers_spearman_below_the_goal(v):
+    names = [f"s{i}/nvlamb" for i in range(4)]
+    predicted = {n: _pred(0.1 * (i + 1), 1000) for i, n in enumerate(names)}
+    measured = {n: [0.1 * (4 - i)] for i, n in enumerate(names)}  # the reverse order
+    s = v.summary(v.assemble_rows(predicted, measured))
+    assert s["spearman"] == pytest.approx(-1.0) and not s["spearman_met"]
+
+
+def test_median_prediction_over_rounds_keeps_round_zeros_plan(v):
+    rounds = [{"a/pipefisher": _pred(0.3, 1277, k=7)}, {"a/pipefisher": _pred(0.5, 1277, k=6)},
+              {"a/pipefisher": _pred(0.2, 1277, k=7)}]
+    got = v.median_prediction(rounds)["a/pipefisher"]
+    assert got["step_s"] == 0.3 and got["k"] == 7 and got["rounds_step_s"] == [0.3, 0.5, 0.2]
+
+
+def test_pairs(v):
+    every = v.pairs_of(False)
+    assert ("v-half", "muon") not in every and ("zb-v", "muon") in every  # v-half is zb-v's list at D=2, N=4
+    assert len(every) == (len(v.SCHEDULES) - len(v.same_schedules())) * len(v.OPTIMIZERS)
+    assert set(itertools.product(["chimera"], v.OPTIMIZERS)) <= set(every)
+    assert v.pairs_of(False, "gpipe/kfac,zb-h1/muon") == [("gpipe", "kfac"), ("zb-h1", "muon")]
+    with pytest.raises(ValueError, match="--pairs chimera/sgd"):
+        v.pairs_of(False, "chimera/sgd")
+
+
+def test_training_time_to_an_interpolated_step_leaves_evaluations_out(v):
+    rows = [{"step": 0, "step_time_s": 1.0}, {"step": 1, "step_time_s": 2.0, "eval_mlm_loss": 7.0},
+            {"step": 2, "step_time_s": 4.0}]
+    assert v.time_at_steps(rows, 2) == 3.0
+    assert v.time_at_steps(rows, 2.5) == 5.0  # half of step 2's 4 s
+    with pytest.raises(ValueError, match="do not cover 4"):
+        v.time_at_steps(rows, 4)
+
+
+def test_decompose_separates_a_common_rate_from_one_mispriced_optimizer(v):
+    """Every prediction 2x (a rate measured at another load) and muon's another 1.5x: the common factor is 2,
+    muon's median over it 1.5, the others 1."""
+    predicted, measured = {}, {}
+    for sched in ("gpipe", "1f1b", "chimera"):
+        for opt, extra in (("nvlamb", 1.0), ("adamw", 1.0), ("muon", 1.5)):
+            predicted[f"{sched}/{opt}"] = _pred(0.2 * 2 * extra, 1000)
+            measured[f"{sched}/{opt}"] = [0.2]
+    d = v.decompose(v.assemble_rows(predicted, measured))
+    assert d["common"] == pytest.approx(2.0)
+    assert d["optimizer"] == pytest.approx({"nvlamb": 1.0, "adamw": 1.0, "muon": 1.5})
+    assert d["schedule"] == pytest.approx({"gpipe": 1.0, "1f1b": 1.0, "chimera": 1.0})
+    assert d["worst_after_common"][0].endswith("/muon") and d["worst_after_common"][1] == pytest.approx(0.5)
+    assert d["within_after_common"] == 6
+
+
+def test_round_spread_is_the_measurements_own_noise(v):
+    predicted = {"a/nvlamb": _pred(0.2, 1000), "b/nvlamb": _pred(0.2, 1000), "c/nvlamb": _pred(0.2, 1000)}
+    measured = {"a/nvlamb": [0.2, 0.3], "b/nvlamb": [0.2, 0.22, 0.21], "c/nvlamb": [0.4]}
+    median, largest, pairs = v.round_spread(v.assemble_rows(predicted, measured))
+    assert pairs == 2 and largest == pytest.approx(0.5) and median == pytest.approx((0.5 + 0.1) / 2)
+    assert v.round_spread(v.assemble_rows(predicted, {"c/nvlamb": [0.4]})) is None
+
+
+def test_twin_spread_compares_nvlamb_and_adamw_on_the_same_schedule(v):
+    predicted = {k: _pred(0.2, 1606) for k in ("a/nvlamb", "a/adamw", "b/nvlamb", "b/adamw", "c/nvlamb")}
+    measured = {"a/nvlamb": [0.3], "a/adamw": [0.2], "b/nvlamb": [0.2], "b/adamw": [0.25], "c/nvlamb": [0.2]}
+    assert v.twin_spread(v.assemble_rows(predicted, measured)) == pytest.approx({"a": 0.5, "b": -0.2})
+
+
+def test_round_spearman_orders_the_measurement_against_itself(v):
+    predicted = {f"s{i}/nvlamb": _pred(0.2, 1000) for i in range(4)}
+    measured = {"s0/nvlamb": [0.1, 0.4], "s1/nvlamb": [0.2, 0.3], "s2/nvlamb": [0.3, 0.2], "s3/nvlamb": [0.4, 0.1]}
+    assert v.round_spearman(v.assemble_rows(predicted, measured)) == (pytest.approx(-1.0), 4)
+    assert v.round_spearman(v.assemble_rows(predicted, {"s0/nvlamb": [0.1, 0.2]})) is None
+
+
+def test_round_rows_pair_each_rounds_prediction_with_its_own_runs(v):
+    doc = {"predicted_rounds": [{"a/nvlamb": _pred(0.4, 1000), "b/muon": _pred(0.5, 800)},
+                                {"a/nvlamb": _pred(0.2, 1000), "b/muon": _pred(0.25, 800)}],
+           "measured": {"a/nvlamb": [0.4, 0.25], "b/muon": [0.5]}}
+    r0, r1 = v.round_rows(doc, 0), v.round_rows(doc, 1)
+    assert [(r.optimizer, r.error) for r in r0] == [("nvlamb", 0.0), ("muon", 0.0)]
+    assert [(r.optimizer, r.predicted_s, r.measured_s) for r in r1] == [("nvlamb", 0.2, 0.25)]  # muon not yet run
