@@ -682,24 +682,31 @@ def budget_speedups(finals: Mapping[str, Mapping[int, Sequence[float]]], referen
     return out
 
 
-def budget_finals(results: Sequence[Mapping[str, Any]]) -> dict[str, dict[int, list[float]]]:
+def budget_finals(results: Sequence[Mapping[str, Any]], text: str | None = None) -> dict[str, dict[int, list[float]]]:
     """arm -> budget -> final held-out loss per seed, at each (arm, budget)'s tuned lr: the (lr, damping) whose
     seed-0 run ends lowest (Wen et al. tune the lr per budget; the study's grids run at seed 0), then every seed
     of it in seed order. ``results``: the runs' ``result.json`` (``arm``, ``lr``, ``damping``, ``seed``,
-    ``steps`` = the budget, ``final``, ``status``); runs that did not finish are left out."""
-    groups: dict[tuple[str, int], dict[tuple[float, float | None], dict[int, float]]] = {}
+    ``steps`` = the budget, ``final``, ``status``, ``final_by_text``); runs that did not finish are left out.
+    ``text``: the losses are ``final_by_text[text]`` (the final weights on another held-out text; runs
+    without it are left out) instead of ``final``, of the same runs: the lr is still the one whose seed-0 run
+    ends lowest on ``final`` (the text the study tuned on), so a second text checks the same runs."""
+    groups: dict[tuple[str, int], dict[tuple[float, float | None], dict[int, tuple[float, float]]]] = {}
     for r in results:
         if r.get("status") != "ok":
             continue
+        if text is not None and text not in r.get("final_by_text", {}):
+            continue
+        value = float(r["final"] if text is None else r["final_by_text"][text])
         key = (r["arm"], int(r["steps"]))
-        groups.setdefault(key, {}).setdefault((r["lr"], r.get("damping")), {})[int(r["seed"])] = float(r["final"])
+        groups.setdefault(key, {}).setdefault((r["lr"], r.get("damping")), {})[int(r["seed"])] = (float(r["final"]),
+                                                                                                  value)
     out: dict[str, dict[int, list[float]]] = {}
     for (arm, budget), by_lr in groups.items():
         tuned = [s for s in by_lr.values() if 0 in s]
         if not tuned:
             continue
-        best = min(tuned, key=lambda s: (s[0], statistics.fmean(s.values())))
-        out.setdefault(arm, {})[budget] = [best[s] for s in sorted(best)]
+        best = min(tuned, key=lambda s: (s[0][0], statistics.fmean(v[0] for v in s.values())))
+        out.setdefault(arm, {})[budget] = [best[s][1] for s in sorted(best)]
     return out
 
 
