@@ -172,6 +172,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="write the budget-method calibration of --calibration-from's runs here, then stop")
     p.add_argument("--calibration-reference", default="nvlamb", help="the arm speed-ups are relative to")
     p.add_argument("--calibration-points", type=int, default=5, help="held-out losses the speed-ups are read at")
+    p.add_argument("--calibration-compare", type=Path, default=None, metavar="FILE",
+                   help="another text's calibration of the same runs: print whether the speed-ups agree (seed "
+                        "intervals overlap) point by point")
     p.add_argument("--calibration-text", choices=(VALID, ARTICLES), default=VALID,
                    help="the held-out text whose final losses the calibration reads: valid.txt, or the train.txt "
                         "articles held out with --holdout-fraction (one calibration file per text)")
@@ -647,6 +650,19 @@ def calibration_from_runs(args: argparse.Namespace, dirs: list[Path], data: Data
                f"stand-in arms at their k (kfac-kK-deferred / -ready)" if losses else "no loss in range")
 
 
+def compare_table(a: dict[str, Any], b: dict[str, Any]) -> str:
+    """:func:`convergence_analysis.compare_texts` of two calibrations as a markdown table."""
+    rows = ca.compare_texts(a, b)
+    lines = ["| arm | point | loss (this) | reference budget | speed-up (this) | loss (other) | reference budget | "
+             "speed-up (other) | intervals overlap |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['arm']} | {r['point']} | {r['loss_a']:.3f} | {r['budget_a']:.0f} | "
+                     f"{r['a'][0]:.2f} [{r['a'][1]:.2f}–{r['a'][2]:.2f}] | {r['loss_b']:.3f} | {r['budget_b']:.0f} | "
+                     f"{r['b'][0]:.2f} [{r['b'][1]:.2f}–{r['b'][2]:.2f}] | {'yes' if r['agree'] else '**no**'} |")
+    agree = sum(r["agree"] for r in rows)
+    return "\n".join(lines) + f"\n\n{agree} of {len(rows)} points agree within their seed intervals"
+
+
 HELDOUT_TEXTS = {VALID: "WikiText-2 valid.txt (no article shared with train.txt)",
                  ARTICLES: "whole WikiText-2 train.txt articles held out at document level (fraction {fraction:g}, "
                            "never trained on; the WordPiece vocabulary was trained on all of train.txt)"}
@@ -668,8 +684,12 @@ def main() -> None:
         from pipefisher.planning.calibration import write_calibration
 
         dirs = [Path(d) for d in args.calibration_from.split(",") if d]
-        path = write_calibration(args.calibration_out, calibration_from_runs(args, dirs, prepare(args)))
-        print(f"wrote {path}")
+        doc = calibration_from_runs(args, dirs, prepare(args))
+        path = write_calibration(args.calibration_out, doc)
+        print(f"wrote {path}\n\nspeed-up over {doc['reference']} (budgets {doc['budgets']}; held-out "
+              f"{doc['data']['heldout']}):\n{ca.calibration_table(doc)}")
+        if args.calibration_compare is not None:
+            print(f"\nagainst {args.calibration_compare}:\n{compare_table(doc, json.loads(args.calibration_compare.read_text()))}")
         return
     spec = study_spec(args)
     out = (args.out or h.REPO / "bench" / "results" / "convergence"

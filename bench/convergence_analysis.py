@@ -744,3 +744,52 @@ def reference_steps(finals: Mapping[int, Sequence[float]], losses: Sequence[floa
     ``reference_steps``)."""
     curve = _mean_curve(finals)
     return [(loss, b) for loss in losses if (b := budget_to_reach(curve, loss)) is not None]
+
+
+def calibration_table(doc: Mapping[str, Any]) -> str:
+    """A calibration document's speed-ups as a markdown table: one row per held-out loss (the reference's
+    budget for it beside), one column per optimizer entry, ``value [low–high]`` (the range over seed pairs;
+    ``–`` where the entry does not reach the loss without extrapolating)."""
+    entries = doc["optimizers"]
+    names = [e.get("arm") or e["optimizer"] for e in entries]
+    lines = [f"| held-out loss | {doc['reference']} budget | " + " | ".join(names) + " |",
+             "|---|---|" + "---|" * len(names)]
+    for ref in doc["reference_steps"]:
+        cells = []
+        for e in entries:
+            p = next((p for p in e["speedup"] if abs(p["loss"] - ref["loss"]) < 1e-6), None)
+            cells.append("–" if p is None else f"{p['value']:.2f} [{p.get('low', p['value']):.2f}–"
+                                                 f"{p.get('high', p['value']):.2f}]")
+        lines.append(f"| {ref['loss']:.3f} | {ref['steps']:.0f} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def compare_texts(a: Mapping[str, Any], b: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """Whether two calibrations of the same runs on two held-out texts agree: per optimizer entry (matched by
+    ``arm``, else by optimizer) and per loss point, paired by its place in each document's ``reference_steps``
+    (the losses are evenly spaced over each text's reference range, so point i of both is read at about the
+    same reference budget). ``agree``: the seed intervals [low, high] overlap. Points missing on either
+    text are left out."""
+    def index(doc: Mapping[str, Any]) -> dict[str, dict[int, Mapping[str, float]]]:
+        losses = [r["loss"] for r in doc["reference_steps"]]
+        out: dict[str, dict[int, Mapping[str, float]]] = {}
+        for e in doc["optimizers"]:
+            for p in e["speedup"]:
+                i = next((i for i, loss in enumerate(losses) if abs(loss - p["loss"]) < 1e-6), None)
+                if i is not None:
+                    out.setdefault(e.get("arm") or e["optimizer"], {})[i] = p
+        return out
+
+    ia, ib = index(a), index(b)
+    ref_a, ref_b = a["reference_steps"], b["reference_steps"]
+    rows = []
+    for name in [n for n in ia if n in ib]:
+        for i in sorted(set(ia[name]) & set(ib[name])):
+            pa, pb = ia[name][i], ib[name][i]
+            lo_a, hi_a = pa.get("low", pa["value"]), pa.get("high", pa["value"])
+            lo_b, hi_b = pb.get("low", pb["value"]), pb.get("high", pb["value"])
+            rows.append({"arm": name, "point": i, "loss_a": pa["loss"], "loss_b": pb["loss"],
+                         "budget_a": ref_a[i]["steps"], "budget_b": ref_b[i]["steps"],
+                         "a": (pa["value"], lo_a, hi_a), "b": (pb["value"], lo_b, hi_b),
+                         "agree": lo_a <= hi_b and lo_b <= hi_a})
+    return rows

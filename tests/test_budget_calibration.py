@@ -245,3 +245,20 @@ def test_calibration_of_a_text_no_run_was_evaluated_on_is_refused(cv, tmp_path: 
     args = cv.parse_args(["--calibration-from", ",".join(map(str, dirs)), "--calibration-text", "articles"])
     with pytest.raises(SystemExit, match="--calibration-text articles: no run .* --holdout-fraction"):
         cv.calibration_from_runs(args, dirs, None)
+
+
+def test_calibration_table_and_text_comparison(cv, ca, tmp_path: Path) -> None:
+    dirs = _studies(tmp_path, 2.0, 1.0)
+    data = cv.Data(tmp_path / "t", tmp_path / "v", 8192, math.nan, math.nan, tmp_path / "t" / "heldout")
+    docs = {text: cv.calibration_from_runs(cv.parse_args(["--calibration-from", ",".join(map(str, dirs)),
+                                                          "--calibration-text", text]), dirs, data)
+            for text in ("valid", "articles")}
+    table = ca.calibration_table(docs["valid"])
+    assert table.splitlines()[0] == "| held-out loss | nvlamb budget | muon |"
+    assert "| 2.00 [" in table and "| – |" in table  # muon does not reach the highest losses without extrapolating
+    rows = ca.compare_texts(docs["valid"], docs["articles"])
+    assert rows and all(r["arm"] == "muon" and not r["agree"] for r in rows)  # 2.0 against 1.0
+    assert all(r["a"][0] == pytest.approx(2.0, rel=1e-4) and r["b"][0] == pytest.approx(1.0, rel=1e-4) for r in rows)
+    same = ca.compare_texts(docs["valid"], docs["valid"])
+    assert same and all(r["agree"] and r["a"] == r["b"] for r in same)
+    assert "0 of" in cv.compare_table(docs["valid"], docs["articles"])
