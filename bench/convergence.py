@@ -49,6 +49,14 @@ What it does (bench/README.md §7 has the choices and the figures):
   budget) at ``--calibration-points`` losses over the reference's range, with the range over seed pairs
   (``convergence_analysis`` [Note: speed-up by budgets]). Writes ``planning.calibration``'s JSON, which
   ``schedule.py whatif=true calibration=<file>`` ranks by.
+- A second held-out text (``--holdout-fraction F``): whole articles of ``train.txt`` (WikiText's `` = Title = ``
+  units) held out at document level by the preparation (never in the training shards), beside ``valid.txt``.
+  Every run then saves its final weights and the driver evaluates them on both texts, on the same
+  ``--eval-batches`` × ``--micro-batch-size`` sequences of each (``final_by_text`` in ``result.json``; the
+  valid.txt figure equals the run's own last evaluation). ``--calibration-text articles`` writes the calibration
+  of those runs on the articles (the lr still picked on valid.txt), ``--calibration-compare FILE`` says point by
+  point whether two texts' speed-ups agree within their seed intervals. ``--tune-by final`` makes the grids pick
+  by final held-out loss (a budget study), not by steps to the hardest target (study 7).
 """
 
 from __future__ import annotations
