@@ -661,12 +661,17 @@ def calibration_from_runs(args: argparse.Namespace, dirs: list[Path], data: Data
 def compare_table(a: dict[str, Any], b: dict[str, Any]) -> str:
     """:func:`convergence_analysis.compare_texts` of two calibrations as a markdown table."""
     rows = ca.compare_texts(a, b)
+
+    def pairs(n: int | None) -> str:
+        return "" if n is None else f" ({n} pairs)"
+
     lines = ["| arm | point | loss (this) | reference budget | speed-up (this) | loss (other) | reference budget | "
              "speed-up (other) | intervals overlap |", "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['arm']} | {r['point']} | {r['loss_a']:.3f} | {r['budget_a']:.0f} | "
-                     f"{r['a'][0]:.2f} [{r['a'][1]:.2f}–{r['a'][2]:.2f}] | {r['loss_b']:.3f} | {r['budget_b']:.0f} | "
-                     f"{r['b'][0]:.2f} [{r['b'][1]:.2f}–{r['b'][2]:.2f}] | {'yes' if r['agree'] else '**no**'} |")
+                     f"{r['a'][0]:.2f} [{r['a'][1]:.2f}–{r['a'][2]:.2f}]{pairs(r['pairs'][0])} | {r['loss_b']:.3f} | "
+                     f"{r['budget_b']:.0f} | {r['b'][0]:.2f} [{r['b'][1]:.2f}–{r['b'][2]:.2f}]{pairs(r['pairs'][1])} | "
+                     f"{'yes' if r['agree'] else '**no**'} |")
     agree = sum(r["agree"] for r in rows)
     return "\n".join(lines) + f"\n\n{agree} of {len(rows)} points agree within their seed intervals"
 

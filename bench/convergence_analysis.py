@@ -748,8 +748,10 @@ def reference_steps(finals: Mapping[int, Sequence[float]], losses: Sequence[floa
 
 def calibration_table(doc: Mapping[str, Any]) -> str:
     """A calibration document's speed-ups as a markdown table: one row per held-out loss (the reference's
-    budget for it beside), one column per optimizer entry, ``value [low–high]`` (the range over seed pairs;
-    ``–`` where the entry does not reach the loss without extrapolating)."""
+    budget for it beside), one column per optimizer entry, ``value [low–high] (n pairs)`` (the range over the n
+    seed pairs whose single-seed curves both reach the loss: near the ends of the budget range fewer do, and the
+    range is then narrower than the seeds' spread; ``–`` where the entry does not reach the loss without
+    extrapolating)."""
     entries = doc["optimizers"]
     names = [e.get("arm") or e["optimizer"] for e in entries]
     lines = [f"| held-out loss | {doc['reference']} budget | " + " | ".join(names) + " |",
@@ -759,7 +761,8 @@ def calibration_table(doc: Mapping[str, Any]) -> str:
         for e in entries:
             p = next((p for p in e["speedup"] if abs(p["loss"] - ref["loss"]) < 1e-6), None)
             cells.append("–" if p is None else f"{p['value']:.2f} [{p.get('low', p['value']):.2f}–"
-                                                 f"{p.get('high', p['value']):.2f}]")
+                                                 f"{p.get('high', p['value']):.2f}]"
+                                                 + (f" ({p['pairs']} pairs)" if "pairs" in p else ""))
         lines.append(f"| {ref['loss']:.3f} | {ref['steps']:.0f} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -789,6 +792,7 @@ def compare_texts(a: Mapping[str, Any], b: Mapping[str, Any]) -> list[dict[str, 
             lo_a, hi_a = pa.get("low", pa["value"]), pa.get("high", pa["value"])
             lo_b, hi_b = pb.get("low", pb["value"]), pb.get("high", pb["value"])
             rows.append({"arm": name, "point": i, "loss_a": pa["loss"], "loss_b": pb["loss"],
+                         "pairs": (pa.get("pairs"), pb.get("pairs")),
                          "budget_a": ref_a[i]["steps"], "budget_b": ref_b[i]["steps"],
                          "a": (pa["value"], lo_a, hi_a), "b": (pb["value"], lo_b, hi_b),
                          "agree": lo_a <= hi_b and lo_b <= hi_a})

@@ -256,6 +256,7 @@ def test_calibration_table_and_text_comparison(cv, ca, tmp_path: Path) -> None:
     table = ca.calibration_table(docs["valid"])
     assert table.splitlines()[0] == "| held-out loss | nvlamb budget | muon |"
     assert "| 2.00 [" in table and "| – |" in table  # muon does not reach the highest losses without extrapolating
+    assert "(4 pairs)" in table  # 2 seeds x 2 seeds
     rows = ca.compare_texts(docs["valid"], docs["articles"])
     assert rows and all(r["arm"] == "muon" and not r["agree"] for r in rows)  # 2.0 against 1.0
     assert all(r["a"][0] == pytest.approx(2.0, rel=1e-4) and r["b"][0] == pytest.approx(1.0, rel=1e-4) for r in rows)
