@@ -49,6 +49,14 @@ What it does (bench/README.md §7 has the choices and the figures):
   budget) at ``--calibration-points`` losses over the reference's range, with the range over seed pairs
   (``convergence_analysis`` [Note: speed-up by budgets]). Writes ``planning.calibration``'s JSON, which
   ``schedule.py whatif=true calibration=<file>`` ranks by.
+- A second held-out text (``--holdout-fraction F``): whole articles of ``train.txt`` (WikiText's `` = Title = ``
+  units) held out at document level by the preparation (never in the training shards), beside ``valid.txt``.
+  Every run then saves its final weights and the driver evaluates them on both texts, on the same
+  ``--eval-batches`` × ``--micro-batch-size`` sequences of each (``final_by_text`` in ``result.json``; the
+  valid.txt figure equals the run's own last evaluation). ``--calibration-text articles`` writes the calibration
+  of those runs on the articles (the lr still picked on valid.txt), ``--calibration-compare FILE`` says point by
+  point whether two texts' speed-ups agree within their seed intervals. ``--tune-by final`` makes the grids pick
+  by final held-out loss (a budget study), not by steps to the hardest target (study 7).
 """
 
 from __future__ import annotations
@@ -131,6 +139,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--max-predictions", type=int, default=10)
     p.add_argument("--vocab-size", type=int, default=8192)
     p.add_argument("--dupe-factor", type=int)
+    p.add_argument("--holdout-fraction", type=float, default=0.0,
+                   help="hold out this fraction of train.txt's articles (document level, never trained on) as a "
+                        "second held-out text beside valid.txt; every run's final weights are evaluated on both "
+                        "(result.json final_by_text). 0: valid.txt only, the shards of study 7")
     p.add_argument("--eval-every", type=int)
     p.add_argument("--eval-batches", type=int, help="held-out micro-batches per evaluation")
     p.add_argument("--seeds", type=int)
@@ -146,6 +158,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="setting:k of PipeFisher's plan per setting (bench/step_costs.py prints it)")
     p.add_argument("--decay-per-step", type=float, default=0.95)
     p.add_argument("--drops", help="targets: held-out unigram entropy minus these nats")
+    p.add_argument("--tune-by", choices=("target", "final"), default="target",
+                   help="what a grid minimizes: steps to the hardest target (study 7), or the final held-out loss "
+                        "(a budget study for --calibration-from: Wen et al. tune each budget's lr by its final loss)")
     p.add_argument("--step-costs", type=Path, default=None, help="JSON {setting: {arm: seconds per step}}")
     p.add_argument("--measure-d2", action="store_true",
                    help="time every arm's real pipeline at D=2 (chimera) in rotated rounds into <out>/step_costs.json, "
@@ -165,6 +180,12 @@ def _parser() -> argparse.ArgumentParser:
                    help="write the budget-method calibration of --calibration-from's runs here, then stop")
     p.add_argument("--calibration-reference", default="nvlamb", help="the arm speed-ups are relative to")
     p.add_argument("--calibration-points", type=int, default=5, help="held-out losses the speed-ups are read at")
+    p.add_argument("--calibration-compare", type=Path, default=None, metavar="FILE",
+                   help="another text's calibration of the same runs: print whether the speed-ups agree (seed "
+                        "intervals overlap) point by point")
+    p.add_argument("--calibration-text", choices=(VALID, ARTICLES), default=VALID,
+                   help="the held-out text whose final losses the calibration reads: valid.txt, or the train.txt "
+                        "articles held out with --holdout-fraction (one calibration file per text)")
     return p
 
 
@@ -223,6 +244,14 @@ class Data:
     vocab: int
     unigram: float  # entropy of the held-out masked labels
     cross: float  # cross-entropy of those labels under the training labels' frequencies
+    articles: Path | None = None  # whole train.txt articles held out (never trained on): the second held-out text
+
+    def texts(self) -> dict[str, Path]:
+        """Held-out text name -> its shards: ``valid`` (the runs' curve), ``articles`` when held out."""
+        return {name: path for name, path in ((VALID, self.heldout), (ARTICLES, self.articles)) if path is not None}
+
+
+VALID, ARTICLES = "valid", "articles"  # the held-out texts: valid.txt; whole train.txt articles (--holdout-fraction)
 
 
 def prepare(args: argparse.Namespace) -> Data | None:
@@ -232,9 +261,11 @@ def prepare(args: argparse.Namespace) -> Data | None:
         print(f"{args.text_dir}: train.txt or valid.txt missing; synthetic data (targets mean little)", flush=True)
         return None
     common = {"seq_len": args.seq_len, "max_predictions": args.max_predictions, "seed": 12345}
+    # --holdout-fraction 0 keeps the options (and the cache key, the shards) of the study before it existed
+    held_out = {"holdout_fraction": args.holdout_fraction} if args.holdout_fraction else {}
     train, vocab = h.prepared_shards(train_txt, args.cache_dir,
-                                     {**common, "vocab_size": args.vocab_size, "dupe_factor": args.dupe_factor},
-                                     args.dry_run)
+                                     {**common, "vocab_size": args.vocab_size, "dupe_factor": args.dupe_factor,
+                                      **held_out}, args.dry_run)
     if args.dry_run and not (train / "vocab.txt").is_file():
         print(f"(then {valid_txt} with {train / 'vocab.txt'}, dupe factor 1, as the held-out shards)")
         return Data(train, None, vocab, math.nan, math.nan)
@@ -244,7 +275,13 @@ def prepare(args: argparse.Namespace) -> Data | None:
         return Data(train, heldout, vocab, math.nan, math.nan)
     held = ca.masked_labels(sorted(heldout.glob("*.hdf5")))
     seen = ca.masked_labels(sorted(train.glob("*.hdf5")))
-    return Data(train, heldout, vocab, ca.unigram_entropy(held), ca.unigram_cross_entropy(held, seen, vocab))
+    from pipefisher.data.heldout import heldout_path
+
+    articles = heldout_path(train) if args.holdout_fraction else None
+    if args.holdout_fraction and articles is None:
+        raise SystemExit(f"{train}: no heldout/ folder although --holdout-fraction {args.holdout_fraction}; "
+                         f"delete {train} so that it is prepared again")
+    return Data(train, heldout, vocab, ca.unigram_entropy(held), ca.unigram_cross_entropy(held, seen, vocab), articles)
 
 
 def common_overrides(args: argparse.Namespace, data: Data | None, batch: int, steps: int, *, stages: int = 1,
@@ -263,7 +300,9 @@ def common_overrides(args: argparse.Namespace, data: Data | None, batch: int, st
            f"data.seq_len={args.seq_len}", f"data.max_predictions={args.max_predictions}",
            *((f"eval.every_steps={args.eval_every}", f"eval.batches={held_out // (batch // n)}") if evaluate
              else ("eval.every_steps=0",)),
-           "device=cpu", "progress=false", "wandb.mode=disabled", "log_every=50", "save_final=false"]
+           "device=cpu", "progress=false", "wandb.mode=disabled", "log_every=50",
+           # the final weights are evaluated on the second held-out text after the run (final_by_text)
+           f"save_final={str(evaluate and data is not None and data.articles is not None).lower()}"]
     if data is not None:
         out += ["data=hdf5", f"data.path={data.train}", f"data.eval_path={data.heldout}", f"model.vocab_size={data.vocab}"]
     return out
@@ -297,12 +336,38 @@ def run_command(args: argparse.Namespace, data: Data | None, spec: ca.StudySpec,
 # --- runs -------------------------------------------------------------------------------------
 
 
-def summarize_run(run: ca.Run, rows: list[dict[str, Any]], status: str, wall_s: float) -> dict[str, Any]:
+def summarize_run(run: ca.Run, rows: list[dict[str, Any]], status: str, wall_s: float,
+                  final_by_text: dict[str, float] | None = None) -> dict[str, Any]:
+    """A run's ``result.json``: ``final`` is the last held-out evaluation of its curve (valid.txt);
+    ``final_by_text`` the final weights' held-out loss per text (:func:`final_by_text`), when evaluated."""
     curve = ca.eval_curve(rows)
     times = [r["step_time_s"] for r in rows[1:] if r.get("step_time_s") is not None]
-    return {"key": run.key, "batch": run.batch, "arm": run.arm, "lr": run.lr, "seed": run.seed, "damping": run.damping,
-            "status": status, "final": ca.final_loss(curve) if status == "ok" else math.inf, "curve": curve,
-            "steps": len(rows), "step_s_median": statistics.median(times) if times else None, "wall_s": wall_s}
+    out = {"key": run.key, "batch": run.batch, "arm": run.arm, "lr": run.lr, "seed": run.seed, "damping": run.damping,
+           "status": status, "final": ca.final_loss(curve) if status == "ok" else math.inf, "curve": curve,
+           "steps": len(rows), "step_s_median": statistics.median(times) if times else None, "wall_s": wall_s}
+    if final_by_text is not None:
+        out["final_by_text"] = final_by_text
+    return out
+
+
+def final_by_text(args: argparse.Namespace, data: Data | None, run_dir: Path, status: str) -> dict[str, float] | None:
+    """The held-out MLM loss of a run's final weights (``<run>/final/``) on every held-out text
+    (:meth:`Data.texts`: valid.txt and the held-out train.txt articles), on the same ``--eval-batches`` ×
+    ``--micro-batch-size`` sequences of each that the runs evaluate; ``inf`` for a diverged run. None when the
+    study holds out no articles (one text: the curve's last evaluation says it all)."""
+    if data is None or data.articles is None:
+        return None
+    if status != "ok":
+        return {name: math.inf for name in data.texts()}
+    import torch
+
+    from pipefisher.evaluation import evaluate_folder
+
+    torch.set_num_threads(1)
+    return {name: evaluate_folder(run_dir / "final", shards, batches=args.eval_batches,
+                                  micro_batch_size=args.micro_batch_size, seq_len=args.seq_len,
+                                  max_predictions=args.max_predictions)["eval_mlm_loss"]
+            for name, shards in data.texts().items()}
 
 
 def _alive(pid: int) -> bool:
@@ -337,7 +402,7 @@ class Runner:
         self.cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
         self.running: dict[str, _Flight] = {}
         self.start = time.monotonic()
-        self.target = hardest_target(args, data)
+        self.target = hardest_target(args, data) if args.tune_by == "target" else None  # None: by final loss
 
     def run_dir(self, run: ca.Run) -> Path:
         return self.out / "runs" / run.key
@@ -410,7 +475,7 @@ class Runner:
                 tail = "\n".join(text.splitlines()[-25:])
                 raise RuntimeError(f"{key}: train.py exited with {code} after {len(rows)} steps "
                                    f"(log {run_dir / 'train.log'}):\n{tail}")
-            result = summarize_run(f.run, rows, status, wall)
+            result = summarize_run(f.run, rows, status, wall, final_by_text(self.args, self.data, run_dir, status))
             (run_dir / "result.json").write_text(json.dumps(result) + "\n")
             done.append(result)
         return done
@@ -552,7 +617,11 @@ def calibration_from_runs(args: argparse.Namespace, dirs: list[Path], data: Data
     if len(batches) != 1:
         raise SystemExit(f"--calibration-from {args.calibration_from}: runs at global batches {batches}; one batch "
                          f"per calibration (give the folders of one batch)")
-    finals = ca.budget_finals(results)
+    text = None if args.calibration_text == VALID else args.calibration_text
+    if text is not None and not any(text in r.get("final_by_text", {}) for r in results):
+        raise SystemExit(f"--calibration-text {text}: no run of {args.calibration_from} was evaluated on it; run the "
+                         f"budget studies with --holdout-fraction F (e.g. 0.1), or use --calibration-text {VALID}")
+    finals = ca.budget_finals(results, text)
     ref = args.calibration_reference
     if ref not in finals or len(finals[ref]) < 2:
         raise SystemExit(f"--calibration-reference {ref}: finished runs at {sorted(finals.get(ref, {}))} budget(s); "
@@ -571,17 +640,53 @@ def calibration_from_runs(args: argparse.Namespace, dirs: list[Path], data: Data
         model={"name": str(model.name), "num_layers": int(model.num_layers), "hidden_size": int(model.hidden_size),
                "num_heads": int(model.num_heads), "vocab_size": data.vocab if data is not None else int(model.vocab_size)},
         batch={"global_batch": batches[0], "seq_len": args.seq_len, "max_predictions": args.max_predictions},
-        data={"train": str(data.train) if data else "synthetic", "heldout": str(data.heldout) if data else "synthetic"},
-        seeds=seeds, hardware=f"{platform.platform()}, {os.cpu_count()} cores (steps do not depend on it)",
+        data={"train": (f"{args.text_dir / 'train.txt'}" + (f" less the articles held out (--holdout-fraction "
+                                                             f"{args.holdout_fraction:g})" if args.holdout_fraction else "")
+                        + f": {data.train}") if data else "synthetic",
+              "heldout": (HELDOUT_TEXTS[args.calibration_text].format(fraction=args.holdout_fraction)
+                          + f": {data.texts()[args.calibration_text]}, the first {args.eval_batches * args.micro_batch_size}"
+                          f" sequences") if data else "synthetic"},
+        seeds=seeds, hardware=hardware_line(),
         reference=keys["optimizer"], budgets=sorted({b for arm in finals.values() for b in arm}),
         reference_steps=ca.reference_steps(finals[ref], losses), optimizers=ca.calibration_entries(speedups, ref),
         provenance=f"python bench/convergence.py --calibration-from {args.calibration_from}: {len(results)} runs; per "
                    f"arm and budget the lr whose seed-0 run ends lowest, every seed of it; speed-up = ratio of "
                    f"budgets reaching the same final held-out loss (log-budget interpolation), interval over seed "
                    f"pairs (bench/convergence_analysis.py [Note: speed-up by budgets])",
-        limits=f"one model ({args.model}), one global batch ({batches[0]}), one held-out text; losses "
+        limits=f"one model ({args.model}), one global batch ({batches[0]}), one held-out text per file; losses "
                f"{losses[0]:.3f} .. {losses[-1]:.3f} only (no extrapolation); PipeFisher entries are the K-FAC "
                f"stand-in arms at their k (kfac-kK-deferred / -ready)" if losses else "no loss in range")
+
+
+def compare_table(a: dict[str, Any], b: dict[str, Any]) -> str:
+    """:func:`convergence_analysis.compare_texts` of two calibrations as a markdown table."""
+    rows = ca.compare_texts(a, b)
+
+    def pairs(n: int | None) -> str:
+        return "" if n is None else f" ({n} pairs)"
+
+    lines = ["| arm | point | loss (this) | reference budget | speed-up (this) | loss (other) | reference budget | "
+             "speed-up (other) | intervals overlap |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['arm']} | {r['point']} | {r['loss_a']:.3f} | {r['budget_a']:.0f} | "
+                     f"{r['a'][0]:.2f} [{r['a'][1]:.2f}–{r['a'][2]:.2f}]{pairs(r['pairs'][0])} | {r['loss_b']:.3f} | "
+                     f"{r['budget_b']:.0f} | {r['b'][0]:.2f} [{r['b'][1]:.2f}–{r['b'][2]:.2f}]{pairs(r['pairs'][1])} | "
+                     f"{'yes' if r['agree'] else '**no**'} |")
+    agree = sum(r["agree"] for r in rows)
+    return "\n".join(lines) + f"\n\n{agree} of {len(rows)} points agree within their seed intervals"
+
+
+HELDOUT_TEXTS = {VALID: "WikiText-2 valid.txt (no article shared with train.txt)",
+                 ARTICLES: "whole WikiText-2 train.txt articles held out at document level (fraction {fraction:g}, "
+                           "never trained on; the WordPiece vocabulary was trained on all of train.txt)"}
+
+
+def hardware_line() -> str:
+    """Where the runs ran: the CPU (model, flags), torch, how the runs were placed (steps do not depend on it)."""
+    from pipefisher.hardware import describe_hardware
+
+    return (f"{describe_hardware('cpu')} in the driver; {platform.platform()}; each run pinned to one core "
+            f"(taskset), 1 torch thread (steps and losses do not depend on the hardware or the load)")
 
 
 def main() -> None:
@@ -592,8 +697,12 @@ def main() -> None:
         from pipefisher.planning.calibration import write_calibration
 
         dirs = [Path(d) for d in args.calibration_from.split(",") if d]
-        path = write_calibration(args.calibration_out, calibration_from_runs(args, dirs, prepare(args)))
-        print(f"wrote {path}")
+        doc = calibration_from_runs(args, dirs, prepare(args))
+        path = write_calibration(args.calibration_out, doc)
+        print(f"wrote {path}\n\nspeed-up over {doc['reference']} (budgets {doc['budgets']}; held-out "
+              f"{doc['data']['heldout']}):\n{ca.calibration_table(doc)}")
+        if args.calibration_compare is not None:
+            print(f"\nagainst {args.calibration_compare}:\n{compare_table(doc, json.loads(args.calibration_compare.read_text()))}")
         return
     spec = study_spec(args)
     out = (args.out or h.REPO / "bench" / "results" / "convergence"

@@ -682,24 +682,31 @@ def budget_speedups(finals: Mapping[str, Mapping[int, Sequence[float]]], referen
     return out
 
 
-def budget_finals(results: Sequence[Mapping[str, Any]]) -> dict[str, dict[int, list[float]]]:
+def budget_finals(results: Sequence[Mapping[str, Any]], text: str | None = None) -> dict[str, dict[int, list[float]]]:
     """arm -> budget -> final held-out loss per seed, at each (arm, budget)'s tuned lr: the (lr, damping) whose
     seed-0 run ends lowest (Wen et al. tune the lr per budget; the study's grids run at seed 0), then every seed
     of it in seed order. ``results``: the runs' ``result.json`` (``arm``, ``lr``, ``damping``, ``seed``,
-    ``steps`` = the budget, ``final``, ``status``); runs that did not finish are left out."""
-    groups: dict[tuple[str, int], dict[tuple[float, float | None], dict[int, float]]] = {}
+    ``steps`` = the budget, ``final``, ``status``, ``final_by_text``); runs that did not finish are left out.
+    ``text``: the losses are ``final_by_text[text]`` (the final weights on another held-out text; runs
+    without it are left out) instead of ``final``, of the same runs: the lr is still the one whose seed-0 run
+    ends lowest on ``final`` (the text the study tuned on), so a second text checks the same runs."""
+    groups: dict[tuple[str, int], dict[tuple[float, float | None], dict[int, tuple[float, float]]]] = {}
     for r in results:
         if r.get("status") != "ok":
             continue
+        if text is not None and text not in r.get("final_by_text", {}):
+            continue
+        value = float(r["final"] if text is None else r["final_by_text"][text])
         key = (r["arm"], int(r["steps"]))
-        groups.setdefault(key, {}).setdefault((r["lr"], r.get("damping")), {})[int(r["seed"])] = float(r["final"])
+        groups.setdefault(key, {}).setdefault((r["lr"], r.get("damping")), {})[int(r["seed"])] = (float(r["final"]),
+                                                                                                  value)
     out: dict[str, dict[int, list[float]]] = {}
     for (arm, budget), by_lr in groups.items():
         tuned = [s for s in by_lr.values() if 0 in s]
         if not tuned:
             continue
-        best = min(tuned, key=lambda s: (s[0], statistics.fmean(s.values())))
-        out.setdefault(arm, {})[budget] = [best[s] for s in sorted(best)]
+        best = min(tuned, key=lambda s: (s[0][0], statistics.fmean(v[0] for v in s.values())))
+        out.setdefault(arm, {})[budget] = [best[s][1] for s in sorted(best)]
     return out
 
 
@@ -737,3 +744,56 @@ def reference_steps(finals: Mapping[int, Sequence[float]], losses: Sequence[floa
     ``reference_steps``)."""
     curve = _mean_curve(finals)
     return [(loss, b) for loss in losses if (b := budget_to_reach(curve, loss)) is not None]
+
+
+def calibration_table(doc: Mapping[str, Any]) -> str:
+    """A calibration document's speed-ups as a markdown table: one row per held-out loss (the reference's
+    budget for it beside), one column per optimizer entry, ``value [low–high] (n pairs)`` (the range over the n
+    seed pairs whose single-seed curves both reach the loss: near the ends of the budget range fewer do, and the
+    range is then narrower than the seeds' spread; ``–`` where the entry does not reach the loss without
+    extrapolating)."""
+    entries = doc["optimizers"]
+    names = [e.get("arm") or e["optimizer"] for e in entries]
+    lines = [f"| held-out loss | {doc['reference']} budget | " + " | ".join(names) + " |",
+             "|---|---|" + "---|" * len(names)]
+    for ref in doc["reference_steps"]:
+        cells = []
+        for e in entries:
+            p = next((p for p in e["speedup"] if abs(p["loss"] - ref["loss"]) < 1e-6), None)
+            cells.append("–" if p is None else f"{p['value']:.2f} [{p.get('low', p['value']):.2f}–"
+                                                 f"{p.get('high', p['value']):.2f}]"
+                                                 + (f" ({p['pairs']} pairs)" if "pairs" in p else ""))
+        lines.append(f"| {ref['loss']:.3f} | {ref['steps']:.0f} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def compare_texts(a: Mapping[str, Any], b: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """Whether two calibrations of the same runs on two held-out texts agree: per optimizer entry (matched by
+    ``arm``, else by optimizer) and per loss point, paired by its place in each document's ``reference_steps``
+    (the losses are evenly spaced over each text's reference range, so point i of both is read at about the
+    same reference budget). ``agree``: the seed intervals [low, high] overlap. Points missing on either
+    text are left out."""
+    def index(doc: Mapping[str, Any]) -> dict[str, dict[int, Mapping[str, float]]]:
+        losses = [r["loss"] for r in doc["reference_steps"]]
+        out: dict[str, dict[int, Mapping[str, float]]] = {}
+        for e in doc["optimizers"]:
+            for p in e["speedup"]:
+                i = next((i for i, loss in enumerate(losses) if abs(loss - p["loss"]) < 1e-6), None)
+                if i is not None:
+                    out.setdefault(e.get("arm") or e["optimizer"], {})[i] = p
+        return out
+
+    ia, ib = index(a), index(b)
+    ref_a, ref_b = a["reference_steps"], b["reference_steps"]
+    rows = []
+    for name in [n for n in ia if n in ib]:
+        for i in sorted(set(ia[name]) & set(ib[name])):
+            pa, pb = ia[name][i], ib[name][i]
+            lo_a, hi_a = pa.get("low", pa["value"]), pa.get("high", pa["value"])
+            lo_b, hi_b = pb.get("low", pb["value"]), pb.get("high", pb["value"])
+            rows.append({"arm": name, "point": i, "loss_a": pa["loss"], "loss_b": pb["loss"],
+                         "pairs": (pa.get("pairs"), pb.get("pairs")),
+                         "budget_a": ref_a[i]["steps"], "budget_b": ref_b[i]["steps"],
+                         "a": (pa["value"], lo_a, hi_a), "b": (pb["value"], lo_b, hi_b),
+                         "agree": lo_a <= hi_b and lo_b <= hi_a})
+    return rows

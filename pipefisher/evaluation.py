@@ -24,6 +24,7 @@ the reference the pipeline tests compare with.
 from __future__ import annotations
 
 import contextlib
+import os
 import time
 from typing import Any
 
@@ -34,7 +35,7 @@ from pipefisher.data.heldout import HeldoutSource, build_eval_source, check_eval
 from pipefisher.model import EVAL_SUMS, BertStage
 from pipefisher.tracking.metrics import EVAL_FIELDS
 
-__all__ = ["EVAL_FIELDS", "eval_due", "eval_source", "eval_batch", "eval_figures", "evaluate_model"]
+__all__ = ["EVAL_FIELDS", "eval_due", "eval_source", "eval_batch", "eval_figures", "evaluate_folder", "evaluate_model"]
 
 
 
@@ -95,4 +96,42 @@ def evaluate_model(model: BertStage, cfg: TrainConfig, source: HeldoutSource, de
                     sums += model.evaluate(None, batch)
     finally:
         model.train(was_training)
+    return eval_figures(sums, time.perf_counter() - start)
+
+
+def evaluate_folder(folder: str | os.PathLike, shards: str | os.PathLike, *, batches: int, micro_batch_size: int,
+                    seq_len: int, max_predictions: int) -> dict[str, float]:
+    """Evaluate a model folder (a run's ``final/``, `pipefisher.model.hf_format`) on held-out shards the
+    way a run evaluates ([Note: held-out evaluation]): micro-batches ``0 .. batches-1`` of
+    ``micro_batch_size`` in storage order, dropout off, on the CPU in this process. A run that
+    evaluated on ``shards`` after its last step reports the same figures (its weights are these).
+
+    Args:
+        folder: the model folder.
+        shards: held-out hdf5 shards (a file or a folder), with the model's vocabulary.
+        batches, micro_batch_size: the held-out set: ``batches × micro_batch_size`` sequences.
+        seq_len, max_predictions: the shards' widths (checked).
+
+    Returns:
+        The figures of :func:`eval_figures`.
+
+    Raises:
+        ValueError: not a model folder. DataError: shards of other widths or too few sequences.
+    """
+    from pipefisher.data.hdf5 import Hdf5Source, check_widths
+    from pipefisher.model import build_full_model, load_hf_state_dict
+    from pipefisher.model.hf_format import read_model_folder
+
+    saved = read_model_folder(folder)
+    model = build_full_model(saved.config)
+    load_hf_state_dict(model, saved.state_dict)
+    source = Hdf5Source(shards, 0, vocab_size=saved.config.vocab_size)
+    check_widths(source, seq_len, max_predictions)
+    check_eval_batches(source, batches, micro_batch_size)
+    start = time.perf_counter()
+    model.eval()
+    sums = torch.zeros(len(EVAL_SUMS), dtype=torch.float64)
+    with torch.no_grad():
+        for i in range(batches):
+            sums += model.evaluate(None, eval_micro_batch(source, i, micro_batch_size))
     return eval_figures(sums, time.perf_counter() - start)

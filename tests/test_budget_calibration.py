@@ -1,0 +1,265 @@
+"""Study 18 (issue 37, item 1): a second held-out text beside valid.txt and a budget calibration per text.
+
+- `pipefisher.evaluation.evaluate_folder` (a run's final weights on another held-out text) against an
+  independent reference, transformers' BertForPreTraining reading the same folder;
+- bench/convergence.py: the articles of train.txt held out at document level (the shards' options, and
+  nothing changes at --holdout-fraction 0), every run's final weights evaluated on both texts
+  (``final_by_text``), and one calibration per text (``--calibration-text``), the lr tuned on valid.txt.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from pipefisher.data.prepare import write_shards
+from pipefisher.model import BertConfig, build_full_model
+from pipefisher.model.bert import merge_stage_state_dicts
+from pipefisher.model.hf_format import write_model_folder
+from pipefisher.planning.calibration import read_calibration, write_calibration
+from tests.conftest import load_bench
+
+S, P, V, N = 16, 3, 64, 12  # seq len, predictions, vocabulary, held-out sequences
+
+
+@pytest.fixture(scope="module")
+def ca():
+    return load_bench("convergence_analysis")
+
+
+@pytest.fixture(scope="module")
+def cv():
+    load_bench("convergence_analysis")
+    return load_bench("convergence")
+
+
+def _arrays(seed: int) -> dict[str, np.ndarray]:
+    """NVIDIA-format instances with masked slots, some of them padding (label 0)."""
+    rng = np.random.default_rng(seed)
+    ids = rng.integers(5, V, size=(N, S)).astype(np.int32)
+    ids[:, 0] = 2
+    mask = np.ones((N, S), np.int8)
+    mask[::3, S - 4:] = 0  # a padded tail in every third sequence
+    ids[mask == 0] = 0
+    positions = np.zeros((N, P), np.int32)
+    labels = np.zeros((N, P), np.int32)
+    for i in range(N):
+        real = 2 + i % 2  # 2 or 3 real slots of P = 3
+        chosen = np.sort(rng.choice(np.arange(1, S - 4), size=real, replace=False))
+        positions[i, :real], labels[i, :real] = chosen, ids[i, chosen]
+        ids[i, chosen] = 4
+    segments = np.zeros((N, S), np.int8)
+    segments[:, S // 2:] = 1
+    return {"input_ids": ids, "input_mask": mask, "segment_ids": segments, "masked_lm_positions": positions,
+            "masked_lm_ids": labels, "next_sentence_labels": rng.integers(0, 2, size=N).astype(np.int8)}
+
+
+@pytest.fixture(scope="module")
+def folder_and_texts(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, Path]]:
+    """A trained-looking model folder (random weights, seed 3) and two held-out texts of shards."""
+    root = tmp_path_factory.mktemp("two-texts")
+    config = BertConfig(vocab_size=V, hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64,
+                        max_position_embeddings=S)
+    model = build_full_model(config, seed=3)
+    folder = write_model_folder(root / "run" / "final", merge_stage_state_dicts([model.state_dict()]), config)
+    texts = {}
+    for name, seed in (("valid", 1), ("articles", 2)):
+        write_shards(_arrays(seed), root / name, 2, prefix="t", compression=None)
+        texts[name] = root / name
+    return folder, texts
+
+
+def _hf_mlm_loss(folder: Path, shards: Path, batches: int, micro: int) -> float:
+    """The independent reference: transformers' BertForPreTraining from the folder, CE over the real masked
+    slots of the first ``batches × micro`` stored sequences, each slot weighted alike."""
+    transformers = pytest.importorskip("transformers")
+    import h5py
+
+    hf = transformers.BertForPreTraining.from_pretrained(str(folder), attn_implementation="eager").eval()
+    rows = {k: [] for k in ("input_ids", "input_mask", "segment_ids", "masked_lm_positions", "masked_lm_ids")}
+    for path in sorted(shards.glob("*.hdf5")):
+        with h5py.File(path, "r") as f:
+            for k in rows:
+                rows[k].append(np.asarray(f[k]))
+    data = {k: torch.from_numpy(np.concatenate(v)[: batches * micro]).long() for k, v in rows.items()}
+    with torch.no_grad():
+        logits = hf(input_ids=data["input_ids"], attention_mask=data["input_mask"],
+                    token_type_ids=data["segment_ids"]).prediction_logits
+    gathered = logits.gather(1, data["masked_lm_positions"].unsqueeze(-1).expand(-1, -1, logits.size(-1)))
+    labels = data["masked_lm_ids"]
+    real = labels != 0
+    ce = torch.nn.functional.cross_entropy(gathered[real].double(), labels[real], reduction="mean")
+    return float(ce)
+
+
+def test_evaluate_folder_matches_transformers_on_each_text(folder_and_texts) -> None:
+    from pipefisher.evaluation import evaluate_folder
+
+    folder, texts = folder_and_texts
+    got = {name: evaluate_folder(folder, shards, batches=3, micro_batch_size=4, seq_len=S, max_predictions=P)
+           for name, shards in texts.items()}
+    for name, shards in texts.items():
+        assert got[name]["eval_mlm_loss"] == pytest.approx(_hf_mlm_loss(folder, shards, 3, 4), rel=1e-5), name
+    assert got["valid"]["eval_mlm_loss"] != pytest.approx(got["articles"]["eval_mlm_loss"], rel=1e-3)
+    # fewer batches read fewer sequences: another figure
+    two = evaluate_folder(folder, texts["valid"], batches=2, micro_batch_size=4, seq_len=S, max_predictions=P)
+    assert two["eval_mlm_loss"] == pytest.approx(_hf_mlm_loss(folder, texts["valid"], 2, 4), rel=1e-5)
+
+
+def test_evaluate_folder_refuses_too_few_sequences_and_other_widths(folder_and_texts) -> None:
+    from pipefisher.data import DataError
+    from pipefisher.evaluation import evaluate_folder
+
+    folder, texts = folder_and_texts
+    with pytest.raises(DataError, match="eval.batches=4"):
+        evaluate_folder(folder, texts["valid"], batches=4, micro_batch_size=4, seq_len=S, max_predictions=P)
+    with pytest.raises(DataError):
+        evaluate_folder(folder, texts["valid"], batches=1, micro_batch_size=4, seq_len=2 * S, max_predictions=P)
+
+
+def test_final_by_text_evaluates_the_final_weights_on_both_texts(cv, folder_and_texts) -> None:
+    folder, texts = folder_and_texts
+    args = cv.parse_args(["--eval-batches", "3", "--micro-batch-size", "4", "--seq-len", str(S),
+                          "--max-predictions", str(P)])
+    data = cv.Data(train=None, heldout=texts["valid"], vocab=V, unigram=math.nan, cross=math.nan,
+                   articles=texts["articles"])
+    got = cv.final_by_text(args, data, folder.parent, "ok")
+    assert set(got) == {"valid", "articles"}
+    for name in got:
+        assert got[name] == pytest.approx(_hf_mlm_loss(folder, texts[name], 3, 4), rel=1e-5)
+    assert cv.final_by_text(args, data, folder.parent, "diverged") == {"valid": math.inf, "articles": math.inf}
+    one_text = cv.Data(None, texts["valid"], V, math.nan, math.nan)
+    assert cv.final_by_text(args, one_text, folder.parent, "ok") is None
+
+
+def test_holdout_fraction_prepares_articles_apart_and_zero_keeps_study_7s_shards(cv, tmp_path, monkeypatch) -> None:
+    """The training shards' options carry the fraction (prepare holds those articles out of them,
+    tests/test_heldout_data.py); at 0 the options, hence the cache key and the shards, are study 7's."""
+    (tmp_path / "train.txt").write_text(" = A = \n text .\n")
+    (tmp_path / "valid.txt").write_text(" = B = \n text .\n")
+    seen: list[dict] = []
+
+    def fake(text, cache, options, dry_run=False):
+        seen.append(dict(options))
+        out = tmp_path / "cache" / text.stem
+        (out / "heldout").mkdir(parents=True, exist_ok=True)
+        for shard in (out / "x.hdf5", out / "heldout" / "x.hdf5"):
+            write_shards(_arrays(0), shard.parent, 1, prefix="x", compression=None)
+        return out, V
+
+    monkeypatch.setattr(cv.h, "prepared_shards", fake)
+    base = ["--text-dir", str(tmp_path)]
+    data = cv.prepare(cv.parse_args(base + ["--holdout-fraction", "0.1"]))
+    assert seen[0] == {"seq_len": 64, "max_predictions": 10, "seed": 12345, "vocab_size": 8192, "dupe_factor": 3,
+                       "holdout_fraction": 0.1}
+    assert data.articles == tmp_path / "cache" / "train" / "heldout"
+    assert list(data.texts()) == ["valid", "articles"]
+    seen.clear()
+    data0 = cv.prepare(cv.parse_args(base))
+    assert "holdout_fraction" not in seen[0] and data0.articles is None and list(data0.texts()) == ["valid"]
+    args = cv.parse_args(base)
+    assert "save_final=true" in cv.common_overrides(args, data, 32, 100)
+    assert "save_final=false" in cv.common_overrides(args, data0, 32, 100)
+    assert "save_final=false" in cv.common_overrides(args, data, 32, 100, evaluate=False)
+
+
+def test_tune_by_final_drops_the_target_from_the_grid_score(cv, ca) -> None:
+    curve = [(50, 6.5), (100, 6.2)]
+    assert ca.tuning_score(curve, None) == 6.2  # final loss
+    assert ca.tuning_score(curve, 6.3) < 100  # steps to the target
+    assert cv.parse_args(["--tune-by", "final"]).tune_by == "final"
+    assert cv.parse_args([]).tune_by == "target"
+
+
+def test_budget_finals_read_another_text_of_the_runs_tuned_on_valid(ca) -> None:
+    rows = [  # at 500, lr 1e-3 ends lower on valid.txt (the study's pick) though 2e-3 ends lower on the articles
+        {"arm": "muon", "lr": 1e-3, "seed": 0, "steps": 500, "final": 6.30, "status": "ok",
+         "final_by_text": {"valid": 6.30, "articles": 6.50}},
+        {"arm": "muon", "lr": 1e-3, "seed": 1, "steps": 500, "final": 6.32, "status": "ok",
+         "final_by_text": {"valid": 6.32, "articles": 6.52}},
+        {"arm": "muon", "lr": 2e-3, "seed": 0, "steps": 500, "final": 6.31, "status": "ok",
+         "final_by_text": {"valid": 6.31, "articles": 6.40}},
+        {"arm": "muon", "lr": 1e-3, "seed": 0, "steps": 1000, "final": 6.1, "status": "ok"},  # not on the articles
+    ]
+    assert ca.budget_finals(rows) == {"muon": {500: [6.30, 6.32], 1000: [6.1]}}
+    assert ca.budget_finals(rows, "articles") == {"muon": {500: [6.50, 6.52]}}
+
+
+BUDGETS = (250, 500, 1000)
+
+
+def _loss(budget: float) -> float:
+    return 5.0 + 40.0 / math.sqrt(budget)
+
+
+def _studies(root: Path, scale_valid: float, scale_articles: float) -> list[Path]:
+    """nvlamb and muon at each budget, 2 seeds: muon ends where nvlamb ends at ``scale`` × its budget, on
+    each text (the articles 0.1 nats above valid.txt)."""
+    dirs = []
+    for b in BUDGETS:
+        out = root / f"b{b}"
+        for arm, sv, sa in (("nvlamb", 1.0, 1.0), ("muon", scale_valid, scale_articles)):
+            for seed, d in enumerate((-0.003, 0.003)):
+                key = f"b32/{arm}/lr0.001-s{seed}"
+                (out / "runs" / key).mkdir(parents=True)
+                valid, articles = _loss(sv * b) + d, _loss(sa * b) + 0.1 + d
+                (out / "runs" / key / "result.json").write_text(json.dumps({
+                    "key": key, "batch": 32, "arm": arm, "lr": 1e-3, "seed": seed, "damping": None, "status": "ok",
+                    "final": valid, "final_by_text": {"valid": valid, "articles": articles}, "steps": b,
+                    "curve": [[b, valid]]}))
+        dirs.append(out)
+    return dirs
+
+
+def test_one_calibration_per_text_with_its_own_speedups(cv, tmp_path: Path) -> None:
+    dirs = _studies(tmp_path, 2.0, 0.5)  # budgets a factor 2 apart: log-budget interpolation is exact
+    data = cv.Data(train=tmp_path / "train", heldout=tmp_path / "valid", vocab=8192, unigram=math.nan,
+                   cross=math.nan, articles=tmp_path / "train" / "heldout")
+    base = ["--calibration-from", ",".join(map(str, dirs)), "--holdout-fraction", "0.1"]
+    for text, speedup, where in (("valid", 2.0, "valid.txt"), ("articles", 0.5, "train.txt articles")):
+        args = cv.parse_args(base + ["--calibration-text", text])
+        doc = cv.calibration_from_runs(args, dirs, data)
+        path = write_calibration(tmp_path / f"cal-{text}.json", doc)
+        cal = read_calibration(path)
+        entry = cal.entry("muon", None, None)
+        assert entry is not None and len(entry.speedup) >= 2
+        assert [p.value for p in entry.speedup] == pytest.approx([speedup] * len(entry.speedup), rel=1e-4)
+        assert where in doc["data"]["heldout"] and str(data.texts()[text]) in doc["data"]["heldout"]
+        assert "held out" in doc["data"]["train"] and "CPU" in doc["hardware"] and doc["seeds"] == [0, 1]
+    valid = json.loads((tmp_path / "cal-valid.json").read_text())
+    articles = json.loads((tmp_path / "cal-articles.json").read_text())
+    assert valid["reference_steps"][0]["loss"] == pytest.approx(articles["reference_steps"][0]["loss"] - 0.1)
+
+
+def test_calibration_of_a_text_no_run_was_evaluated_on_is_refused(cv, tmp_path: Path) -> None:
+    dirs = _studies(tmp_path, 1.5, 1.25)
+    for path in tmp_path.glob("b*/runs/b32/*/*/result.json"):
+        r = json.loads(path.read_text())
+        del r["final_by_text"]
+        path.write_text(json.dumps(r))
+    args = cv.parse_args(["--calibration-from", ",".join(map(str, dirs)), "--calibration-text", "articles"])
+    with pytest.raises(SystemExit, match="--calibration-text articles: no run .* --holdout-fraction"):
+        cv.calibration_from_runs(args, dirs, None)
+
+
+def test_calibration_table_and_text_comparison(cv, ca, tmp_path: Path) -> None:
+    dirs = _studies(tmp_path, 2.0, 1.0)
+    data = cv.Data(tmp_path / "t", tmp_path / "v", 8192, math.nan, math.nan, tmp_path / "t" / "heldout")
+    docs = {text: cv.calibration_from_runs(cv.parse_args(["--calibration-from", ",".join(map(str, dirs)),
+                                                          "--calibration-text", text]), dirs, data)
+            for text in ("valid", "articles")}
+    table = ca.calibration_table(docs["valid"])
+    assert table.splitlines()[0] == "| held-out loss | nvlamb budget | muon |"
+    assert "| 2.00 [" in table and "| – |" in table  # muon does not reach the highest losses without extrapolating
+    assert "(4 pairs)" in table  # 2 seeds x 2 seeds
+    rows = ca.compare_texts(docs["valid"], docs["articles"])
+    assert rows and all(r["arm"] == "muon" and not r["agree"] for r in rows)  # 2.0 against 1.0
+    assert all(r["a"][0] == pytest.approx(2.0, rel=1e-4) and r["b"][0] == pytest.approx(1.0, rel=1e-4) for r in rows)
+    same = ca.compare_texts(docs["valid"], docs["valid"])
+    assert same and all(r["agree"] and r["a"] == r["b"] for r in same)
+    assert "0 of" in cv.compare_table(docs["valid"], docs["articles"])
