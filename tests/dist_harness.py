@@ -6,15 +6,15 @@ group per case, rendezvous through a file), and saves what the test needs with `
 
 [Note: forkserver]
 Every test that starts worker processes itself (:func:`start_workers`) starts them with the
-``forkserver`` method: one server process per test session imports torch and the runtime once
+``forkserver`` method: one server process per pytest process (per xdist worker) imports torch and the runtime once
 (:data:`PRELOAD`) without running any operation (OpenMP's thread pool would not survive the fork),
 and each worker is forked from it, so a worker starts in a fraction of a second where a ``spawn``ed
 one imports torch again (2 workers: 27–54 s by spawn against 0.2–0.8 s from the warm server on this
 2-core machine under load 7, 21 s for the server's first start). The workers' code and numerics are
-those of a spawned worker: a fresh interpreter state (no pytest state is inherited, as it would be
-by ``fork``), the parent's working directory and ``sys.path``; only the environment is the
+those of a spawned worker: no pytest state is inherited (as it would be by ``fork``), the parent's working directory and ``sys.path``; only the environment is the
 server's, taken when it started (no test changes the environment its workers read). The launcher
-``train.py`` uses (``launch/local.py``) keeps ``spawn``; the end-to-end tests run it as written.
+``train.py`` uses (``launch/local.py``) keeps ``spawn``: a forkserver's children would take the server's
+signal dispositions, not the ones the launcher sets for its workers (``interrupts_ignored_by_children``).
 """
 
 from __future__ import annotations
