@@ -44,17 +44,6 @@ TINY = [
 ]
 
 
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Under pytest-xdist (the README's ``-n 2 --dist loadgroup``): each test module runs on one
-    worker, so its module-scoped fixtures (one start of workers for many cases) run once, and every
-    SLURM test runs on the same worker, since they share the one cluster of two nodes."""
-    if not config.pluginmanager.hasplugin("xdist"):
-        return
-    for item in items:
-        module = item.nodeid.split("::")[0]
-        item.add_marker(pytest.mark.xdist_group("slurm" if Path(module).name.startswith("test_slurm") else module))
-
-
 @pytest.fixture(autouse=True)
 def _offline_wandb(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> None:
     wandb_dir = tmp_path_factory.mktemp("wandb")
