@@ -82,3 +82,16 @@ def load_bench(name: str, as_name: str | None = None):
     finally:
         sys.path.remove(str(bench))
     return module
+
+
+@pytest.fixture(scope="module")
+def ca():
+    """``bench/convergence_analysis.py`` as a module (the convergence and calibration tests)."""
+    return load_bench("convergence_analysis")
+
+
+@pytest.fixture(scope="module")
+def cv():
+    """``bench/convergence.py`` as a module (it imports ``convergence_analysis`` by name)."""
+    load_bench("convergence_analysis")
+    return load_bench("convergence")

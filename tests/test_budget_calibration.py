@@ -22,20 +22,8 @@ from pipefisher.model import BertConfig, build_full_model
 from pipefisher.model.bert import merge_stage_state_dicts
 from pipefisher.model.hf_format import write_model_folder
 from pipefisher.planning.calibration import read_calibration, write_calibration
-from tests.conftest import load_bench
 
 S, P, V, N = 16, 3, 64, 12  # seq len, predictions, vocabulary, held-out sequences
-
-
-@pytest.fixture(scope="module")
-def ca():
-    return load_bench("convergence_analysis")
-
-
-@pytest.fixture(scope="module")
-def cv():
-    load_bench("convergence_analysis")
-    return load_bench("convergence")
 
 
 def _arrays(seed: int) -> dict[str, np.ndarray]:

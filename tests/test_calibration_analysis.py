@@ -10,21 +10,9 @@ from pathlib import Path
 import pytest
 
 from pipefisher.planning.calibration import read_calibration
-from tests.test_convergence_bench import _load
 
 BUDGETS = [250, 500, 1000, 2000, 4000]
 OFFSETS = (-0.01, 0.0, 0.01)  # three seeds
-
-
-@pytest.fixture(scope="module")
-def ca():
-    return _load("convergence_analysis")
-
-
-@pytest.fixture(scope="module")
-def cv():
-    _load("convergence_analysis")
-    return _load("convergence")
 
 
 def ref_loss(budget: float) -> float:

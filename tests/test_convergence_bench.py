@@ -20,17 +20,6 @@ from tests.conftest import load_bench
 _load = load_bench
 
 
-@pytest.fixture(scope="module")
-def ca():
-    return _load("convergence_analysis")
-
-
-@pytest.fixture(scope="module")
-def cv():
-    _load("convergence_analysis")
-    return _load("convergence")
-
-
 # --- targets ----------------------------------------------------------------------------------
 
 def test_unigram_entropy_and_cross_entropy_against_hand_values(ca) -> None:
