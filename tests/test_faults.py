@@ -16,6 +16,7 @@ from pipefisher.runtime.checkpoint import load_shard
 from pipefisher.tracking import read_metrics
 from pipefisher.runtime.worker import run_worker
 from tests.conftest import compose_train
+from tests.dist_harness import START_METHOD
 
 PIPE = ["stages=2", "num_micro_batches=2", "steps=4", "data.seq_len=16", "cluster.worker_timeout_s=20"]
 
@@ -52,6 +53,28 @@ def test_stalled_worker_is_caught_by_the_process_group_timeout(tmp_path: Path) -
         _run(tmp_path, "fault.mode=stall", "fault.rank=1", "fault.step=1", "cluster.worker_timeout_s=5")
     assert "Process 0" in str(err.value)
     assert time.monotonic() - start < 120
+
+
+def _failing_worker(index: int, delay_s: float) -> None:
+    # Worker 0 fails at once the way a peer of a failed worker does; worker 1, the cause, raises later
+    # (as a worker still unwinding after its process group closed).
+    if index == 0:
+        raise RuntimeError("[gloo] Connection closed by peer [127.0.0.1]:1234")
+    time.sleep(delay_s)
+    raise ValueError("the root cause, on worker 1")
+
+
+@pytest.mark.parametrize("delay_s", [0.0, 1.0])
+def test_the_root_cause_is_raised_not_the_first_peer_to_notice(delay_s: float) -> None:
+    from pipefisher.launch import failures
+
+    assert delay_s < failures.FAILURE_GRACE_S
+    context = mp.start_processes(_failing_worker, args=(delay_s,), nprocs=2, join=False, start_method=START_METHOD)
+    with pytest.raises(mp.ProcessRaisedException) as err:
+        while not failures.join_or_raise(context, 0.25):
+            pass
+    assert err.value.error_index == 1 and "the root cause, on worker 1" in str(err.value)
+    assert not any(p.is_alive() for p in context.processes)
 
 
 def test_world_size_that_does_not_fit_fails_before_training(tmp_path: Path) -> None:

@@ -1,17 +1,9 @@
 """Process start on one machine, and adoption of an environment that already started the workers.
 
-Before any worker starts, the config and the schedule are checked, and so is the checkpoint a
+A local worker's failure ends the whole job (``launch/failures.py``). Before any worker starts, the config and the schedule are checked, and so is the checkpoint a
 ``resume`` asks for (it must fit the run: :func:`check_resume`). In a SLURM job the process that
 owns SLURM's warning signal requeues the job after the workers checkpointed on it (see
 ``pipefisher.runtime.preemption``).
-
-[Note: failures end the whole job]
-Local workers are started with ``torch.multiprocessing.start_processes``: when one exits with an
-exception or is killed, ``join`` ends the others at once and raises with the failed worker's
-rank and traceback. It sends them SIGTERM, which a worker records as a request to stop after the
-step (so that a SIGTERM to the whole process group stops the run with a checkpoint); the join is
-given no grace period (:data:`_NO_GRACE`), so SIGKILL follows at once. A worker that stalls without exiting is caught by the process-group timeout
-(``cluster.worker_timeout_s``): its peers' blocking receives and collectives raise, and they exit.
 
 [Note: Ctrl-C and SIGTERM to the launcher]
 SIGINT or SIGTERM to the launcher process (or Ctrl-C to the whole foreground group) stops the
@@ -29,7 +21,6 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
-import inspect
 import json
 import logging
 import os
@@ -46,6 +37,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from pipefisher.config import KFAC_OPTIMIZERS, TrainConfig
+from pipefisher.launch.failures import join_or_raise, kill_workers, peer_failure
 from pipefisher.launch.slurm import report_lost_tasks, slurm_task_env
 from pipefisher.runtime import preemption
 from pipefisher.runtime.checkpoint import (check_compatible, checkpoint_root, find_latest, resolve_resume,
@@ -65,14 +57,8 @@ log = logging.getLogger(__name__)
 #: (SLURM's KillWait, Kubernetes' grace period). See [Note: Ctrl-C and SIGTERM to the launcher].
 STOP_GRACE_S = 20.0
 _POLL_S = 0.25  # how often the launcher looks at its workers and at recorded signals
-# ``ProcessContext.join(grace_period=0)``: SIGKILL right after the SIGTERM with which torch ends the
-# peers of a failed worker (they record SIGTERM). An older torch without the argument terminates
-# them with SIGTERM and waits: its workers keep SIGTERM's default action (a SIGTERM to the process
-# group then still kills them, as before issue 40, item 2).
-_NO_GRACE: dict[str, float] = ({"grace_period": 0.0}
-                               if "grace_period" in inspect.signature(mp.ProcessContext.join).parameters else {})
 #: The signals a local worker records and stops on after the agreed step ([Note: Ctrl-C and SIGTERM]).
-WORKER_STOP_SIGNALS = INTERRUPT_SIGNALS if _NO_GRACE else (signal.SIGINT,)
+WORKER_STOP_SIGNALS = INTERRUPT_SIGNALS
 
 
 def _env_world() -> tuple[int, int, int, int] | None:
@@ -128,15 +114,6 @@ class WorkerFailed(RuntimeError):
     traceback and, when it failed because of them, its failed peers' errors."""
 
 
-def _peer_failure(err: BaseException) -> bool:
-    """Whether ``err`` is how a worker learns that a peer failed: a closed connection or a timeout
-    of the process group, as opposed to a failure of its own."""
-    if isinstance(err, dist.DistError):
-        return True
-    text = str(err)
-    return any(s in text for s in ("Connection closed by peer", "Connection reset by peer", "Timed out", "timed out"))
-
-
 def _requeue_if_preempted(output_dir: Path) -> None:
     """After the workers stopped on SLURM's signal (they left :data:`PREEMPTED_FILE`): requeue, exit."""
     marker = output_dir / PREEMPTED_FILE
@@ -174,7 +151,7 @@ def launch_workers(cfg: TrainConfig, output_dir: str | os.PathLike, run_name: st
             # message, and (worker 0's error being the one the launcher shows) name failed peers.
             trace = traceback.format_exc()
             log.error("worker %d failed:\n%s", rank, trace)
-            peers = report_lost_tasks(err) if _peer_failure(err) else {}
+            peers = report_lost_tasks(err) if peer_failure(err) else {}
             raise WorkerFailed(f"worker {rank} failed:\n{trace}" + "".join(
                 f"\n--- SLURM task {t} failed:\n{text.strip()}" for t, text in sorted(peers.items()))) from err
         if result.get("preempted"):  # checkpointed, and worker 0 requeued the job
@@ -243,7 +220,7 @@ def _run_local_workers(cfg: TrainConfig, output_dir: str | os.PathLike, run_name
     try:
         _wait_for_workers(context, STOP_GRACE_S, Path(output_dir))
     finally:
-        _kill_workers(context)
+        kill_workers(context)
         del store
 
 
@@ -320,7 +297,7 @@ def _wait_for_workers(context: mp.ProcessContext, grace_s: float, output_dir: Pa
     deadline: float | None = None
     while True:
         try:
-            if context.join(timeout=_POLL_S, **_NO_GRACE):
+            if join_or_raise(context, _POLL_S):
                 return
         except (mp.ProcessRaisedException, mp.ProcessExitedException) as err:
             if not preemption.interrupted():
@@ -344,15 +321,6 @@ def _wait_for_workers(context: mp.ProcessContext, grace_s: float, output_dir: Pa
                         else f"still running {grace_s:.0f} s after {name}")
             return  # the caller kills them
         preemption.pass_on()  # again: a worker still starting up ignores SIGINT
-
-
-def _kill_workers(context: mp.ProcessContext) -> None:
-    """Kill the workers that still run and reap them all."""
-    for process in context.processes:
-        if process.is_alive():
-            process.kill()
-    for process in context.processes:
-        process.join()
 
 
 def _exit_interrupted(cfg: TrainConfig, output_dir: Path, signum: int,

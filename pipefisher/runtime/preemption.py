@@ -36,9 +36,9 @@ item 3), without the requeue:
    -PGID`` and job managers signal every process of the group, so the workers get SIGTERM
    directly, at slightly different moments inside a step (issue 40, item 2). A worker that died
    of it would leave its peers in a send and the run without its checkpoint.
-   (``torch.multiprocessing`` ends the peers of a failed worker with SIGTERM: the launcher gives
-   that no grace period, so SIGKILL follows at once: [Note: failures end the whole job] in
-   ``pipefisher.launch.local``.) ``torch.multiprocessing`` also makes SIGINT a worker's
+   (The launcher ends the peers of a failed worker with SIGKILL, after a short grace in which
+   most end by themselves: [Note: failures end the whole job] in ``pipefisher.launch.failures``.)
+   ``torch.multiprocessing`` also makes SIGINT a worker's
    parent-death signal: a worker whose launcher was killed stops after the step too.
 3. The workers agree at the step's end as in [Note: stopping on a signal], save a checkpoint
    when the run has checkpointing on, and exit normally; rank 0 leaves :data:`PREEMPTED_FILE`
