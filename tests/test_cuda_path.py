@@ -232,7 +232,7 @@ def test_launcher_notices_a_killed_worker_by_its_exit_not_by_its_peers() -> None
             local_launch._wait_for_workers(context, grace_s=5.0)
         assert time.monotonic() - start < 30  # the spawn and 1 s; worker_timeout_s (600 s) plays no part
     finally:
-        local_launch._kill_workers(context)
+        local_launch.kill_workers(context)
     assert not any(p.is_alive() for p in context.processes)
 
 
