@@ -20,9 +20,6 @@ from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from matplotlib.figure import Figure
-from matplotlib.lines import Line2D
-from matplotlib.patches import Patch
 
 from pipefisher.profiling.nsys import parse_action_name
 from pipefisher.profiling.utilization import host_spans_ns, utilization_per_host
@@ -137,6 +134,11 @@ def plot_timeline(events: Sequence[Event], out_path_stem: str | Path, *, title: 
     unit, scale = _time_unit(span)
     util = utilization_per_host(events, n_workers, hosts)
     overall = sum(util.values()) / len(util) if util else 0.0
+
+    # matplotlib is imported here, not at the top: every worker imports this package, few draw.
+    from matplotlib.figure import Figure
+    from matplotlib.lines import Line2D
+    from matplotlib.patches import Patch
 
     fig = Figure(figsize=(12.0, max(2.6, 1.3 + 0.55 * n_workers)))
     ax = fig.add_subplot()
