@@ -27,6 +27,7 @@ from pipefisher.runtime.worker import run_worker
 from pipefisher.tracking import read_metrics
 from tests import cuda_standin
 from tests.conftest import REPO, compose_train
+from tests.dist_harness import START_METHOD
 
 
 @pytest.fixture
@@ -225,7 +226,7 @@ def _dies_or_waits(index: int) -> None:
 
 
 def test_launcher_notices_a_killed_worker_by_its_exit_not_by_its_peers() -> None:
-    context = mp.start_processes(_dies_or_waits, nprocs=2, join=False, start_method="spawn")
+    context = mp.start_processes(_dies_or_waits, nprocs=2, join=False, start_method=START_METHOD)
     start = time.monotonic()
     try:
         with pytest.raises(mp.ProcessExitedException, match="process 0 terminated with signal SIGKILL"):
