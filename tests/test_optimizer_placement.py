@@ -12,17 +12,13 @@ confirms every step.
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
 
 from pipefisher.config import ConfigError, TrainConfig
-from pipefisher.runtime.build import kfac_assignment, schedule_for
 from pipefisher.runtime.stage_steps import StageSteps
 from pipefisher.optim.baselines import build_baseline_optimizer
 from pipefisher.optim.nvlamb import build_optimizer
-from pipefisher.schedules.kfac import assignment_to_dict, assignment_to_json
 from tests.conftest import compose_train
 from tests.dist_harness import run_cases
 from tests.test_pipeline_equivalence import MODEL, assert_params_equal_single_process
@@ -59,29 +55,12 @@ CASES = ([(m, d, n, "nvlamb", clip) for m, d, n in SCHEDULES for clip in (OFF, D
          + [("1f1b", 2, 4, opt, ROLL_BACK, "sdp=2") for opt in ("nvlamb", "muon")])
 
 
-def _given_plan(case: tuple, folder: Path) -> tuple[str, ...]:
-    """For a PipeFisher case, its plan as ``optimizer.schedule``: planned once here, as each worker of
-    both runs would plan it (the planner is deterministic, and plans for the schedule before per-stage
-    STEPs are added), so the runs execute the same assignment without planning it four times (1–4 s
-    each). The workers' own planning is tested with the runs of ``test_kfac_pays``."""
-    if case[3] != "pipefisher":
-        return ()
-    cfg = _cfg(*case[:4], "global", *case[4:])
-    plan = kfac_assignment(cfg, schedule_for(cfg))
-    given = (f"optimizer.schedule={assignment_to_json(plan, folder / f'{_case_id(case)}.json')}",)
-    loaded = _cfg(*case[:4], "global", *case[4:], *given)
-    assert assignment_to_dict(kfac_assignment(loaded, schedule_for(loaded))) == assignment_to_dict(plan)
-    return given
-
-
 @pytest.fixture(scope="module")
 def placement_results(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple, tuple[dict, dict]]:
     results = {}
-    plans = tmp_path_factory.mktemp("plans")
     # one spawn per world size: a rank beyond a case's world waits at the next case it joins
     for cases in ([c for c in CASES if "sdp=2" not in c], [c for c in CASES if "sdp=2" in c]):
-        runs = [(_cfg(*c[:4], placement, *c[4:], *_given_plan(c, plans)), STEPS)
-                for c in cases for placement in ("global", "per_stage")]
+        runs = [(_cfg(*c[:4], placement, *c[4:]), STEPS) for c in cases for placement in ("global", "per_stage")]
         out = run_cases(runs, tmp_path_factory.mktemp("placement"))
         results.update({c: (out[2 * i], out[2 * i + 1]) for i, c in enumerate(cases)})
     return results
