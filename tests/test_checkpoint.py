@@ -54,9 +54,10 @@ MODEL = ["model.num_layers=2", "model.hidden_size=32", "model.num_heads=2", "mod
          "data.seq_len=16", "data.max_predictions=3", "micro_batch_size=2", "lr=0.01", "steps=6",
          # dropout on (TINY turns it off): resumed runs must draw the same (keyed) masks
          "model.hidden_dropout=0.1", "model.attention_dropout=0.1", "cluster.worker_timeout_s=60"]
+# 1f1b without K-FAC saves and restores what gpipe-D2 does (one stage per worker, NVLAMB); 1f1b's own
+# resumes are the K-FAC cases below and test_baseline_optimizers' AdamW and Muon runs (bit for bit).
 CASES = {
     "gpipe-D2": ["pipeline=gpipe", "stages=2", "num_micro_batches=2"],
-    "1f1b-D2": ["pipeline=1f1b", "stages=2", "num_micro_batches=2"],
     "chimera-D2": ["pipeline=chimera", "stages=2", "num_micro_batches=2"],
     "gpipe-D1-W2": ["pipeline=gpipe", "stages=1", "data_parallel=2", "num_micro_batches=2"],
     "kfac-chimera-D2-k2": ["pipeline=chimera", "stages=2", "num_micro_batches=2", "optimizer=kfac",

@@ -12,7 +12,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from pipefisher.launch import launch_workers
 from pipefisher.optim import NVLAMB, param_groups
 from pipefisher.planning.assign import (
     _no_slower_than_critical_path,
@@ -38,6 +37,8 @@ from pipefisher.schedules.kfac import (
 )
 from pipefisher.optim.factory import is_kfac_parameter
 from tests.conftest import compose_train
+from tests.dist_harness import start_workers
+from tests.test_checkpoint import _worker as train_jobs
 
 SMALL = ["model.num_layers=2", "model.hidden_size=32", "model.num_heads=2", "data.seq_len=16",
          "data.max_predictions=3", "lr=0.01", "optimizer.damping=0.01"]
@@ -47,11 +48,16 @@ def _metrics(folder: Path) -> list[dict]:
     return [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
 
 
-def _run(tmp: Path, name: str, *overrides: str) -> list[dict]:
-    cfg = compose_train(SMALL + ["pipeline=1f1b", "stages=2", "num_micro_batches=2", *overrides])
-    out = tmp / name
-    launch_workers(cfg, out)
-    return _metrics(out)
+def _run_all(tmp: Path, runs: dict[str, tuple[str, ...]]) -> dict[str, list[dict]]:
+    """Each run's metrics.jsonl, by name: the runs go through ``train_worker`` (what each launched
+    worker runs) in one start of two processes that walks them all, as ``test_checkpoint``'s."""
+    jobs = []
+    for name, overrides in runs.items():
+        cfg = compose_train(SMALL + ["pipeline=1f1b", "stages=2", "num_micro_batches=2", *overrides])
+        jobs.append(([cfg, cfg], str(tmp / name), False, None))
+    (tmp / "pg").mkdir()
+    start_workers(train_jobs, (jobs, str(tmp / "pg")), 2)
+    return {name: _metrics(tmp / name) for name in runs}
 
 
 @pytest.fixture(scope="module")
@@ -72,25 +78,22 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict]]:
     assert fallback.metadata.get("fallback") == "critical_path"
     plan = assignment_to_json(fallback, tmp / "fallback.json")
     steps = "steps=6"
-    return {
-        "nvlamb": _run(tmp, "nvlamb", steps),
+    return _run_all(tmp, {
+        "nvlamb": (steps,),
         # at_cycle_end (optimizer=pipefisher's default is when_ready, the "ready" runs): inverses from the next cycle
-        "pipefisher": _run(tmp, "pipefisher", steps, "optimizer=pipefisher", "optimizer.max_interval=3",
-                           "optimizer.promote_inverses=at_cycle_end"),
-        "bounded": _run(tmp, "bounded", steps, "optimizer=pipefisher", "optimizer.max_staleness=1",
-                        "optimizer.promote_inverses=at_cycle_end"),
-        "kfac3": _run(tmp, "kfac3", steps, "optimizer=kfac", "optimizer.curvature_interval=3",
-                      "optimizer.inverse_interval=3"),
-        "fallback": _run(tmp, "fallback", steps, "optimizer=pipefisher", f"optimizer.schedule={plan}",
-                         "optimizer.promote_inverses=at_cycle_end"),
+        "pipefisher": (steps, "optimizer=pipefisher", "optimizer.max_interval=3",
+                       "optimizer.promote_inverses=at_cycle_end"),
+        "bounded": (steps, "optimizer=pipefisher", "optimizer.max_staleness=1",
+                    "optimizer.promote_inverses=at_cycle_end"),
+        "kfac3": (steps, "optimizer=kfac", "optimizer.curvature_interval=3", "optimizer.inverse_interval=3"),
+        "fallback": (steps, "optimizer=pipefisher", f"optimizer.schedule={plan}",
+                     "optimizer.promote_inverses=at_cycle_end"),
         # issue 28: deferred inverses in use from the step after their INVERT; factors every step, inverses every 3
-        "ready": _run(tmp, "ready", steps, "optimizer=pipefisher", "optimizer.max_interval=3",
-                      "optimizer.promote_inverses=when_ready"),
-        "ready_bounded": _run(tmp, "ready_bounded", steps, "optimizer=pipefisher", "optimizer.max_staleness=2",
-                              "optimizer.promote_inverses=when_ready"),
-        "kfac_f1_i3": _run(tmp, "kfac_f1_i3", steps, "optimizer=kfac", "optimizer.curvature_interval=1",
-                           "optimizer.inverse_interval=3"),
-    }
+        "ready": (steps, "optimizer=pipefisher", "optimizer.max_interval=3", "optimizer.promote_inverses=when_ready"),
+        "ready_bounded": (steps, "optimizer=pipefisher", "optimizer.max_staleness=2",
+                          "optimizer.promote_inverses=when_ready"),
+        "kfac_f1_i3": (steps, "optimizer=kfac", "optimizer.curvature_interval=1", "optimizer.inverse_interval=3"),
+    })
 
 
 def _plan(*overrides: str):

@@ -1,10 +1,12 @@
 """Checkpoints of sharded runs (``sdp`` > 1, ``tp`` > 1; issue 27) through torch.distributed.checkpoint:
-a run stopped after step 4 and resumed with ``resume=auto`` logs bit-identical losses and ends with
+a run stopped after step 2 and resumed with ``resume=auto`` logs bit-identical losses and ends with
 bit-identical parameters, optimizer moments and shards to an uninterrupted run; a checkpoint of
 another sdp/tp is refused naming the field; DCP's metadata is read without unsafe unpickling.
 
 As ``test_checkpoint``: the runs go through ``train_worker`` in one spawn of 4 processes walking
-all jobs; a run is interrupted by ``fault.mode=raise`` at step 4 on every worker.
+all jobs; a run is interrupted by ``fault.mode=raise`` at step 2 on every worker. Four steps: the checkpoint
+after step 1 holds every state a later one does (moments and step counts after two updates, the
+scheduler, the generators), and the resumed run updates from it twice.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ from tests.dist_harness import start_workers
 
 MODEL = ["model.num_layers=2", "model.hidden_size=32", "model.num_heads=2", "model.intermediate_size=64",
          "model.vocab_size=128", "data.seq_len=16", "data.max_predictions=3", "micro_batch_size=2", "lr=0.01",
-         "steps=6", "optimizer.max_grad_norm=0.05", "model.hidden_dropout=0.1", "model.attention_dropout=0.1",
+         "steps=4", "optimizer.max_grad_norm=0.05", "model.hidden_dropout=0.1", "model.attention_dropout=0.1",
          "cluster.worker_timeout_s=120", "wandb.mode=disabled", "progress=false"]
 # Each case: 4 processes.
 CASES = {
@@ -45,7 +47,8 @@ CASES = {
     # two stage replicas per worker, each written over its own sdp group (in one sorted order)
     "sdp2-chimera-D2": ["pipeline=chimera", "stages=2", "num_micro_batches=2", "sdp=2"],
 }
-INTERRUPT_AT = 4  # saves after steps 1 and 3 (every_steps=2), fails at the start of step 4
+INTERRUPT_AT = 2  # saves after step 1 (every_steps=2), fails at the start of step 2
+LAST = 3  # the last step (steps=4)
 WORLD = 4
 
 Job = tuple[list[TrainConfig], str, bool]
@@ -79,17 +82,17 @@ def _interrupted(cfg: TrainConfig, step: int = INTERRUPT_AT) -> list[TrainConfig
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """Per case ``<case>/straight`` (6 steps, one checkpoint after the last) and ``<case>/resumed``
-    (checkpoints every 2 steps, stopped at step 4, resumed with resume=auto)."""
+    """Per case ``<case>/straight`` (4 steps, one checkpoint after the last) and ``<case>/resumed``
+    (checkpoints every 2 steps, stopped at step 2, resumed with resume=auto)."""
     tmp = tmp_path_factory.mktemp("sharded_ckpt")
     jobs: list[Job] = []
     for case in CASES:
-        straight = _cfg(case, "checkpoint.every_steps=6")
+        straight = _cfg(case, "checkpoint.every_steps=4")
         jobs.append(([straight] * WORLD, str(tmp / case / "straight"), False))
         jobs.append((_interrupted(_cfg(case, "checkpoint.every_steps=2")), str(tmp / case / "resumed"), True))
-        # A fault at step 2 that only a run starting over would reach: the resume must continue at step 4.
+        # A fault at step 1 that only a run starting over would reach: the resume must continue at step 2.
         resume = _cfg(case, "checkpoint.every_steps=2", "resume=auto")
-        jobs.append((_interrupted(resume, step=2), str(tmp / case / "resumed"), False))
+        jobs.append((_interrupted(resume, step=1), str(tmp / case / "resumed"), False))
     (tmp / "pg").mkdir()
     start_workers(_worker, (jobs, str(tmp / "pg")), WORLD)
     return tmp
@@ -112,9 +115,9 @@ def _dcp_tensors(folder: Path) -> dict[str, torch.Tensor]:
 def test_resumed_sharded_run_equals_uninterrupted_run_bit_for_bit(case: str, runs: Path) -> None:
     steps, straight = _losses(runs / case / "straight")
     resumed_steps, resumed = _losses(runs / case / "resumed")
-    assert steps == resumed_steps == list(range(6))
+    assert steps == resumed_steps == list(range(LAST + 1))
     assert resumed == straight  # exact: the same reductions in the same order (fixed groups and sizes)
-    a_dir, b_dir = (step_dir(runs / case / run / "checkpoints", 5) for run in ("straight", "resumed"))
+    a_dir, b_dir = (step_dir(runs / case / run / "checkpoints", LAST) for run in ("straight", "resumed"))
     for rank in range(WORLD):  # step, scheduler, generators, NVLAMB's step counts
         _assert_same_state(load_shard(a_dir, rank), load_shard(b_dir, rank), f"{case} worker {rank}", exact=True)
     a, b = _dcp_tensors(a_dir), _dcp_tensors(b_dir)
@@ -122,7 +125,7 @@ def test_resumed_sharded_run_equals_uninterrupted_run_bit_for_bit(case: str, run
     assert {k.split("/")[0] for k in a} == {dcp_folder((p, s)) for p in range(pipes) for s in range(_cfg(case).stages)}
     assert any(".exp_avg_sq" in k for k in a) and any("/model." in k for k in a)
     _assert_same_state(a, b, case, exact=True)  # parameters and moments, gathered whole
-    assert [s for s, _ in list_checkpoints(runs / case / "resumed" / "checkpoints")] == [INTERRUPT_AT - 1, 5]
+    assert [s for s, _ in list_checkpoints(runs / case / "resumed" / "checkpoints")] == [INTERRUPT_AT - 1, LAST]
 
 
 @pytest.mark.slow
@@ -141,14 +144,14 @@ def test_sharded_checkpoint_holds_no_tensor_twice_and_lists_its_dcp_files(runs: 
     data = bytearray(distcp.read_bytes())
     data[-1] ^= 0xFF
     distcp.write_bytes(bytes(data))
-    assert find_latest(folder.parent) == step_dir(folder.parent, 5)
-    (step_dir(folder.parent, 5) / MANIFEST).unlink()  # and a checkpoint whose manifest was never written
+    assert find_latest(folder.parent) == step_dir(folder.parent, LAST)
+    (step_dir(folder.parent, LAST) / MANIFEST).unlink()  # and a checkpoint whose manifest was never written
     assert find_latest(folder.parent) is None
 
 
 @pytest.mark.slow
 def test_checkpoint_of_sdp2_refuses_a_tp2_resume_naming_both_fields(runs: Path) -> None:
-    folder = step_dir(runs / "sdp2-1f1b-D2" / "straight" / "checkpoints", 5)
+    folder = step_dir(runs / "sdp2-1f1b-D2" / "straight" / "checkpoints", LAST)
     manifest = json.loads((folder / MANIFEST).read_text())
     with pytest.raises(ConfigError) as err:
         check_compatible(manifest, _cfg("tp2-1f1b-D2"), WORLD, None, folder)
