@@ -31,7 +31,7 @@ class SweepSlurmLauncher(SlurmLauncher):
         from pipefisher.launch import sweep
 
         assert self.config is not None
-        every_s = float(self.config.cluster.get("progress_every_s", sweep.PROGRESS_EVERY_S))  # cluster.progress_every_s
+        every_s = float(OmegaConf.select(self.config, "cluster.progress_every_s", default=sweep.PROGRESS_EVERY_S))
         no_accounting = sweep.accounting_error()
         if no_accounting:
             log.info("this SLURM keeps no job accounting (%s): job states come from squeue every %g s", no_accounting,
