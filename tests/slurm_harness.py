@@ -19,6 +19,7 @@ import os
 import re
 import shutil
 import subprocess
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -32,6 +33,9 @@ START = "scripts/slurm/start.sh"
 SUB_ENV = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
            "WANDB_MODE": "offline"}
 UP_STATES = ("idle", "mix", "alloc")
+#: A tiny two-worker run (two SLURM tasks), as the sweeps of tests/test_slurm*.py submit it.
+SWEEP_RUN = ["model=bert-tiny", "stages=2", "num_micro_batches=2", "micro_batch_size=2", "data.seq_len=32",
+             "progress=false", "device=cpu", "wandb.mode=offline", "hydra.launcher.timeout_min=5"]
 
 
 #: Nodes a test session starts (``.ci/run`` starts as many): every SLURM test runs on them.
@@ -220,3 +224,40 @@ def preempt(job_id: str, alive: Callable[[], bool]) -> None:
 
 def losses(metrics: Path) -> list[float]:
     return [json.loads(line)["loss"] for line in metrics.read_text().splitlines() if line.strip()]
+
+
+@dataclass(frozen=True)
+class SweepRun:
+    """A finished ``train.py -m cluster=slurm`` sweep: its folder (``<cwd>/sweep``), the launcher's
+    exit status and its output (stdout and stderr)."""
+
+    dir: Path
+    returncode: int
+    output: str
+
+
+_sweeps: dict[tuple[str, ...], SweepRun] = {}
+
+
+def shared_sweep(tmp_path_factory: pytest.TempPathFactory, *overrides: str, timeout_s: float = 240) -> SweepRun:
+    """``train.py -m cluster=slurm SWEEP_RUN overrides``, run once per test session and shared by
+    the tests that inspect the same sweep (e.g. the job array that tests/test_slurm.py checks and
+    the progress lines that tests/test_slurm_sweep.py checks); the launcher runs in the sweep
+    folder's parent, so that it names the task logs ``sweep/.submitit/<job id>/``."""
+    if overrides not in _sweeps:
+        sweep = tmp_path_factory.mktemp("shared-sweep") / "sweep"
+        cmd = [sys.executable, str(REPO / "train.py"), "-m", "cluster=slurm", *SWEEP_RUN, *overrides,
+               f"hydra.sweep.dir={sweep}"]
+        log = Path(f"{sweep}.log")
+        with log.open("w") as out:
+            proc = subprocess.Popen(cmd, cwd=sweep.parent, env=SUB_ENV, stdout=out, stderr=subprocess.STDOUT)
+        try:
+            proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+            ids = sorted({d.split("_")[0] for d in array_jobs(sweep / ".submitit")})
+            if ids:
+                subprocess.run(["scancel", *ids], check=False, timeout=30)
+        _sweeps[overrides] = SweepRun(sweep, proc.returncode, log.read_text())
+    return _sweeps[overrides]

@@ -34,6 +34,7 @@ from pipefisher.launch.slurm import (
 from tests.slurm_harness import (
     REPO,
     SUB_ENV,
+    all_task_logs,
     array_jobs,
     job_records,
     losses,
@@ -41,6 +42,7 @@ from tests.slurm_harness import (
     release_requeued,
     require_slurm,
     scontrol_job,
+    shared_sweep,
     submitit_job_id,
     task_log,
     wait_for_rows,
@@ -177,6 +179,19 @@ def test_cluster_nodes_are_checked_before_workers_start() -> None:
         compose_train(["cluster=slurm", "cluster.nodes=0", "stages=2"])
 
 
+def test_lost_task_grace_and_progress_interval_are_checked() -> None:
+    from pipefisher.config import ConfigError
+    from tests.conftest import compose_train
+
+    assert compose_train(["cluster=slurm", "stages=2"]).cluster.lost_task_grace_s == 10.0
+    assert compose_train(["cluster=slurm", "stages=2", "cluster.lost_task_grace_s=0"]).cluster.lost_task_grace_s == 0
+    with pytest.raises(ConfigError, match=r"cluster.lost_task_grace_s.*>= 0"):
+        compose_train(["cluster=slurm", "stages=2", "cluster.lost_task_grace_s=-1"])
+    assert compose_train(["cluster=slurm", "stages=2"]).cluster.progress_every_s == 10.0
+    with pytest.raises(ConfigError, match=r"cluster.progress_every_s.*> 0"):
+        compose_train(["cluster=slurm", "stages=2", "cluster.progress_every_s=0"])
+
+
 def test_uneven_split_over_nodes_names_the_fix() -> None:
     launcher = _launcher(["stages=3", "cluster.nodes=2"])
     with pytest.raises(Exception, match=r"cluster.nodes=2: stages\*data_parallel\*sdp\*tp=3\*1\*1\*1=3 processes.*\[1, 3\]"):
@@ -224,21 +239,13 @@ def test_srun_tasks_get_their_worker_environment(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-def test_sweep_runs_as_slurm_job_array_of_two_worker_pipelines(tmp_path: Path) -> None:
+def test_sweep_runs_as_slurm_job_array_of_two_worker_pipelines(tmp_path_factory: pytest.TempPathFactory) -> None:
+    # The sweep `pipeline=gpipe,chimera steps=3` is shared with tests/test_slurm_sweep.py, which
+    # checks what its launcher says (the same run: one submission per test session).
     require_slurm()
-    sweep = tmp_path / "sweep"
-    cmd = [sys.executable, str(REPO / "train.py"), "-m", "cluster=slurm", "model=bert-tiny", "stages=2",
-           "pipeline=gpipe,chimera", "steps=3", "progress=false", "wandb.mode=offline", "data.seq_len=32", "device=cpu",
-           "micro_batch_size=2", "num_micro_batches=2", "hydra.launcher.timeout_min=5", f"hydra.sweep.dir={sweep}"]
-    try:
-        res = subprocess.run(cmd, cwd=tmp_path, env=SUB_ENV, capture_output=True, text=True, timeout=240)
-    except subprocess.TimeoutExpired:
-        ids = sorted({d.split("_")[0] for d in array_jobs(sweep / ".submitit")})
-        subprocess.run(["scancel", *ids], check=False, timeout=30)
-        raise
-    logs = sorted((sweep / ".submitit").glob("*/*_log.*"))
-    tails = "\n".join(f"== {p}\n{p.read_text()[-2000:]}" for p in logs)
-    assert res.returncode == 0, f"{res.stdout[-3000:]}\n{res.stderr[-3000:]}\n{tails}"
+    run = shared_sweep(tmp_path_factory, "pipeline=gpipe,chimera", "steps=3")
+    sweep = run.dir
+    assert run.returncode == 0, f"{run.output[-3000:]}\n{all_task_logs(sweep, 2000)}"
 
     # One job array of two jobs, each with two SLURM tasks, both completed.
     job_dirs = array_jobs(sweep / ".submitit")
@@ -270,9 +277,13 @@ def test_sweep_runs_as_slurm_job_array_of_two_worker_pipelines(tmp_path: Path) -
 # --- preemption: checkpoint on SLURM's signal, requeue, resume --------------------------------------
 
 
-PREEMPT_STEPS = 30
+# Sixteen steps: the warning signal, sent once four steps are logged, is acted on at the end of a step
+# (one step later when the machine is idle), leaving a dozen steps of margin for it to arrive before
+# the last step. hardware.peak_tflops: no CPU peak measurement (MFU is not what these tests check).
+PREEMPT_STEPS = 16
 PREEMPT_RUN = ["model=bert-tiny", "stages=2", "pipeline=1f1b", f"steps={PREEMPT_STEPS}", "progress=false",
-               "data.seq_len=32", "micro_batch_size=2", "num_micro_batches=2", "wandb.mode=offline", "device=cpu"]
+               "data.seq_len=32", "micro_batch_size=2", "num_micro_batches=2", "wandb.mode=offline", "device=cpu",
+               "hardware.peak_tflops=0.2"]
 
 
 @pytest.fixture(scope="module")
@@ -360,13 +371,14 @@ def test_preempted_batch_job_with_local_workers_requeues_and_resumes(tmp_path: P
 def test_killed_worker_ends_the_slurm_job_and_the_launcher_promptly(tmp_path: Path) -> None:
     # Worker 1 (SLURM task 1) SIGKILLs itself: it leaves no submitit result. Worker 0 sees the
     # closed connection, fails, and files task 1's result naming it, so that `train.py -m` ends
-    # (this SLURM has no accounting for submitit to read the job's end from).
+    # (this SLURM has no accounting for submitit to read the job's end from). Worker 0 waits
+    # cluster.lost_task_grace_s for task 1's own result, which never comes: 2 s, not the default 10.
     require_slurm()
     sweep = tmp_path / "sweep"
     start = time.monotonic()
     res = subprocess.run(
         [sys.executable, str(REPO / "train.py"), "-m", "cluster=slurm", *PREEMPT_RUN, "fault.mode=kill", "fault.rank=1",
-         "fault.step=2", "hydra.launcher.timeout_min=5", f"hydra.sweep.dir={sweep}"],
+         "fault.step=2", "cluster.lost_task_grace_s=2", "hydra.launcher.timeout_min=5", f"hydra.sweep.dir={sweep}"],
         cwd=tmp_path, env=SUB_ENV, capture_output=True, text=True, timeout=300)
     assert res.returncode != 0
     assert time.monotonic() - start < 240
@@ -394,7 +406,7 @@ def test_exception_in_a_slurm_worker_reaches_the_launcher_with_its_traceback(tmp
 
 SDP_RUN = ["model=bert-tiny", "model.vocab_size=512", "data.seq_len=32", "data.max_predictions=5", "stages=2",
            "pipeline=1f1b", "sdp=2", "micro_batch_size=2", "num_micro_batches=2", "steps=3", "progress=false",
-           "wandb.mode=offline", "device=cpu"]
+           "wandb.mode=disabled", "device=cpu", "hardware.peak_tflops=0.2"]
 
 
 @pytest.mark.slow

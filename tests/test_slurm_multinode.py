@@ -43,11 +43,13 @@ from tests.slurm_harness import (
 
 pytestmark = pytest.mark.slow
 
-# bert-tiny on 32-token sequences, no dropout: the same tiny run as the other SLURM tests.
+# bert-tiny on 32-token sequences, no dropout: the same tiny run as the other SLURM tests. No CPU peak
+# measurement (hardware.peak_tflops) and no W&B run: neither is what these tests check (tests/test_slurm.py
+# runs SLURM jobs with both).
 RUN = ["model=bert-tiny", "model.vocab_size=512", "model.hidden_dropout=0.0", "model.attention_dropout=0.0",
        "data.seq_len=32", "data.max_predictions=5", "micro_batch_size=2", "num_micro_batches=2", "progress=false",
-       "device=cpu"]
-SLURM = ["-m", "cluster=slurm", "cluster.nodes=2", "wandb.mode=offline", "hydra.launcher.timeout_min=5"]
+       "device=cpu", "hardware.peak_tflops=0.2"]
+SLURM = ["-m", "cluster=slurm", "cluster.nodes=2", "wandb.mode=disabled", "hydra.launcher.timeout_min=5"]
 TASK_LINE = re.compile(r"SLURM task: SLURM_JOB_ID=(\d+) \S+ rank (\d+)/(\d+) \(local (\d+)/(\d+)\) on host (\S+) "
                        r"\(node (\S+)\), rendezvous (\S+):(\d+), gloo interface (\S+)")
 
@@ -159,7 +161,7 @@ def test_four_workers_on_two_nodes_two_tasks_each_equal_single_process(two_nodes
     assert losses(sweep / "0" / "metrics.jsonl") == pytest.approx(expected, rel=1e-6)
 
 
-PREEMPT_STEPS = 30
+PREEMPT_STEPS = 16  # the signal, sent once four steps are logged, has a dozen steps to arrive before the last
 
 
 def test_preemption_with_tasks_on_both_nodes_checkpoints_requeues_and_resumes(two_nodes: list[str],
@@ -222,7 +224,8 @@ def test_a_node_that_dies_mid_run_ends_the_job_promptly_naming_the_lost_task(two
     # back afterwards for the tests that follow. Like a real node failure, this also ends any other
     # job on that node: run it on a cluster nobody else is using at the time (CI's own).
     sweep = tmp_path / "sweep"
-    proc = _train(sweep, ["pipeline=chimera", "stages=2", "steps=100000"])
+    # Worker 0 waits cluster.lost_task_grace_s (2 s here, 10 by default) for worker 1's own result.
+    proc = _train(sweep, ["pipeline=chimera", "stages=2", "steps=100000", "cluster.lost_task_grace_s=2"])
     alive = lambda: proc.poll() is None  # noqa: E731
     job_id = victim = None
     try:

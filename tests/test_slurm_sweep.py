@@ -20,10 +20,9 @@ import pytest
 
 from pipefisher.launch import sweep
 from pipefisher.launch.sweep import Run, SqueueWatcher, latest_step, progress_line
-from tests.slurm_harness import REPO, SUB_ENV, all_task_logs, require_slurm
+from tests.slurm_harness import REPO, SUB_ENV, SWEEP_RUN, all_task_logs, require_slurm, shared_sweep
 
-RUN = ["model=bert-tiny", "stages=2", "num_micro_batches=2", "micro_batch_size=2", "data.seq_len=32",
-       "progress=false", "device=cpu", "wandb.mode=offline", "hydra.launcher.timeout_min=5"]
+RUN = SWEEP_RUN
 
 
 def _metrics(folder: Path, steps: int, tail: str = "") -> None:
@@ -181,17 +180,16 @@ def _stop(proc: subprocess.Popen, job_ids: list[str]) -> None:
 
 
 @pytest.mark.slow
-def test_sweep_says_where_the_logs_are_and_its_progress_without_sacct_noise(tmp_path: Path) -> None:
+def test_sweep_says_where_the_logs_are_and_its_progress_without_sacct_noise(
+        tmp_path_factory: pytest.TempPathFactory) -> None:
+    # The sweep is shared with tests/test_slurm.py, which checks its job array and tasks.
     require_slurm()
-    sweep_dir = tmp_path / "sweep"
-    proc = _start(sweep_dir, "pipeline=gpipe,chimera", "steps=3")
-    job_ids: list[str] = []
-    try:
-        job_ids = _job_ids(sweep_dir)
-        assert proc.wait(timeout=240) == 0, f"{_output(sweep_dir)[-3000:]}\n{all_task_logs(sweep_dir)}"
-    finally:
-        _stop(proc, job_ids)
-    out = _output(sweep_dir)
+    run = shared_sweep(tmp_path_factory, "pipeline=gpipe,chimera", "steps=3")
+    sweep_dir, out = run.dir, run.output
+    assert run.returncode == 0, f"{out[-3000:]}\n{all_task_logs(sweep_dir)}"
+    found = re.search(r"submitted SLURM jobs? (\S+(?:, \S+)*); task logs in", out)
+    assert found, out[-3000:]
+    job_ids = found.group(1).split(", ")
     assert "Bypassing sacct error" not in out and out.count("accounting storage is disabled") == 1, out
     assert "this SLURM keeps no job accounting (Slurm accounting storage is disabled): job states come from squeue" \
         in out
@@ -209,9 +207,10 @@ def test_ctrl_c_cancels_the_sweeps_slurm_jobs_and_names_them(tmp_path: Path) -> 
     # A sweep of two long runs: once both train (squeue: RUNNING, and a progress line shows their
     # steps), SIGINT to the launcher cancels both jobs; they leave squeue within seconds (SLURM's
     # KillWait), and the launcher names them and their logs, exits with 130, without a traceback.
+    # cluster.progress_every_s=2: the launcher reads squeue and says the steps every 2 s, not 10.
     require_slurm()
     sweep_dir = tmp_path / "sweep"
-    proc = _start(sweep_dir, "pipeline=gpipe,chimera", "steps=100000")
+    proc = _start(sweep_dir, "pipeline=gpipe,chimera", "steps=100000", "cluster.progress_every_s=2")
     job_ids: list[str] = []
     try:
         job_ids = _job_ids(sweep_dir)
@@ -234,4 +233,5 @@ def test_ctrl_c_cancels_the_sweeps_slurm_jobs_and_names_them(tmp_path: Path) -> 
     assert (f"got SIGINT: cancelled 2 of 2 SLURM jobs: {job_ids[0]} (#0 pipeline=gpipe), "
             f"{job_ids[1]} (#1 pipeline=chimera); task logs in sweep/.submitit/<job id>/") in out, out
     assert "Traceback" not in out and "KeyboardInterrupt" not in out, out
+    assert "job states come from squeue every 2 s" in out, out
     assert os.path.isdir(sweep_dir / ".submitit" / job_ids[0])

@@ -30,10 +30,13 @@ class SweepSlurmLauncher(SlurmLauncher):
     def launch(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> Sequence[JobReturn]:
         from pipefisher.launch import sweep
 
+        assert self.config is not None
+        every_s = float(OmegaConf.select(self.config, "cluster.progress_every_s", default=sweep.PROGRESS_EVERY_S))
         no_accounting = sweep.accounting_error()
         if no_accounting:
-            log.info("this SLURM keeps no job accounting (%s): job states come from squeue", no_accounting)
-        with sweep.job_states_from_squeue() if no_accounting else nullcontext():
+            log.info("this SLURM keeps no job accounting (%s): job states come from squeue every %g s", no_accounting,
+                     every_s)
+        with sweep.job_states_from_squeue(every_s) if no_accounting else nullcontext():
             with sweep.interrupts_deferred() as seen:
                 jobs = self._submit(job_overrides, initial_job_idx)
             runs = [self._run(o, initial_job_idx + i) for i, o in enumerate(job_overrides)]
@@ -43,7 +46,7 @@ class SweepSlurmLauncher(SlurmLauncher):
                 with sweep.interrupts_raise():
                     if seen:
                         raise sweep.Interrupted(seen[0])
-                    sweep.watch(jobs, runs)
+                    sweep.watch(jobs, runs, every_s=every_s)
                     return [j.results()[0] for j in jobs]
             except sweep.Interrupted as stop:
                 sweep.cancel(jobs, runs, stop.signum)

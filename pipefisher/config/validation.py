@@ -94,6 +94,12 @@ def validate(cfg: Any) -> None:
     _check_choice("precision", cfg.precision, PRECISIONS)
     _check_choice("wandb.mode", cfg.wandb.mode, WANDB_MODES)
     _check_choice("cluster.name", cfg.cluster.name, ("local", "slurm"))
+    if not cfg.cluster.progress_every_s > 0:
+        _fail("cluster.progress_every_s", cfg.cluster.progress_every_s,
+              "seconds between a SLURM sweep's looks at its jobs; use a number > 0 (default 10)")
+    if not cfg.cluster.lost_task_grace_s >= 0:
+        _fail("cluster.lost_task_grace_s", cfg.cluster.lost_task_grace_s,
+              "seconds a surviving SLURM task waits for a failed peer's result; use a number >= 0 (default 10)")
     _check_cluster(cfg)
     _check_choice("device", cfg.device, ("auto", "cpu", "cuda"))
     _check_choice("fault.mode", cfg.fault.mode, FAULT_MODES)

@@ -151,7 +151,7 @@ def launch_workers(cfg: TrainConfig, output_dir: str | os.PathLike, run_name: st
             # message, and (worker 0's error being the one the launcher shows) name failed peers.
             trace = traceback.format_exc()
             log.error("worker %d failed:\n%s", rank, trace)
-            peers = report_lost_tasks(err) if peer_failure(err) else {}
+            peers = report_lost_tasks(err, cfg.cluster.lost_task_grace_s) if peer_failure(err) else {}
             raise WorkerFailed(f"worker {rank} failed:\n{trace}" + "".join(
                 f"\n--- SLURM task {t} failed:\n{text.strip()}" for t, text in sorted(peers.items()))) from err
         if result.get("preempted"):  # checkpointed, and worker 0 requeued the job

@@ -127,7 +127,7 @@ def job_states_from_squeue(delay_s: float = 10.0) -> Iterator[SqueueWatcher]:
     """Let every submitit SLURM job made inside read its state from ``squeue`` (polled at most
     every ``delay_s``); submitit's sacct watcher comes back on exit."""
     previous = SlurmJob.watcher
-    SlurmJob.watcher = SqueueWatcher(delay_s=int(delay_s))
+    SlurmJob.watcher = SqueueWatcher(delay_s=delay_s)  # type: ignore[arg-type]  (submitit compares it with a float)
     try:
         yield SlurmJob.watcher
     finally:
