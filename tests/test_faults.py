@@ -160,7 +160,8 @@ def test_skipped_step_leaves_model_optimizer_and_kfac_state_unchanged(tmp_path: 
 @pytest.mark.slow
 def test_too_many_skipped_steps_in_a_row_stop_the_run(tmp_path: Path) -> None:
     with pytest.raises(mp.ProcessRaisedException, match=r"step 1: .*non-finite steps in a row: 1 \(max_skipped_steps=0\)"):
-        _train(tmp_path, "on_nonfinite=skip", "max_skipped_steps=0", "fault.mode=nan", "fault.rank=1", "fault.step=1")
+        _train(tmp_path, "on_nonfinite=skip", "max_skipped_steps=0", "fault.mode=nan", "fault.rank=1",
+               "fault.step=1")
 
 
 def test_schedule_json_of_another_run_is_refused_before_any_worker_starts(tmp_path: Path, monkeypatch) -> None:
