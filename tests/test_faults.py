@@ -3,20 +3,25 @@ pipeline shapes fail before any worker starts."""
 
 from __future__ import annotations
 
+import datetime
 import math
 import time
 from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.multiprocessing as mp
+
+from pipefisher.config import TrainConfig
 
 from pipefisher.launch import launch_workers
 from pipefisher.runtime.checkpoint import load_shard
 from pipefisher.tracking import read_metrics
-from pipefisher.runtime.worker import run_worker
+from pipefisher.runtime.teardown import release_process_group
+from pipefisher.runtime.worker import run_worker, train_worker
 from tests.conftest import compose_train
-from tests.dist_harness import START_METHOD
+from tests.dist_harness import START_METHOD, start_workers
 
 PIPE = ["stages=2", "num_micro_batches=2", "steps=4", "data.seq_len=16", "cluster.worker_timeout_s=20"]
 
@@ -85,6 +90,25 @@ def test_world_size_that_does_not_fit_fails_before_training(tmp_path: Path) -> N
 
 
 # --- NaN / inf: stop naming the step, or skip the step's update -----------------------------------
+# What the workers do with a non-finite step, not how the launcher ends a job: the two workers run
+# train_worker (what train.py's workers run) from the tests' forkserver ([Note: forkserver] in
+# tests/dist_harness), not through two spawned processes that import torch again.
+
+
+def _train_worker(rank: int, cfg: TrainConfig, out_dir: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{out_dir}/pg", rank=rank, world_size=2,
+                            timeout=datetime.timedelta(seconds=120))
+    try:
+        train_worker(cfg, rank, 2, torch.device("cpu"), out_dir)
+    finally:
+        release_process_group()
+
+
+def _train(tmp_path: Path, *overrides: str) -> None:
+    """The 2-worker run of ``PIPE + overrides`` into ``tmp_path``; a worker's error is raised here
+    (``ProcessRaisedException``, as from :func:`launch_workers`)."""
+    start_workers(_train_worker, (compose_train(PIPE + list(overrides)), str(tmp_path)), 2)
 
 
 def _states_equal(a: object, b: object) -> bool:
@@ -104,7 +128,7 @@ def _states_equal(a: object, b: object) -> bool:
 @pytest.mark.slow
 def test_nonfinite_gradients_stop_the_run_naming_the_step(tmp_path: Path) -> None:
     with pytest.raises(mp.ProcessRaisedException) as err:
-        _run(tmp_path, "fault.mode=nan", "fault.rank=0", "fault.step=1")
+        _train(tmp_path, "fault.mode=nan", "fault.rank=0", "fault.step=1")
     assert "step 1: the global gradient norm is nan" in str(err.value)
     assert "on_nonfinite=skip" in str(err.value)  # the message names the way out
     rows = read_metrics(tmp_path / "metrics.jsonl")
@@ -117,7 +141,7 @@ def test_skipped_step_leaves_model_optimizer_and_kfac_state_unchanged(tmp_path: 
     # Worker 0 (stage 0) makes its outputs NaN at step 1: loss, every gradient and the K-FAC
     # curvature of both stages are NaN. With on_nonfinite=skip the step changes no parameter, no
     # optimizer moment and no K-FAC factor, and training goes on with finite losses.
-    _run(tmp_path, f"optimizer={optimizer}", "on_nonfinite=skip", "fault.mode=nan", "fault.rank=0",
+    _train(tmp_path, f"optimizer={optimizer}", "on_nonfinite=skip", "fault.mode=nan", "fault.rank=0",
          "fault.step=1", "checkpoint.every_steps=1", "checkpoint.keep_last=0")
     rows = read_metrics(tmp_path / "metrics.jsonl")
     assert [r["step"] for r in rows] == [0, 1, 2, 3]
@@ -136,7 +160,8 @@ def test_skipped_step_leaves_model_optimizer_and_kfac_state_unchanged(tmp_path: 
 @pytest.mark.slow
 def test_too_many_skipped_steps_in_a_row_stop_the_run(tmp_path: Path) -> None:
     with pytest.raises(mp.ProcessRaisedException, match=r"step 1: .*non-finite steps in a row: 1 \(max_skipped_steps=0\)"):
-        _run(tmp_path, "on_nonfinite=skip", "max_skipped_steps=0", "fault.mode=nan", "fault.rank=1", "fault.step=1")
+        _train(tmp_path, "on_nonfinite=skip", "max_skipped_steps=0", "fault.mode=nan", "fault.rank=1",
+               "fault.step=1")
 
 
 def test_schedule_json_of_another_run_is_refused_before_any_worker_starts(tmp_path: Path, monkeypatch) -> None:

@@ -238,25 +238,70 @@ def test_adamw_groups_never_mix_tensors_and_dtensors() -> None:
 # -- checkpoints of sharded AdamW / Muon runs ----------------------------------------------------------
 
 
+RESUME_OPTIMIZERS = ["adamw", "muon"]
+
+
+def _resume_worker(rank: int, jobs: list[tuple[list[TrainConfig], str, bool]], rendezvous: str) -> None:
+    """Each job on 2 workers in turn, as ``train.py`` runs it (``train_worker``); a job expected to stop
+    with the injected fault does."""
+    import logging
+
+    from pipefisher.runtime.worker import train_worker
+
+    torch.set_num_threads(1)
+    logging.basicConfig(level=logging.WARNING, format=f"[worker {rank}] %(levelname)s %(name)s: %(message)s")
+    for i, (cfgs, out_dir, interrupted) in enumerate(jobs):
+        dist.init_process_group("gloo", init_method=f"file://{rendezvous}/pg{i}", rank=rank, world_size=2,
+                                timeout=datetime.timedelta(seconds=120))
+        try:
+            train_worker(cfgs[rank], rank, 2, torch.device("cpu"), out_dir)
+            assert not interrupted, f"job {i} should have stopped with the injected fault"
+        except RuntimeError as err:
+            if not (interrupted and "injected fault" in str(err)):
+                raise
+        finally:
+            release_process_group()
+
+
+@pytest.fixture(scope="module")
+def sdp_resumed(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Per optimizer, ``<optimizer>/straight`` (6 steps, one checkpoint after the last) and
+    ``<optimizer>/resumed`` (checkpoints after steps 1 and 3, stopped at step 4, then ``resume=auto``
+    with a fault at step 2 that only a run starting over would reach), all in one start of 2 workers
+    ([Note: forkserver] in ``tests/dist_harness``)."""
+    import dataclasses
+
+    tmp = tmp_path_factory.mktemp("sdp_resume")
+    common = [x for x in MODEL if not x.startswith("steps=")] + [
+        "stages=1", "sdp=2", "num_micro_batches=1", "steps=6", "wandb.mode=disabled", "progress=false",
+        "cluster.worker_timeout_s=120"]
+
+    def failing(cfg: TrainConfig, step: int) -> list[TrainConfig]:  # each rank fails at `step` on its own
+        return [dataclasses.replace(cfg, fault=dataclasses.replace(cfg.fault, mode="raise", rank=r, step=step))
+                for r in range(2)]
+
+    jobs = []
+    for optimizer in RESUME_OPTIMIZERS:
+        run = common + [f"optimizer={optimizer}"]
+        straight = compose_train(run + ["checkpoint.every_steps=6"])
+        jobs.append(([straight, straight], str(tmp / optimizer / "straight"), False))
+        jobs.append((failing(compose_train(run + ["checkpoint.every_steps=2"]), 4), str(tmp / optimizer / "resumed"),
+                     True))
+        jobs.append((failing(compose_train(run + ["checkpoint.every_steps=2", "resume=auto"]), 2),
+                     str(tmp / optimizer / "resumed"), False))
+    (tmp / "pg").mkdir()
+    start_workers(_resume_worker, (jobs, str(tmp / "pg")), 2)
+    return tmp
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("optimizer", ["adamw", "muon"])
-def test_sdp_run_with_adamw_or_muon_resumes_to_the_uninterrupted_losses(optimizer: str, tmp_path: Path) -> None:
+@pytest.mark.parametrize("optimizer", RESUME_OPTIMIZERS)
+def test_sdp_run_with_adamw_or_muon_resumes_to_the_uninterrupted_losses(optimizer: str, sdp_resumed: Path) -> None:
     """torch.distributed.checkpoint holds the moments (sharded like their parameters); AdamW's 0-d step
     count stays in the .pt shard (written to DCP, it failed to load into a parameter-shaped template:
     "Size mismatch between saved torch.Size([]) and current ...")."""
-    from pipefisher.launch.local import run_training  # what train.py calls
     from tests.test_checkpoint import _losses
 
-    common = [x for x in MODEL if not x.startswith("steps=")] + [
-        f"optimizer={optimizer}", "stages=1", "sdp=2", "num_micro_batches=1", "steps=6", "wandb.mode=disabled",
-        "progress=false", "cluster.worker_timeout_s=120"]
-    run_training(compose_train(common + ["checkpoint.every_steps=6"]), tmp_path / "straight")
-    with pytest.raises(Exception, match="injected fault"):  # saved after steps 1 and 3, stopped at step 4
-        run_training(compose_train(common + ["checkpoint.every_steps=2", "fault.mode=raise", "fault.step=4"]),
-                     tmp_path / "resumed")
-    # A fault at step 2 that only a run starting over would reach: the resume must continue at step 4.
-    run_training(compose_train(common + ["checkpoint.every_steps=2", "resume=auto", "fault.mode=raise",
-                                         "fault.step=2"]), tmp_path / "resumed")
-    steps, straight = _losses(tmp_path / "straight")
-    resumed_steps, resumed = _losses(tmp_path / "resumed")
+    steps, straight = _losses(sdp_resumed / optimizer / "straight")
+    resumed_steps, resumed = _losses(sdp_resumed / optimizer / "resumed")
     assert steps == resumed_steps == list(range(6)) and resumed == straight

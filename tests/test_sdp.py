@@ -135,7 +135,10 @@ def test_every_fsdp_module_sums_without_premul_and_divides_by_one() -> None:
 def test_sdp_run_checkpoints_on_a_signal_as_unsharded_runs_do(tmp_path: Path) -> None:
     # SIGTERM to `train.py stages=1 sdp=2` with no periodic checkpoints (checkpoint.on_stop_after_s=0: the
     # save on the way out, as tests/test_signals.py's unsharded run does): exit 143 naming the step and
-    # its checkpoint, each shard in torch.distributed.checkpoint's folder, and resume=auto continues.
+    # its checkpoint, each shard in torch.distributed.checkpoint's folder. The stop saves through the
+    # same save_checkpoint as a periodic checkpoint: resume=auto from sharded checkpoints is held
+    # bit for bit in tests/test_sharded_checkpoint.py and test_hybrid_optimizers.py (stages=1 sdp=2),
+    # and after a signal's save, end to end, in tests/test_signals.py.
     # (Ctrl-C of the same run: tests/test_sharded_checkpoint.py.)
     import os
     import signal
@@ -143,7 +146,7 @@ def test_sdp_run_checkpoints_on_a_signal_as_unsharded_runs_do(tmp_path: Path) ->
     from pipefisher.runtime.checkpoint import MANIFEST, find_latest, step_dir
     from pipefisher.runtime.sharded_checkpoint import dcp_folder
     from tests.conftest import TINY
-    from tests.test_signals import _assert_resume_continues, _interrupt_checkpoint, _start, _stop, _wait_for_step
+    from tests.test_signals import _interrupt_checkpoint, _start, _stop, _wait_for_step
 
     run = ["pipeline=gpipe", "stages=1", "sdp=2", "num_micro_batches=1", "cluster.worker_timeout_s=120", *TINY]
     cfg = compose_train(run + ["checkpoint.on_stop_after_s=0"])
@@ -157,7 +160,6 @@ def test_sdp_run_checkpoints_on_a_signal_as_unsharded_runs_do(tmp_path: Path) ->
     assert step >= 1 and find_latest(run_dir / "checkpoints") == folder == step_dir(run_dir / "checkpoints", step)
     assert (folder / MANIFEST).is_file() and (folder / dcp_folder((0, 0)) / ".metadata").is_file()
     assert len(list((folder / dcp_folder((0, 0))).glob("*.distcp"))) == 2  # one shard file per sdp rank
-    _assert_resume_continues(run_dir, run + ["checkpoint.on_stop_after_s=0"], step)
 
 
 @pytest.mark.slow

@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from pipefisher.config import ConfigError, PipelineConfig, TrainConfig, num_micro_batches_for
 from pipefisher.tracking import read_metrics
@@ -206,19 +207,57 @@ def test_workers_outnumbering_the_cores_get_a_warning(monkeypatch, caplog) -> No
     assert "4 workers on 2 CPU cores" in caplog.text
 
 
+def test_a_run_without_checkpoint_keys_saves_on_a_stop_once_it_trained_60_s(tmp_path: Path) -> None:
+    # The third command names no checkpoint.* key: no periodic checkpoints, and a stop saves once the
+    # run trained checkpoint.on_stop_after_s = 60 s (rank 0's clock). The end-to-end Ctrl-C below runs
+    # the same rule with a 1 s threshold (the default would cost a minute of training).
+    import torch.distributed as dist
+
+    from pipefisher.runtime.stopping import StopPolicy
+    from pipefisher.runtime.teardown import release_process_group
+
+    cfg = compose_train(["optimizer=kfac", "steps=100000"])
+    assert cfg.checkpoint.on_stop_after_s == 60 and not cfg.checkpoint.enabled
+
+    class Worker:  # what StopPolicy asks of a PipelineWorker: a stop all workers agreed on
+        rank, device, stop_agreed, watch_preemption = 0, torch.device("cpu"), True, False
+
+        def __init__(self) -> None:
+            self.saved: list[int] = []
+
+        def save_checkpoint(self, root: Path, step: int) -> Path:
+            self.saved.append(step)
+            return root / f"step_{step}"
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        for trained_s, saves in [(0.0, False), (59.0, False), (61.0, True)]:
+            worker = Worker()
+            policy = StopPolicy(cfg, worker, tmp_path)
+            policy.started -= trained_s  # as if this attempt began trained_s ago
+            row: dict = {}
+            assert policy.after_step(7, row) and row["preempted"]
+            assert policy.preempted == (7, tmp_path / "step_7" if saves else None), trained_s
+            assert worker.saved == ([7] if saves else []), trained_s
+    finally:
+        release_process_group()
+
+
 @pytest.mark.slow
-def test_ctrl_c_saves_a_run_without_checkpoint_keys_and_the_printed_command_resumes_it(tmp_path: Path) -> None:
-    # The third command's shape (optimizer=kfac, one worker, -m) on bert-tiny; no checkpoint.* key.
+def test_ctrl_c_saves_a_run_past_on_stop_after_s_and_the_printed_command_resumes_it(tmp_path: Path) -> None:
+    # The third command's shape (optimizer=kfac, one worker, -m) on bert-tiny; no checkpoint.* key but
+    # the stop threshold, 1 s instead of its 60 s default (held by the test above).
     sweep = tmp_path / "sweep"
-    args = ["train.py", "optimizer=kfac", "steps=100000", *TINY, f"hydra.sweep.dir={sweep}", "-m"]
+    args = ["train.py", "optimizer=kfac", "steps=100000", *TINY, "checkpoint.on_stop_after_s=1",
+            f"hydra.sweep.dir={sweep}", "-m"]
     log = tmp_path / "train.log"
     with open(log, "wb") as out:
         proc = subprocess.Popen([sys.executable, *args], cwd=REPO, env=_env(), stdout=out, stderr=subprocess.STDOUT,
                                 start_new_session=True)
     metrics = sweep / "0" / "metrics.jsonl"
     deadline = time.monotonic() + START_TIMEOUT_S
-    # Past checkpoint.on_stop_after_s (60 s) of training: a stop now saves.
-    while not (metrics.is_file() and sum(r["step_time_s"] for r in read_metrics(metrics)) > 62):
+    # Past checkpoint.on_stop_after_s (1 s) of training: a stop now saves.
+    while not (metrics.is_file() and sum(r["step_time_s"] for r in read_metrics(metrics)) > 1.5):
         assert proc.poll() is None, log.read_text()[-3000:]
         if time.monotonic() > deadline:
             os.killpg(proc.pid, signal.SIGKILL)
