@@ -247,13 +247,25 @@ def test_sigterm_to_single_process_training_exits_143_naming_the_step(tmp_path: 
     _assert_nothing_left(below)
 
 
+def test_stop_grace_default_and_bad_values() -> None:
+    from pipefisher.config import ConfigError
+    from pipefisher.launch.local import STOP_GRACE_S as DEFAULT
+    from tests.conftest import compose_train
+
+    assert compose_train([]).cluster.stop_grace_s == DEFAULT == 20.0
+    with pytest.raises(ConfigError, match=r"cluster.stop_grace_s.*> 0"):
+        compose_train(["cluster.stop_grace_s=0"])
+
+
+STOP_GRACE_S = 8.0  # the grace-period test's cluster.stop_grace_s (tiny steps: 3 of them stay below it)
+
+
 @pytest.mark.slow
 def test_workers_that_do_not_reach_the_step_end_are_killed_after_the_grace_period(tmp_path: Path) -> None:
-    # One SIGINT, and worker 1 hangs in step 2: the launcher waits STOP_GRACE_S, then kills both.
-    from pipefisher.launch.local import STOP_GRACE_S
-
+    # One SIGINT, and worker 1 hangs in step 2: the launcher waits cluster.stop_grace_s (8 s here, its
+    # default 20 s: test_stop_grace_default_and_bad_values), then kills both.
     run_dir = tmp_path / "run"
-    proc, log = _start(run_dir, "fault.mode=stall", "fault.rank=1", "fault.step=2")
+    proc, log = _start(run_dir, "fault.mode=stall", "fault.rank=1", "fault.step=2", f"cluster.stop_grace_s={STOP_GRACE_S:g}")
     _wait_for_step(proc, run_dir, log, step=1)
     time.sleep(1)
     below = _descendants(proc.pid)

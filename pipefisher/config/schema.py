@@ -106,6 +106,7 @@ class ClusterConfig:
     master_addr: str = "127.0.0.1"  # local: rendezvous address of the worker processes
     master_port: int = 0  # local: rendezvous port; 0 picks a free one
     worker_timeout_s: float = 600.0  # a worker silent for this long ends the job
+    stop_grace_s: float = 20.0  # local workers: after SIGINT/SIGTERM, how long they get to finish the step (and save) before they are killed; three longest steps when longer
     progress_every_s: float = 10.0  # slurm: how often a sweep's launcher reads its jobs' states (squeue, without accounting) and, while only steps advance, says its progress
     lost_task_grace_s: float = 10.0  # slurm: after a peer failed, how long a surviving task waits for the others' own results before it files "ended without a result" for those that left none
     requeue: bool = True  # slurm: on SIGUSR2 (preemption or time limit) checkpoint at the next step end and requeue

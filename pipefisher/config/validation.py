@@ -97,6 +97,9 @@ def validate(cfg: Any) -> None:
     if not cfg.cluster.progress_every_s > 0:
         _fail("cluster.progress_every_s", cfg.cluster.progress_every_s,
               "seconds between a SLURM sweep's looks at its jobs; use a number > 0 (default 10)")
+    if not cfg.cluster.stop_grace_s > 0:
+        _fail("cluster.stop_grace_s", cfg.cluster.stop_grace_s,
+              "seconds the workers get to finish their step after a stop signal; use a number > 0 (default 20)")
     if not cfg.cluster.lost_task_grace_s >= 0:
         _fail("cluster.lost_task_grace_s", cfg.cluster.lost_task_grace_s,
               "seconds a surviving SLURM task waits for a failed peer's result; use a number >= 0 (default 10)")

@@ -9,7 +9,7 @@ owns SLURM's warning signal requeues the job after the workers checkpointed on i
 SIGINT or SIGTERM to the launcher process (or Ctrl-C to the whole foreground group) stops the
 local workers after the step they are in, with a checkpoint when the run has checkpointing on or
 trained for ``checkpoint.on_stop_after_s`` (``pipefisher.runtime.preemption``, [Note: Ctrl-C and
-SIGTERM]). The launcher waits for that at most :data:`STOP_GRACE_S`, or three times the longest
+SIGTERM]). The launcher waits for that at most ``cluster.stop_grace_s`` (:data:`STOP_GRACE_S`), or three times the longest
 step so far when that is longer (a bert-base K-FAC step on a CPU takes minutes), or kills the
 workers at once on a second signal; no worker outlives it. It then logs ``interrupted at step n;
 last checkpoint: <folder or none>``, with a checkpoint the command that continues from it (the
@@ -52,9 +52,10 @@ __all__ = ["run_training", "launch_workers", "check_resume", "WorkerFailed", "ST
 
 log = logging.getLogger(__name__)
 
-#: How long the launcher waits, after SIGINT or SIGTERM, for the workers to finish their step (and
-#: checkpoint) before it kills them: under the 30 s a supervisor usually allows after its SIGTERM
-#: (SLURM's KillWait, Kubernetes' grace period). See [Note: Ctrl-C and SIGTERM to the launcher].
+#: ``cluster.stop_grace_s``'s default: how long the launcher waits, after SIGINT or SIGTERM, for the
+#: workers to finish their step (and checkpoint) before it kills them: under the 30 s a supervisor
+#: usually allows after its SIGTERM (SLURM's KillWait, Kubernetes' grace period). See [Note: Ctrl-C
+#: and SIGTERM to the launcher].
 STOP_GRACE_S = 20.0
 _POLL_S = 0.25  # how often the launcher looks at its workers and at recorded signals
 #: The signals a local worker records and stops on after the agreed step ([Note: Ctrl-C and SIGTERM]).
@@ -218,7 +219,7 @@ def _run_local_workers(cfg: TrainConfig, output_dir: str | os.PathLike, run_name
         )
     preemption.forward_to(context.pids())  # a signal sent to this process alone reaches the workers
     try:
-        _wait_for_workers(context, STOP_GRACE_S, Path(output_dir))
+        _wait_for_workers(context, cfg.cluster.stop_grace_s, Path(output_dir))
     finally:
         kill_workers(context)
         del store
