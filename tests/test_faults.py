@@ -3,24 +3,21 @@ pipeline shapes fail before any worker starts."""
 
 from __future__ import annotations
 
-import datetime
 import math
 import time
 from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from pipefisher.config import TrainConfig
 
 from pipefisher.launch import launch_workers
 from pipefisher.runtime.checkpoint import load_shard
 from pipefisher.tracking import read_metrics
-from pipefisher.runtime.teardown import release_process_group
-from pipefisher.runtime.worker import run_worker, train_worker
+from pipefisher.runtime.worker import run_worker
 from tests.conftest import compose_train
+from tests.test_checkpoint import _worker as train_jobs
 from tests.dist_harness import START_METHOD, start_workers
 
 PIPE = ["stages=2", "num_micro_batches=2", "steps=4", "data.seq_len=16", "cluster.worker_timeout_s=20"]
@@ -95,20 +92,11 @@ def test_world_size_that_does_not_fit_fails_before_training(tmp_path: Path) -> N
 # tests/dist_harness), not through two spawned processes that import torch again.
 
 
-def _train_worker(rank: int, cfg: TrainConfig, out_dir: str) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{out_dir}/pg", rank=rank, world_size=2,
-                            timeout=datetime.timedelta(seconds=120))
-    try:
-        train_worker(cfg, rank, 2, torch.device("cpu"), out_dir)
-    finally:
-        release_process_group()
-
-
 def _train(tmp_path: Path, *overrides: str) -> None:
     """The 2-worker run of ``PIPE + overrides`` into ``tmp_path``; a worker's error is raised here
     (``ProcessRaisedException``, as from :func:`launch_workers`)."""
-    start_workers(_train_worker, (compose_train(PIPE + list(overrides)), str(tmp_path)), 2)
+    cfg = compose_train(PIPE + list(overrides))
+    start_workers(train_jobs, ([([cfg, cfg], str(tmp_path), False, None)], str(tmp_path)), 2)
 
 
 def _states_equal(a: object, b: object) -> bool:

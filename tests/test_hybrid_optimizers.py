@@ -51,6 +51,7 @@ from pipefisher.model import build_full_model
 from pipefisher.optim.factory import make_optimizer
 from pipefisher.run_spec import bert_config
 from pipefisher.runtime.teardown import release_process_group
+from tests import test_checkpoint as ckpt
 from tests import test_pipeline_equivalence as equiv
 from tests.conftest import compose_train
 from tests.dist_harness import run_cases, start_workers
@@ -241,28 +242,6 @@ def test_adamw_groups_never_mix_tensors_and_dtensors() -> None:
 RESUME_OPTIMIZERS = ["adamw", "muon"]
 
 
-def _resume_worker(rank: int, jobs: list[tuple[list[TrainConfig], str, bool]], rendezvous: str) -> None:
-    """Each job on 2 workers in turn, as ``train.py`` runs it (``train_worker``); a job expected to stop
-    with the injected fault does."""
-    import logging
-
-    from pipefisher.runtime.worker import train_worker
-
-    torch.set_num_threads(1)
-    logging.basicConfig(level=logging.WARNING, format=f"[worker {rank}] %(levelname)s %(name)s: %(message)s")
-    for i, (cfgs, out_dir, interrupted) in enumerate(jobs):
-        dist.init_process_group("gloo", init_method=f"file://{rendezvous}/pg{i}", rank=rank, world_size=2,
-                                timeout=datetime.timedelta(seconds=120))
-        try:
-            train_worker(cfgs[rank], rank, 2, torch.device("cpu"), out_dir)
-            assert not interrupted, f"job {i} should have stopped with the injected fault"
-        except RuntimeError as err:
-            if not (interrupted and "injected fault" in str(err)):
-                raise
-        finally:
-            release_process_group()
-
-
 @pytest.fixture(scope="module")
 def sdp_resumed(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Per optimizer, ``<optimizer>/straight`` (6 steps, one checkpoint after the last) and
@@ -284,13 +263,13 @@ def sdp_resumed(tmp_path_factory: pytest.TempPathFactory) -> Path:
     for optimizer in RESUME_OPTIMIZERS:
         run = common + [f"optimizer={optimizer}"]
         straight = compose_train(run + ["checkpoint.every_steps=6"])
-        jobs.append(([straight, straight], str(tmp / optimizer / "straight"), False))
+        jobs.append(([straight, straight], str(tmp / optimizer / "straight"), False, None))
         jobs.append((failing(compose_train(run + ["checkpoint.every_steps=2"]), 4), str(tmp / optimizer / "resumed"),
-                     True))
+                     True, None))
         jobs.append((failing(compose_train(run + ["checkpoint.every_steps=2", "resume=auto"]), 2),
-                     str(tmp / optimizer / "resumed"), False))
+                     str(tmp / optimizer / "resumed"), False, None))
     (tmp / "pg").mkdir()
-    start_workers(_resume_worker, (jobs, str(tmp / "pg")), 2)
+    start_workers(ckpt._worker, (jobs, str(tmp / "pg")), 2)
     return tmp
 
 

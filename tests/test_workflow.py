@@ -8,7 +8,6 @@ against our stages rebuilt from the checkpoint's worker shards (not through the 
 
 from __future__ import annotations
 
-import datetime
 import logging
 import os
 import subprocess
@@ -17,7 +16,6 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from pipefisher.atomic import current_umask
 from pipefisher.config import ConfigError, TrainConfig
@@ -32,10 +30,9 @@ from pipefisher.runtime.checkpoint import load_shard, verify_checkpoint, write_m
 from pipefisher.runtime.final_weights import write_final_weights
 from pipefisher.runtime.init_weights import POSITION_EMBEDDINGS_NAME, load_initial_weights
 from pipefisher.runtime.saved_weights import read_saved_weights
-from pipefisher.runtime.teardown import release_process_group
-from pipefisher.runtime.worker import train_worker
 from tests.conftest import REPO, compose_train
 from tests.dist_harness import start_workers
+from tests.test_checkpoint import _worker as train_jobs
 from tests.test_finetune import compose_finetune
 
 transformers = pytest.importorskip("transformers")
@@ -89,18 +86,6 @@ def _shard_logits(cfg: TrainConfig, checkpoint: Path, batch: dict[str, torch.Ten
         return stage.logits(hidden, batch)
 
 
-def _runs_worker(rank: int, jobs: list[tuple[TrainConfig, str]], rendezvous: str) -> None:
-    """Each (config, run folder) job in turn on its workers, through ``train_worker`` as train.py's run."""
-    torch.set_num_threads(1)
-    for i, (cfg, folder) in enumerate(jobs):
-        dist.init_process_group("gloo", init_method=f"file://{rendezvous}/pg{i}", rank=rank,
-                                world_size=cfg.num_workers, timeout=datetime.timedelta(seconds=120))
-        try:
-            train_worker(cfg, rank, cfg.num_workers, torch.device("cpu"), folder)
-        finally:
-            release_process_group()
-
-
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[TrainConfig, Path]]:
     """Two steps of each kind of run, with a checkpoint after the last and the default final/; all
@@ -109,7 +94,8 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[TrainConfi
     out = {name: (compose_train(overrides + STEPS), tmp_path_factory.mktemp(name)) for name, overrides in RUNS.items()}
     assert {cfg.num_workers for cfg, _ in out.values()} == {2}
     rendezvous = tmp_path_factory.mktemp("pg")
-    start_workers(_runs_worker, ([(cfg, str(folder)) for cfg, folder in out.values()], str(rendezvous)), 2)
+    start_workers(train_jobs, ([([cfg, cfg], str(folder), False, None) for cfg, folder in out.values()],
+                               str(rendezvous)), 2)
     return out
 
 
