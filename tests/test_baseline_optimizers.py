@@ -31,7 +31,7 @@ from tests import test_checkpoint as ckpt
 from tests import test_entry_points as entry
 from tests import test_pipeline_equivalence as equiv
 from tests.conftest import compose_train
-from tests.dist_harness import run_cases, start_workers
+from tests.dist_harness import Job, run_cases, start_workers, train_jobs
 from tests.reference import one_thread
 
 SMALL = ["model.num_layers=2", "model.hidden_size=32", "model.num_heads=2", "model.vocab_size=128",
@@ -362,7 +362,7 @@ def test_resumed_adamw_and_muon_runs_equal_uninterrupted_runs_bitwise(tmp_path: 
     # tests/test_checkpoint.py's pattern and workers: 1f1b on 2 stages, 6 steps straight; saved
     # every 2 steps, stopped at step 4 and resumed with resume=auto.
     base = ckpt.MODEL + ["pipeline=1f1b", "stages=2", "num_micro_batches=2"]
-    jobs: list[ckpt.Job] = []
+    jobs: list[Job] = []
     for name in ("adamw", "muon"):
         cfg = [*base, f"optimizer={name}"]
         straight = compose_train(cfg + ["checkpoint.every_steps=6"])
@@ -373,7 +373,7 @@ def test_resumed_adamw_and_muon_runs_equal_uninterrupted_runs_bitwise(tmp_path: 
         jobs.append(([resume, resume], str(tmp_path / name / "resumed"), False, None))
     (tmp_path / "pg").mkdir()
     start = time.monotonic()
-    start_workers(ckpt._worker, (jobs, str(tmp_path / "pg")), 2)
+    start_workers(train_jobs, (jobs, str(tmp_path / "pg")), 2)
     logging.getLogger(__name__).info("resume runs: %.1f s", time.monotonic() - start)
     for name in ("adamw", "muon"):
         steps, straight = ckpt._losses(tmp_path / name / "straight")

@@ -13,7 +13,6 @@ separately.
 from __future__ import annotations
 
 import dataclasses
-import datetime
 import json
 import logging
 import os
@@ -23,7 +22,6 @@ from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from pipefisher.config import ConfigError, TrainConfig
@@ -44,11 +42,9 @@ from pipefisher.runtime.checkpoint import (
     write_manifest,
     write_shard,
 )
-from pipefisher.runtime.teardown import release_process_group
-from pipefisher.runtime.worker import train_worker
 from pipefisher.tracking import read_metrics
 from tests.conftest import compose_train
-from tests.dist_harness import start_workers
+from tests.dist_harness import Job, start_workers, train_jobs
 
 MODEL = ["model.num_layers=2", "model.hidden_size=32", "model.num_heads=2", "model.vocab_size=128",
          "data.seq_len=16", "data.max_predictions=3", "micro_batch_size=2", "lr=0.01", "steps=6",
@@ -113,25 +109,6 @@ def _corrupt_latest_two(out_dir: str) -> None:
 
 # One job: per-rank configs, the run directory, whether it is expected to stop with the injected
 # fault, and an optional function of rank 0 run before it.
-Job = tuple[list[TrainConfig], str, bool, Any]
-
-
-def _worker(rank: int, jobs: list[Job], rendezvous: str) -> None:
-    torch.set_num_threads(1)
-    logging.basicConfig(level=logging.WARNING, format=f"[worker {rank}] %(levelname)s %(name)s: %(message)s")
-    for i, (cfgs, out_dir, interrupted, before) in enumerate(jobs):
-        if rank == 0 and before is not None:
-            before(out_dir)  # the others wait: only rank 0 reads the checkpoint folder before agreeing
-        dist.init_process_group("gloo", init_method=f"file://{rendezvous}/pg{i}", rank=rank, world_size=2,
-                                timeout=datetime.timedelta(seconds=120))
-        try:
-            train_worker(cfgs[rank], rank, 2, torch.device("cpu"), out_dir)
-            assert not interrupted, f"job {i} should have stopped at step {INTERRUPT_AT}"
-        except RuntimeError as err:
-            if not (interrupted and "injected fault" in str(err)):
-                raise
-        finally:
-            release_process_group()
 
 
 def _interrupted(cfg: TrainConfig) -> list[TrainConfig]:
@@ -161,7 +138,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, floa
     jobs.append(([resume, resume], str(tmp / "corrupt"), False, _corrupt_latest_two))
     (tmp / "pg").mkdir()
     start = time.monotonic()
-    start_workers(_worker, (jobs, str(tmp / "pg")), 2)
+    start_workers(train_jobs, (jobs, str(tmp / "pg")), 2)
     return tmp, {"seconds": time.monotonic() - start}
 
 

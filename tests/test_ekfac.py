@@ -282,7 +282,8 @@ RESUME = ["pipeline=1f1b", "stages=2", "num_micro_batches=2", "steps=6", "optimi
 
 @pytest.mark.slow
 def test_resumed_ekfac_run_equals_uninterrupted_run_with_bases_and_moments_restored(tmp_path: Path) -> None:
-    from tests.test_checkpoint import INTERRUPT_AT, _assert_same_state, _interrupted, _losses, _worker
+    from tests.dist_harness import train_jobs
+    from tests.test_checkpoint import INTERRUPT_AT, _assert_same_state, _interrupted, _losses
 
     assert INTERRUPT_AT == 4  # the checkpoint after step 3 holds step 2's deferred bases, pending
     straight = compose_train(MODEL + EKFAC + RESUME + ["checkpoint.every_steps=6"])
@@ -292,7 +293,7 @@ def test_resumed_ekfac_run_equals_uninterrupted_run_with_bases_and_moments_resto
             (_interrupted(saving), str(tmp_path / "resumed"), True, None),
             ([resume, resume], str(tmp_path / "resumed"), False, None)]
     (tmp_path / "pg").mkdir()
-    start_workers(_worker, (jobs, str(tmp_path / "pg")), 2)
+    start_workers(train_jobs, (jobs, str(tmp_path / "pg")), 2)
     assert not dist.is_initialized()
     steps, losses = _losses(tmp_path / "straight")
     resumed_steps, resumed = _losses(tmp_path / "resumed")

@@ -8,20 +8,15 @@ the start of step 4 and is resumed with ``resume=auto`` in the same folder.
 from __future__ import annotations
 
 import dataclasses
-import datetime
 from pathlib import Path
 
 import pytest
-import torch
-import torch.distributed as dist
 
 from pipefisher.config import TrainConfig
 from pipefisher.evaluation import EVAL_FIELDS
-from pipefisher.runtime.teardown import release_process_group
-from pipefisher.runtime.worker import train_worker
 from pipefisher.tracking import read_metrics
 from tests.conftest import compose_train
-from tests.dist_harness import start_workers
+from tests.dist_harness import start_workers, train_jobs
 
 MODEL = ["model.num_layers=2", "model.hidden_size=32", "model.num_heads=2", "model.vocab_size=128",
          "data.seq_len=16", "data.max_predictions=3", "micro_batch_size=2", "lr=0.01", "steps=6",
@@ -36,22 +31,10 @@ def _cfg(case: str, *extra: str) -> TrainConfig:
     return compose_train(MODEL + CASES[case] + list(extra))
 
 
-def _worker(rank: int, jobs: list[tuple[TrainConfig, str, bool]], rendezvous: str) -> None:
-    torch.set_num_threads(1)
-    for i, (cfg, out_dir, interrupted) in enumerate(jobs):
-        if interrupted:
-            cfg = dataclasses.replace(cfg, fault=dataclasses.replace(cfg.fault, mode="raise", rank=rank,
-                                                                     step=INTERRUPT_AT))
-        dist.init_process_group("gloo", init_method=f"file://{rendezvous}/pg{i}", rank=rank, world_size=2,
-                                timeout=datetime.timedelta(seconds=120))
-        try:
-            train_worker(cfg, rank, 2, torch.device("cpu"), out_dir)
-            assert not interrupted
-        except RuntimeError as err:
-            if not (interrupted and "injected fault" in str(err)):
-                raise
-        finally:
-            release_process_group()
+def _interrupted(cfg: TrainConfig) -> list[TrainConfig]:
+    """One config per rank, each raising the injected fault at step ``INTERRUPT_AT``."""
+    return [dataclasses.replace(cfg, fault=dataclasses.replace(cfg.fault, mode="raise", rank=r, step=INTERRUPT_AT))
+            for r in range(2)]
 
 
 @pytest.fixture(scope="module")
@@ -59,11 +42,12 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
     tmp = tmp_path_factory.mktemp("eval_resume")
     jobs = []
     for case in CASES:
-        jobs.append((_cfg(case), str(tmp / case / "straight"), False))
-        jobs.append((_cfg(case, "checkpoint.every_steps=2"), str(tmp / case / "resumed"), True))
-        jobs.append((_cfg(case, "checkpoint.every_steps=2", "resume=auto"), str(tmp / case / "resumed"), False))
+        straight, resume = _cfg(case), _cfg(case, "checkpoint.every_steps=2", "resume=auto")
+        jobs.append(([straight, straight], str(tmp / case / "straight"), False, None))
+        jobs.append((_interrupted(_cfg(case, "checkpoint.every_steps=2")), str(tmp / case / "resumed"), True, None))
+        jobs.append(([resume, resume], str(tmp / case / "resumed"), False, None))
     (tmp / "pg").mkdir()
-    start_workers(_worker, (jobs, str(tmp / "pg")), 2)
+    start_workers(train_jobs, (jobs, str(tmp / "pg")), 2)
     return tmp
 
 

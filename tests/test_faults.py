@@ -17,7 +17,7 @@ from pipefisher.runtime.checkpoint import load_shard
 from pipefisher.tracking import read_metrics
 from pipefisher.runtime.worker import run_worker
 from tests.conftest import compose_train
-from tests.test_checkpoint import _worker as train_jobs
+from tests.dist_harness import train_jobs
 from tests.dist_harness import START_METHOD, start_workers
 
 PIPE = ["stages=2", "num_micro_batches=2", "steps=4", "data.seq_len=16", "cluster.worker_timeout_s=20"]

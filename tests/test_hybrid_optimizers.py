@@ -51,10 +51,10 @@ from pipefisher.model import build_full_model
 from pipefisher.optim.factory import make_optimizer
 from pipefisher.run_spec import bert_config
 from pipefisher.runtime.teardown import release_process_group
-from tests import test_checkpoint as ckpt
+
 from tests import test_pipeline_equivalence as equiv
 from tests.conftest import compose_train
-from tests.dist_harness import run_cases, start_workers
+from tests.dist_harness import run_cases, start_workers, train_jobs
 from tests.reference import one_thread
 
 MODEL = ["model.num_layers=2", "model.hidden_size=32", "model.num_heads=2", "model.vocab_size=128",
@@ -269,7 +269,7 @@ def sdp_resumed(tmp_path_factory: pytest.TempPathFactory) -> Path:
         jobs.append((failing(compose_train(run + ["checkpoint.every_steps=2", "resume=auto"]), 2),
                      str(tmp / optimizer / "resumed"), False, None))
     (tmp / "pg").mkdir()
-    start_workers(ckpt._worker, (jobs, str(tmp / "pg")), 2)
+    start_workers(train_jobs, (jobs, str(tmp / "pg")), 2)
     return tmp
 
 

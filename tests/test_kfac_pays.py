@@ -38,7 +38,7 @@ from pipefisher.schedules.kfac import (
 from pipefisher.optim.factory import is_kfac_parameter
 from tests.conftest import compose_train
 from tests.dist_harness import start_workers
-from tests.test_checkpoint import _worker as train_jobs
+from tests.dist_harness import train_jobs
 
 SMALL = ["model.num_layers=2", "model.hidden_size=32", "model.num_heads=2", "data.seq_len=16",
          "data.max_predictions=3", "lr=0.01", "optimizer.damping=0.01"]

@@ -32,7 +32,7 @@ from pipefisher.runtime.init_weights import POSITION_EMBEDDINGS_NAME, load_initi
 from pipefisher.runtime.saved_weights import read_saved_weights
 from tests.conftest import REPO, compose_train
 from tests.dist_harness import start_workers
-from tests.test_checkpoint import _worker as train_jobs
+from tests.dist_harness import train_jobs
 from tests.test_finetune import compose_finetune
 
 transformers = pytest.importorskip("transformers")
