@@ -1,4 +1,4 @@
-"""Validate the strategy search's time to target at D=2 measured (issue 37's goals), every schedule × optimizer.
+"""Validate the strategy search's time to target at D=2 (or --stages 4) measured (issue 37's goals), every schedule × optimizer.
 
     python bench/validate_time_to_target.py --out DIR --measure --steps 8   # every pair, 2 rounds (see below)
     python bench/validate_time_to_target.py --out DIR --measure --quick     # 6 pairs, the same way (6 min here)
@@ -63,7 +63,8 @@ QUICK_PAIRS = (("chimera", "nvlamb"), ("chimera", "muon"), ("chimera", "pipefish
 CALIBRATION = h.REPO / "bench" / "calibration" / "study_b32_fixed_schedule.json"
 TARGET_LOSS = 6.24  # H-0.3 of the study's held-out text (H = 6.540)
 MODEL = ["model=bert-tiny", "model.vocab_size=8192", "data.seq_len=64", "data.max_predictions=10"]
-SEARCH = [*MODEL, "devices=2", "global_batch=32", "memory_gb=8", "memory_device=cpu", "search.micro_batch_sizes=[8]",
+STAGES = 2  # D: pipeline stages = workers (--stages; 4 needs at least 4 cores, and V schedules then need 6 layers)
+SEARCH = [*MODEL, "global_batch=32", "memory_gb=8", "memory_device=cpu", "search.micro_batch_sizes=[8]",
           "search.recompute=[false]", "search.sdp=[1]", "search.tp=[1]", "search.top=200",
           f"calibration={CALIBRATION}", f"target_loss={TARGET_LOSS}"]
 BUILTIN_KEYS = ["flops_per_s=9.8e10", "p2p_bytes_per_s=2e9", "memory_bytes_per_s=1e10"]  # docs/time-to-target.md
@@ -264,10 +265,10 @@ def median_prediction(rounds: Sequence[Mapping[str, Mapping[str, Any]]]) -> dict
     return out
 
 
-def same_schedules() -> dict[str, str]:
-    """Schedules whose action lists at this shape (pp=2, 4 micro-batches) equal an earlier one's in
+def same_schedules(stages: int = 2) -> dict[str, str]:
+    """Schedules whose action lists at this shape (pp=``stages``, 4 micro-batches) equal an earlier one's in
     ``SCHEDULES``: schedule -> that one (v-half and v-min are zb-v's at D=2, N=4). They run the same executor
-    work, so they are measured (and counted) once."""
+    work, so they are measured (and counted) once. Schedules the shape cannot build are left out."""
     from pipefisher.model.config import BertConfig
     from pipefisher.planning.costs import RunShape
 
@@ -276,7 +277,10 @@ def same_schedules() -> dict[str, str]:
     out = {}
     for m in SCHEDULES:
         v = 2 if m in ("interleaved", "zb-v", "dualpipev", "v-half", "v-min") else 1
-        sched = RunShape(bert, m, 2, 4, 8, 1, v, 64, 10).build_schedule(dp_width=1)
+        try:
+            sched = RunShape(bert, m, stages, 4, 8, 1, v, 64, 10).build_schedule(dp_width=1)
+        except ValueError:
+            continue
         key = repr(sorted((w, [str(a) for a in acts]) for w, acts in sched.actions.items()))
         if key in seen:
             out[m] = seen[key]
@@ -285,7 +289,7 @@ def same_schedules() -> dict[str, str]:
     return out
 
 
-def pairs_of(quick: bool, spec: str = "") -> list[tuple[str, str]]:
+def pairs_of(quick: bool, spec: str = "", stages: int = 2) -> list[tuple[str, str]]:
     """The (schedule, optimizer) pairs: ``spec`` (``schedule/optimizer,...``), the quick six, or every one."""
     if spec:
         out = [tuple(x.split("/")) for x in spec.split(",") if x]
@@ -296,7 +300,7 @@ def pairs_of(quick: bool, spec: str = "") -> list[tuple[str, str]]:
         return out  # type: ignore[return-value]
     if quick:
         return list(QUICK_PAIRS)
-    same = same_schedules()
+    same = same_schedules(stages)
     return [(s, o) for s in SCHEDULES if s not in same for o in OPTIMIZERS]
 
 
@@ -326,17 +330,17 @@ def predict(out: Path, keys: Sequence[str]) -> tuple[dict[str, dict[str, Any]], 
     of its pp=2 rows the step, steps to the target and k, and the whole search (text, top pick)."""
     from pipefisher.planning.cli import run_whatif
 
-    cfg = _schedule_config([*SEARCH, *keys])
+    cfg = _schedule_config([*SEARCH, f"devices={STAGES}", *keys])
     text = run_whatif(cfg, out)
     found = [_strategy(r) for r in json.loads((out / "whatif.json").read_text())]
     ranked = [s for s in found if s.excluded is None]
     pairs = {}
     for s in ranked:
-        if s.stages == 2 and s.dp == 1:
+        if s.stages == STAGES and s.dp == 1:
             pairs[f"{s.method}/{s.optimizer}"] = {"step_s": s.step_time_s, "steps": s.time_to_target_s / s.step_time_s,
                                                   "k": s.interval, "age": s.curvature_age,
                                                   "time_s": s.time_to_target_s, "time_rank": s.time_rank}
-    refused = {f"{s.method}/{s.optimizer}": s.excluded for s in found if s.excluded and s.stages == 2}
+    refused = {f"{s.method}/{s.optimizer}": s.excluded for s in found if s.excluded and s.stages == STAGES}
     return pairs, {"text": text, "top": ranked[0].label if ranked else None, "refused": refused,
                    "strategy": str(out / "strategy.json")}
 
@@ -350,11 +354,11 @@ def write_strategies(out: Path, keys: Sequence[str], pairs: Sequence[tuple[str, 
     from pipefisher.planning.strategy_file import strategy_document, write_strategy
     from pipefisher.planning.strategy_search import strategy_plan
 
-    cfg = _schedule_config([*SEARCH, *keys])
+    cfg = _schedule_config([*SEARCH, f"devices={STAGES}", *keys])
     hardware = _hardware(cfg)
     comm = CommCosts.from_json(cfg.comm_costs, hardware) if cfg.comm_costs else None
     rows = {(s.method, s.optimizer): s for s in map(_strategy, json.loads((out / "whatif.json").read_text()))
-            if s.excluded is None and s.stages == 2 and s.dp == 1}
+            if s.excluded is None and s.stages == STAGES and s.dp == 1}
     files = {}
     for schedule, optimizer in pairs:
         s = rows[(schedule, optimizer)]
@@ -364,7 +368,7 @@ def write_strategies(out: Path, keys: Sequence[str], pairs: Sequence[tuple[str, 
                                  max_predictions=cfg.data.max_predictions, precision=cfg.precision,
                                  plan_options=PlanOptions.from_optimizer(cfg),
                                  split_backward_ratio=cfg.search.split_backward_ratio, dp_width=None)
-        doc = strategy_document(s, cfg.model, cfg.data, cfg.precision, search={"devices": 2, "comm_costs": cfg.comm_costs},
+        doc = strategy_document(s, cfg.model, cfg.data, cfg.precision, search={"devices": STAGES, "comm_costs": cfg.comm_costs},
                                 plan=plan)
         files[f"{schedule}/{optimizer}"] = write_strategy(out / "strategies" / f"{schedule}-{optimizer}.json", doc)
     return files
@@ -386,7 +390,8 @@ def bench_lock() -> Iterator[None]:
 
 def measure_rates(path: Path) -> None:
     with bench_lock():
-        subprocess.run([sys.executable, "-m", "pipefisher.measure.collectives", "--out", str(path), *COLLECTIVES],
+        subprocess.run([sys.executable, "-m", "pipefisher.measure.collectives", "--out", str(path), *COLLECTIVES,
+                        "--world", str(STAGES)],
                        cwd=h.REPO, check=True, stdout=subprocess.DEVNULL)
 
 
@@ -681,12 +686,12 @@ def report(doc: Mapping[str, Any]) -> str:
                      + f"; worst pair then {d['worst_after_common'][0]} {d['worst_after_common'][1]:+.0%}, "
                      f"{d['within_after_common']} of {len(rows)} within {GOAL_STEP_ERROR:.0%}")
     if doc.get("search_top"):
-        lines.append(f"the search's top pick over world 2 (measured rates): {doc['search_top']}")
+        lines.append(f"the search's top pick over world {doc.get('stages', 2)} (measured rates): {doc['search_top']}")
     if doc.get("same_schedules"):
         lines.append("measured once: " + "; ".join(f"{m} = {o}" for m, o in doc["same_schedules"].items())
-                     + " (the same action lists at pp=2, 4 micro-batches: the same executor work)")
+                     + f" (the same action lists at pp={doc.get('stages', 2)}, 4 micro-batches: the same executor work)")
     if doc.get("refused"):
-        lines.append("refused by the search at pp=2: " + "; ".join(f"{k}: {v}" for k, v in doc["refused"].items()))
+        lines.append(f"refused by the search at pp={doc.get('stages', 2)}: " + "; ".join(f"{k}: {v}" for k, v in doc["refused"].items()))
     return "\n".join(lines) + "\n"
 
 
@@ -701,6 +706,8 @@ def main() -> None:
     p.add_argument("--quick", action="store_true", help=f"{len(QUICK_PAIRS)} pairs only")
     p.add_argument("--pairs", default="", help="schedule/optimizer,... (default: every pair, or --quick's)")
     p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--stages", type=int, default=2, choices=(2, 4),
+                   help="D: pp=D, one pipeline, D worker processes (4: on a machine of at least 4 cores)")
     p.add_argument("--steps", type=int, default=12, help="steps per run (K-FAC refresh cycles: at least 4k)")
     p.add_argument("--timeout-s", type=int, default=600)
     p.add_argument("--top-pick", action="store_true",
@@ -710,6 +717,8 @@ def main() -> None:
     p.add_argument("--diagnose", action="store_true",
                    help="the search's cost of each action beside a profile's (chimera pp=2, kfac and muon), back to back")
     args = p.parse_args()
+    global STAGES
+    STAGES = args.stages
     args.out.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
     path = args.out / "validation.json"
@@ -718,10 +727,11 @@ def main() -> None:
     if args.diagnose:
         diagnose(args.out)
     if args.measure:
-        pairs = pairs_of(args.quick, args.pairs)
+        pairs = pairs_of(args.quick, args.pairs, STAGES)
         doc: dict[str, Any] = {"command": "python " + " ".join(sys.argv), "hardware": _hardware(),
                                "uptime_before": _uptime(), "loads": [], "rounds": args.rounds, "steps": args.steps,
-                               "rates": [], "predicted_rounds": [], "same_schedules": same_schedules()}
+                               "rates": [], "predicted_rounds": [], "same_schedules": same_schedules(STAGES),
+                               "stages": STAGES}
         doc["builtin"], _ = predict(args.out / "search-builtin", BUILTIN_KEYS)
         files: dict[str, Path] = {}
         for r in range(args.rounds):  # the rates measured again before every round: the load moves them
@@ -733,8 +743,11 @@ def main() -> None:
             keys = [f"comm_costs={rates}"]
             predicted, search = predict(args.out / f"search-round{r}", keys)
             missing = [f"{s}/{o}" for s, o in pairs if f"{s}/{o}" not in predicted]
+            if missing and not args.pairs and r == 0:  # every pair: those the search refuses at this D are reported
+                pairs = [(s, o) for s, o in pairs if f"{s}/{o}" in predicted]
+                missing = []
             if missing:
-                raise SystemExit(f"the search has no pp=2 row for {', '.join(missing)}: "
+                raise SystemExit(f"the search has no pp={STAGES} row for {', '.join(missing)}: "
                                  + "; ".join(f"{k}: {search['refused'].get(k, '?')}" for k in missing))
             doc["predicted_rounds"].append(predicted)
             if r == 0:  # what runs: round 0's search (PipeFisher's plan from its rates)
