@@ -6,7 +6,7 @@
 #     OUT=/tmp/d4 bash bench/device_d4.sh     # about 8 min on 16 cores; logs in $OUT, run folders in $WORK
 #
 #   1 gpu_check.sh                                  (bench/gpu_check_results.md)
-#   2 optimizer_placement.py --stages 4, bert-mini widths with 8 layers (zb-v's 8 stages need 6+), 1f1b and
+#   2 optimizer_placement.py --stages 4 (CUDA hidden: its workers fork from a parent that asked for the GPU), bert-mini widths with 8 layers (zb-v's 8 stages need 6+), 1f1b and
 #     zb-v, NVLAMB and Muon, clip 1.0 (every stage deferred: the same work both ways, the noise) and clip 0
 #     (bench/studies/16-optimizer-placement.md)
 #   3 validate_time_to_target.py --stages 4, 9 pairs ({1f1b, chimera, zb-h1} x {nvlamb, muon,
@@ -31,7 +31,7 @@ step() {  # seconds, log name, command...
 }
 step "${GPU_CHECK_S:-200}" gpu_check.log env OUT="$WORK/gc" PYTHON="$PY" bash bench/gpu_check.sh
 grep -E "^(gpu_check|CHECK)" "$OUT/gpu_check.log"
-step "${PLACEMENT_S:-150}" placement_d4.log "$PY" bench/optimizer_placement.py --stages 4 --models bert-mini \
+step "${PLACEMENT_S:-150}" placement_d4.log env CUDA_VISIBLE_DEVICES= "$PY" bench/optimizer_placement.py --stages 4 --models bert-mini \
     --layers 8 --methods 1f1b zb-v --optimizers nvlamb muon --clips 1.0 0 --micro-batches 8 --rounds 6 --warmup 2
 grep -v "^|.*bert-\(medium\|large\)" "$OUT/placement_d4.log" | cut -c1-400 | tail -n 14
 pairs=$(for s in 1f1b chimera zb-h1; do for o in nvlamb muon pipefisher; do printf "%s/%s," $s $o; done; done)
