@@ -98,6 +98,15 @@ def test_measurement_at_world_2_writes_fits_the_search_reads(tmp_path: Path):
     assert rate["flops_per_s"] == pytest.approx(rate["flops_fb"] / rate["seconds_fb"])
     assert doc["compute"]["tensor_parallel"]["2"]["2"]["seconds_fb"] > 0  # bert-tiny's 2 heads split over 2
     assert CommCosts.from_json(out).tp_seconds_fb[(2, 2)] > 0
+    assert 0 < rate["seconds_f"] < rate["seconds_fb"]  # the forward alone, part of the forward + backward
+    units = doc["compute"]["kfac"]["2"]
+    # bert-tiny (H=128, FFN 512), T = 2 x 32 rows: CURV_A + CURV_B = 2 T (in^2 + out^2) over the layer's 6 Linears
+    curvature_flops = sum(2.0 * 64 * (i * i + o * o) for i, o in [(128, 128)] * 4 + [(128, 512), (512, 128)])
+    assert units["curvature_flops_per_s"] == pytest.approx(curvature_flops / units["curvature_seconds"])
+    assert units["precondition_flops_per_s"] > 0
+    read = CommCosts.from_json(out)
+    assert read.forward_share[2] == pytest.approx(rate["seconds_f"] / rate["seconds_fb"])
+    assert read.kfac_flops_per_s[2] == (units["curvature_flops_per_s"], units["precondition_flops_per_s"])
 
 
 def test_a_measured_tp_step_scales_the_modelled_tp_stage_costs(tmp_path: Path):
@@ -201,3 +210,39 @@ def test_step_prices_the_tied_weight_once_where_a_worker_holds_both_of_its_copie
     chimera = hybrid_costs(RunShape(bert, "chimera", 2, 4, 8, seq_len=64, max_predictions=10), 1, 1, hw,
                            CommCosts({}, hw))
     assert chimera.step_ns == pytest.approx(whole * STEP_BYTES_PER_PARAM / 1e9 * 1e9, abs=2)
+
+
+def test_measured_forward_share_and_kfac_rates_reprice_the_search_s_stages_and_units(tmp_path: Path):
+    """A forward measured at a third of the forward + backward leaves the stage costs as the FLOP count's 1:2 split;
+    at half, F = B with F + B unchanged (a recomputing stage keeps its extra forward). K-FAC's curvature and
+    preconditioning measured at 2x and 4x the model's rate cost 1/2 and 1/4 of the FLOP estimate; INVERT, priced
+    at the model's rate, does not move. Without the measurements nothing changes (old files still read)."""
+    from dataclasses import replace
+
+    from pipefisher.model.config import BertConfig
+    from pipefisher.planning.costs import RunShape
+    from pipefisher.planning.strategy_search import hybrid_costs
+
+    fits = {"all_reduce": {2: LinkFit(50e-6, 2e9)}, "p2p": {2: LinkFit(20e-6, 4e9)}}
+    plain = CommCosts(fits, Hardware(), "test", {8: 5e10}, 4e9)
+    run = RunShape(BertConfig.from_size("mini"), "1f1b", 2, 4, 8, seq_len=64, max_predictions=10,
+                   recompute_stages=(1,))
+    hw = plain.hardware_for(8)
+    base = hybrid_costs(run, 1, 1, hw, plain)
+    third = hybrid_costs(run, 1, 1, hw, replace(plain, forward_share={8: 1 / 3}))
+    assert third.forward_ns == pytest.approx(base.forward_ns, abs=1) and third.backward_ns == pytest.approx(base.backward_ns, abs=1)
+    half = hybrid_costs(run, 1, 1, hw, replace(plain, forward_share={2: 0.9, 8: 0.5}))  # the nearest size: 8
+    f0, f1 = base.forward_ns
+    assert half.forward_ns == pytest.approx((1.5 * f0, 1.5 * f1), abs=1)
+    assert half.backward_ns == pytest.approx((1.5 * f0, 1.5 * f1 + 1.5 * f1), abs=2)  # stage 1 recomputes: B + F
+    fast = hybrid_costs(run, 1, 1, hw, replace(plain, kfac_flops_per_s={8: (2 * hw.flops_per_s, 4 * hw.flops_per_s)}))
+    for got, want in ((fast.curv_a_ns, base.curv_a_ns), (fast.curv_b_ns, base.curv_b_ns)):
+        assert [[x for x in row] for row in got] == [[round(x / 2) for x in row] for row in want]
+    assert list(fast.precond_ns) == [round(x / 4) for x in base.precond_ns]
+    assert fast.invert_ns == base.invert_ns and fast.forward_ns == base.forward_ns
+    doc = collectives_json("gloo", "cpu", 2, {"all_reduce": {2: [(4096.0, 1e-4), (65536.0, 2e-4)]}},
+                           compute={"model": "bert-mini", "seq_len": 64, "max_predictions": 10,
+                                    "micro_batch": {"8": {"flops_per_s": 5e10, "seconds_fb": 0.3, "seconds_f": 0.4}}})
+    (tmp_path / "bad.json").write_text(json.dumps(doc))
+    with pytest.raises(ValueError, match="seconds_f must be positive and below seconds_fb"):
+        CommCosts.from_json(tmp_path / "bad.json")

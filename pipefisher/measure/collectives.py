@@ -16,6 +16,13 @@ side) and store the FLOP rate that achieves under the planner's FLOP count (``mo
 in place of a data-sheet ``flops_per_s`` (Galvatron profiles its layers' compute the same way); and one
 NVLAMB step over the whole model's parameters, stored as the memory bandwidth the planner's step cost
 assumes (``STEP_BYTES_PER_PARAM`` bytes per parameter: ``compute.optimizer_step.memory_bytes_per_s``).
+Beside each forward + backward the forward alone is timed (``seconds_f``: the search splits a stage's time
+into F and B by that share, not by the FLOP count's 1:2), and K-FAC's per-micro-batch units on one encoder
+layer's Linear shapes with the runtime's own kernels (``optim.kfac_factors``: the curvature sums of the
+inputs and output gradients, and B⁻¹ G A⁻¹): ``compute.kfac.<size>.curvature_flops_per_s`` and
+``precondition_flops_per_s`` under the planner's FLOP counts (``planning.costs`` [Note: FLOP estimates]).
+These are small matrix products with a long inner dimension, which run at another rate than the model's mix
+of products, attention and element-wise work (on a 2-core EPYC about twice the model's).
 
 On CPU each process gets ``cores // world`` threads (as train.py's workers do), so the figures are
 the ones a run of that many workers sees; with more processes than cores they mean little.
@@ -162,14 +169,86 @@ def _median_fb_seconds(net: Any, batch: dict[str, torch.Tensor], device: torch.d
     return statistics.median(times)
 
 
+def _median_f_seconds(net: Any, batch: dict[str, torch.Tensor], device: torch.device, repeats: int,
+                      budget_s: float) -> float:
+    """Median seconds of ``net``'s forward alone (building the graph a backward would use, as a pipeline's F
+    does) after two warm-ups."""
+    times = []
+    start = time.perf_counter()
+    for i in range(repeats + 2):
+        t0 = time.perf_counter()
+        loss = net(None, batch).sum()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        if i >= 2:
+            times.append(time.perf_counter() - t0)
+        del loss
+        if i >= 4 and time.perf_counter() - start > budget_s:
+            break
+    return statistics.median(times)
+
+
 def _compute_rate(model: str, micro_batch_size: int, seq_len: int, max_predictions: int, device: torch.device,
-                  repeats: int, budget_s: float, vocab_size: int | None = None) -> tuple[float, float]:
-    """(seconds of one forward + backward of the whole model on one micro-batch, its planner FLOPs)."""
+                  repeats: int, budget_s: float, vocab_size: int | None = None) -> tuple[float, float, float]:
+    """(seconds of one forward + backward of the whole model on one micro-batch, seconds of its forward alone,
+    the forward + backward's planner FLOPs)."""
     from pipefisher.model.partition import layer_costs
 
     bert, net, batch = _model_and_batch(model, micro_batch_size, seq_len, max_predictions, device, vocab_size)
     flops = 3.0 * micro_batch_size * sum(layer_costs(bert, seq_len, max_predictions))
-    return _median_fb_seconds(net, batch, device, repeats, budget_s), flops
+    fb = _median_fb_seconds(net, batch, device, repeats, budget_s)
+    return fb, _median_f_seconds(net, batch, device, repeats, budget_s), flops
+
+
+def _kfac_rates(model: str, micro_batch_size: int, seq_len: int, device: torch.device, repeats: int,
+                budget_s: float) -> dict[str, float]:
+    """K-FAC's per-micro-batch units on one encoder layer's Linear shapes (T = micro_batch_size · seq_len
+    rows), timed with the runtime's kernels: ``{"curvature_seconds", "curvature_flops_per_s",
+    "precondition_seconds", "precondition_flops_per_s"}`` (planner FLOPs: CURV_A + CURV_B = 2 T (in² + out²),
+    PRECOND = 2 in out (in + out) per Linear)."""
+    from pipefisher.optim.kfac_factors import grad_factor_sum, input_factor_sum, kron_precondition_
+    from pipefisher.planning.costs import kfac_linear_dims
+
+    dims = kfac_linear_dims(_bert(model), 1)
+    rows = micro_batch_size * seq_len
+    gen = torch.Generator().manual_seed(0)
+    xs = [torch.randn(rows, i, generator=gen).to(device) for i, _ in dims]
+    gs = [torch.randn(rows, o, generator=gen).to(device) for _, o in dims]
+    a_sum = [input_factor_sum(x, True) for x in xs]
+    b_sum = [grad_factor_sum(g, 1.0) for g in gs]
+    a_inv = [torch.eye(i + 1, device=device) + 1e-3 * a / rows for a, (i, _) in zip(a_sum, dims)]
+    b_inv = [torch.eye(o, device=device) + 1e-3 * b / rows for b, (_, o) in zip(b_sum, dims)]
+    w_grads = [torch.randn(o, i, generator=gen).to(device) for i, o in dims]
+    b_grads = [torch.randn(o, generator=gen).to(device) for _, o in dims]
+
+    def curvature() -> None:
+        for x, g, a, b in zip(xs, gs, a_sum, b_sum):
+            input_factor_sum(x, True, out=a)
+            grad_factor_sum(g, 1.0, out=b)
+
+    def precondition() -> None:
+        for wg, bg, a, b in zip(w_grads, b_grads, a_inv, b_inv):
+            kron_precondition_(wg, bg, a, b)
+            wg.mul_(1e-3)  # keep the repeated in-place products finite
+            bg.mul_(1e-3)
+
+    out = {}
+    for name, fn, flops in (("curvature", curvature, sum(2.0 * rows * (i * i + o * o) for i, o in dims)),
+                            ("precondition", precondition, sum(2.0 * i * o * (i + o) for i, o in dims))):
+        times = []
+        start = time.perf_counter()
+        for k in range(repeats + 2):
+            t0 = time.perf_counter()
+            fn()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            if k >= 2:
+                times.append(time.perf_counter() - t0)
+            if k >= 4 and time.perf_counter() - start > budget_s:
+                break
+        seconds = statistics.median(times)
+        out[f"{name}_seconds"], out[f"{name}_flops_per_s"] = seconds, flops / seconds
+    return out
 
 
 def _tp_seconds(model: str, micro_batch_size: int, seq_len: int, max_predictions: int, device: torch.device,
@@ -240,13 +319,22 @@ def _worker(rank: int, world: int, port: int, backend: str, sizes: Sequence[int]
                     points.setdefault(op, {}).setdefault(g, []).append((4.0 * elems, _slowest(t or 0.0, device)))
         extra: dict[str, Any] = {}
         if compute:
-            rates = {}
+            rates, kfac = {}, {}
             for mbs in compute["micro_batch_sizes"]:
                 dist.barrier()
-                seconds, flops = _compute_rate(compute["model"], mbs, compute["seq_len"], compute["max_predictions"],
-                                               device, repeats, 2 * budget_s, compute["vocab_size"])
-                seconds = _slowest(seconds, device)
-                rates[str(mbs)] = {"seconds_fb": seconds, "flops_fb": flops, "flops_per_s": flops / seconds}
+                seconds, forward, flops = _compute_rate(compute["model"], mbs, compute["seq_len"],
+                                                        compute["max_predictions"], device, repeats, 2 * budget_s,
+                                                        compute["vocab_size"])
+                seconds, forward = _slowest(seconds, device), _slowest(forward, device)
+                rates[str(mbs)] = {"seconds_fb": seconds, "seconds_f": forward, "flops_fb": flops,
+                                   "flops_per_s": flops / seconds}
+                dist.barrier()
+                units = _kfac_rates(compute["model"], mbs, compute["seq_len"], device, repeats, budget_s)
+                for name in ("curvature", "precondition"):  # the slowest rank's time sets the rate
+                    slowest = _slowest(units[f"{name}_seconds"], device)
+                    units[f"{name}_flops_per_s"] *= units[f"{name}_seconds"] / slowest
+                    units[f"{name}_seconds"] = slowest
+                kfac[str(mbs)] = units
             dist.barrier()
             seconds, params = _optimizer_rate(compute["model"], device, repeats, 2 * budget_s, compute["vocab_size"])
             seconds = _slowest(seconds, device)
@@ -260,7 +348,7 @@ def _worker(rank: int, world: int, port: int, backend: str, sizes: Sequence[int]
                 tp_rows[str(mbs)] = {"seconds_fb": _slowest(seconds, device)}
             extra["compute"] = {"model": compute["model"], "vocab_size": bert.vocab_size, "seq_len": compute["seq_len"],
                                 "max_predictions": compute["max_predictions"], "processes": world, "micro_batch": rates,
-                                "optimizer_step": step, "tensor_parallel": {str(world): tp_rows}}
+                                "kfac": kfac, "optimizer_step": step, "tensor_parallel": {str(world): tp_rows}}
         if rank == 0:
             doc = collectives_json(backend, device.type if device.type == "cpu" else torch.cuda.get_device_name(device),
                                    world, points, threads_per_process=threads, torch=torch.__version__,

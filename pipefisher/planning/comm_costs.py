@@ -109,6 +109,10 @@ class CommCosts:
         compute_model: the measured BERT size and shape, ``(size, seq_len, max_predictions)``, if any.
         compute_vocab_size: the measured model's vocabulary where the file names it (``--vocab-size``), else
             None (the preset's).
+        forward_share: micro-batch size -> the forward's share of a measured forward + backward (``seconds_f`` /
+            ``seconds_fb``), if measured; the search splits a stage's F + B by it.
+        kfac_flops_per_s: micro-batch size -> (curvature, preconditioning) FLOP rates of K-FAC's units measured
+            on the model's Linear shapes, if any; the search prices CURV_A/CURV_B and PRECOND by them.
     """
 
     fits: Mapping[str, Mapping[int, LinkFit]] = field(default_factory=dict)
@@ -119,6 +123,15 @@ class CommCosts:
     tp_seconds_fb: Mapping[tuple[int, int], float] = field(default_factory=dict)
     compute_model: tuple[str, int, int] | None = None
     compute_vocab_size: int | None = None
+    forward_share: Mapping[int, float] = field(default_factory=dict)
+    kfac_flops_per_s: Mapping[int, tuple[float, float]] = field(default_factory=dict)
+
+    def nearest(self, table: Mapping[int, Any], micro_batch_size: int) -> Any:
+        """``table``'s entry at the measured micro-batch size nearest ``micro_batch_size`` (the larger on a
+        tie); None for an empty table."""
+        if not table:
+            return None
+        return table[min(table, key=lambda b: (abs(b - micro_batch_size), -b))]
 
     def hardware_for(self, micro_batch_size: int) -> Hardware:
         """``hardware`` with the measured compute rates where the file has them: the FLOP rate of the
@@ -193,13 +206,22 @@ class CommCosts:
             shape = (str(compute["model"]), int(compute["seq_len"]), int(compute["max_predictions"])) \
                 if compute.get("model") is not None else None
             vocab = int(compute["vocab_size"]) if compute.get("vocab_size") is not None else None
-        except (KeyError, TypeError, ValueError, AttributeError):
+            share = {int(b): float(row["seconds_f"]) / float(row["seconds_fb"])
+                     for b, row in (compute.get("micro_batch") or {}).items() if "seconds_f" in row}
+            kfac = {int(b): (float(row["curvature_flops_per_s"]), float(row["precondition_flops_per_s"]))
+                    for b, row in (compute.get("kfac") or {}).items()}
+        except (KeyError, TypeError, ValueError, AttributeError, ZeroDivisionError):
             raise ValueError(f"comm_costs={path}: field compute needs model, seq_len, max_predictions, "
                              f"micro_batch.<size>.flops_per_s, optimizer_step.memory_bytes_per_s and, if present, "
-                             f"tensor_parallel.<tp>.<size>.seconds_fb (numbers); {make}") from None
-        if any(not r > 0 for r in [*rates.values(), *tp.values()]) or (memory is not None and not memory > 0):
+                             f"tensor_parallel.<tp>.<size>.seconds_fb, micro_batch.<size>.seconds_f and "
+                             f"kfac.<size>.curvature_flops_per_s / precondition_flops_per_s (numbers); {make}") from None
+        if any(not r > 0 for r in [*rates.values(), *tp.values(), *(x for pair in kfac.values() for x in pair)]) \
+                or (memory is not None and not memory > 0):
             raise ValueError(f"comm_costs={path}: field compute: rates and times must be positive; {make}")
-        return cls(fits, hardware, str(path), rates, memory, tp, shape, vocab)
+        if any(not 0 < x < 1 for x in share.values()):
+            raise ValueError(f"comm_costs={path}: field compute.micro_batch.<size>.seconds_f must be positive and "
+                             f"below seconds_fb (a forward is part of a forward + backward); {make}")
+        return cls(fits, hardware, str(path), rates, memory, tp, shape, vocab, share, kfac)
 
     def describe(self) -> str:
         """One line: the source and each measured op's group sizes."""
@@ -214,6 +236,13 @@ class CommCosts:
         if self.flops_per_s:
             text += "; compute measured: " + ", ".join(f"micro-batch {b}: {r / 1e9:.2f} GFLOP/s"
                                                        for b, r in sorted(self.flops_per_s.items()))
+        if self.forward_share:
+            text += "; forward share of forward+backward " + ", ".join(
+                f"micro-batch {b}: {x:.2f}" for b, x in sorted(self.forward_share.items()))
+        if self.kfac_flops_per_s:
+            text += "; K-FAC units " + ", ".join(f"micro-batch {b}: curvature {c / 1e9:.2f}, preconditioning "
+                                                  f"{p / 1e9:.2f} GFLOP/s"
+                                                  for b, (c, p) in sorted(self.kfac_flops_per_s.items()))
         if self.memory_bytes_per_s:
             text += f"; optimizer step {self.memory_bytes_per_s / 1e9:.2f} GB/s"
         if self.tp_seconds_fb:

@@ -343,7 +343,9 @@ def hybrid_costs(run: RunShape, sdp: int, tp: int, hardware: Hardware, comm: Com
                  schedule: Schedule | None = None, optimizer: str = "nvlamb") -> CostModel:
     """The simulator's cost model of one pipeline of a hybrid candidate ([Note: the time model]).
 
-    K-FAC unit costs are the FLOP estimate's (``planning.costs``; K-FAC runs only at sdp = tp = 1).
+    K-FAC unit costs are the FLOP estimate's (``planning.costs``; K-FAC runs only at sdp = tp = 1), CURV_A/CURV_B
+    and PRECOND at the rates ``comm`` measured for them where it has them (``kfac_flops_per_s``). A stage's F + B
+    is split by the measured forward share where ``comm`` has it (``forward_share``), else 1:2 (FLOPs).
     ``schedule``: one data-parallel group's (built from ``run`` when None), for the stages per worker.
     ``optimizer``: whose step STEP charges (nvlamb, adamw, muon; K-FAC and PipeFisher: nvlamb's).
     """
@@ -356,9 +358,12 @@ def hybrid_costs(run: RunShape, sdp: int, tp: int, hardware: Hardware, comm: Com
     tp_ar = comm.seconds("all_reduce", tp, activation)
     forward, backward = [], []
     measured = tp_measured_over_modelled(comm, tp, run.micro_batch_size)
+    share = comm.nearest(comm.forward_share, run.micro_batch_size)
     for (first, last), layers, rc in zip(run.partition, run.encoder_layers, run.recompute_flags):
         f, b = _stage_seconds(sum(costs[first:last + 1]), encoder_flops, layers, tp, tp_ar,
                               run.micro_batch_size / hardware.flops_per_s, rc)
+        if share is not None:
+            f, b = _split_by_share(f, b, share, rc, 2 * layers * tp_ar, (4 if rc else 2) * layers * tp_ar)
         forward.append(measured * f)
         backward.append(measured * b)
     params = _local_parameters(run, tp)
@@ -392,8 +397,24 @@ def hybrid_costs(run: RunShape, sdp: int, tp: int, hardware: Hardware, comm: Com
                    p2p_ns=_ns(comm.seconds("p2p", 2, activation)) if d > 1 else 0,
                    sync_ns=tuple(_ns(x) for x in sync), step_ns=_ns(step), input_grad_ns=(), weight_grad_ns=(),
                    sync_factor_ns=factor_sync)
+    kfac = comm.nearest(comm.kfac_flops_per_s, run.micro_batch_size)
+    if kfac is not None:  # the estimate's FLOPs at the units' own measured rates, not the model's
+        curv, pre = (hardware.flops_per_s / r for r in kfac)
+        cost = replace(cost, curv_a_ns=tuple(tuple(round(x * curv) for x in row) for row in base.curv_a_ns),
+                       curv_b_ns=tuple(tuple(round(x * curv) for x in row) for row in base.curv_b_ns),
+                       precond_ns=tuple(round(x * pre) for x in base.precond_ns))
     return cost
 
+
+def _split_by_share(f: float, b: float, share: float, recompute: bool, f_comm: float,
+                    b_comm: float) -> tuple[float, float]:
+    """(F, B) of a stage with the compute of one forward + backward split as measured (``share`` = the forward's
+    part); the tensor-parallel all-reduces (``f_comm``, ``b_comm``) stay where they are, and a recomputing B
+    keeps its extra forward."""
+    fc, bc = f - f_comm, b - b_comm
+    total = fc + bc - (fc if recompute else 0.0)  # one forward + one backward of compute
+    new_f = share * total
+    return new_f + f_comm, total - new_f + (new_f if recompute else 0.0) + b_comm
 
 def _stage_seconds(stage_flops: float, encoder_flops: float, layers: int, tp: int, tp_all_reduce_s: float,
                    seconds_per_flop: float, recompute: bool) -> tuple[float, float]:
