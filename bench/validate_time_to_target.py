@@ -187,6 +187,17 @@ def summary(rows: Sequence[Row]) -> dict[str, Any]:
     return out
 
 
+def without_unit_rates(doc: Mapping[str, Any]) -> dict[str, Any]:
+    """A ``measure.collectives`` document without the forward's share and K-FAC's unit rates (the search then
+    splits F + B 1:2 and prices K-FAC's units at the model's rate, as before they were measured)."""
+    out = json.loads(json.dumps(doc))
+    compute = out.get("compute") or {}
+    compute.pop("kfac", None)
+    for row in (compute.get("micro_batch") or {}).values():
+        row.pop("seconds_f", None)
+    return out
+
+
 def round_rows(doc: Mapping[str, Any], r: int) -> list[Row]:
     """Round ``r`` alone: its own prediction (from the rates measured just before it) against its own runs, for the
     pairs measured in it (the rounds' runs are appended in order, so a pair's ``r``-th entry is round ``r``'s)."""
@@ -664,6 +675,13 @@ def report(doc: Mapping[str, Any]) -> str:
             lines.append(f"round {r} alone (its own rates against its own runs, {len(rr)} pairs): Spearman "
                          f"{sr['spearman']:.3f}, median step error {statistics.median(x.error for x in rr):+.0%}, "
                          f"worst {sr['worst_error']:+.0%} ({sr['worst_pair']}), {sr['within_goal']} within 10 %")
+    if doc.get("predicted_legacy_rounds"):
+        old = summary(assemble_rows(median_prediction(doc["predicted_legacy_rounds"]), doc["measured"]))
+        if "spearman" in old:
+            lines.append(f"the same runs priced without the measured forward share and K-FAC unit rates (B = 2F, K-FAC "
+                         f"at the model's rate): Spearman {old['spearman']:.3f}, worst step error "
+                         f"{old['worst_error']:+.1%} ({old['worst_pair']}), {old['within_goal']} of {old['pairs']} "
+                         f"within {GOAL_STEP_ERROR:.0%}")
     twins = twin_spread(rows)
     if twins:
         lines.append("NVLAMB / AdamW measured step - 1 (the same pipeline, priced equal): " + ", ".join(
@@ -750,6 +768,12 @@ def main() -> None:
                 raise SystemExit(f"the search has no pp={STAGES} row for {', '.join(missing)}: "
                                  + "; ".join(f"{k}: {search['refused'].get(k, '?')}" for k in missing))
             doc["predicted_rounds"].append(predicted)
+            # the same rates without the forward share and K-FAC's unit rates: the cost model before they existed,
+            # against the same runs (what the two additions change, with the measurement held fixed)
+            legacy = args.out / f"collectives-round{r}-legacy.json"
+            legacy.write_text(json.dumps(without_unit_rates(json.loads(rates.read_text()))))
+            doc.setdefault("predicted_legacy_rounds", []).append(
+                predict(args.out / f"search-round{r}-legacy", [f"comm_costs={legacy}"])[0])
             if r == 0:  # what runs: round 0's search (PipeFisher's plan from its rates)
                 doc.update(search_top=search["top"], refused=search["refused"], search_text=search["text"])
                 files = write_strategies(args.out / f"search-round{r}", keys, pairs)
