@@ -487,13 +487,11 @@ def cost_rows(predicted: Any, profiled: Any) -> list[list[Any]]:
 
 def diagnose(out: Path, optimizers: Sequence[str] = ("kfac", "muon")) -> dict[str, Any]:
     """Under the lock, back to back: the rates (``measure.collectives``), then ``profile.py`` of chimera pp=2 at the
-    study's shape per optimizer; the search's cost model of that run (``pipeline_costs`` with those rates; K-FAC
-    units from ``estimate_run_costs``) beside ``costs_from_profile``. Writes ``out/diagnose.json``."""
-    from dataclasses import replace
-
+    study's shape per optimizer; the search's cost model of that run (``pipeline_costs`` with those rates, K-FAC
+    units included) beside ``costs_from_profile``. Writes ``out/diagnose.json``."""
     from pipefisher.model.config import BertConfig
     from pipefisher.planning.comm_costs import CommCosts
-    from pipefisher.planning.costs import RunShape, costs_from_profile, estimate_run_costs
+    from pipefisher.planning.costs import RunShape, costs_from_profile
     from pipefisher.planning.strategy_search import pipeline_costs
     from pipefisher.profiling import read_profile
 
@@ -515,10 +513,9 @@ def diagnose(out: Path, optimizers: Sequence[str] = ("kfac", "muon")) -> dict[st
         comm = CommCosts.from_json(rates)
         hw = comm.hardware_for(8)
         schedule = run.build_schedule(dp_width=1)
+        # the K-FAC units as the search plans with them: the FLOP estimate, CURV/PRECOND at the measured unit rates
+        # and the factor all-reduces by the measured collectives where the file has them (hybrid_costs)
         search = pipeline_costs(run, hw, comm, schedule=schedule, optimizer=opt if opt == "muon" else "nvlamb")
-        units = estimate_run_costs(run, hw)  # the K-FAC units the search plans with
-        search = replace(search, curv_a_ns=units.curv_a_ns, curv_b_ns=units.curv_b_ns, invert_ns=units.invert_ns,
-                         sync_factor_ns=units.sync_factor_ns, precond_ns=units.precond_ns)
         profile = read_profile(prof_dir / "profile.sqlite")
         measured = costs_from_profile(profile, run, path=prof_dir / "profile.sqlite")
         doc["profiles"][opt] = {"load": load, "rates": comm.describe(), "rows": cost_rows(search, measured)}
