@@ -153,7 +153,7 @@ def test_the_compute_measurement_takes_the_runs_vocabulary(tmp_path: Path):
 
     import torch
 
-    from pipefisher.measure.collectives import _model_and_batch
+    from pipefisher.measure.compute_rates import model_and_batch as _model_and_batch
     from pipefisher.planning.strategy_search import tp_measured_over_modelled
 
     bert, net, batch = _model_and_batch("bert-tiny", 2, 16, 2, torch.device("cpu"), vocab_size=512)

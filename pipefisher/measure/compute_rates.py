@@ -1,0 +1,188 @@
+"""The compute rates ``measure.collectives`` stores beside its collectives: per micro-batch size, the whole
+model's forward + backward and its forward alone, K-FAC's per-micro-batch units on the model's Linear shapes, a
+tensor-parallel forward + backward, and one NVLAMB step over the whole model (what each is for: the docstring of
+``pipefisher.measure.collectives``). Each function times on this process's device and threads; the caller takes
+the slowest rank's figure."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["compute_rate", "kfac_rates", "measured_bert", "median_f_seconds", "median_fb_seconds", "model_and_batch",
+           "optimizer_rate", "tp_seconds"]
+
+
+def measured_bert(model: str, vocab_size: int | None = None) -> Any:
+    """The BERT preset ``model`` (``bert-mini``), with ``vocab_size`` where given (the run's own vocabulary)."""
+    from dataclasses import replace
+
+    from pipefisher.model.config import BertConfig
+
+    bert = BertConfig.from_size(model.removeprefix("bert-"))
+    return bert if vocab_size is None else replace(bert, vocab_size=vocab_size)
+
+
+def model_and_batch(model: str, micro_batch_size: int, seq_len: int, max_predictions: int,
+                     device: torch.device, vocab_size: int | None = None) -> tuple[Any, Any, dict[str, torch.Tensor]]:
+    """(config, the whole model in train mode, one synthetic micro-batch) for the compute timings."""
+    from pipefisher.data.batches import get_micro_batch
+    from pipefisher.data.synthetic import SyntheticSource
+    from pipefisher.model.bert import build_full_model
+
+    bert = measured_bert(model, vocab_size)
+    net = build_full_model(bert).to(device).train()
+    source = SyntheticSource(seq_len, max_predictions, bert.vocab_size, seed=0)
+    batch = {k: v.to(device) for k, v in get_micro_batch(source, 0, 0, 0, micro_batch_size=micro_batch_size,
+                                                          num_micro_batches=1, dp_width=1).items()}
+    return bert, net, batch
+
+
+def median_fb_seconds(net: Any, batch: dict[str, torch.Tensor], device: torch.device, repeats: int,
+                       budget_s: float, collective: bool = False) -> float:
+    """Median seconds of ``net``'s forward + backward after two warm-ups; with ``collective`` every
+    rank starts each one together and stops after the same count (rank 0 decides)."""
+    times = []
+    start = time.perf_counter()
+    for i in range(repeats + 2):
+        if collective:
+            dist.barrier()
+        t0 = time.perf_counter()
+        net(None, batch).sum().backward()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        if i >= 2:  # after two warm-ups
+            times.append(time.perf_counter() - t0)
+        done = i >= 4 and time.perf_counter() - start > budget_s
+        if collective:
+            stop = torch.tensor([1.0 if done else 0.0], device=device)
+            dist.broadcast(stop, src=0)
+            done = bool(stop.item())
+        if done:
+            break
+    return statistics.median(times)
+
+
+def median_f_seconds(net: Any, batch: dict[str, torch.Tensor], device: torch.device, repeats: int,
+                      budget_s: float) -> float:
+    """Median seconds of ``net``'s forward alone (building the graph a backward would use, as a pipeline's F
+    does) after two warm-ups."""
+    times = []
+    start = time.perf_counter()
+    for i in range(repeats + 2):
+        t0 = time.perf_counter()
+        loss = net(None, batch).sum()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        if i >= 2:
+            times.append(time.perf_counter() - t0)
+        del loss
+        if i >= 4 and time.perf_counter() - start > budget_s:
+            break
+    return statistics.median(times)
+
+
+def compute_rate(model: str, micro_batch_size: int, seq_len: int, max_predictions: int, device: torch.device,
+                  repeats: int, budget_s: float, vocab_size: int | None = None) -> tuple[float, float, float]:
+    """(seconds of one forward + backward of the whole model on one micro-batch, seconds of its forward alone,
+    the forward + backward's planner FLOPs)."""
+    from pipefisher.model.partition import layer_costs
+
+    bert, net, batch = model_and_batch(model, micro_batch_size, seq_len, max_predictions, device, vocab_size)
+    flops = 3.0 * micro_batch_size * sum(layer_costs(bert, seq_len, max_predictions))
+    fb = median_fb_seconds(net, batch, device, repeats, budget_s)
+    return fb, median_f_seconds(net, batch, device, repeats, budget_s), flops
+
+
+def kfac_rates(model: str, micro_batch_size: int, seq_len: int, device: torch.device, repeats: int,
+                budget_s: float) -> dict[str, float]:
+    """K-FAC's per-micro-batch units on one encoder layer's Linear shapes (T = micro_batch_size · seq_len
+    rows), timed with the runtime's kernels: ``{"curvature_seconds", "curvature_flops_per_s",
+    "precondition_seconds", "precondition_flops_per_s"}`` (planner FLOPs: CURV_A + CURV_B = 2 T (in² + out²),
+    PRECOND = 2 in out (in + out) per Linear)."""
+    from pipefisher.optim.kfac_factors import grad_factor_sum, input_factor_sum, kron_precondition_
+    from pipefisher.planning.costs import kfac_linear_dims
+
+    dims = kfac_linear_dims(measured_bert(model), 1)
+    rows = micro_batch_size * seq_len
+    gen = torch.Generator().manual_seed(0)
+    xs = [torch.randn(rows, i, generator=gen).to(device) for i, _ in dims]
+    gs = [torch.randn(rows, o, generator=gen).to(device) for _, o in dims]
+    a_sum = [input_factor_sum(x, True) for x in xs]
+    b_sum = [grad_factor_sum(g, 1.0) for g in gs]
+    a_inv = [torch.eye(i + 1, device=device) + 1e-3 * a / rows for a, (i, _) in zip(a_sum, dims)]
+    b_inv = [torch.eye(o, device=device) + 1e-3 * b / rows for b, (_, o) in zip(b_sum, dims)]
+    w_grads = [torch.randn(o, i, generator=gen).to(device) for i, o in dims]
+    b_grads = [torch.randn(o, generator=gen).to(device) for _, o in dims]
+
+    def curvature() -> None:
+        for x, g, a, b in zip(xs, gs, a_sum, b_sum):
+            input_factor_sum(x, True, out=a)
+            grad_factor_sum(g, 1.0, out=b)
+
+    def precondition() -> None:
+        for wg, bg, a, b in zip(w_grads, b_grads, a_inv, b_inv):
+            kron_precondition_(wg, bg, a, b)
+            wg.mul_(1e-3)  # keep the repeated in-place products finite
+            bg.mul_(1e-3)
+
+    out = {}
+    for name, fn, flops in (("curvature", curvature, sum(2.0 * rows * (i * i + o * o) for i, o in dims)),
+                            ("precondition", precondition, sum(2.0 * i * o * (i + o) for i, o in dims))):
+        times = []
+        start = time.perf_counter()
+        for k in range(repeats + 2):
+            t0 = time.perf_counter()
+            fn()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            if k >= 2:
+                times.append(time.perf_counter() - t0)
+            if k >= 4 and time.perf_counter() - start > budget_s:
+                break
+        seconds = statistics.median(times)
+        out[f"{name}_seconds"], out[f"{name}_flops_per_s"] = seconds, flops / seconds
+    return out
+
+
+def tp_seconds(model: str, micro_batch_size: int, seq_len: int, max_predictions: int, device: torch.device,
+                repeats: int, budget_s: float, world: int, vocab_size: int | None = None) -> float:
+    """Seconds of one forward + backward of the whole model on one micro-batch with its encoder
+    layers split over all ``world`` processes (train.py's tensor parallel, ``runtime.tensor_parallel``):
+    what the strategy search's time model sets its tp estimate against ([Note: the time model])."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from pipefisher.runtime.tensor_parallel import parallelize_stages
+
+    _, net, batch = model_and_batch(model, micro_batch_size, seq_len, max_predictions, device, vocab_size)
+    parallelize_stages({(0, 0): net}, {(0, 0): init_device_mesh(device.type, (world,), mesh_dim_names=("tp_measure",))})
+    return median_fb_seconds(net, batch, device, repeats, budget_s, collective=True)
+
+
+def optimizer_rate(model: str, device: torch.device, repeats: int, budget_s: float,
+                    vocab_size: int | None = None) -> tuple[float, int]:
+    """(seconds of one NVLAMB step over the whole model's parameters, the parameter count)."""
+    from pipefisher.model.bert import build_full_model
+    from pipefisher.optim.nvlamb import NVLAMB
+
+    net = build_full_model(measured_bert(model, vocab_size)).to(device)
+    params = [p for p in net.parameters() if p.requires_grad]
+    for p in params:
+        p.grad = torch.full_like(p, 1e-3)
+    opt = NVLAMB(params, lr=1e-3)
+    times = []
+    start = time.perf_counter()
+    for i in range(repeats + 2):
+        t0 = time.perf_counter()
+        opt.step()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        if i >= 2:
+            times.append(time.perf_counter() - t0)
+        if i >= 4 and time.perf_counter() - start > budget_s:
+            break
+    return statistics.median(times), sum(p.numel() for p in params)
