@@ -103,10 +103,11 @@ def test_measurement_at_world_2_writes_fits_the_search_reads(tmp_path: Path):
     # bert-tiny (H=128, FFN 512), T = 2 x 32 rows: CURV_A + CURV_B = 2 T (in^2 + out^2) over the layer's 6 Linears
     curvature_flops = sum(2.0 * 64 * (i * i + o * o) for i, o in [(128, 128)] * 4 + [(128, 512), (512, 128)])
     assert units["curvature_flops_per_s"] == pytest.approx(curvature_flops / units["curvature_seconds"])
-    assert units["precondition_flops_per_s"] > 0
+    assert units["precondition_flops_per_s"] > 0 and units["invert_flops_per_s"] > 0
     read = CommCosts.from_json(out)
     assert read.forward_share[2] == pytest.approx(rate["seconds_f"] / rate["seconds_fb"])
-    assert read.kfac_flops_per_s[2] == (units["curvature_flops_per_s"], units["precondition_flops_per_s"])
+    assert read.kfac_flops_per_s[2] == (units["curvature_flops_per_s"], units["precondition_flops_per_s"],
+                                        units["invert_flops_per_s"])
 
 
 def test_a_measured_tp_step_scales_the_modelled_tp_stage_costs(tmp_path: Path):
@@ -215,8 +216,9 @@ def test_step_prices_the_tied_weight_once_where_a_worker_holds_both_of_its_copie
 def test_measured_forward_share_and_kfac_rates_reprice_the_search_s_stages_and_units(tmp_path: Path):
     """A forward measured at a third of the forward + backward leaves the stage costs as the FLOP count's 1:2 split;
     at half, F = B with F + B unchanged (a recomputing stage keeps its extra forward). K-FAC's curvature and
-    preconditioning measured at 2x and 4x the model's rate cost 1/2 and 1/4 of the FLOP estimate; INVERT, priced
-    at the model's rate, does not move. Without the measurements nothing changes (old files still read)."""
+    preconditioning measured at 2x and 4x the model's rate cost 1/2 and 1/4 of the FLOP estimate, and the inversion
+    at half the rate twice the estimate (absent: at the model's rate); under EKFAC only the curvature moves (its
+    inversion and preconditioning are other kernels). Without the measurements nothing changes."""
     from dataclasses import replace
 
     from pipefisher.model.config import BertConfig
@@ -235,11 +237,19 @@ def test_measured_forward_share_and_kfac_rates_reprice_the_search_s_stages_and_u
     f0, f1 = base.forward_ns
     assert half.forward_ns == pytest.approx((1.5 * f0, 1.5 * f1), abs=1)
     assert half.backward_ns == pytest.approx((1.5 * f0, 1.5 * f1 + 1.5 * f1), abs=2)  # stage 1 recomputes: B + F
-    fast = hybrid_costs(run, 1, 1, hw, replace(plain, kfac_flops_per_s={8: (2 * hw.flops_per_s, 4 * hw.flops_per_s)}))
+    rates = {8: (2 * hw.flops_per_s, 4 * hw.flops_per_s, None)}
+    fast = hybrid_costs(run, 1, 1, hw, replace(plain, kfac_flops_per_s=rates))
     for got, want in ((fast.curv_a_ns, base.curv_a_ns), (fast.curv_b_ns, base.curv_b_ns)):
         assert [[x for x in row] for row in got] == [[round(x / 2) for x in row] for row in want]
     assert list(fast.precond_ns) == [round(x / 4) for x in base.precond_ns]
     assert fast.invert_ns == base.invert_ns and fast.forward_ns == base.forward_ns
+    slow_inverse = hybrid_costs(run, 1, 1, hw, replace(plain, kfac_flops_per_s={8: (*rates[8][:2], hw.flops_per_s / 2)}))
+    assert [list(row) for row in slow_inverse.invert_ns] == [[2 * x for x in row] for row in base.invert_ns]
+    ekfac = replace(run, preconditioner="ekfac")
+    e_base = hybrid_costs(ekfac, 1, 1, hw, plain)
+    e_fast = hybrid_costs(ekfac, 1, 1, hw, replace(plain, kfac_flops_per_s={8: (*rates[8][:2], hw.flops_per_s / 2)}))
+    assert e_fast.precond_ns == e_base.precond_ns and e_fast.invert_ns == e_base.invert_ns
+    assert [list(r) for r in e_fast.curv_a_ns] == [[round(x / 2) for x in r] for r in e_base.curv_a_ns]
     doc = collectives_json("gloo", "cpu", 2, {"all_reduce": {2: [(4096.0, 1e-4), (65536.0, 2e-4)]}},
                            compute={"model": "bert-mini", "seq_len": 64, "max_predictions": 10,
                                     "micro_batch": {"8": {"flops_per_s": 5e10, "seconds_fb": 0.3, "seconds_f": 0.4}}})

@@ -19,8 +19,8 @@ assumes (``STEP_BYTES_PER_PARAM`` bytes per parameter: ``compute.optimizer_step.
 Beside each forward + backward the forward alone is timed (``seconds_f``: the search splits a stage's time
 into F and B by that share, not by the FLOP count's 1:2), and K-FAC's per-micro-batch units on one encoder
 layer's Linear shapes with the runtime's own kernels (``optim.kfac_factors``: the curvature sums of the
-inputs and output gradients, and B⁻¹ G A⁻¹): ``compute.kfac.<size>.curvature_flops_per_s`` and
-``precondition_flops_per_s`` under the planner's FLOP counts (``planning.costs`` [Note: FLOP estimates]).
+inputs and output gradients, B⁻¹ G A⁻¹, and the damped Cholesky inverses): ``compute.kfac.<size>.curvature_flops_per_s``,
+``precondition_flops_per_s`` and ``invert_flops_per_s`` under the planner's FLOP counts (``planning.costs`` [Note: FLOP estimates]).
 These are small matrix products with a long inner dimension, which run at another rate than the model's mix
 of products, attention and element-wise work (on a 2-core EPYC about twice the model's).
 
@@ -160,7 +160,7 @@ def _worker(rank: int, world: int, port: int, backend: str, sizes: Sequence[int]
                                    "flops_per_s": flops / seconds}
                 dist.barrier()
                 units = kfac_rates(compute["model"], mbs, compute["seq_len"], device, repeats, budget_s)
-                for name in ("curvature", "precondition"):  # the slowest rank's time sets the rate
+                for name in ("curvature", "precondition", "invert"):  # the slowest rank's time sets the rate
                     slowest = _slowest(units[f"{name}_seconds"], device)
                     units[f"{name}_flops_per_s"] *= units[f"{name}_seconds"] / slowest
                     units[f"{name}_seconds"] = slowest

@@ -102,10 +102,11 @@ def kfac_rates(model: str, micro_batch_size: int, seq_len: int, device: torch.de
                 budget_s: float) -> dict[str, float]:
     """K-FAC's per-micro-batch units on one encoder layer's Linear shapes (T = micro_batch_size · seq_len
     rows), timed with the runtime's kernels: ``{"curvature_seconds", "curvature_flops_per_s",
-    "precondition_seconds", "precondition_flops_per_s"}`` (planner FLOPs: CURV_A + CURV_B = 2 T (in² + out²),
-    PRECOND = 2 in out (in + out) per Linear)."""
-    from pipefisher.optim.kfac_factors import grad_factor_sum, input_factor_sum, kron_precondition_
-    from pipefisher.planning.costs import kfac_linear_dims
+    "precondition_seconds", "precondition_flops_per_s", "invert_seconds", "invert_flops_per_s"}`` (planner FLOPs:
+    CURV_A + CURV_B = 2 T (in² + out²), PRECOND = 2 in out (in + out), INVERT = (in³ + out³) (2/3 + 1) per Linear:
+    ``planning.costs`` [Note: FLOP estimates]; INVERT: the damped Cholesky inverse of both factors)."""
+    from pipefisher.optim.kfac_factors import damped_inverse, grad_factor_sum, input_factor_sum, kron_precondition_
+    from pipefisher.planning.costs import INVERT_FLOPS_PER_N3, kfac_linear_dims
 
     dims = kfac_linear_dims(measured_bert(model), 1)
     rows = micro_batch_size * seq_len
@@ -130,9 +131,15 @@ def kfac_rates(model: str, micro_batch_size: int, seq_len: int, device: torch.de
             wg.mul_(1e-3)  # keep the repeated in-place products finite
             bg.mul_(1e-3)
 
+    def invert() -> None:
+        for a, b in zip(a_sum, b_sum):
+            damped_inverse(a, 1e-3 * rows)
+            damped_inverse(b, 1e-3 * rows)
+
     out = {}
     for name, fn, flops in (("curvature", curvature, sum(2.0 * rows * (i * i + o * o) for i, o in dims)),
-                            ("precondition", precondition, sum(2.0 * i * o * (i + o) for i, o in dims))):
+                            ("precondition", precondition, sum(2.0 * i * o * (i + o) for i, o in dims)),
+                            ("invert", invert, sum((i ** 3 + o ** 3) * INVERT_FLOPS_PER_N3 for i, o in dims))):
         times = []
         start = time.perf_counter()
         for k in range(repeats + 2):

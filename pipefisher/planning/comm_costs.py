@@ -111,8 +111,9 @@ class CommCosts:
             None (the preset's).
         forward_share: micro-batch size -> the forward's share of a measured forward + backward (``seconds_f`` /
             ``seconds_fb``), if measured; the search splits a stage's F + B by it.
-        kfac_flops_per_s: micro-batch size -> (curvature, preconditioning) FLOP rates of K-FAC's units measured
-            on the model's Linear shapes, if any; the search prices CURV_A/CURV_B and PRECOND by them.
+        kfac_flops_per_s: micro-batch size -> (curvature, preconditioning, inversion or None) FLOP rates of K-FAC's
+            units measured on the model's Linear shapes, if any; the search prices CURV_A/CURV_B, PRECOND and
+            (K-FAC's Cholesky) INVERT by them.
     """
 
     fits: Mapping[str, Mapping[int, LinkFit]] = field(default_factory=dict)
@@ -124,7 +125,7 @@ class CommCosts:
     compute_model: tuple[str, int, int] | None = None
     compute_vocab_size: int | None = None
     forward_share: Mapping[int, float] = field(default_factory=dict)
-    kfac_flops_per_s: Mapping[int, tuple[float, float]] = field(default_factory=dict)
+    kfac_flops_per_s: Mapping[int, tuple[float, float, float | None]] = field(default_factory=dict)
 
     def nearest(self, table: Mapping[int, Any], micro_batch_size: int) -> Any:
         """``table``'s entry at the measured micro-batch size nearest ``micro_batch_size`` (the larger on a
@@ -208,14 +209,15 @@ class CommCosts:
             vocab = int(compute["vocab_size"]) if compute.get("vocab_size") is not None else None
             share = {int(b): float(row["seconds_f"]) / float(row["seconds_fb"])
                      for b, row in (compute.get("micro_batch") or {}).items() if "seconds_f" in row}
-            kfac = {int(b): (float(row["curvature_flops_per_s"]), float(row["precondition_flops_per_s"]))
+            kfac = {int(b): (float(row["curvature_flops_per_s"]), float(row["precondition_flops_per_s"]),
+                             float(row["invert_flops_per_s"]) if "invert_flops_per_s" in row else None)
                     for b, row in (compute.get("kfac") or {}).items()}
         except (KeyError, TypeError, ValueError, AttributeError, ZeroDivisionError):
             raise ValueError(f"comm_costs={path}: field compute needs model, seq_len, max_predictions, "
                              f"micro_batch.<size>.flops_per_s, optimizer_step.memory_bytes_per_s and, if present, "
                              f"tensor_parallel.<tp>.<size>.seconds_fb, micro_batch.<size>.seconds_f and "
-                             f"kfac.<size>.curvature_flops_per_s / precondition_flops_per_s (numbers); {make}") from None
-        if any(not r > 0 for r in [*rates.values(), *tp.values(), *(x for pair in kfac.values() for x in pair)]) \
+                             f"kfac.<size>.curvature_flops_per_s / precondition_flops_per_s / invert_flops_per_s (numbers); {make}") from None
+        if any(not r > 0 for r in [*rates.values(), *tp.values(), *(x for rates in kfac.values() for x in rates if x is not None)]) \
                 or (memory is not None and not memory > 0):
             raise ValueError(f"comm_costs={path}: field compute: rates and times must be positive; {make}")
         if any(not 0 < x < 1 for x in share.values()):
@@ -241,8 +243,9 @@ class CommCosts:
                 f"micro-batch {b}: {x:.2f}" for b, x in sorted(self.forward_share.items()))
         if self.kfac_flops_per_s:
             text += "; K-FAC units " + ", ".join(f"micro-batch {b}: curvature {c / 1e9:.2f}, preconditioning "
-                                                  f"{p / 1e9:.2f} GFLOP/s"
-                                                  for b, (c, p) in sorted(self.kfac_flops_per_s.items()))
+                                                  f"{p / 1e9:.2f}" + (f", inversion {i / 1e9:.2f}" if i else "")
+                                                  + " GFLOP/s"
+                                                  for b, (c, p, i) in sorted(self.kfac_flops_per_s.items()))
         if self.memory_bytes_per_s:
             text += f"; optimizer step {self.memory_bytes_per_s / 1e9:.2f} GB/s"
         if self.tp_seconds_fb:

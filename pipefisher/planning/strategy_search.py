@@ -25,7 +25,11 @@ the ring model; compute from FLOPs at ``Hardware.flops_per_s``, which a measurem
     F of stage s     FLOPs(embeddings, heads) + FLOPs(encoder layers) / tp, at flops_per_s
                      + tp > 1: 2 all_reduce(tp, b·S·H·bytes) per encoder layer (Megatron: after the
                        attention output and the FFN output projections), on the critical path
-    B                2 F's compute (3 F where the stage recomputes) + 2 all_reduce per layer (4 there)
+    B                2 F's compute (3 F where the stage recomputes) + 2 all_reduce per layer (4 there);
+                     with a measured forward share f (``measure.collectives``: the forward alone beside the
+                     forward + backward) the stage's compute of F + B is split f : 1 - f instead
+    CURV, PRECOND, INVERT   K-FAC's FLOP estimate (``planning.costs``) at flops_per_s, or at the rates
+                     ``measure.collectives`` timed for these units on the model's Linear shapes
     tp > 1, measured F and B times the measured over the modelled forward + backward of the whole
                      model at that tp (``tp_measured_over_modelled``; ``measure.collectives --model``
                      times it): DTensor's dispatch and the split products' rate, which FLOPs miss
@@ -344,7 +348,8 @@ def hybrid_costs(run: RunShape, sdp: int, tp: int, hardware: Hardware, comm: Com
     """The simulator's cost model of one pipeline of a hybrid candidate ([Note: the time model]).
 
     K-FAC unit costs are the FLOP estimate's (``planning.costs``; K-FAC runs only at sdp = tp = 1), CURV_A/CURV_B
-    and PRECOND at the rates ``comm`` measured for them where it has them (``kfac_flops_per_s``). A stage's F + B
+    (and with K-FAC's Cholesky, not EKFAC's eigh, PRECOND and INVERT) at the rates ``comm`` measured for them where
+    it has them (``kfac_flops_per_s``). A stage's F + B
     is split by the measured forward share where ``comm`` has it (``forward_share``), else 1:2 (FLOPs).
     ``schedule``: one data-parallel group's (built from ``run`` when None), for the stages per worker.
     ``optimizer``: whose step STEP charges (nvlamb, adamw, muon; K-FAC and PipeFisher: nvlamb's).
@@ -399,10 +404,16 @@ def hybrid_costs(run: RunShape, sdp: int, tp: int, hardware: Hardware, comm: Com
                    sync_factor_ns=factor_sync)
     kfac = comm.nearest(comm.kfac_flops_per_s, run.micro_batch_size)
     if kfac is not None:  # the estimate's FLOPs at the units' own measured rates, not the model's
-        curv, pre = (hardware.flops_per_s / r for r in kfac)
+        curv_rate, pre_rate, inv_rate = kfac
+        curv = hardware.flops_per_s / curv_rate
         cost = replace(cost, curv_a_ns=tuple(tuple(round(x * curv) for x in row) for row in base.curv_a_ns),
-                       curv_b_ns=tuple(tuple(round(x * curv) for x in row) for row in base.curv_b_ns),
-                       precond_ns=tuple(round(x * pre) for x in base.precond_ns))
+                       curv_b_ns=tuple(tuple(round(x * curv) for x in row) for row in base.curv_b_ns))
+        if run.preconditioner == "kfac":  # measured with K-FAC's kernels (EKFAC's eigh and rotations are others)
+            pre = hardware.flops_per_s / pre_rate
+            cost = replace(cost, precond_ns=tuple(round(x * pre) for x in base.precond_ns))
+            if inv_rate is not None:
+                inv = hardware.flops_per_s / inv_rate
+                cost = replace(cost, invert_ns=tuple(tuple(round(x * inv) for x in row) for row in base.invert_ns))
     return cost
 
 
