@@ -187,6 +187,14 @@ def summary(rows: Sequence[Row]) -> dict[str, Any]:
     return out
 
 
+def with_kfac_units_in_search(doc: Mapping[str, Any]) -> dict[str, Any]:
+    """A ``measure.collectives`` document whose K-FAC unit rates the search prices CURV/PRECOND/INVERT by
+    (``compute.kfac_in_search``; off in what ``measure.collectives`` writes)."""
+    out = json.loads(json.dumps(doc))
+    out.setdefault("compute", {})["kfac_in_search"] = True
+    return out
+
+
 def without_unit_rates(doc: Mapping[str, Any]) -> dict[str, Any]:
     """A ``measure.collectives`` document without the forward's share and K-FAC's unit rates (the search then
     splits F + B 1:2 and prices K-FAC's units at the model's rate, as before they were measured)."""
@@ -672,7 +680,13 @@ def report(doc: Mapping[str, Any]) -> str:
             lines.append(f"round {r} alone (its own rates against its own runs, {len(rr)} pairs): Spearman "
                          f"{sr['spearman']:.3f}, median step error {statistics.median(x.error for x in rr):+.0%}, "
                          f"worst {sr['worst_error']:+.0%} ({sr['worst_pair']}), {sr['within_goal']} within 10 %")
-    if doc.get("predicted_legacy_rounds"):
+    if doc.get("predicted_kfac_units_rounds"):
+        alt = summary(assemble_rows(median_prediction(doc["predicted_kfac_units_rounds"]), doc["measured"]))
+        if "spearman" in alt:
+            lines.append(f"the same runs priced with K-FAC's measured unit rates (compute.kfac_in_search): Spearman "
+                         f"{alt['spearman']:.3f}, worst step error {alt['worst_error']:+.1%} ({alt['worst_pair']}), "
+                         f"{alt['within_goal']} of {alt['pairs']} within {GOAL_STEP_ERROR:.0%}")
+    if doc.get("predicted_legacy_rounds"):  # files written at 695ee81-8e2b352, when the search used them by default
         old = summary(assemble_rows(median_prediction(doc["predicted_legacy_rounds"]), doc["measured"]))
         if "spearman" in old:
             lines.append(f"the same runs priced without the measured forward share and K-FAC unit rates (B = 2F, K-FAC "
@@ -765,12 +779,12 @@ def main() -> None:
                 raise SystemExit(f"the search has no pp={STAGES} row for {', '.join(missing)}: "
                                  + "; ".join(f"{k}: {search['refused'].get(k, '?')}" for k in missing))
             doc["predicted_rounds"].append(predicted)
-            # the same rates without the forward share and K-FAC's unit rates: the cost model before they existed,
-            # against the same runs (what the two additions change, with the measurement held fixed)
-            legacy = args.out / f"collectives-round{r}-legacy.json"
-            legacy.write_text(json.dumps(without_unit_rates(json.loads(rates.read_text()))))
-            doc.setdefault("predicted_legacy_rounds", []).append(
-                predict(args.out / f"search-round{r}-legacy", [f"comm_costs={legacy}"])[0])
+            # the same rates with K-FAC's measured unit rates priced in the search (compute.kfac_in_search), against
+            # the same runs: what that pricing would change, with the measurement held fixed
+            units = args.out / f"collectives-round{r}-kfac-units.json"
+            units.write_text(json.dumps(with_kfac_units_in_search(json.loads(rates.read_text()))))
+            doc.setdefault("predicted_kfac_units_rounds", []).append(
+                predict(args.out / f"search-round{r}-kfac-units", [f"comm_costs={units}"])[0])
             if r == 0:  # what runs: round 0's search (PipeFisher's plan from its rates)
                 doc.update(search_top=search["top"], refused=search["refused"], search_text=search["text"])
                 files = write_strategies(args.out / f"search-round{r}", keys, pairs)

@@ -108,6 +108,10 @@ def test_measurement_at_world_2_writes_fits_the_search_reads(tmp_path: Path):
     assert read.forward_share[2] == pytest.approx(rate["seconds_f"] / rate["seconds_fb"])
     assert read.kfac_flops_per_s[2] == (units["curvature_flops_per_s"], units["precondition_flops_per_s"],
                                         units["invert_flops_per_s"])
+    assert not read.kfac_in_search  # recorded, priced in the search only where the file asks
+    doc["compute"]["kfac_in_search"] = True
+    out.write_text(json.dumps(doc))
+    assert CommCosts.from_json(out).kfac_in_search
 
 
 def test_a_measured_tp_step_scales_the_modelled_tp_stage_costs(tmp_path: Path):
@@ -216,7 +220,8 @@ def test_step_prices_the_tied_weight_once_where_a_worker_holds_both_of_its_copie
 def test_measured_forward_share_and_kfac_rates_reprice_the_search_s_stages_and_units(tmp_path: Path):
     """A forward measured at a third of the forward + backward leaves the stage costs as the FLOP count's 1:2 split;
     at half, F = B with F + B unchanged (a recomputing stage keeps its extra forward). K-FAC's curvature and
-    preconditioning measured at 2x and 4x the model's rate cost 1/2 and 1/4 of the FLOP estimate, and the inversion
+    preconditioning measured at 2x and 4x the model's rate cost (where the file asks the search to use them)
+    1/2 and 1/4 of the FLOP estimate, and the inversion
     at half the rate twice the estimate (absent: at the model's rate); under EKFAC only the curvature moves (its
     inversion and preconditioning are other kernels). Without the measurements nothing changes."""
     from dataclasses import replace
@@ -238,6 +243,9 @@ def test_measured_forward_share_and_kfac_rates_reprice_the_search_s_stages_and_u
     assert half.forward_ns == pytest.approx((1.5 * f0, 1.5 * f1), abs=1)
     assert half.backward_ns == pytest.approx((1.5 * f0, 1.5 * f1 + 1.5 * f1), abs=2)  # stage 1 recomputes: B + F
     rates = {8: (2 * hw.flops_per_s, 4 * hw.flops_per_s, None)}
+    unused = hybrid_costs(run, 1, 1, hw, replace(plain, kfac_flops_per_s=rates))  # measured, not asked for
+    assert (unused.curv_a_ns, unused.precond_ns, unused.invert_ns) == (base.curv_a_ns, base.precond_ns, base.invert_ns)
+    plain = replace(plain, kfac_in_search=True)
     fast = hybrid_costs(run, 1, 1, hw, replace(plain, kfac_flops_per_s=rates))
     for got, want in ((fast.curv_a_ns, base.curv_a_ns), (fast.curv_b_ns, base.curv_b_ns)):
         assert [[x for x in row] for row in got] == [[round(x / 2) for x in row] for row in want]

@@ -162,3 +162,5 @@ def test_without_unit_rates_strips_the_forward_share_and_kfac_rates_and_nothing_
                                               "optimizer_step": {"seconds": 1}}}
     assert "seconds_f" in doc["compute"]["micro_batch"]["8"]  # the input is left as it was
     assert CommCosts().forward_share == {} and CommCosts().kfac_flops_per_s == {}
+    flagged = v.with_kfac_units_in_search(doc)
+    assert flagged["compute"]["kfac_in_search"] is True and "kfac_in_search" not in doc["compute"]

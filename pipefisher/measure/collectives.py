@@ -22,7 +22,9 @@ layer's Linear shapes with the runtime's own kernels (``optim.kfac_factors``: th
 inputs and output gradients, B⁻¹ G A⁻¹, and the damped Cholesky inverses): ``compute.kfac.<size>.curvature_flops_per_s``,
 ``precondition_flops_per_s`` and ``invert_flops_per_s`` under the planner's FLOP counts (``planning.costs`` [Note: FLOP estimates]).
 These are small matrix products with a long inner dimension, which run at another rate than the model's mix
-of products, attention and element-wise work (on a 2-core EPYC about twice the model's).
+of products, attention and element-wise work (on a 2-core EPYC about twice the model's). They are recorded for
+diagnosis; the search prices K-FAC's units by them only where the file sets ``compute.kfac_in_search: true``
+(on two idle validations that pricing made the predicted steps worse: bench/studies/20-time-to-target-validation.md).
 
 On CPU each process gets ``cores // world`` threads (as train.py's workers do), so the figures are
 the ones a run of that many workers sees; with more processes than cores they mean little.

@@ -112,8 +112,10 @@ class CommCosts:
         forward_share: micro-batch size -> the forward's share of a measured forward + backward (``seconds_f`` /
             ``seconds_fb``), if measured; the search splits a stage's F + B by it.
         kfac_flops_per_s: micro-batch size -> (curvature, preconditioning, inversion or None) FLOP rates of K-FAC's
-            units measured on the model's Linear shapes, if any; the search prices CURV_A/CURV_B, PRECOND and
-            (K-FAC's Cholesky) INVERT by them.
+            units measured on the model's Linear shapes, if any.
+        kfac_in_search: price CURV_A/CURV_B, PRECOND and (K-FAC's Cholesky) INVERT at those rates in the search
+            (the file's ``compute.kfac_in_search``; off unless a file says so: on two idle validations it made the
+            predicted steps worse, bench/studies/20-time-to-target-validation.md).
     """
 
     fits: Mapping[str, Mapping[int, LinkFit]] = field(default_factory=dict)
@@ -126,6 +128,7 @@ class CommCosts:
     compute_vocab_size: int | None = None
     forward_share: Mapping[int, float] = field(default_factory=dict)
     kfac_flops_per_s: Mapping[int, tuple[float, float, float | None]] = field(default_factory=dict)
+    kfac_in_search: bool = False
 
     def nearest(self, table: Mapping[int, Any], micro_batch_size: int) -> Any:
         """``table``'s entry at the measured micro-batch size nearest ``micro_batch_size`` (the larger on a
@@ -223,7 +226,8 @@ class CommCosts:
         if any(not 0 < x < 1 for x in share.values()):
             raise ValueError(f"comm_costs={path}: field compute.micro_batch.<size>.seconds_f must be positive and "
                              f"below seconds_fb (a forward is part of a forward + backward); {make}")
-        return cls(fits, hardware, str(path), rates, memory, tp, shape, vocab, share, kfac)
+        return cls(fits, hardware, str(path), rates, memory, tp, shape, vocab, share, kfac,
+                   bool(compute.get("kfac_in_search", False)))
 
     def describe(self) -> str:
         """One line: the source and each measured op's group sizes."""
@@ -242,7 +246,7 @@ class CommCosts:
             text += "; forward share of forward+backward " + ", ".join(
                 f"micro-batch {b}: {x:.2f}" for b, x in sorted(self.forward_share.items()))
         if self.kfac_flops_per_s:
-            text += "; K-FAC units " + ", ".join(f"micro-batch {b}: curvature {c / 1e9:.2f}, preconditioning "
+            text += "; K-FAC units" + (" (priced in the search)" if self.kfac_in_search else "") + " " + ", ".join(f"micro-batch {b}: curvature {c / 1e9:.2f}, preconditioning "
                                                   f"{p / 1e9:.2f}" + (f", inversion {i / 1e9:.2f}" if i else "")
                                                   + " GFLOP/s"
                                                   for b, (c, p, i) in sorted(self.kfac_flops_per_s.items()))

@@ -28,8 +28,8 @@ the ring model; compute from FLOPs at ``Hardware.flops_per_s``, which a measurem
     B                2 F's compute (3 F where the stage recomputes) + 2 all_reduce per layer (4 there);
                      with a measured forward share f (``measure.collectives``: the forward alone beside the
                      forward + backward) the stage's compute of F + B is split f : 1 - f instead
-    CURV, PRECOND, INVERT   K-FAC's FLOP estimate (``planning.costs``) at flops_per_s, or at the rates
-                     ``measure.collectives`` timed for these units on the model's Linear shapes
+    CURV, PRECOND, INVERT   K-FAC's FLOP estimate (``planning.costs``) at flops_per_s, or, where the file
+                     sets compute.kfac_in_search, at the rates ``measure.collectives`` timed for these units
     tp > 1, measured F and B times the measured over the modelled forward + backward of the whole
                      model at that tp (``tp_measured_over_modelled``; ``measure.collectives --model``
                      times it): DTensor's dispatch and the split products' rate, which FLOPs miss
@@ -347,9 +347,9 @@ def hybrid_costs(run: RunShape, sdp: int, tp: int, hardware: Hardware, comm: Com
                  schedule: Schedule | None = None, optimizer: str = "nvlamb") -> CostModel:
     """The simulator's cost model of one pipeline of a hybrid candidate ([Note: the time model]).
 
-    K-FAC unit costs are the FLOP estimate's (``planning.costs``; K-FAC runs only at sdp = tp = 1), CURV_A/CURV_B
-    (and with K-FAC's Cholesky, not EKFAC's eigh, PRECOND and INVERT) at the rates ``comm`` measured for them where
-    it has them (``kfac_flops_per_s``). A stage's F + B
+    K-FAC unit costs are the FLOP estimate's (``planning.costs``; K-FAC runs only at sdp = tp = 1); with
+    ``comm.kfac_in_search``, CURV_A/CURV_B (and with K-FAC's Cholesky, not EKFAC's eigh, PRECOND and INVERT) at the
+    rates ``comm`` measured for them (``kfac_flops_per_s``). A stage's F + B
     is split by the measured forward share where ``comm`` has it (``forward_share``), else 1:2 (FLOPs).
     ``schedule``: one data-parallel group's (built from ``run`` when None), for the stages per worker.
     ``optimizer``: whose step STEP charges (nvlamb, adamw, muon; K-FAC and PipeFisher: nvlamb's).
@@ -402,7 +402,7 @@ def hybrid_costs(run: RunShape, sdp: int, tp: int, hardware: Hardware, comm: Com
                    p2p_ns=_ns(comm.seconds("p2p", 2, activation)) if d > 1 else 0,
                    sync_ns=tuple(_ns(x) for x in sync), step_ns=_ns(step), input_grad_ns=(), weight_grad_ns=(),
                    sync_factor_ns=factor_sync)
-    kfac = comm.nearest(comm.kfac_flops_per_s, run.micro_batch_size)
+    kfac = comm.nearest(comm.kfac_flops_per_s, run.micro_batch_size) if comm.kfac_in_search else None
     if kfac is not None:  # the estimate's FLOPs at the units' own measured rates, not the model's
         curv_rate, pre_rate, inv_rate = kfac
         curv = hardware.flops_per_s / curv_rate
