@@ -19,8 +19,8 @@ assumes (``STEP_BYTES_PER_PARAM`` bytes per parameter: ``compute.optimizer_step.
 Beside each forward + backward the forward alone is timed (``seconds_f``: the search splits a stage's time
 into F and B by that share, not by the FLOP count's 1:2), and K-FAC's per-micro-batch units on one encoder
 layer's Linear shapes with the runtime's own kernels (``optim.kfac_factors``: the curvature sums of the
-inputs and output gradients, B⁻¹ G A⁻¹, and the damped Cholesky inverses): ``compute.kfac.<size>.curvature_flops_per_s``,
-``precondition_flops_per_s`` and ``invert_flops_per_s`` under the planner's FLOP counts (``planning.costs`` [Note: FLOP estimates]).
+inputs and output gradients, B⁻¹ G A⁻¹, and the damped Cholesky inverses):
+``compute.kfac.<size>.curvature_flops_per_s``, ``precondition_flops_per_s`` and ``invert_flops_per_s`` under the planner's FLOP counts (``planning.costs`` [Note: FLOP estimates]).
 These are small matrix products with a long inner dimension, which run at another rate than the model's mix
 of products, attention and element-wise work (on a 2-core EPYC about twice the model's). They are recorded for
 diagnosis; the search prices K-FAC's units by them only where the file sets ``compute.kfac_in_search: true``

@@ -219,8 +219,10 @@ class CommCosts:
             raise ValueError(f"comm_costs={path}: field compute needs model, seq_len, max_predictions, "
                              f"micro_batch.<size>.flops_per_s, optimizer_step.memory_bytes_per_s and, if present, "
                              f"tensor_parallel.<tp>.<size>.seconds_fb, micro_batch.<size>.seconds_f and "
-                             f"kfac.<size>.curvature_flops_per_s / precondition_flops_per_s / invert_flops_per_s (numbers); {make}") from None
-        if any(not r > 0 for r in [*rates.values(), *tp.values(), *(x for rates in kfac.values() for x in rates if x is not None)]) \
+                             f"kfac.<size>.curvature_flops_per_s / precondition_flops_per_s / invert_flops_per_s "
+                             f"(numbers); {make}") from None
+        unit_rates = [x for unit in kfac.values() for x in unit if x is not None]
+        if any(not r > 0 for r in [*rates.values(), *tp.values(), *unit_rates]) \
                 or (memory is not None and not memory > 0):
             raise ValueError(f"comm_costs={path}: field compute: rates and times must be positive; {make}")
         if any(not 0 < x < 1 for x in share.values()):
@@ -246,10 +248,11 @@ class CommCosts:
             text += "; forward share of forward+backward " + ", ".join(
                 f"micro-batch {b}: {x:.2f}" for b, x in sorted(self.forward_share.items()))
         if self.kfac_flops_per_s:
-            text += "; K-FAC units" + (" (priced in the search)" if self.kfac_in_search else "") + " " + ", ".join(f"micro-batch {b}: curvature {c / 1e9:.2f}, preconditioning "
-                                                  f"{p / 1e9:.2f}" + (f", inversion {i / 1e9:.2f}" if i else "")
-                                                  + " GFLOP/s"
-                                                  for b, (c, p, i) in sorted(self.kfac_flops_per_s.items()))
+            units = [f"micro-batch {b}: curvature {c / 1e9:.2f}, preconditioning {p / 1e9:.2f}"
+                     + (f", inversion {i / 1e9:.2f}" if i else "") + " GFLOP/s"
+                     for b, (c, p, i) in sorted(self.kfac_flops_per_s.items())]
+            priced = " (priced in the search)" if self.kfac_in_search else ""
+            text += f"; K-FAC units{priced} " + ", ".join(units)
         if self.memory_bytes_per_s:
             text += f"; optimizer step {self.memory_bytes_per_s / 1e9:.2f} GB/s"
         if self.tp_seconds_fb:
