@@ -195,17 +195,6 @@ def with_kfac_units_in_search(doc: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
-def without_unit_rates(doc: Mapping[str, Any]) -> dict[str, Any]:
-    """A ``measure.collectives`` document without the forward's share and K-FAC's unit rates (the search then
-    splits F + B 1:2 and prices K-FAC's units at the model's rate, as before they were measured)."""
-    out = json.loads(json.dumps(doc))
-    compute = out.get("compute") or {}
-    compute.pop("kfac", None)
-    for row in (compute.get("micro_batch") or {}).values():
-        row.pop("seconds_f", None)
-    return out
-
-
 def round_rows(doc: Mapping[str, Any], r: int) -> list[Row]:
     """Round ``r`` alone: its own prediction (from the rates measured just before it) against its own runs, for the
     pairs measured in it (the rounds' runs are appended in order, so a pair's ``r``-th entry is round ``r``'s)."""

@@ -8,13 +8,40 @@ from __future__ import annotations
 
 import statistics
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["compute_rate", "kfac_rates", "measured_bert", "median_f_seconds", "median_fb_seconds", "model_and_batch",
-           "optimizer_rate", "tp_seconds"]
+__all__ = ["compute_rate", "kfac_rates", "measured_bert", "median_f_seconds", "median_fb_seconds", "median_seconds",
+           "model_and_batch", "optimizer_rate", "tp_seconds"]
+
+
+def median_seconds(fn: Callable[[], Any], device: torch.device, repeats: int, budget_s: float,
+                   collective: bool = False) -> float:
+    """Median seconds of ``fn()`` (its result dropped) over at most ``repeats`` runs after two warm-ups, stopping
+    once ``budget_s`` has passed after at least three timed runs; with ``collective`` every rank starts each run
+    together and stops after the same count (rank 0 decides)."""
+    times = []
+    start = time.perf_counter()
+    for i in range(repeats + 2):
+        if collective:
+            dist.barrier()
+        t0 = time.perf_counter()
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        if i >= 2:  # after two warm-ups
+            times.append(time.perf_counter() - t0)
+        done = i >= 4 and time.perf_counter() - start > budget_s
+        if collective:
+            stop = torch.tensor([1.0 if done else 0.0], device=device)
+            dist.broadcast(stop, src=0)
+            done = bool(stop.item())
+        if done:
+            break
+    return statistics.median(times)
 
 
 def measured_bert(model: str, vocab_size: int | None = None) -> Any:
@@ -44,46 +71,15 @@ def model_and_batch(model: str, micro_batch_size: int, seq_len: int, max_predict
 
 def median_fb_seconds(net: Any, batch: dict[str, torch.Tensor], device: torch.device, repeats: int,
                        budget_s: float, collective: bool = False) -> float:
-    """Median seconds of ``net``'s forward + backward after two warm-ups; with ``collective`` every
-    rank starts each one together and stops after the same count (rank 0 decides)."""
-    times = []
-    start = time.perf_counter()
-    for i in range(repeats + 2):
-        if collective:
-            dist.barrier()
-        t0 = time.perf_counter()
-        net(None, batch).sum().backward()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        if i >= 2:  # after two warm-ups
-            times.append(time.perf_counter() - t0)
-        done = i >= 4 and time.perf_counter() - start > budget_s
-        if collective:
-            stop = torch.tensor([1.0 if done else 0.0], device=device)
-            dist.broadcast(stop, src=0)
-            done = bool(stop.item())
-        if done:
-            break
-    return statistics.median(times)
+    """Median seconds of ``net``'s forward + backward (:func:`median_seconds`)."""
+    return median_seconds(lambda: net(None, batch).sum().backward(), device, repeats, budget_s, collective)
 
 
 def median_f_seconds(net: Any, batch: dict[str, torch.Tensor], device: torch.device, repeats: int,
                       budget_s: float) -> float:
     """Median seconds of ``net``'s forward alone (building the graph a backward would use, as a pipeline's F
-    does) after two warm-ups."""
-    times = []
-    start = time.perf_counter()
-    for i in range(repeats + 2):
-        t0 = time.perf_counter()
-        loss = net(None, batch).sum()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        if i >= 2:
-            times.append(time.perf_counter() - t0)
-        del loss
-        if i >= 4 and time.perf_counter() - start > budget_s:
-            break
-    return statistics.median(times)
+    does; :func:`median_seconds`)."""
+    return median_seconds(lambda: net(None, batch).sum(), device, repeats, budget_s)
 
 
 def compute_rate(model: str, micro_batch_size: int, seq_len: int, max_predictions: int, device: torch.device,
@@ -140,18 +136,7 @@ def kfac_rates(model: str, micro_batch_size: int, seq_len: int, device: torch.de
     for name, fn, flops in (("curvature", curvature, sum(2.0 * rows * (i * i + o * o) for i, o in dims)),
                             ("precondition", precondition, sum(2.0 * i * o * (i + o) for i, o in dims)),
                             ("invert", invert, sum((i ** 3 + o ** 3) * INVERT_FLOPS_PER_N3 for i, o in dims))):
-        times = []
-        start = time.perf_counter()
-        for k in range(repeats + 2):
-            t0 = time.perf_counter()
-            fn()
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            if k >= 2:
-                times.append(time.perf_counter() - t0)
-            if k >= 4 and time.perf_counter() - start > budget_s:
-                break
-        seconds = statistics.median(times)
+        seconds = median_seconds(fn, device, repeats, budget_s)
         out[f"{name}_seconds"], out[f"{name}_flops_per_s"] = seconds, flops / seconds
     return out
 
@@ -181,15 +166,4 @@ def optimizer_rate(model: str, device: torch.device, repeats: int, budget_s: flo
     for p in params:
         p.grad = torch.full_like(p, 1e-3)
     opt = NVLAMB(params, lr=1e-3)
-    times = []
-    start = time.perf_counter()
-    for i in range(repeats + 2):
-        t0 = time.perf_counter()
-        opt.step()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        if i >= 2:
-            times.append(time.perf_counter() - t0)
-        if i >= 4 and time.perf_counter() - start > budget_s:
-            break
-    return statistics.median(times), sum(p.numel() for p in params)
+    return median_seconds(opt.step, device, repeats, budget_s), sum(p.numel() for p in params)

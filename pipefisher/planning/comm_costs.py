@@ -142,8 +142,7 @@ class CommCosts:
         nearest measured micro-batch size (the larger on a tie), the optimizer step's bandwidth."""
         hw = self.hardware
         if self.flops_per_s:
-            nearest = min(self.flops_per_s, key=lambda b: (abs(b - micro_batch_size), -b))
-            hw = replace(hw, flops_per_s=self.flops_per_s[nearest])
+            hw = replace(hw, flops_per_s=self.nearest(self.flops_per_s, micro_batch_size))
         if self.memory_bytes_per_s:
             hw = replace(hw, memory_bytes_per_s=self.memory_bytes_per_s)
         return hw
