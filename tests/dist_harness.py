@@ -140,18 +140,19 @@ Job = tuple[list[TrainConfig], str, bool, Any]  # (one config per rank, out_dir,
 
 
 def train_jobs(rank: int, jobs: list[Job], rendezvous: str) -> None:
-    """Each job on 2 workers in turn, as ``train.py`` runs it (``train_worker``), in one start of the workers;
-    a job marked to stop with the injected fault (``fault.mode=raise``) must; ``before(out_dir)``, where
+    """Each job on its workers (one per config) in turn, as ``train.py`` runs it (``train_worker``), in one
+    start of the workers; a job marked to stop with the injected fault (``fault.mode=raise``) must; ``before(out_dir)``, where
     given, runs on rank 0 first (the others wait at the job's rendezvous)."""
     torch.set_num_threads(1)
     logging.basicConfig(level=logging.WARNING, format=f"[worker {rank}] %(levelname)s %(name)s: %(message)s")
     for i, (cfgs, out_dir, interrupted, before) in enumerate(jobs):
         if rank == 0 and before is not None:
             before(out_dir)  # the others wait: only rank 0 reads the checkpoint folder before agreeing
-        dist.init_process_group("gloo", init_method=f"file://{rendezvous}/pg{i}", rank=rank, world_size=2,
+        world = len(cfgs)
+        dist.init_process_group("gloo", init_method=f"file://{rendezvous}/pg{i}", rank=rank, world_size=world,
                                 timeout=datetime.timedelta(seconds=120))
         try:
-            train_worker(cfgs[rank], rank, 2, torch.device("cpu"), out_dir)
+            train_worker(cfgs[rank], rank, world, torch.device("cpu"), out_dir)
             assert not interrupted, f"job {i} should have stopped with the injected fault"
         except RuntimeError as err:
             if not (interrupted and "injected fault" in str(err)):

@@ -12,25 +12,20 @@ scheduler, the generators), and the resumed run updates from it twice.
 from __future__ import annotations
 
 import dataclasses
-import datetime
 import json
-import logging
 import pickle
 from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from pipefisher.config import ConfigError, TrainConfig
 from pipefisher.runtime.checkpoint import (MANIFEST, check_compatible, find_latest, list_checkpoints, load_shard,
                                            step_dir, write_manifest, write_shard)
 from pipefisher.runtime.sharded_checkpoint import IN_DCP, _SafeUnpickler, dcp_folder
-from pipefisher.runtime.teardown import release_process_group
-from pipefisher.runtime.worker import train_worker
 from tests.conftest import compose_train
 from tests.test_checkpoint import _assert_same_state, _losses
-from tests.dist_harness import start_workers
+from tests.dist_harness import Job, start_workers, train_jobs
 
 MODEL = ["model.num_layers=2", "model.hidden_size=32", "model.num_heads=2", "model.intermediate_size=64",
          "model.vocab_size=128", "data.seq_len=16", "data.max_predictions=3", "micro_batch_size=2", "lr=0.01",
@@ -51,27 +46,9 @@ INTERRUPT_AT = 2  # saves after step 1 (every_steps=2), fails at the start of st
 LAST = 3  # the last step (steps=4)
 WORLD = 4
 
-Job = tuple[list[TrainConfig], str, bool]
-
 
 def _cfg(case: str, *extra: str) -> TrainConfig:
     return compose_train(MODEL + CASES[case] + list(extra))
-
-
-def _worker(rank: int, jobs: list[Job], rendezvous: str) -> None:
-    torch.set_num_threads(1)
-    logging.basicConfig(level=logging.WARNING, format=f"[worker {rank}] %(levelname)s %(name)s: %(message)s")
-    for i, (cfgs, out_dir, interrupted) in enumerate(jobs):
-        dist.init_process_group("gloo", init_method=f"file://{rendezvous}/pg{i}", rank=rank, world_size=WORLD,
-                                timeout=datetime.timedelta(seconds=120))
-        try:
-            train_worker(cfgs[rank], rank, WORLD, torch.device("cpu"), out_dir)
-            assert not interrupted, f"job {i} should have stopped at step {INTERRUPT_AT}"
-        except RuntimeError as err:
-            if not (interrupted and "injected fault" in str(err)):
-                raise
-        finally:
-            release_process_group()
 
 
 def _interrupted(cfg: TrainConfig, step: int = INTERRUPT_AT) -> list[TrainConfig]:
@@ -88,13 +65,13 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
     jobs: list[Job] = []
     for case in CASES:
         straight = _cfg(case, "checkpoint.every_steps=4")
-        jobs.append(([straight] * WORLD, str(tmp / case / "straight"), False))
-        jobs.append((_interrupted(_cfg(case, "checkpoint.every_steps=2")), str(tmp / case / "resumed"), True))
+        jobs.append(([straight] * WORLD, str(tmp / case / "straight"), False, None))
+        jobs.append((_interrupted(_cfg(case, "checkpoint.every_steps=2")), str(tmp / case / "resumed"), True, None))
         # A fault at step 1 that only a run starting over would reach: the resume must continue at step 2.
         resume = _cfg(case, "checkpoint.every_steps=2", "resume=auto")
-        jobs.append((_interrupted(resume, step=1), str(tmp / case / "resumed"), False))
+        jobs.append((_interrupted(resume, step=1), str(tmp / case / "resumed"), False, None))
     (tmp / "pg").mkdir()
-    start_workers(_worker, (jobs, str(tmp / "pg")), WORLD)
+    start_workers(train_jobs, (jobs, str(tmp / "pg")), WORLD)
     return tmp
 
 
