@@ -195,6 +195,15 @@ def with_kfac_units_in_search(doc: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
+def without_pieces(doc: Mapping[str, Any]) -> dict[str, Any]:
+    """A ``measure.collectives`` document without the per-piece times (``compute.micro_batch.<size>.pieces``), so
+    the search prices stages by the whole model's FLOP rate and forward share, as before the pieces were measured."""
+    out = json.loads(json.dumps(doc))
+    for row in (out.get("compute", {}).get("micro_batch") or {}).values():
+        row.pop("pieces", None)
+    return out
+
+
 def round_rows(doc: Mapping[str, Any], r: int) -> list[Row]:
     """Round ``r`` alone: its own prediction (from the rates measured just before it) against its own runs, for the
     pairs measured in it (the rounds' runs are appended in order, so a pair's ``r``-th entry is round ``r``'s)."""
@@ -675,6 +684,15 @@ def report(doc: Mapping[str, Any]) -> str:
             lines.append(f"the same runs priced with K-FAC's measured unit rates (compute.kfac_in_search): Spearman "
                          f"{alt['spearman']:.3f}, worst step error {alt['worst_error']:+.1%} ({alt['worst_pair']}), "
                          f"{alt['within_goal']} of {alt['pairs']} within {GOAL_STEP_ERROR:.0%}")
+    if doc.get("predicted_flop_rate_rounds"):
+        alt_rows = assemble_rows(median_prediction(doc["predicted_flop_rate_rounds"]), doc["measured"])
+        alt = summary(alt_rows)
+        if "spearman" in alt:
+            lines.append(f"the same runs priced without the per-piece times (each stage's FLOPs at the whole model's "
+                         f"rate, split by the forward share): Spearman {alt['spearman']:.3f}, worst step error "
+                         f"{alt['worst_error']:+.1%} ({alt['worst_pair']}), {alt['within_goal']} of {alt['pairs']} "
+                         f"within {GOAL_STEP_ERROR:.0%}, median step error "
+                         f"{statistics.median(r.error for r in alt_rows):+.1%}")
     if doc.get("predicted_legacy_rounds"):  # files written at 695ee81-8e2b352, when the search used them by default
         old = summary(assemble_rows(median_prediction(doc["predicted_legacy_rounds"]), doc["measured"]))
         if "spearman" in old:
@@ -774,6 +792,10 @@ def main() -> None:
             units.write_text(json.dumps(with_kfac_units_in_search(json.loads(rates.read_text()))))
             doc.setdefault("predicted_kfac_units_rounds", []).append(
                 predict(args.out / f"search-round{r}-kfac-units", [f"comm_costs={units}"])[0])
+            flop_rate = args.out / f"collectives-round{r}-flop-rate.json"
+            flop_rate.write_text(json.dumps(without_pieces(json.loads(rates.read_text()))))
+            doc.setdefault("predicted_flop_rate_rounds", []).append(
+                predict(args.out / f"search-round{r}-flop-rate", [f"comm_costs={flop_rate}"])[0])
             if r == 0:  # what runs: round 0's search (PipeFisher's plan from its rates)
                 doc.update(search_top=search["top"], refused=search["refused"], search_text=search["text"])
                 files = write_strategies(args.out / f"search-round{r}", keys, pairs)

@@ -99,6 +99,16 @@ def test_measurement_at_world_2_writes_fits_the_search_reads(tmp_path: Path):
     assert doc["compute"]["tensor_parallel"]["2"]["2"]["seconds_fb"] > 0  # bert-tiny's 2 heads split over 2
     assert CommCosts.from_json(out).tp_seconds_fb[(2, 2)] > 0
     assert 0 < rate["seconds_f"] < rate["seconds_fb"]  # the forward alone, part of the forward + backward
+    from pipefisher.model.config import BertConfig
+    from pipefisher.model.partition import layer_costs
+    from pipefisher.planning.comm_costs import PIECES
+
+    flops = layer_costs(BertConfig.from_size("tiny"), 32, 5)  # the pieces: pipeline layers 0, 1 and L + 1
+    assert {k: p["flops_f"] for k, p in rate["pieces"].items()} == dict(zip(PIECES, (2 * flops[0], 2 * flops[1],
+                                                                                      2 * flops[-1])))
+    assert all(0 < p["seconds_f"] < p["seconds_fb"] for p in rate["pieces"].values())
+    assert CommCosts.from_json(out).piece_seconds[2]["heads"] == tuple(rate["pieces"]["heads"][k] for k in
+                                                                       ("seconds_f", "seconds_fb", "flops_f"))
     units = doc["compute"]["kfac"]["2"]
     # bert-tiny (H=128, FFN 512), T = 2 x 32 rows: CURV_A + CURV_B = 2 T (in^2 + out^2) over the layer's 6 Linears
     curvature_flops = sum(2.0 * 64 * (i * i + o * o) for i, o in [(128, 128)] * 4 + [(128, 512), (512, 128)])
@@ -264,3 +274,54 @@ def test_measured_forward_share_and_kfac_rates_reprice_the_search_s_stages_and_u
     (tmp_path / "bad.json").write_text(json.dumps(doc))
     with pytest.raises(ValueError, match="seconds_f must be positive and below seconds_fb"):
         CommCosts.from_json(tmp_path / "bad.json")
+
+
+def test_measured_pieces_price_each_stage_as_the_sum_of_its_pieces(tmp_path: Path):
+    """With the pieces measured (the embeddings, an encoder layer, the heads, each alone), a stage's F is the sum of
+    its pieces' forwards and B of their forward + backward less the forward, whatever the whole model's FLOP rate;
+    a recomputing stage's B adds its F; another micro-batch size scales each piece by its FLOPs; at tp > 1, or with
+    a piece missing, the FLOP rate prices the stages as before. A file with an unknown piece or a forward not below
+    its forward + backward is refused, naming the field."""
+    from dataclasses import replace
+
+    from pipefisher.model.config import BertConfig
+    from pipefisher.model.partition import layer_costs
+    from pipefisher.planning.costs import RunShape
+    from pipefisher.planning.strategy_search import hybrid_costs
+
+    bert = BertConfig.from_size("tiny")  # 2 encoder layers: at pp=4 one piece per stage
+    flops = layer_costs(bert, 64, 10)
+    pieces = {"embeddings": (1e-3, 4e-3, 8 * flops[0]), "encoder_layer": (10e-3, 30e-3, 8 * flops[1]),
+              "heads": (7e-3, 20e-3, 8 * flops[-1])}
+    fits = {"all_reduce": {2: LinkFit(50e-6, 2e9)}, "p2p": {2: LinkFit(20e-6, 4e9)}}
+    plain = CommCosts(fits, Hardware(), "test", {8: 5e10}, 4e9, forward_share={8: 0.4})
+    measured = replace(plain, piece_seconds={8: pieces})
+    hw = plain.hardware_for(8)
+    run = RunShape(bert, "1f1b", 4, 4, 8, seq_len=64, max_predictions=10, recompute_stages=(2,))
+    cost = hybrid_costs(run, 1, 1, hw, measured)
+    assert cost.forward_ns == pytest.approx((1e6, 10e6, 10e6, 7e6), abs=1)
+    assert cost.backward_ns == pytest.approx((3e6, 20e6, 20e6 + 10e6, 13e6), abs=1)  # stage 2 recomputes
+    two = hybrid_costs(RunShape(bert, "1f1b", 2, 4, 8, seq_len=64, max_predictions=10), 1, 1, hw, measured)
+    assert two.forward_ns == pytest.approx((11e6, 17e6), abs=1) and two.backward_ns == pytest.approx((23e6, 33e6), abs=1)
+    half = hybrid_costs(RunShape(bert, "1f1b", 4, 4, 4, seq_len=64, max_predictions=10), 1, 1,
+                        plain.hardware_for(4), measured)  # micro-batch 4 from the pieces at 8: half the FLOPs
+    assert half.forward_ns == pytest.approx((0.5e6, 5e6, 5e6, 3.5e6), abs=1)
+    flop_rate = hybrid_costs(run, 1, 1, hw, plain)
+    assert flop_rate.forward_ns != cost.forward_ns
+    partial = replace(plain, piece_seconds={8: {k: v for k, v in pieces.items() if k != "heads"}})
+    assert hybrid_costs(run, 1, 1, hw, partial).forward_ns == flop_rate.forward_ns
+    tp_run = RunShape(bert, "1f1b", 2, 4, 8, seq_len=64, max_predictions=10)
+    assert hybrid_costs(tp_run, 1, 2, hw, measured).forward_ns == hybrid_costs(tp_run, 1, 2, hw, plain).forward_ns
+    row = {"flops_per_s": 5e10, "seconds_fb": 0.3, "seconds_f": 0.1,
+           "pieces": {k: {"seconds_f": f, "seconds_fb": fb, "flops_f": fl} for k, (f, fb, fl) in pieces.items()}}
+    compute = {"model": "bert-tiny", "seq_len": 64, "max_predictions": 10, "micro_batch": {"8": row}}
+    doc = collectives_json("gloo", "cpu", 2, {"all_reduce": {2: [(4096.0, 1e-4), (65536.0, 2e-4)]}}, compute=compute)
+    (tmp_path / "ok.json").write_text(json.dumps(doc))
+    assert CommCosts.from_json(tmp_path / "ok.json").piece_seconds == {8: pieces}
+    for bad in ({"pooler": {"seconds_f": 1e-3, "seconds_fb": 2e-3, "flops_f": 1.0}},
+                {"heads": {"seconds_f": 3e-3, "seconds_fb": 2e-3, "flops_f": 1.0}}):
+        row["pieces"] = bad
+        (tmp_path / "bad.json").write_text(json.dumps(collectives_json(
+            "gloo", "cpu", 2, {"all_reduce": {2: [(4096.0, 1e-4), (65536.0, 2e-4)]}}, compute=compute)))
+        with pytest.raises(ValueError, match=r"compute.micro_batch.8.pieces"):
+            CommCosts.from_json(tmp_path / "bad.json")

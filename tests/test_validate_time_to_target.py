@@ -162,3 +162,16 @@ def test_with_kfac_units_in_search_sets_the_flag_on_a_copy(v):
     assert flagged["compute"]["kfac_in_search"] is True and "kfac_in_search" not in doc["compute"]
     del flagged["compute"]["kfac_in_search"]
     assert flagged == doc  # nothing else changes
+
+
+def test_without_pieces_drops_only_the_per_piece_times_on_a_copy(v):
+    from pipefisher.planning.comm_costs import CommCosts
+
+    pieces = {"embeddings": {"seconds_f": 1e-3, "seconds_fb": 2e-3, "flops_f": 1.0}}
+    doc = {"format": "x", "compute": {"micro_batch": {"8": {"flops_per_s": 2e10, "seconds_fb": 0.1, "seconds_f": 0.05,
+                                                            "pieces": pieces}}}}
+    stripped = v.without_pieces(doc)
+    assert "pieces" not in stripped["compute"]["micro_batch"]["8"] and doc["compute"]["micro_batch"]["8"]["pieces"]
+    stripped["compute"]["micro_batch"]["8"]["pieces"] = pieces
+    assert stripped == doc  # nothing else changes
+    assert CommCosts().piece_seconds == {}

@@ -16,6 +16,9 @@ side) and store the FLOP rate that achieves under the planner's FLOP count (``mo
 in place of a data-sheet ``flops_per_s`` (Galvatron profiles its layers' compute the same way); and one
 NVLAMB step over the whole model's parameters, stored as the memory bandwidth the planner's step cost
 assumes (``STEP_BYTES_PER_PARAM`` bytes per parameter: ``compute.optimizer_step.memory_bytes_per_s``).
+Each piece a stage is made of (the embeddings, one encoder layer, the heads) is timed alone too, forward and
+forward + backward (``micro_batch.<size>.pieces``): the search prices a stage as the sum of its pieces, each at
+its own measured rate, where the file has them (``planning.strategy_search.hybrid_costs``).
 Beside each forward + backward the forward alone is timed (``seconds_f``: the search splits a stage's time
 into F and B by that share, not by the FLOP count's 1:2), and K-FAC's per-micro-batch units on one encoder
 layer's Linear shapes with the runtime's own kernels (``optim.kfac_factors``: the curvature sums of the
@@ -50,7 +53,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from pipefisher.atomic import write_text_atomic
-from pipefisher.measure.compute_rates import compute_rate, kfac_rates, measured_bert, optimizer_rate, tp_seconds
+from pipefisher.measure.compute_rates import (compute_rate, kfac_rates, measured_bert, optimizer_rate, piece_seconds,
+                                              tp_seconds)
 from pipefisher.planning.comm_costs import OPS, collectives_json
 from pipefisher.planning.costs import STEP_BYTES_PER_PARAM
 from pipefisher.runtime.teardown import release_process_group
@@ -160,6 +164,11 @@ def _worker(rank: int, world: int, port: int, backend: str, sizes: Sequence[int]
                 seconds, forward = _slowest(seconds, device), _slowest(forward, device)
                 rates[str(mbs)] = {"seconds_fb": seconds, "seconds_f": forward, "flops_fb": flops,
                                    "flops_per_s": flops / seconds}
+                dist.barrier()
+                pieces = piece_seconds(compute["model"], mbs, compute["seq_len"], compute["max_predictions"], device,
+                                       repeats, budget_s, compute["vocab_size"])
+                rates[str(mbs)]["pieces"] = {name: {k: (_slowest(x, device) if k.startswith("seconds") else x)
+                                                    for k, x in row.items()} for name, row in pieces.items()}
                 dist.barrier()
                 units = kfac_rates(compute["model"], mbs, compute["seq_len"], device, repeats, budget_s)
                 for name in ("curvature", "precondition", "invert"):  # the slowest rank's time sets the rate

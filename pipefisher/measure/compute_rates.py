@@ -14,8 +14,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["compute_rate", "kfac_rates", "measured_bert", "median_f_seconds", "median_fb_seconds", "median_seconds",
-           "model_and_batch", "optimizer_rate", "tp_seconds"]
+__all__ = ["compute_rate", "kfac_rates", "measured_bert", "median_f_seconds", "median_fb_seconds",
+           "median_seconds", "model_and_batch", "optimizer_rate", "piece_seconds", "tp_seconds"]
 
 
 def median_seconds(fn: Callable[[], Any], device: torch.device, repeats: int, budget_s: float,
@@ -92,6 +92,39 @@ def compute_rate(model: str, micro_batch_size: int, seq_len: int, max_prediction
     flops = 3.0 * micro_batch_size * sum(layer_costs(bert, seq_len, max_predictions))
     fb = median_fb_seconds(net, batch, device, repeats, budget_s)
     return fb, median_f_seconds(net, batch, device, repeats, budget_s), flops
+
+
+def piece_seconds(model: str, micro_batch_size: int, seq_len: int, max_predictions: int, device: torch.device,
+                  repeats: int, budget_s: float, vocab_size: int | None = None) -> dict[str, dict[str, float]]:
+    """Each piece a pipeline stage is made of, timed alone as a one-layer stage (``model.bert.BertStage``), the
+    way a pipeline runs it: the embeddings from the batch, one encoder layer and the heads from a hidden state
+    that needs its gradient (a stage's B computes its input's gradient). ``{piece: {"seconds_f", "seconds_fb",
+    "flops_f"}}`` for ``planning.comm_costs.PIECES`` (``flops_f``: the planner's forward FLOPs of the piece on one micro-batch,
+    ``model.partition.layer_costs``). A small stage's time is not its FLOPs at the whole model's rate: the
+    embeddings have almost no FLOPs and take a millisecond, and the per-call overhead weighs more on one layer
+    than on the model."""
+    from pipefisher.model.bert import BertStage
+    from pipefisher.model.partition import layer_costs
+    from pipefisher.planning.comm_costs import PIECES
+
+    bert, _, batch = model_and_batch(model, micro_batch_size, seq_len, max_predictions, device, vocab_size)
+    flops = layer_costs(bert, seq_len, max_predictions)
+    out = {}
+    for piece, layer in zip(PIECES, (0, 1, bert.num_layers + 1)):
+        stage = BertStage(bert, layer, layer).to(device).train()
+        hidden = None if layer == 0 else torch.randn(micro_batch_size, seq_len, bert.hidden_size, device=device,
+                                                    requires_grad=True)
+
+        def forward() -> torch.Tensor:
+            return stage(hidden, batch)
+
+        def forward_backward() -> None:
+            forward().sum().backward()
+
+        out[piece] = {"seconds_f": median_seconds(forward, device, repeats, budget_s),
+                      "seconds_fb": median_seconds(forward_backward, device, repeats, budget_s),
+                      "flops_f": micro_batch_size * flops[layer]}
+    return out
 
 
 def kfac_rates(model: str, micro_batch_size: int, seq_len: int, device: torch.device, repeats: int,

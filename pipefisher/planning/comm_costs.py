@@ -34,10 +34,11 @@ from typing import Any
 
 from pipefisher.planning.costs import Hardware
 
-__all__ = ["COLLECTIVES_FORMAT", "OPS", "CommCosts", "LinkFit", "collectives_json", "fit_latency_bandwidth"]
+__all__ = ["COLLECTIVES_FORMAT", "OPS", "PIECES", "CommCosts", "LinkFit", "collectives_json", "fit_latency_bandwidth"]
 
 COLLECTIVES_FORMAT = "pipefisher-collectives/1"
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "p2p")
+PIECES = ("embeddings", "encoder_layer", "heads")  # pipeline layers 0, 1..L and L + 1: what a stage is made of
 
 
 @dataclass(frozen=True)
@@ -113,6 +114,9 @@ class CommCosts:
             ``seconds_fb``), if measured; the search splits a stage's F + B by it.
         kfac_flops_per_s: micro-batch size -> (curvature, preconditioning, inversion or None) FLOP rates of K-FAC's
             units measured on the model's Linear shapes, if any.
+        piece_seconds: micro-batch size -> piece (``PIECES``) -> (seconds of its forward, of its forward + backward,
+            its forward's planner FLOPs) measured alone, if any; the search prices a stage as the sum of its pieces
+            at their own rates (``strategy_search.hybrid_costs``).
         kfac_in_search: price CURV_A/CURV_B, PRECOND and (K-FAC's Cholesky) INVERT at those rates in the search
             (the file's ``compute.kfac_in_search``; off unless a file says so: on two idle validations it made the
             predicted steps worse, bench/studies/20-time-to-target-validation.md).
@@ -129,6 +133,7 @@ class CommCosts:
     forward_share: Mapping[int, float] = field(default_factory=dict)
     kfac_flops_per_s: Mapping[int, tuple[float, float, float | None]] = field(default_factory=dict)
     kfac_in_search: bool = False
+    piece_seconds: Mapping[int, Mapping[str, tuple[float, float, float]]] = field(default_factory=dict)
 
     def nearest(self, table: Mapping[int, Any], micro_batch_size: int) -> Any:
         """``table``'s entry at the measured micro-batch size nearest ``micro_batch_size`` (the larger on a
@@ -211,13 +216,17 @@ class CommCosts:
             vocab = int(compute["vocab_size"]) if compute.get("vocab_size") is not None else None
             share = {int(b): float(row["seconds_f"]) / float(row["seconds_fb"])
                      for b, row in (compute.get("micro_batch") or {}).items() if "seconds_f" in row}
+            pieces = {int(b): {name: (float(p["seconds_f"]), float(p["seconds_fb"]), float(p["flops_f"]))
+                               for name, p in row["pieces"].items()}
+                      for b, row in (compute.get("micro_batch") or {}).items() if "pieces" in row}
             kfac = {int(b): (float(row["curvature_flops_per_s"]), float(row["precondition_flops_per_s"]),
                              float(row["invert_flops_per_s"]) if "invert_flops_per_s" in row else None)
                     for b, row in (compute.get("kfac") or {}).items()}
         except (KeyError, TypeError, ValueError, AttributeError, ZeroDivisionError):
             raise ValueError(f"comm_costs={path}: field compute needs model, seq_len, max_predictions, "
                              f"micro_batch.<size>.flops_per_s, optimizer_step.memory_bytes_per_s and, if present, "
-                             f"tensor_parallel.<tp>.<size>.seconds_fb, micro_batch.<size>.seconds_f and "
+                             f"tensor_parallel.<tp>.<size>.seconds_fb, micro_batch.<size>.seconds_f, "
+                             f"micro_batch.<size>.pieces.<piece>.seconds_f / seconds_fb / flops_f and "
                              f"kfac.<size>.curvature_flops_per_s / precondition_flops_per_s / invert_flops_per_s "
                              f"(numbers); {make}") from None
         unit_rates = [x for unit in kfac.values() for x in unit if x is not None]
@@ -227,8 +236,14 @@ class CommCosts:
         if any(not 0 < x < 1 for x in share.values()):
             raise ValueError(f"comm_costs={path}: field compute.micro_batch.<size>.seconds_f must be positive and "
                              f"below seconds_fb (a forward is part of a forward + backward); {make}")
+        for b, row in pieces.items():
+            unknown = sorted(set(row) - set(PIECES))
+            if unknown or any(not 0 < f < fb or not flops >= 0 for f, fb, flops in row.values()):
+                raise ValueError(f"comm_costs={path}: field compute.micro_batch.{b}.pieces: pieces are "
+                                 f"{', '.join(PIECES)} (not {', '.join(unknown) or 'others'}), each with 0 < seconds_f "
+                                 f"< seconds_fb and flops_f >= 0; {make}")
         return cls(fits, hardware, str(path), rates, memory, tp, shape, vocab, share, kfac,
-                   bool(compute.get("kfac_in_search", False)))
+                   bool(compute.get("kfac_in_search", False)), pieces)
 
     def describe(self) -> str:
         """One line: the source and each measured op's group sizes."""
@@ -246,6 +261,10 @@ class CommCosts:
         if self.forward_share:
             text += "; forward share of forward+backward " + ", ".join(
                 f"micro-batch {b}: {x:.2f}" for b, x in sorted(self.forward_share.items()))
+        if self.piece_seconds:
+            text += "; pieces forward+backward " + ", ".join(
+                f"micro-batch {b}: " + " ".join(f"{name} {fb * 1e3:.2f} ms" for name, (_, fb, _) in row.items())
+                for b, row in sorted(self.piece_seconds.items()))
         if self.kfac_flops_per_s:
             units = [f"micro-batch {b}: curvature {c / 1e9:.2f}, preconditioning {p / 1e9:.2f}"
                      + (f", inversion {i / 1e9:.2f}" if i else "") + " GFLOP/s"

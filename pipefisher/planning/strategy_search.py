@@ -87,14 +87,14 @@ context and the caching allocator's reserved pool over the allocated peak, K-FAC
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, fields, replace
 
 from pipefisher.config import V_METHODS, TrainConfig
 from pipefisher.model.config import BertConfig
 from pipefisher.model.partition import layer_costs
 from pipefisher.planning.calibration import Calibration
-from pipefisher.planning.comm_costs import CommCosts
+from pipefisher.planning.comm_costs import PIECES, CommCosts
 from pipefisher.planning.costs import Hardware, RunShape, estimate_run_costs, kfac_linear_dims, stage_parameters
 from pipefisher.planning.memory import (activation_peak, device_overhead, estimate_memory, heads_backward_bytes,
                                         mmapped_parameters, saved_heads_bytes, tied_parameters,
@@ -349,8 +349,9 @@ def hybrid_costs(run: RunShape, sdp: int, tp: int, hardware: Hardware, comm: Com
 
     K-FAC unit costs are the FLOP estimate's (``planning.costs``; K-FAC runs only at sdp = tp = 1); with
     ``comm.kfac_in_search``, CURV_A/CURV_B (and with K-FAC's Cholesky, not EKFAC's eigh, PRECOND and INVERT) at the
-    rates ``comm`` measured for them (``kfac_flops_per_s``). A stage's F + B
-    is split by the measured forward share where ``comm`` has it (``forward_share``), else 1:2 (FLOPs).
+    rates ``comm`` measured for them (``kfac_flops_per_s``). At tp = 1 a stage's F and B are the sums of its pieces'
+    measured times where ``comm`` has them (``piece_seconds``: embeddings, encoder layers, heads); otherwise its FLOPs
+    at the whole model's rate, F + B split by the measured forward share (``forward_share``), else 1:2 (FLOPs).
     ``schedule``: one data-parallel group's (built from ``run`` when None), for the stages per worker.
     ``optimizer``: whose step STEP charges (nvlamb, adamw, muon; K-FAC and PipeFisher: nvlamb's).
     """
@@ -364,7 +365,14 @@ def hybrid_costs(run: RunShape, sdp: int, tp: int, hardware: Hardware, comm: Com
     forward, backward = [], []
     measured = tp_measured_over_modelled(comm, tp, run.micro_batch_size)
     share = comm.nearest(comm.forward_share, run.micro_batch_size)
+    pieces = comm.nearest(comm.piece_seconds, run.micro_batch_size) if tp == 1 else None
     for (first, last), layers, rc in zip(run.partition, run.encoder_layers, run.recompute_flags):
+        if pieces is not None and set(pieces) == set(PIECES):
+            f, b = _stage_seconds_from_pieces(pieces, [run.micro_batch_size * c for c in costs[first:last + 1]],
+                                              first, bert.num_layers, rc)
+            forward.append(f)
+            backward.append(b)
+            continue
         f, b = _stage_seconds(sum(costs[first:last + 1]), encoder_flops, layers, tp, tp_ar,
                               run.micro_batch_size / hardware.flops_per_s, rc)
         if share is not None:
@@ -415,6 +423,22 @@ def hybrid_costs(run: RunShape, sdp: int, tp: int, hardware: Hardware, comm: Com
                 inv = hardware.flops_per_s / inv_rate
                 cost = replace(cost, invert_ns=tuple(tuple(round(x * inv) for x in row) for row in base.invert_ns))
     return cost
+
+
+def _stage_seconds_from_pieces(pieces: Mapping[str, tuple[float, float, float]], layer_flops: Sequence[float],
+                               first: int, num_layers: int, recompute: bool) -> tuple[float, float]:
+    """(F, B) of one micro-batch through the stage whose pipeline layers from ``first`` have forward FLOPs
+    ``layer_flops``: each layer the measured time of its piece (embeddings, encoder layer, heads) scaled by its
+    FLOPs over the measured piece's (1 where the run's model and micro-batch are the measured ones); a recomputing
+    B adds its forward again."""
+    f = b = 0.0
+    for layer, flops in enumerate(layer_flops, start=first):
+        piece = "embeddings" if layer == 0 else "heads" if layer == num_layers + 1 else "encoder_layer"
+        seconds_f, seconds_fb, measured_flops = pieces[piece]
+        scale = flops / measured_flops if measured_flops > 0 else 1.0
+        f += seconds_f * scale
+        b += (seconds_fb - seconds_f) * scale
+    return f, b + (f if recompute else 0.0)
 
 
 def _split_by_share(f: float, b: float, share: float, recompute: bool, f_comm: float,
