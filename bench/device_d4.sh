@@ -10,8 +10,11 @@
 #     zb-v, NVLAMB and Muon, clip 1.0 (every stage deferred: the same work both ways, the noise) and clip 0
 #     (bench/studies/16-optimizer-placement.md)
 #   3 validate_time_to_target.py --stages 4, 9 pairs ({1f1b, chimera, zb-h1} x {nvlamb, muon,
-#     pipefisher}: of the schedules the search builds at pp=4 for bert-tiny's 2 layers and 4 micro-batches), one
-#     round (bench/studies/20-time-to-target-validation.md)
+#     pipefisher}: of the schedules the search builds at pp=4 for bert-tiny's 2 layers and 4 micro-batches; $PAIRS
+#     to choose others), one round (bench/studies/20-time-to-target-validation.md)
+#   4 (with FUSED_S > 0) ns_spread.py --fused-adamw at D=2, clip 0: Muon with AdamW's half on torch's fused kernel
+#     against NVLAMB (bench/studies/19-muon-off-critical-path.md)
+# A step whose *_S limit is 0 is skipped (e.g. PLACEMENT_S=0).
 set -uo pipefail
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$REPO"
@@ -31,11 +34,21 @@ step() {  # seconds, log name, command...
 }
 step "${GPU_CHECK_S:-200}" gpu_check.log env OUT="$WORK/gc" PYTHON="$PY" bash bench/gpu_check.sh
 grep -E "^(gpu_check|CHECK)" "$OUT/gpu_check.log"
-step "${PLACEMENT_S:-150}" placement_d4.log env CUDA_VISIBLE_DEVICES= "$PY" bench/optimizer_placement.py --stages 4 --models bert-mini \
-    --layers 8 --methods 1f1b zb-v --optimizers nvlamb muon --clips 1.0 0 --micro-batches 8 --rounds 6 --warmup 2
-grep -v "^|.*bert-\(medium\|large\)" "$OUT/placement_d4.log" | cut -c1-400 | tail -n 14
+if [ "${PLACEMENT_S:-150}" -gt 0 ]; then
+    step "${PLACEMENT_S:-150}" placement_d4.log env CUDA_VISIBLE_DEVICES= "$PY" bench/optimizer_placement.py --stages 4 \
+        --models bert-mini --layers 8 --methods 1f1b zb-v --optimizers nvlamb muon --clips 1.0 0 --micro-batches 8 \
+        --rounds 6 --warmup 2
+    grep -v "^|.*bert-\(medium\|large\)" "$OUT/placement_d4.log" | cut -c1-400 | tail -n 14
+fi
 pairs=$(for s in 1f1b chimera zb-h1; do for o in nvlamb muon pipefisher; do printf "%s/%s," $s $o; done; done)
-step "${VALIDATE_S:-230}" validate_d4.log "$PY" bench/validate_time_to_target.py --out "$WORK/v4" --measure --stages 4 \
-    --pairs "${pairs%,}" --rounds 1 --steps 8
-grep -v "^refused by" "$OUT/validate_d4.log" | cut -c1-600 | tail -n 30
-cp "$WORK/v4/validation.json" "$WORK/v4/validation.md" "$OUT/" 2>/dev/null
+if [ "${VALIDATE_S:-230}" -gt 0 ]; then
+    step "${VALIDATE_S:-230}" validate_d4.log "$PY" bench/validate_time_to_target.py --out "$WORK/v4" --measure \
+        --stages 4 --pairs "${PAIRS:-${pairs%,}}" --rounds 1 --steps 8
+    grep -v "^refused by" "$OUT/validate_d4.log" | cut -c1-700 | tail -n 30
+    cp "$WORK/v4/validation.json" "$WORK/v4/validation.md" "$WORK/v4/collectives-round0.json" "$OUT/" 2>/dev/null
+fi
+if [ "${FUSED_S:-0}" -gt 0 ]; then
+    step "$FUSED_S" fused_adamw.log env CUDA_VISIBLE_DEVICES= "$PY" bench/ns_spread.py --methods 1f1b chimera --clips 0 \
+        --rounds "${FUSED_ROUNDS:-8}" --fused-adamw
+    cut -c1-400 "$OUT/fused_adamw.log" | tail -n 25
+fi
