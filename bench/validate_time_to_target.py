@@ -204,6 +204,14 @@ def without_pieces(doc: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
+def without_executor_overhead(doc: Mapping[str, Any]) -> dict[str, Any]:
+    """A ``measure.collectives`` document without the executor's measured overhead per action
+    (``compute.executor``), so the search adds nothing to each F, B, I and W."""
+    out = json.loads(json.dumps(doc))
+    out.get("compute", {}).pop("executor", None)
+    return out
+
+
 def round_rows(doc: Mapping[str, Any], r: int) -> list[Row]:
     """Round ``r`` alone: its own prediction (from the rates measured just before it) against its own runs, for the
     pairs measured in it (the rounds' runs are appended in order, so a pair's ``r``-th entry is round ``r``'s)."""
@@ -666,7 +674,8 @@ def report(doc: Mapping[str, Any]) -> str:
     if rows:
         lines.append(f"worst step error: {s['worst_error']:+.1%} ({s['worst_pair']}; goal within "
                      f"{GOAL_STEP_ERROR:.0%}: {'met' if s['step_error_met'] else 'not met'}); {s['within_goal']} of "
-                     f"{s['pairs']} pairs within {GOAL_STEP_ERROR:.0%}"
+                     f"{s['pairs']} pairs within {GOAL_STEP_ERROR:.0%}; median step error "
+                     f"{statistics.median(r.error for r in rows):+.1%}"
                      + (f"; built-in keys: worst {s['worst_error_builtin']:+.0%} ({s['worst_pair_builtin']})"
                         if "worst_error_builtin" in s else ""))
         lines.append(f"steps to H-0.3 are the calibration's for both columns, so these ranks order step time x each "
@@ -693,6 +702,14 @@ def report(doc: Mapping[str, Any]) -> str:
                          f"{alt['worst_error']:+.1%} ({alt['worst_pair']}), {alt['within_goal']} of {alt['pairs']} "
                          f"within {GOAL_STEP_ERROR:.0%}, median step error "
                          f"{statistics.median(r.error for r in alt_rows):+.1%}")
+    if doc.get("predicted_no_overhead_rounds"):
+        alt_rows = assemble_rows(median_prediction(doc["predicted_no_overhead_rounds"]), doc["measured"])
+        alt = summary(alt_rows)
+        if "spearman" in alt:
+            lines.append(f"the same runs priced without the executor's overhead per action (compute.executor): "
+                         f"Spearman {alt['spearman']:.3f}, worst step error {alt['worst_error']:+.1%} "
+                         f"({alt['worst_pair']}), {alt['within_goal']} of {alt['pairs']} within {GOAL_STEP_ERROR:.0%}, "
+                         f"median step error {statistics.median(r.error for r in alt_rows):+.1%}")
     if doc.get("predicted_legacy_rounds"):  # files written at 695ee81-8e2b352, when the search used them by default
         old = summary(assemble_rows(median_prediction(doc["predicted_legacy_rounds"]), doc["measured"]))
         if "spearman" in old:
@@ -796,6 +813,10 @@ def main() -> None:
             flop_rate.write_text(json.dumps(without_pieces(json.loads(rates.read_text()))))
             doc.setdefault("predicted_flop_rate_rounds", []).append(
                 predict(args.out / f"search-round{r}-flop-rate", [f"comm_costs={flop_rate}"])[0])
+            no_overhead = args.out / f"collectives-round{r}-no-overhead.json"
+            no_overhead.write_text(json.dumps(without_executor_overhead(json.loads(rates.read_text()))))
+            doc.setdefault("predicted_no_overhead_rounds", []).append(
+                predict(args.out / f"search-round{r}-no-overhead", [f"comm_costs={no_overhead}"])[0])
             if r == 0:  # what runs: round 0's search (PipeFisher's plan from its rates)
                 doc.update(search_top=search["top"], refused=search["refused"], search_text=search["text"])
                 files = write_strategies(args.out / f"search-round{r}", keys, pairs)

@@ -85,7 +85,8 @@ def test_measurement_at_world_2_writes_fits_the_search_reads(tmp_path: Path):
 
     out = tmp_path / "coll.json"
     doc = measure_collectives(out, world=2, min_bytes=4096, max_bytes=256 << 10, repeats=3, budget_s=0.05,
-                              model="bert-tiny", micro_batch_sizes=[2], seq_len=32, max_predictions=5)
+                              model="bert-tiny", micro_batch_sizes=[2], seq_len=32, max_predictions=5,
+                              executor_micro_batches=2)
     assert doc["backend"] == "gloo" and doc["world_size"] == 2
     assert set(doc["ops"]) == {"all_reduce", "all_gather", "reduce_scatter", "p2p"}
     for op, groups in doc["ops"].items():
@@ -107,6 +108,12 @@ def test_measurement_at_world_2_writes_fits_the_search_reads(tmp_path: Path):
     assert {k: p["flops_f"] for k, p in rate["pieces"].items()} == dict(zip(PIECES, (2 * flops[0], 2 * flops[1],
                                                                                       2 * flops[-1])))
     assert all(0 < p["seconds_f"] < p["seconds_fb"] for p in rate["pieces"].values())
+    executor = doc["compute"]["executor"]  # GPipe over the 2 processes, N=2: 2 (N + D - 1) = 6 compute actions
+    assert (executor["method"], executor["stages"], executor["micro_batches"]) == ("gpipe", 2, 2)
+    assert executor["step_seconds"] > 0 and executor["simulated_seconds"] > 0
+    assert executor["overhead_per_action_s"] == pytest.approx(
+        max(0.0, executor["step_seconds"] - executor["simulated_seconds"]) / 6)
+    assert CommCosts.from_json(out).action_overhead_s == executor["overhead_per_action_s"]
     assert CommCosts.from_json(out).piece_seconds[2]["heads"] == tuple(rate["pieces"]["heads"][k] for k in
                                                                        ("seconds_f", "seconds_fb", "flops_f"))
     units = doc["compute"]["kfac"]["2"]
@@ -325,3 +332,35 @@ def test_measured_pieces_price_each_stage_as_the_sum_of_its_pieces(tmp_path: Pat
             "gloo", "cpu", 2, {"all_reduce": {2: [(4096.0, 1e-4), (65536.0, 2e-4)]}}, compute=compute)))
         with pytest.raises(ValueError, match=r"compute.micro_batch.8.pieces"):
             CommCosts.from_json(tmp_path / "bad.json")
+
+
+def test_the_executor_overhead_is_added_to_every_compute_action_the_search_prices(tmp_path: Path):
+    """The measured overhead per compute action (compute.executor) is added to each F and B, and on a split-backward
+    schedule to each I and W; nothing else moves, and without it the costs are unchanged. A negative overhead is
+    refused, naming the field."""
+    from dataclasses import replace
+
+    from pipefisher.model.config import BertConfig
+    from pipefisher.planning.costs import RunShape
+    from pipefisher.planning.strategy_search import pipeline_costs
+
+    fits = {"all_reduce": {2: LinkFit(50e-6, 2e9)}, "p2p": {2: LinkFit(20e-6, 4e9)}}
+    plain = CommCosts(fits, Hardware(), "test", {8: 5e10}, 4e9)
+    hw = plain.hardware_for(8)
+    for method in ("1f1b", "zb-h1"):
+        run = RunShape(BertConfig.from_size("mini"), method, 2, 4, 8, seq_len=64, max_predictions=10)
+        base, more = pipeline_costs(run, hw, plain), pipeline_costs(run, hw, replace(plain, action_overhead_s=2e-3))
+        for name in ("forward_ns", "backward_ns", "input_grad_ns", "weight_grad_ns"):
+            assert getattr(more, name) == tuple(x + 2_000_000 for x in getattr(base, name)), (method, name)
+        assert (more.step_ns, more.sync_ns, more.p2p_ns) == (base.step_ns, base.sync_ns, base.p2p_ns)
+    compute = {"model": "bert-tiny", "seq_len": 64, "max_predictions": 10,
+               "micro_batch": {"8": {"flops_per_s": 5e10, "seconds_fb": 0.3}},
+               "executor": {"overhead_per_action_s": 1.5e-3}}
+    doc = collectives_json("gloo", "cpu", 2, {"all_reduce": {2: [(4096.0, 1e-4), (65536.0, 2e-4)]}}, compute=compute)
+    (tmp_path / "ok.json").write_text(json.dumps(doc))
+    assert CommCosts.from_json(tmp_path / "ok.json").action_overhead_s == 1.5e-3
+    compute["executor"]["overhead_per_action_s"] = -1e-3
+    (tmp_path / "bad.json").write_text(json.dumps(collectives_json(
+        "gloo", "cpu", 2, {"all_reduce": {2: [(4096.0, 1e-4), (65536.0, 2e-4)]}}, compute=compute)))
+    with pytest.raises(ValueError, match="compute.executor.overhead_per_action_s"):
+        CommCosts.from_json(tmp_path / "bad.json")

@@ -175,3 +175,12 @@ def test_without_pieces_drops_only_the_per_piece_times_on_a_copy(v):
     stripped["compute"]["micro_batch"]["8"]["pieces"] = pieces
     assert stripped == doc  # nothing else changes
     assert CommCosts().piece_seconds == {}
+
+
+def test_without_executor_overhead_drops_only_the_executor_row_on_a_copy(v):
+    doc = {"format": "x", "compute": {"micro_batch": {"8": {"flops_per_s": 2e10, "seconds_fb": 0.1}},
+                                      "executor": {"overhead_per_action_s": 1e-3}}}
+    stripped = v.without_executor_overhead(doc)
+    assert "executor" not in stripped["compute"] and doc["compute"]["executor"]
+    stripped["compute"]["executor"] = doc["compute"]["executor"]
+    assert stripped == doc

@@ -19,6 +19,10 @@ assumes (``STEP_BYTES_PER_PARAM`` bytes per parameter: ``compute.optimizer_step.
 Each piece a stage is made of (the embeddings, one encoder layer, the heads) is timed alone too, forward and
 forward + backward (``micro_batch.<size>.pieces``): the search prices a stage as the sum of its pieces, each at
 its own measured rate, where the file has them (``planning.strategy_search.hybrid_costs``).
+With ``--executor-micro-batches N`` (default 4) a GPipe pipeline of the model over the ``world`` processes runs a
+few steps with the real executor; what its step takes beyond the simulator's step from the same step's F, B and
+STEP times, per compute action on the critical path, is ``compute.executor.overhead_per_action_s``: the search adds
+it to every F, B, I and W (``measure.executor_overhead``).
 Beside each forward + backward the forward alone is timed (``seconds_f``: the search splits a stage's time
 into F and B by that share, not by the FLOP count's 1:2), and K-FAC's per-micro-batch units on one encoder
 layer's Linear shapes with the runtime's own kernels (``optim.kfac_factors``: the curvature sums of the
@@ -53,6 +57,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from pipefisher.atomic import write_text_atomic
+from pipefisher.measure.executor_overhead import executor_overhead
 from pipefisher.measure.compute_rates import (compute_rate, kfac_rates, measured_bert, optimizer_rate, piece_seconds,
                                               tp_seconds)
 from pipefisher.planning.comm_costs import OPS, collectives_json
@@ -190,6 +195,11 @@ def _worker(rank: int, world: int, port: int, backend: str, sizes: Sequence[int]
             extra["compute"] = {"model": compute["model"], "vocab_size": bert.vocab_size, "seq_len": compute["seq_len"],
                                 "max_predictions": compute["max_predictions"], "processes": world, "micro_batch": rates,
                                 "kfac": kfac, "optimizer_step": step, "tensor_parallel": {str(world): tp_rows}}
+            if compute.get("executor_micro_batches") and world <= bert.num_pipeline_layers:
+                dist.barrier()
+                extra["compute"]["executor"] = executor_overhead(
+                    compute["model"], compute["micro_batch_sizes"][0], compute["seq_len"], compute["max_predictions"],
+                    device, compute["executor_micro_batches"], vocab_size=compute["vocab_size"])
         if rank == 0:
             doc = collectives_json(backend, device.type if device.type == "cpu" else torch.cuda.get_device_name(device),
                                    world, points, threads_per_process=threads, torch=torch.__version__,
@@ -203,7 +213,8 @@ def _worker(rank: int, world: int, port: int, backend: str, sizes: Sequence[int]
 def measure_collectives(out: str | os.PathLike, world: int = 2, backend: str = "auto", min_bytes: int = 4096,
                         max_bytes: int = 16 << 20, repeats: int = 20, budget_s: float = 0.5, model: str | None = None,
                         micro_batch_sizes: Sequence[int] = (8,), seq_len: int = 128,
-                        max_predictions: int = 20, vocab_size: int | None = None) -> dict[str, Any]:
+                        max_predictions: int = 20, vocab_size: int | None = None,
+                        executor_micro_batches: int = 0) -> dict[str, Any]:
     """Measure and write ``out``; returns the document written.
 
     Args:
@@ -218,6 +229,9 @@ def measure_collectives(out: str | os.PathLike, world: int = 2, backend: str = "
             FFN width); None: none.
         micro_batch_sizes, seq_len, max_predictions: the compute measurement's shapes.
         vocab_size: the measured model's vocabulary (a run's ``model.vocab_size``); None: the preset's.
+        executor_micro_batches: with ``model``, N of a GPipe pipeline over the ``world`` processes whose executor
+            overhead per action is measured (``measure.executor_overhead``; at the first micro-batch size; where
+            the model has at least ``world`` pipeline layers); 0: not measured.
 
     Raises:
         ValueError: a bad argument, naming it.
@@ -239,8 +253,11 @@ def measure_collectives(out: str | os.PathLike, world: int = 2, backend: str = "
             raise ValueError(f"--model={model}: choose one of {', '.join('bert-' + k for k in BERT_SIZES)}")
         if vocab_size is not None and vocab_size < 1:
             raise ValueError(f"--vocab-size={vocab_size}: give the run's model.vocab_size (a positive count)")
+        if executor_micro_batches < 0:
+            raise ValueError(f"--executor-micro-batches={executor_micro_batches}: give N >= 1, or 0 for none")
         compute = {"model": model, "micro_batch_sizes": list(micro_batch_sizes), "seq_len": seq_len,
-                   "max_predictions": max_predictions, "vocab_size": vocab_size}
+                   "max_predictions": max_predictions, "vocab_size": vocab_size,
+                   "executor_micro_batches": executor_micro_batches}
     threads = max(1, (os.cpu_count() or 1) // world) if backend == "gloo" else 1
     port = _free_port()
     mp.start_processes(_worker, args=(world, port, backend, sizes, repeats, budget_s, threads, str(out), compute),
@@ -275,13 +292,16 @@ def main(argv: Sequence[str] | None = None) -> None:
     p.add_argument("--max-predictions", type=int, default=20, help="--model: masked positions (default 20)")
     p.add_argument("--vocab-size", type=int, default=None,
                    help="--model: vocabulary of the measured model (a run's model.vocab_size; default the preset's)")
+    p.add_argument("--executor-micro-batches", type=int, default=4,
+                   help="--model: N of the GPipe pipeline over --world processes whose executor overhead per action "
+                        "is measured (default 4; 0: none)")
     args = p.parse_args(argv)
     try:
         doc = measure_collectives(args.out, args.world, args.backend, _bytes(args.min_bytes), _bytes(args.max_bytes),
                                   args.repeats, model=args.model,
                                   micro_batch_sizes=[int(x) for x in args.micro_batch_sizes.split(",")],
                                   seq_len=args.seq_len, max_predictions=args.max_predictions,
-                                  vocab_size=args.vocab_size)
+                                  vocab_size=args.vocab_size, executor_micro_batches=args.executor_micro_batches)
     except ValueError as exc:
         raise SystemExit(f"collectives: {exc}") from None
     print(f"{doc['backend']} on {doc['device']}, {doc['world_size']} processes, "
@@ -296,6 +316,11 @@ def main(argv: Sequence[str] | None = None) -> None:
         step = doc["compute"]["optimizer_step"]
         print(f"  optimizer step (NVLAMB, {step['parameters'] / 1e6:.1f}M parameters): {step['seconds'] * 1e3:.1f} ms "
               f"= {step['memory_bytes_per_s'] / 1e9:.2f} GB/s at {STEP_BYTES_PER_PARAM} B per parameter")
+    if "executor" in doc.get("compute", {}):
+        e = doc["compute"]["executor"]
+        print(f"  executor (GPipe, D={e['stages']}, N={e['micro_batches']}): step {e['step_seconds'] * 1e3:.1f} ms "
+              f"against {e['simulated_seconds'] * 1e3:.1f} ms simulated from its own F/B/STEP: "
+              f"{e['overhead_per_action_s'] * 1e3:.2f} ms per compute action")
     print(f"wrote {args.out}")
 
 

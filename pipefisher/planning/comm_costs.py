@@ -117,6 +117,9 @@ class CommCosts:
         piece_seconds: micro-batch size -> piece (``PIECES``) -> (seconds of its forward, of its forward + backward,
             its forward's planner FLOPs) measured alone, if any; the search prices a stage as the sum of its pieces
             at their own rates (``strategy_search.hybrid_costs``).
+        action_overhead_s: the executor's own time per compute action (``compute.executor.overhead_per_action_s``,
+            measured on a GPipe pipeline: ``measure.executor_overhead``), which the search adds to every F, B, I
+            and W; 0 where not measured.
         kfac_in_search: price CURV_A/CURV_B, PRECOND and (K-FAC's Cholesky) INVERT at those rates in the search
             (the file's ``compute.kfac_in_search``; off unless a file says so: on two idle validations it made the
             predicted steps worse, bench/studies/20-time-to-target-validation.md).
@@ -134,6 +137,7 @@ class CommCosts:
     kfac_flops_per_s: Mapping[int, tuple[float, float, float | None]] = field(default_factory=dict)
     kfac_in_search: bool = False
     piece_seconds: Mapping[int, Mapping[str, tuple[float, float, float]]] = field(default_factory=dict)
+    action_overhead_s: float = 0.0
 
     def nearest(self, table: Mapping[int, Any], micro_batch_size: int) -> Any:
         """``table``'s entry at the measured micro-batch size nearest ``micro_batch_size`` (the larger on a
@@ -219,6 +223,7 @@ class CommCosts:
             pieces = {int(b): {name: (float(p["seconds_f"]), float(p["seconds_fb"]), float(p["flops_f"]))
                                for name, p in row["pieces"].items()}
                       for b, row in (compute.get("micro_batch") or {}).items() if "pieces" in row}
+            overhead = float((compute.get("executor") or {}).get("overhead_per_action_s", 0.0))
             kfac = {int(b): (float(row["curvature_flops_per_s"]), float(row["precondition_flops_per_s"]),
                              float(row["invert_flops_per_s"]) if "invert_flops_per_s" in row else None)
                     for b, row in (compute.get("kfac") or {}).items()}
@@ -226,7 +231,7 @@ class CommCosts:
             raise ValueError(f"comm_costs={path}: field compute needs model, seq_len, max_predictions, "
                              f"micro_batch.<size>.flops_per_s, optimizer_step.memory_bytes_per_s and, if present, "
                              f"tensor_parallel.<tp>.<size>.seconds_fb, micro_batch.<size>.seconds_f, "
-                             f"micro_batch.<size>.pieces.<piece>.seconds_f / seconds_fb / flops_f and "
+                             f"micro_batch.<size>.pieces.<piece>.seconds_f / seconds_fb / flops_f, executor.overhead_per_action_s and "
                              f"kfac.<size>.curvature_flops_per_s / precondition_flops_per_s / invert_flops_per_s "
                              f"(numbers); {make}") from None
         unit_rates = [x for unit in kfac.values() for x in unit if x is not None]
@@ -236,6 +241,9 @@ class CommCosts:
         if any(not 0 < x < 1 for x in share.values()):
             raise ValueError(f"comm_costs={path}: field compute.micro_batch.<size>.seconds_f must be positive and "
                              f"below seconds_fb (a forward is part of a forward + backward); {make}")
+        if not 0 <= overhead < 1 or not math.isfinite(overhead):
+            raise ValueError(f"comm_costs={path}: field compute.executor.overhead_per_action_s={overhead}: seconds per "
+                             f"action, >= 0 and below 1; {make}")
         for b, row in pieces.items():
             unknown = sorted(set(row) - set(PIECES))
             if unknown or any(not 0 < f < fb or not flops >= 0 for f, fb, flops in row.values()):
@@ -243,7 +251,7 @@ class CommCosts:
                                  f"{', '.join(PIECES)} (not {', '.join(unknown) or 'others'}), each with 0 < seconds_f "
                                  f"< seconds_fb and flops_f >= 0; {make}")
         return cls(fits, hardware, str(path), rates, memory, tp, shape, vocab, share, kfac,
-                   bool(compute.get("kfac_in_search", False)), pieces)
+                   bool(compute.get("kfac_in_search", False)), pieces, overhead)
 
     def describe(self) -> str:
         """One line: the source and each measured op's group sizes."""
@@ -265,6 +273,8 @@ class CommCosts:
             text += "; pieces forward+backward " + ", ".join(
                 f"micro-batch {b}: " + " ".join(f"{name} {fb * 1e3:.2f} ms" for name, (_, fb, _) in row.items())
                 for b, row in sorted(self.piece_seconds.items()))
+        if self.action_overhead_s:
+            text += f"; executor {self.action_overhead_s * 1e3:.2f} ms per compute action"
         if self.kfac_flops_per_s:
             units = [f"micro-batch {b}: curvature {c / 1e9:.2f}, preconditioning {p / 1e9:.2f}"
                      + (f", inversion {i / 1e9:.2f}" if i else "") + " GFLOP/s"

@@ -489,10 +489,24 @@ def pipeline_costs(run: RunShape, hardware: Hardware, comm: CommCosts | None = N
                    optimizer: str = "nvlamb") -> CostModel:
     """The cost model the search prices a pipeline with and PipeFisher is planned under, by the search and by
     train.py alike ([Note: one planning path]): :func:`hybrid_costs`, with a split backward's I and W at
-    ``split_backward_ratio`` × B on zb-h1 and the V schedules."""
-    cost = hybrid_costs(run, sdp, tp, hardware, comm if comm is not None else CommCosts({}, hardware), schedule,
-                        optimizer)
-    return split_backward_costs(cost, split_backward_ratio) if run.method in SPLIT_METHODS else cost
+    ``split_backward_ratio`` × B on zb-h1 and the V schedules, and the executor's measured time per compute action
+    added to each (:func:`with_action_overhead`)."""
+    comm = comm if comm is not None else CommCosts({}, hardware)
+    cost = hybrid_costs(run, sdp, tp, hardware, comm, schedule, optimizer)
+    cost = split_backward_costs(cost, split_backward_ratio) if run.method in SPLIT_METHODS else cost
+    return with_action_overhead(cost, comm.action_overhead_s)
+
+
+def with_action_overhead(cost: CostModel, seconds: float) -> CostModel:
+    """``cost`` with the executor's own time per compute action (``CommCosts.action_overhead_s``) added to every F,
+    B, I and W."""
+    if seconds <= 0:
+        return cost
+    o = _ns(seconds)
+    return replace(cost, forward_ns=tuple(x + o for x in cost.forward_ns),
+                   backward_ns=tuple(x + o for x in cost.backward_ns),
+                   input_grad_ns=tuple(x + o for x in cost.input_grad_ns),
+                   weight_grad_ns=tuple(x + o for x in cost.weight_grad_ns))
 
 
 def strategy_plan(s: Strategy, bert: BertConfig, *, hardware: Hardware = Hardware(), comm: CommCosts | None = None,

@@ -1,0 +1,88 @@
+"""The executor's own cost per action, measured on the run's model: what the strategy search adds to every F, B, I
+and W it simulates (``planning.strategy_search.pipeline_costs``).
+
+A pipeline step takes longer than the simulator says even when the simulator is given the step's own measured F,
+B and STEP times: the executor spends time outside them (Python between actions, issuing sends and receives, the
+waits of its collectives, the loss all-reduce). ``bench/executor_overhead.py`` measured that gap at 3–12 % of a
+step on two EPYC cores (D=2, bert-mini) and 11–25 % on a 16-core Xeon (D=4, bert-tiny). Here the gap is measured
+the same way on one GPipe pipeline of ``world`` stages (the real ``PipelineWorker``, synthetic data, NVLAMB):
+``overhead_per_action_s`` = (the measured step − the simulated one) / the compute actions on GPipe's critical path,
+2 (N + D − 1). ``measure.collectives --model`` runs it in its own process group and stores it as
+``compute.executor``.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["executor_overhead", "gpipe_config"]
+
+
+def gpipe_config(model: str, micro_batch_size: int, num_micro_batches: int, seq_len: int, max_predictions: int,
+                 stages: int, device: torch.device, vocab_size: int | None = None) -> Any:
+    """train.py's config of a GPipe pipeline of ``stages`` stages on ``model`` at this shape (synthetic data,
+    NVLAMB, no evaluation, no logging): what the overhead is measured on."""
+    from hydra import compose, initialize_config_dir
+
+    import pipefisher
+    from pipefisher.config.schema import register_configs, to_train_config
+
+    overrides = [f"model={model}", "pipeline=gpipe", f"stages={stages}", f"micro_batch_size={micro_batch_size}",
+                 f"num_micro_batches={num_micro_batches}", f"data.seq_len={seq_len}",
+                 f"data.max_predictions={max_predictions}", "optimizer=nvlamb", f"device={device.type}",
+                 "progress=false", "wandb.mode=disabled", "eval.every_steps=0"]
+    if vocab_size is not None:
+        overrides.append(f"model.vocab_size={vocab_size}")
+    register_configs()
+    with initialize_config_dir(config_dir=str(Path(pipefisher.__file__).resolve().parent / "conf"),
+                               version_base="1.3"):
+        return to_train_config(compose(config_name="config", overrides=overrides))
+
+
+def executor_overhead(model: str, micro_batch_size: int, seq_len: int, max_predictions: int, device: torch.device,
+                      num_micro_batches: int = 4, steps: int = 6, warmup: int = 2,
+                      vocab_size: int | None = None) -> dict[str, Any]:
+    """Run ``warmup + steps`` GPipe steps over every rank of the default process group (one stage each) and return,
+    on every rank, ``{"method", "stages", "micro_batches", "micro_batch_size", "step_seconds",
+    "simulated_seconds", "overhead_per_action_s"}``: the median over the measured steps of the slowest rank's step,
+    the median of the simulator's step from each step's own per-stage F/B means and each worker's STEP, and their
+    difference (0 if negative) per compute action on the critical path. Call it on every rank."""
+    from pipefisher.runtime.pipeline_worker import PipelineWorker
+    from pipefisher.runtime.step_metrics import measured_costs
+    from pipefisher.simulate import simulate
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    cfg = gpipe_config(model, micro_batch_size, num_micro_batches, seq_len, max_predictions, world, device,
+                       vocab_size)
+    worker = PipelineWorker(cfg, rank, world, device)
+    critical = 2 * (num_micro_batches + world - 1)
+    walls, simulated = [], []
+    for step in range(warmup + steps):
+        dist.barrier()
+        start = time.perf_counter()
+        _, result = worker.train_step(step)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        wall = torch.tensor([time.perf_counter() - start], dtype=torch.float64, device=device)
+        dist.all_reduce(wall, op=dist.ReduceOp.MAX)
+        gathered: list[Any] | None = [None] * world if rank == 0 else None
+        dist.gather_object(result.events, gathered, dst=0)
+        if step < warmup:
+            continue
+        walls.append(float(wall.item()))
+        if rank == 0:
+            events = [e for evs in gathered or [] for e in evs]
+            timeline = simulate(worker.schedule, measured_costs(events, worker.schedule))
+            simulated.append((max(e.end_ns for e in timeline) - min(e.start_ns for e in timeline)) / 1e9)
+    sim = [statistics.median(simulated) if simulated else 0.0]
+    dist.broadcast_object_list(sim, src=0)
+    step_s = statistics.median(walls)
+    return {"method": "gpipe", "stages": world, "micro_batches": num_micro_batches,
+            "micro_batch_size": micro_batch_size, "step_seconds": step_s, "simulated_seconds": sim[0],
+            "overhead_per_action_s": max(0.0, step_s - sim[0]) / critical}
