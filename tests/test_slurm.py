@@ -16,6 +16,8 @@ import shlex
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -286,26 +288,53 @@ PREEMPT_RUN = ["model=bert-tiny", "stages=2", "pipeline=1f1b", f"steps={PREEMPT_
                "hardware.peak_tflops=0.2"]
 
 
+class Uninterrupted:
+    """Losses of PREEMPT_RUN trained straight through on this machine (no SLURM). :meth:`start` runs it
+    in the background, once per module: the preemption tests start it after their job was requeued,
+    while the requeued job starts (not while the signal is on its way: that has only a dozen tiny
+    steps to arrive); :meth:`losses` waits for it."""
+
+    def __init__(self, out: Path) -> None:
+        self.out = out
+        self.proc: subprocess.Popen | None = None
+
+    def start(self) -> None:
+        if self.proc is None:
+            with open(self.out / "train.out", "w") as log:
+                self.proc = subprocess.Popen(
+                    [sys.executable, str(REPO / "train.py"), *PREEMPT_RUN, f"hydra.run.dir={self.out}"], cwd=self.out,
+                    env=SUB_ENV, stdout=log, stderr=subprocess.STDOUT)
+
+    def losses(self) -> list[float]:
+        self.start()
+        self.proc.wait(timeout=300)
+        assert self.proc.returncode == 0, (self.out / "train.out").read_text()[-3000:]
+        return [json.loads(line)["loss"] for line in (self.out / "metrics.jsonl").read_text().splitlines()]
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+
 @pytest.fixture(scope="module")
-def uninterrupted_losses(tmp_path_factory: pytest.TempPathFactory) -> list[float]:
-    """Losses of PREEMPT_RUN trained straight through on this machine (no SLURM)."""
-    out = tmp_path_factory.mktemp("reference")
-    subprocess.run([sys.executable, str(REPO / "train.py"), *PREEMPT_RUN, f"hydra.run.dir={out}"], cwd=out,
-                   env=SUB_ENV, check=True, capture_output=True, timeout=300)
-    return [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Uninterrupted]:
+    run = Uninterrupted(tmp_path_factory.mktemp("reference"))
+    yield run
+    run.stop()
 
 
-def _check_resumed(log: str, metrics: Path, run_dir: Path, uninterrupted: list[float]) -> None:
+def _check_resumed(log: str, metrics: Path, run_dir: Path, uninterrupted: Uninterrupted) -> None:
     stopped = int(re.search(r"stopped after step (\d+) of", log).group(1))
     assert 3 <= stopped < PREEMPT_STEPS - 1, log[-3000:]
     assert f"resumed from {run_dir / 'checkpoints' / f'step_{stopped}'}: continuing at step {stopped + 1}" in log
     rows = [json.loads(line) for line in metrics.read_text().splitlines()]
     assert [r["step"] for r in rows] == list(range(PREEMPT_STEPS))
-    assert [r["loss"] for r in rows] == pytest.approx(uninterrupted, rel=1e-6)
+    assert [r["loss"] for r in rows] == pytest.approx(uninterrupted.losses(), rel=1e-6)
 
 
 @pytest.mark.slow
-def test_preempted_submitit_job_checkpoints_requeues_and_resumes(tmp_path: Path, uninterrupted_losses: list[float]) -> None:
+def test_preempted_submitit_job_checkpoints_requeues_and_resumes(tmp_path: Path, uninterrupted: Uninterrupted) -> None:
     # SLURM's warning signal (USR2, as sent before a time limit or a preemption) reaches the two
     # workers (SLURM tasks) of a running job mid-run. They finish the step and checkpoint it,
     # worker 0 requeues the job through submitit, and the requeued job resumes from the
@@ -322,6 +351,7 @@ def test_preempted_submitit_job_checkpoints_requeues_and_resumes(tmp_path: Path,
         wait_for_rows(sweep / "0" / "metrics.jsonl", 4, alive)
         job_id = submitit_job_id(sweep)
         preempt(job_id, alive)
+        uninterrupted.start()
         out, _ = launcher.communicate(timeout=240)
     finally:
         if launcher.poll() is None:
@@ -333,12 +363,12 @@ def test_preempted_submitit_job_checkpoints_requeues_and_resumes(tmp_path: Path,
     assert scontrol_job(job_id).get("Restarts") == "1"
     log = (sweep / "0" / "train.log").read_text()  # Hydra's job log, appended to by both attempts
     assert f"Requeued job {job_id}" in log
-    _check_resumed(log, sweep / "0" / "metrics.jsonl", sweep / "0", uninterrupted_losses)
+    _check_resumed(log, sweep / "0" / "metrics.jsonl", sweep / "0", uninterrupted)
 
 
 @pytest.mark.slow
 def test_preempted_batch_job_with_local_workers_requeues_and_resumes(tmp_path: Path,
-                                                                     uninterrupted_losses: list[float]) -> None:
+                                                                     uninterrupted: Uninterrupted) -> None:
     # Without submitit: `sbatch --wrap "exec python train.py stages=2"` starts both workers as
     # local processes of the batch script. The signal reaches the launcher process only
     # (scancel --batch); it passes it on, the workers checkpoint, the launcher runs
@@ -354,6 +384,7 @@ def test_preempted_batch_job_with_local_workers_requeues_and_resumes(tmp_path: P
         wait_for_rows(run_dir / "metrics.jsonl", 4, lambda: state() in ("PENDING", "RUNNING", "CONFIGURING"))
         subprocess.run(["scancel", "--batch", "--signal=USR2", job_id], check=True, timeout=30)
         release_requeued(job_id, lambda: state() not in ("FAILED", "CANCELLED", "COMPLETED"))
+        uninterrupted.start()
         deadline = time.monotonic() + 240
         while (now := state()) != "COMPLETED":  # one read per check: the job may complete between two
             assert now in ("PENDING", "RUNNING", "CONFIGURING", "COMPLETING") and time.monotonic() < deadline, \
@@ -364,24 +395,68 @@ def test_preempted_batch_job_with_local_workers_requeues_and_resumes(tmp_path: P
     assert scontrol_job(job_id).get("Restarts") == "1"
     log = (run_dir / "train.log").read_text() + (tmp_path / "job.out").read_text()
     assert "requeueing SLURM job" in log
-    _check_resumed(log, run_dir / "metrics.jsonl", run_dir, uninterrupted_losses)
+    _check_resumed(log, run_dir / "metrics.jsonl", run_dir, uninterrupted)
+
+
+@dataclass(frozen=True)
+class FaultRun:
+    """A finished ``train.py -m cluster=slurm`` run with an injected fault: its sweep folder, the
+    launcher's exit status (None: still running after 300 s, killed), stdout, stderr, and the seconds
+    from its start to its end."""
+
+    sweep: Path
+    returncode: int | None
+    stdout: str
+    stderr: str
+    seconds: float
+
+
+FAULTS = {  # worker 1 fails at step 2: SIGKILLs itself, or raises
+    "kill": ["fault.mode=kill", "fault.rank=1", "fault.step=2", "cluster.lost_task_grace_s=2"],
+    "raise": ["fault.mode=raise", "fault.rank=1", "fault.step=2"],
+}
+
+
+@pytest.fixture(scope="module")
+def fault_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, FaultRun]:
+    """Both FAULTS runs, launched at the same time (two jobs, each of two SLURM tasks; each launcher
+    in its own folder, timed from its own start): each test below checks its own."""
+    require_slurm()
+    procs = {}
+    for fault, overrides in FAULTS.items():
+        cwd = tmp_path_factory.mktemp(f"fault-{fault}")
+        cmd = [sys.executable, str(REPO / "train.py"), "-m", "cluster=slurm", *PREEMPT_RUN, *overrides,
+               "hydra.launcher.timeout_min=5", f"hydra.sweep.dir={cwd / 'sweep'}"]
+        with open(cwd / "stdout", "w") as out, open(cwd / "stderr", "w") as err:
+            procs[fault] = (cwd, time.monotonic(), subprocess.Popen(cmd, cwd=cwd, env=SUB_ENV, stdout=out, stderr=err))
+    ended: dict[str, float] = {}
+    deadline = time.monotonic() + 300
+    while len(ended) < len(procs) and time.monotonic() < deadline:
+        ended.update({f: time.monotonic() for f, (_, _, p) in procs.items() if f not in ended and p.poll() is not None})
+        time.sleep(0.1)
+    runs = {}
+    for fault, (cwd, start, proc) in procs.items():
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        runs[fault] = FaultRun(cwd / "sweep", proc.returncode if fault in ended else None,
+                               (cwd / "stdout").read_text(), (cwd / "stderr").read_text(),
+                               ended.get(fault, time.monotonic()) - start)
+    return runs
 
 
 @pytest.mark.slow
-def test_killed_worker_ends_the_slurm_job_and_the_launcher_promptly(tmp_path: Path) -> None:
+def test_killed_worker_ends_the_slurm_job_and_the_launcher_promptly(fault_runs: dict[str, FaultRun]) -> None:
     # Worker 1 (SLURM task 1) SIGKILLs itself: it leaves no submitit result. Worker 0 sees the
     # closed connection, fails, and files task 1's result naming it, so that `train.py -m` ends
     # (this SLURM has no accounting for submitit to read the job's end from). Worker 0 waits
     # cluster.lost_task_grace_s for task 1's own result, which never comes: 2 s, not the default 10.
     require_slurm()
-    sweep = tmp_path / "sweep"
-    start = time.monotonic()
-    res = subprocess.run(
-        [sys.executable, str(REPO / "train.py"), "-m", "cluster=slurm", *PREEMPT_RUN, "fault.mode=kill", "fault.rank=1",
-         "fault.step=2", "cluster.lost_task_grace_s=2", "hydra.launcher.timeout_min=5", f"hydra.sweep.dir={sweep}"],
-        cwd=tmp_path, env=SUB_ENV, capture_output=True, text=True, timeout=300)
+    res = fault_runs["kill"]
+    sweep = res.sweep
+    assert res.returncode is not None, f"the launcher still ran after 300 s\n{res.stderr[-3000:]}"
     assert res.returncode != 0
-    assert time.monotonic() - start < 240
+    assert res.seconds < 240
     job_id = submitit_job_id(sweep)
     log0 = task_log(sweep, job_id, 0)
     assert re.search(rf"task 1 of SLURM job {job_id} on \S+ ended without a result \(killed by a signal", log0), log0[-3000:]
@@ -389,14 +464,11 @@ def test_killed_worker_ends_the_slurm_job_and_the_launcher_promptly(tmp_path: Pa
 
 
 @pytest.mark.slow
-def test_exception_in_a_slurm_worker_reaches_the_launcher_with_its_traceback(tmp_path: Path) -> None:
+def test_exception_in_a_slurm_worker_reaches_the_launcher_with_its_traceback(fault_runs: dict[str, FaultRun]) -> None:
     require_slurm()
-    start = time.monotonic()
-    res = subprocess.run(
-        [sys.executable, str(REPO / "train.py"), "-m", "cluster=slurm", *PREEMPT_RUN, "fault.mode=raise", "fault.rank=1",
-         "fault.step=2", "hydra.launcher.timeout_min=5", f"hydra.sweep.dir={tmp_path / 'sweep'}"],
-        cwd=tmp_path, env=SUB_ENV, capture_output=True, text=True, timeout=300)
-    assert res.returncode != 0 and time.monotonic() - start < 240
+    res = fault_runs["raise"]
+    assert res.returncode is not None, f"the launcher still ran after 300 s\n{res.stderr[-3000:]}"
+    assert res.returncode != 0 and res.seconds < 240
     assert "--- SLURM task 1 failed:" in res.stderr and "injected fault on worker 1 at step 2" in res.stderr, res.stderr[-3000:]
     assert "Traceback" in res.stderr and "inject_fault" in res.stderr
 
@@ -417,22 +489,31 @@ def test_sdp_run_on_two_slurm_nodes_has_a_task_per_process_and_the_local_losses(
     sweep = tmp_path / "sweep"
     cmd = [sys.executable, str(REPO / "train.py"), "-m", "cluster=slurm", "cluster.nodes=2", *SDP_RUN,
            "hydra.launcher.timeout_min=5", f"hydra.sweep.dir={sweep}"]
-    try:
-        res = subprocess.run(cmd, cwd=tmp_path, env=SUB_ENV, capture_output=True, text=True, timeout=300)
-    except subprocess.TimeoutExpired:
-        subprocess.run(["scancel", submitit_job_id(sweep)], check=False, timeout=30)
-        raise
-    logs = "\n".join(f"== {p}\n{p.read_text()[-2000:]}" for p in sorted((sweep / ".submitit").glob("*/*_log.*")))
-    assert res.returncode == 0, f"{res.stdout[-3000:]}\n{res.stderr[-3000:]}\n{logs}"
-    job_id = submitit_job_id(sweep)
-    script = (sweep / ".submitit" / job_id / f"{job_id}_submission.sh").read_text()
-    assert "#SBATCH --nodes=2\n" in script and "#SBATCH --ntasks-per-node=2\n" in script, script
-    job = job_records(job_id)[0]
-    assert (job["NumNodes"], job["NumTasks"], job["JobState"]) == ("2", "4", "COMPLETED"), job
-    for rank in range(4):
-        assert f"rank {rank}/4" in task_log(sweep, job_id, rank), task_log(sweep, job_id, rank)[-2000:]
+    # The same run on this machine, trained meanwhile (it waits for nothing of the job's).
     local = tmp_path / "local"
-    subprocess.run([sys.executable, str(REPO / "train.py"), *SDP_RUN, f"hydra.run.dir={local}"], cwd=tmp_path,
-                   env=SUB_ENV, check=True, capture_output=True, timeout=300)
+    with open(tmp_path / "local.out", "w") as log:
+        local_run = subprocess.Popen([sys.executable, str(REPO / "train.py"), *SDP_RUN, f"hydra.run.dir={local}"],
+                                     cwd=tmp_path, env=SUB_ENV, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        try:
+            res = subprocess.run(cmd, cwd=tmp_path, env=SUB_ENV, capture_output=True, text=True, timeout=300)
+        except subprocess.TimeoutExpired:
+            subprocess.run(["scancel", submitit_job_id(sweep)], check=False, timeout=30)
+            raise
+        logs = "\n".join(f"== {p}\n{p.read_text()[-2000:]}" for p in sorted((sweep / ".submitit").glob("*/*_log.*")))
+        assert res.returncode == 0, f"{res.stdout[-3000:]}\n{res.stderr[-3000:]}\n{logs}"
+        job_id = submitit_job_id(sweep)
+        script = (sweep / ".submitit" / job_id / f"{job_id}_submission.sh").read_text()
+        assert "#SBATCH --nodes=2\n" in script and "#SBATCH --ntasks-per-node=2\n" in script, script
+        job = job_records(job_id)[0]
+        assert (job["NumNodes"], job["NumTasks"], job["JobState"]) == ("2", "4", "COMPLETED"), job
+        for rank in range(4):
+            assert f"rank {rank}/4" in task_log(sweep, job_id, rank), task_log(sweep, job_id, rank)[-2000:]
+        local_run.wait(timeout=300)
+    finally:
+        if local_run.poll() is None:
+            local_run.kill()
+            local_run.wait()
+    assert local_run.returncode == 0, (tmp_path / "local.out").read_text()[-3000:]
     got, want = losses(sweep / "0" / "metrics.jsonl"), losses(local / "metrics.jsonl")
     assert len(got) == 3 and got == pytest.approx(want, rel=1e-6), (got, want)

@@ -130,7 +130,9 @@ def _check_spread(rows: list[dict[str, str]], per_node: int, nodes: list[str], j
 
 def test_chimera_on_two_nodes_one_task_each_equals_single_process(two_nodes: list[str], tmp_path: Path) -> None:
     sweep = tmp_path / "sweep"
-    code, out = _finish(_train(sweep, ["pipeline=chimera", "stages=2", "steps=3"]), sweep)
+    proc = _train(sweep, ["pipeline=chimera", "stages=2", "steps=3"])
+    expected = _single_process_losses(tmp_path, ["pipeline=chimera", "stages=2", "steps=3"])  # while the job runs
+    code, out = _finish(proc, sweep)
     assert code == 0, f"{out[-3000:]}\n{all_task_logs(sweep)}"
     job_id = submitit_job_id(sweep)
     script = (sweep / ".submitit" / job_id / f"{job_id}_submission.sh").read_text()
@@ -138,7 +140,6 @@ def test_chimera_on_two_nodes_one_task_each_equals_single_process(two_nodes: lis
     job = scontrol_job(job_id)
     assert (job["NumNodes"], job["NumTasks"]) == ("2", "2"), job
     _check_spread(_placement(sweep, job_id, 2), 1, two_nodes, job_id)
-    expected = _single_process_losses(tmp_path, ["pipeline=chimera", "stages=2", "steps=3"])
     assert losses(sweep / "0" / "metrics.jsonl") == pytest.approx(expected, rel=1e-6)
 
 
@@ -148,7 +149,9 @@ def test_four_workers_on_two_nodes_two_tasks_each_equal_single_process(two_nodes
     # that checks the account).
     sweep = tmp_path / "sweep"
     run = ["pipeline=1f1b", "stages=2", "data_parallel=2", "steps=3"]
-    code, out = _finish(_train(sweep, [*run, "cluster.partition=debug", "cluster.account=pf-ci"]), sweep)
+    proc = _train(sweep, [*run, "cluster.partition=debug", "cluster.account=pf-ci"])
+    expected = _single_process_losses(tmp_path, run, data_parallel=2)  # while the job runs
+    code, out = _finish(proc, sweep)
     assert code == 0, f"{out[-3000:]}\n{all_task_logs(sweep)}"
     job_id = submitit_job_id(sweep)
     script = (sweep / ".submitit" / job_id / f"{job_id}_submission.sh").read_text()
@@ -157,7 +160,6 @@ def test_four_workers_on_two_nodes_two_tasks_each_equal_single_process(two_nodes
     job = scontrol_job(job_id)
     assert (job["NumNodes"], job["NumTasks"], job["Partition"], job["Account"]) == ("2", "4", "debug", "pf-ci"), job
     _check_spread(_placement(sweep, job_id, 4), 2, two_nodes, job_id)
-    expected = _single_process_losses(tmp_path, run, data_parallel=2)
     assert losses(sweep / "0" / "metrics.jsonl") == pytest.approx(expected, rel=1e-6)
 
 
@@ -178,6 +180,7 @@ def test_preemption_with_tasks_on_both_nodes_checkpoints_requeues_and_resumes(tw
         wait_for_rows(sweep / "0" / "metrics.jsonl", 4, alive)
         job_id = submitit_job_id(sweep)
         preempt(job_id, alive)
+        expected = _single_process_losses(tmp_path, run)  # while the requeued job starts
     finally:
         code, out = _finish(proc, sweep)
     assert code == 0, f"{out[-3000:]}\n{all_task_logs(sweep)}"
@@ -193,7 +196,7 @@ def test_preemption_with_tasks_on_both_nodes_checkpoints_requeues_and_resumes(tw
     assert f"resumed from {sweep / '0' / 'checkpoints' / f'step_{stopped}'}: continuing at step {stopped + 1}" in log
     rows = [json.loads(line) for line in (sweep / "0" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == list(range(PREEMPT_STEPS))
-    assert [r["loss"] for r in rows] == pytest.approx(_single_process_losses(tmp_path, run), rel=1e-6)
+    assert [r["loss"] for r in rows] == pytest.approx(expected, rel=1e-6)
 
 
 def test_profile_on_two_nodes_records_each_workers_own_host(two_nodes: list[str], tmp_path: Path) -> None:
