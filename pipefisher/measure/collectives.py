@@ -57,9 +57,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from pipefisher.atomic import write_text_atomic
-from pipefisher.measure.executor_overhead import executor_overhead
 from pipefisher.measure.compute_rates import (compute_rate, kfac_rates, measured_bert, optimizer_rate, piece_seconds,
                                               tp_seconds)
+from pipefisher.measure.executor_overhead import executor_overhead
 from pipefisher.planning.comm_costs import OPS, collectives_json
 from pipefisher.planning.costs import STEP_BYTES_PER_PARAM
 from pipefisher.runtime.teardown import release_process_group

@@ -99,8 +99,8 @@ def piece_seconds(model: str, micro_batch_size: int, seq_len: int, max_predictio
     """Each piece a pipeline stage is made of, timed alone as a one-layer stage (``model.bert.BertStage``), the
     way a pipeline runs it: the embeddings from the batch, one encoder layer and the heads from a hidden state
     that needs its gradient (a stage's B computes its input's gradient). ``{piece: {"seconds_f", "seconds_fb",
-    "flops_f"}}`` for ``planning.comm_costs.PIECES`` (``flops_f``: the planner's forward FLOPs of the piece on one micro-batch,
-    ``model.partition.layer_costs``). A small stage's time is not its FLOPs at the whole model's rate: the
+    "flops_f"}}`` for ``planning.comm_costs.PIECES`` (``flops_f``: the planner's forward FLOPs of the piece on one
+    micro-batch, ``model.partition.layer_costs``). A small stage's time is not its FLOPs at the whole model's rate: the
     embeddings have almost no FLOPs and take a millisecond, and the per-call overhead weighs more on one layer
     than on the model."""
     from pipefisher.model.bert import BertStage
