@@ -38,6 +38,7 @@ Shape legend: B samples, S sequence length, L = S - 3 content positions, P max p
 from __future__ import annotations
 
 from collections.abc import Sequence
+from functools import lru_cache
 
 import numpy as np
 import torch
@@ -63,6 +64,14 @@ _MASK_ORDER, _MASK_KIND, _MASK_RANDOM_TOK, _SCALARS = range(6, 10)
 _NUM_ROWS = 10
 # Columns of the scalar row.
 _TOPIC, _OTHER_TOPIC, _A_START, _B_START, _SHORT, _TARGET_LEN, _SPLIT, _IS_RANDOM = range(8)
+
+
+@lru_cache(maxsize=4)  # a batch may straddle an epoch boundary; a process may build the same data again
+def _epoch_permutation(seed: int, epoch: int, num_samples: int) -> np.ndarray:
+    """The order of the sample ids in ``epoch`` (read-only: shared by every source of this seed)."""
+    perm = np.random.default_rng([seed, epoch]).permutation(num_samples)
+    perm.setflags(write=False)
+    return perm
 
 
 class SyntheticSource:
@@ -155,18 +164,12 @@ class SyntheticSource:
         )
         self._num_topics = num_topics
         self._topic_vocab = topic_vocab
-        self._perms: dict[int, np.ndarray] = {}  # epoch -> permutation of the sample ids
 
     def __len__(self) -> int:
         return self.num_samples
 
     def _epoch_permutation(self, epoch: int) -> np.ndarray:
-        perm = self._perms.get(epoch)
-        if perm is None:  # keep two: a batch may straddle an epoch boundary
-            perm = np.random.default_rng([self.seed % 2**63, epoch]).permutation(self.num_samples)
-            self._perms = {e: p for e, p in self._perms.items() if e == epoch - 1}
-            self._perms[epoch] = perm
-        return perm
+        return _epoch_permutation(self.seed % 2**63, epoch, self.num_samples)
 
     def _sample_ids(self, indices: np.ndarray) -> np.ndarray:
         epochs, offsets = np.divmod(indices, self.num_samples)
