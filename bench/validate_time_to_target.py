@@ -657,6 +657,18 @@ def top_pick_lines(doc: Mapping[str, Any]) -> list[str]:
 # --- report ----------------------------------------------------------------------------------------------------
 
 
+#: documents' alternative predictions of the same runs, and how each was priced (report lines)
+REPRICINGS = (
+    ("predicted_kfac_units_rounds", "with K-FAC's measured unit rates (compute.kfac_in_search)"),
+    ("predicted_flop_rate_rounds", "without the per-piece times (each stage's FLOPs at the whole model's rate, split "
+                                   "by the forward share)"),
+    ("predicted_no_overhead_rounds", "without the executor's overhead per action (compute.executor)"),
+    # files written at 695ee81-8e2b352, when the search used the share and K-FAC unit rates by default
+    ("predicted_legacy_rounds", "without the measured forward share and K-FAC unit rates (B = 2F, K-FAC at the "
+                                "model's rate)"),
+)
+
+
 def report(doc: Mapping[str, Any]) -> str:
     rows = assemble_rows(doc["predicted"], doc["measured"], doc.get("builtin"), doc.get("measured_k"))
     s = summary(rows)
@@ -687,36 +699,15 @@ def report(doc: Mapping[str, Any]) -> str:
             lines.append(f"round {r} alone (its own rates against its own runs, {len(rr)} pairs): Spearman "
                          f"{sr['spearman']:.3f}, median step error {statistics.median(x.error for x in rr):+.0%}, "
                          f"worst {sr['worst_error']:+.0%} ({sr['worst_pair']}), {sr['within_goal']} within 10 %")
-    if doc.get("predicted_kfac_units_rounds"):
-        alt = summary(assemble_rows(median_prediction(doc["predicted_kfac_units_rounds"]), doc["measured"]))
-        if "spearman" in alt:
-            lines.append(f"the same runs priced with K-FAC's measured unit rates (compute.kfac_in_search): Spearman "
-                         f"{alt['spearman']:.3f}, worst step error {alt['worst_error']:+.1%} ({alt['worst_pair']}), "
-                         f"{alt['within_goal']} of {alt['pairs']} within {GOAL_STEP_ERROR:.0%}")
-    if doc.get("predicted_flop_rate_rounds"):
-        alt_rows = assemble_rows(median_prediction(doc["predicted_flop_rate_rounds"]), doc["measured"])
-        alt = summary(alt_rows)
-        if "spearman" in alt:
-            lines.append(f"the same runs priced without the per-piece times (each stage's FLOPs at the whole model's "
-                         f"rate, split by the forward share): Spearman {alt['spearman']:.3f}, worst step error "
-                         f"{alt['worst_error']:+.1%} ({alt['worst_pair']}), {alt['within_goal']} of {alt['pairs']} "
-                         f"within {GOAL_STEP_ERROR:.0%}, median step error "
-                         f"{statistics.median(r.error for r in alt_rows):+.1%}")
-    if doc.get("predicted_no_overhead_rounds"):
-        alt_rows = assemble_rows(median_prediction(doc["predicted_no_overhead_rounds"]), doc["measured"])
-        alt = summary(alt_rows)
-        if "spearman" in alt:
-            lines.append(f"the same runs priced without the executor's overhead per action (compute.executor): "
-                         f"Spearman {alt['spearman']:.3f}, worst step error {alt['worst_error']:+.1%} "
-                         f"({alt['worst_pair']}), {alt['within_goal']} of {alt['pairs']} within {GOAL_STEP_ERROR:.0%}, "
-                         f"median step error {statistics.median(r.error for r in alt_rows):+.1%}")
-    if doc.get("predicted_legacy_rounds"):  # files written at 695ee81-8e2b352, when the search used them by default
-        old = summary(assemble_rows(median_prediction(doc["predicted_legacy_rounds"]), doc["measured"]))
-        if "spearman" in old:
-            lines.append(f"the same runs priced without the measured forward share and K-FAC unit rates (B = 2F, K-FAC "
-                         f"at the model's rate): Spearman {old['spearman']:.3f}, worst step error "
-                         f"{old['worst_error']:+.1%} ({old['worst_pair']}), {old['within_goal']} of {old['pairs']} "
-                         f"within {GOAL_STEP_ERROR:.0%}")
+    for key, how in REPRICINGS:  # the same runs priced another way from the same rates files
+        if doc.get(key):
+            alt_rows = assemble_rows(median_prediction(doc[key]), doc["measured"])
+            alt = summary(alt_rows)
+            if "spearman" in alt:
+                lines.append(f"the same runs priced {how}: Spearman {alt['spearman']:.3f}, worst step error "
+                             f"{alt['worst_error']:+.1%} ({alt['worst_pair']}), {alt['within_goal']} of {alt['pairs']} "
+                             f"within {GOAL_STEP_ERROR:.0%}, median step error "
+                             f"{statistics.median(r.error for r in alt_rows):+.1%}")
     twins = twin_spread(rows)
     if twins:
         lines.append("NVLAMB / AdamW measured step - 1 (the same pipeline, priced equal): " + ", ".join(
