@@ -69,7 +69,9 @@ SEARCH = [*MODEL, "global_batch=32", "memory_gb=8", "memory_device=cpu", "search
           f"calibration={CALIBRATION}", f"target_loss={TARGET_LOSS}"]
 BUILTIN_KEYS = ["flops_per_s=9.8e10", "p2p_bytes_per_s=2e9", "memory_bytes_per_s=1e10"]  # docs/time-to-target.md
 COLLECTIVES = ["--model", "bert-tiny", "--vocab-size", "8192", "--seq-len", "64", "--max-predictions", "10",
-               "--micro-batch-sizes", "8", "--max-bytes", "4m"]
+               "--micro-batch-sizes", "8", "--max-bytes", "4m", "--executor-micro-batches", "8"]
+# The executor's per-schedule steps (compute.executor.methods) are measured at N=8, the runs at N=4: the factor each
+# schedule's step is priced with is then a prediction for the runs, not a copy of one of them.
 DECAY_PER_STEP = 0.95  # the study's factor decay (no effect on a step's cost; kept so the runs are the study's)
 LOCK = "/tmp/pipefisher-bench.lock"
 GOAL_SPEARMAN, GOAL_STEP_ERROR = 0.8, 0.10
@@ -209,6 +211,15 @@ def without_executor_overhead(doc: Mapping[str, Any]) -> dict[str, Any]:
     (``compute.executor``), so the search adds nothing to each F, B, I and W."""
     out = json.loads(json.dumps(doc))
     out.get("compute", {}).pop("executor", None)
+    return out
+
+
+def without_executor_methods(doc: Mapping[str, Any]) -> dict[str, Any]:
+    """A ``measure.collectives`` document without the per-schedule executor steps (``compute.executor.methods``),
+    so the search scales no schedule's compute ([Note: per-schedule executor factor]); the overhead per action
+    stays."""
+    out = json.loads(json.dumps(doc))
+    (out.get("compute", {}).get("executor") or {}).pop("methods", None)
     return out
 
 
@@ -662,7 +673,9 @@ REPRICINGS = (
     ("predicted_kfac_units_rounds", "with K-FAC's measured unit rates (compute.kfac_in_search)"),
     ("predicted_flop_rate_rounds", "without the per-piece times (each stage's FLOPs at the whole model's rate, split "
                                    "by the forward share)"),
-    ("predicted_no_overhead_rounds", "without the executor's overhead per action (compute.executor)"),
+    ("predicted_no_overhead_rounds", "without the executor's terms (compute.executor: its overhead per action and, "
+                                     "where measured, the per-schedule factors)"),
+    ("predicted_no_schedule_factor_rounds", "without the per-schedule executor factors (compute.executor.methods)"),
     # files written at 695ee81-8e2b352, when the search used the share and K-FAC unit rates by default
     ("predicted_legacy_rounds", "without the measured forward share and K-FAC unit rates (B = 2F, K-FAC at the "
                                 "model's rate)"),
@@ -808,6 +821,10 @@ def main() -> None:
             no_overhead.write_text(json.dumps(without_executor_overhead(json.loads(rates.read_text()))))
             doc.setdefault("predicted_no_overhead_rounds", []).append(
                 predict(args.out / f"search-round{r}-no-overhead", [f"comm_costs={no_overhead}"])[0])
+            no_factor = args.out / f"collectives-round{r}-no-schedule-factor.json"
+            no_factor.write_text(json.dumps(without_executor_methods(json.loads(rates.read_text()))))
+            doc.setdefault("predicted_no_schedule_factor_rounds", []).append(
+                predict(args.out / f"search-round{r}-no-schedule-factor", [f"comm_costs={no_factor}"])[0])
             if r == 0:  # what runs: round 0's search (PipeFisher's plan from its rates)
                 doc.update(search_top=search["top"], refused=search["refused"], search_text=search["text"])
                 files = write_strategies(args.out / f"search-round{r}", keys, pairs)

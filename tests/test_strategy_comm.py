@@ -86,7 +86,7 @@ def test_measurement_at_world_2_writes_fits_the_search_reads(tmp_path: Path):
     out = tmp_path / "coll.json"
     doc = measure_collectives(out, world=2, min_bytes=4096, max_bytes=256 << 10, repeats=3, budget_s=0.05,
                               model="bert-tiny", micro_batch_sizes=[2], seq_len=32, max_predictions=5,
-                              executor_micro_batches=2)
+                              executor_micro_batches=2, executor_methods=["gpipe", "chimera", "zb-v"])
     assert doc["backend"] == "gloo" and doc["world_size"] == 2
     assert set(doc["ops"]) == {"all_reduce", "all_gather", "reduce_scatter", "p2p"}
     for op, groups in doc["ops"].items():
@@ -114,6 +114,11 @@ def test_measurement_at_world_2_writes_fits_the_search_reads(tmp_path: Path):
     assert executor["overhead_per_action_s"] == pytest.approx(
         max(0.0, executor["step_seconds"] - executor["simulated_seconds"]) / 6)
     assert CommCosts.from_json(out).action_overhead_s == executor["overhead_per_action_s"]
+    methods = executor["methods"]  # GPipe's row is the overhead's own run; zb-v needs N >= 2D = 4
+    assert methods["gpipe"]["step_seconds"] == executor["step_seconds"]
+    assert methods["chimera"]["step_seconds"] > 0 and methods["chimera"]["micro_batches"] == 2
+    assert "num_micro_batches" in methods["zb-v"]["refused"]
+    assert set(CommCosts.from_json(out).executor_steps) == {"gpipe", "chimera"}
     assert CommCosts.from_json(out).piece_seconds[2]["heads"] == tuple(rate["pieces"]["heads"][k] for k in
                                                                        ("seconds_f", "seconds_fb", "flops_f"))
     units = doc["compute"]["kfac"]["2"]
@@ -363,4 +368,72 @@ def test_the_executor_overhead_is_added_to_every_compute_action_the_search_price
     (tmp_path / "bad.json").write_text(json.dumps(collectives_json(
         "gloo", "cpu", 2, {"all_reduce": {2: [(4096.0, 1e-4), (65536.0, 2e-4)]}}, compute=compute)))
     with pytest.raises(ValueError, match="compute.executor.overhead_per_action_s"):
+        CommCosts.from_json(tmp_path / "bad.json")
+
+
+def test_solve_factor_finds_the_scale_that_matches_a_measured_step_and_clamps_outside_its_range():
+    from pipefisher.planning.executor_calibration import FACTOR_RANGE, scale_compute, solve_factor
+    from pipefisher.simulate import CostModel
+
+    def step(r: float) -> float:
+        return 0.1 + 0.5 * r  # a fixed part (STEP, messages) and a scaled one
+
+    assert solve_factor(step, 0.85) == pytest.approx(1.5, abs=1e-3)
+    assert solve_factor(step, 0.01) == FACTOR_RANGE[0] and solve_factor(step, 10.0) == FACTOR_RANGE[1]
+    with pytest.raises(ValueError, match="positive"):
+        solve_factor(step, 0.0)
+    cost = CostModel(forward_ns=(10, 20), backward_ns=(30, 40), step_ns=7, p2p_ns=3, input_grad_ns=(5, 6),
+                     weight_grad_ns=(1, 2))
+    scaled = scale_compute(cost, 2.0)
+    assert (scaled.forward_ns, scaled.backward_ns, scaled.input_grad_ns, scaled.weight_grad_ns) == (
+        (20, 40), (60, 80), (10, 12), (2, 4))
+    assert (scaled.step_ns, scaled.p2p_ns) == (7, 3)
+
+
+def test_a_measured_schedule_step_is_matched_at_its_shape_and_scales_that_schedule_alone(tmp_path: Path):
+    """With a schedule's executor step measured (compute.executor.methods), the search's simulated step of that
+    schedule at the measured shape equals it, the factor carries to its other shapes at the same D (more
+    micro-batches, another optimizer), and other schedules and other D are priced as before. The file round-trips
+    the measured steps, skips refused ones and names a bad field."""
+    from dataclasses import replace
+
+    from pipefisher.model.config import BertConfig
+    from pipefisher.planning.comm_costs import ExecutorStep
+    from pipefisher.planning.costs import RunShape
+    from pipefisher.planning.predict import predict_schedule
+    from pipefisher.planning.strategy_search import executor_factor, pipeline_costs
+
+    fits = {"all_reduce": {2: LinkFit(50e-6, 2e9)}, "p2p": {2: LinkFit(20e-6, 4e9)}}
+    plain = CommCosts(fits, Hardware(), "test", {8: 5e10}, 4e9, compute_model=("bert-tiny", 64, 10),
+                      action_overhead_s=1e-3)
+    hw = plain.hardware_for(8)
+    bert = BertConfig.from_size("tiny")
+
+    def step(comm: CommCosts, method: str, stages: int = 2, n: int = 4, optimizer: str = "nvlamb") -> float:
+        run = RunShape(bert, method, stages, n, 8, seq_len=64, max_predictions=10)
+        return predict_schedule(run.build_schedule(dp_width=1), pipeline_costs(run, hw, comm,
+                                                                               optimizer=optimizer))[0].step_time_s
+
+    before = step(plain, "chimera")
+    measured = replace(plain, executor_steps={"chimera": ExecutorStep(2, 4, 8, 1, 1.4 * before)})
+    assert step(measured, "chimera") == pytest.approx(1.4 * before, rel=1e-3)
+    factor = executor_factor(RunShape(bert, "chimera", 2, 8, 8, seq_len=64, max_predictions=10), measured)
+    assert factor > 1.4  # the fixed STEP and messages are not scaled: the compute must grow more
+    assert step(measured, "chimera", n=8) > step(plain, "chimera", n=8) * 1.3
+    assert step(measured, "chimera", optimizer="adamw") > step(plain, "chimera", optimizer="adamw") * 1.3
+    assert step(measured, "1f1b") == step(plain, "1f1b")  # not measured: as before
+    assert step(measured, "chimera", stages=4) == step(plain, "chimera", stages=4)  # measured at D=2 only
+    compute = {"model": "bert-tiny", "seq_len": 64, "max_predictions": 10,
+               "micro_batch": {"8": {"flops_per_s": 5e10, "seconds_fb": 0.3}},
+               "executor": {"overhead_per_action_s": 1e-3, "methods": {
+                   "chimera": {"stages": 2, "micro_batches": 4, "micro_batch_size": 8, "num_virtual": 1,
+                               "step_seconds": 0.25, "simulated_seconds": 0.2},
+                   "zb-v": {"refused": "num_micro_batches=4: zb-v needs at least 2 x stages"}}}}
+    doc = collectives_json("gloo", "cpu", 2, {"all_reduce": {2: [(4096.0, 1e-4), (65536.0, 2e-4)]}}, compute=compute)
+    (tmp_path / "ok.json").write_text(json.dumps(doc))
+    assert CommCosts.from_json(tmp_path / "ok.json").executor_steps == {"chimera": ExecutorStep(2, 4, 8, 1, 0.25)}
+    compute["executor"]["methods"]["chimera"]["step_seconds"] = 0.0
+    (tmp_path / "bad.json").write_text(json.dumps(collectives_json(
+        "gloo", "cpu", 2, {"all_reduce": {2: [(4096.0, 1e-4), (65536.0, 2e-4)]}}, compute=compute)))
+    with pytest.raises(ValueError, match="compute.executor.methods"):
         CommCosts.from_json(tmp_path / "bad.json")

@@ -184,3 +184,11 @@ def test_without_executor_overhead_drops_only_the_executor_row_on_a_copy(v):
     assert "executor" not in stripped["compute"] and doc["compute"]["executor"]
     stripped["compute"]["executor"] = doc["compute"]["executor"]
     assert stripped == doc
+
+
+def test_without_executor_methods_keeps_the_overhead_and_drops_the_schedules_steps_on_a_copy(v):
+    methods = {"chimera": {"stages": 2, "micro_batches": 8, "micro_batch_size": 8, "step_seconds": 0.4}}
+    doc = {"format": "x", "compute": {"executor": {"overhead_per_action_s": 1e-3, "methods": methods}}}
+    stripped = v.without_executor_methods(doc)
+    assert stripped["compute"]["executor"] == {"overhead_per_action_s": 1e-3} and doc["compute"]["executor"]["methods"]
+    assert v.without_executor_methods({"format": "x"}) == {"format": "x"}

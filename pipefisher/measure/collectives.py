@@ -22,7 +22,10 @@ its own measured rate, where the file has them (``planning.strategy_search.hybri
 With ``--executor-micro-batches N`` (default 4) a GPipe pipeline of the model over the ``world`` processes runs a
 few steps with the real executor; what its step takes beyond the simulator's step from the same step's F, B and
 STEP times, per compute action on the critical path, is ``compute.executor.overhead_per_action_s``: the search adds
-it to every F, B, I and W (``measure.executor_overhead``).
+it to every F, B, I and W (``measure.executor_overhead``). With ``--executor-methods`` (default every schedule the
+search ranks) each of those schedules runs the same way and its measured step is stored
+(``compute.executor.methods.<method>``): the search scales that schedule's F, B, I and W at this D so that its
+simulated step equals the measured one (``planning.executor_calibration``).
 Beside each forward + backward the forward alone is timed (``seconds_f``: the search splits a stage's time
 into F and B by that share, not by the FLOP count's 1:2), and K-FAC's per-micro-batch units on one encoder
 layer's Linear shapes with the runtime's own kernels (``optim.kfac_factors``: the curvature sums of the
@@ -59,7 +62,7 @@ import torch.multiprocessing as mp
 from pipefisher.atomic import write_text_atomic
 from pipefisher.measure.compute_rates import (compute_rate, kfac_rates, measured_bert, optimizer_rate, piece_seconds,
                                               tp_seconds)
-from pipefisher.measure.executor_overhead import executor_overhead
+from pipefisher.measure.executor_overhead import executor_overhead, executor_steps
 from pipefisher.planning.comm_costs import OPS, collectives_json
 from pipefisher.planning.costs import STEP_BYTES_PER_PARAM
 from pipefisher.runtime.teardown import release_process_group
@@ -200,6 +203,13 @@ def _worker(rank: int, world: int, port: int, backend: str, sizes: Sequence[int]
                 extra["compute"]["executor"] = executor_overhead(
                     compute["model"], compute["micro_batch_sizes"][0], compute["seq_len"], compute["max_predictions"],
                     device, compute["executor_micro_batches"], vocab_size=compute["vocab_size"])
+                methods = [m for m in compute.get("executor_methods", ()) if m != "gpipe"]
+                if compute.get("executor_methods"):
+                    gpipe = {k: v for k, v in extra["compute"]["executor"].items() if k != "overhead_per_action_s"}
+                    extra["compute"]["executor"]["methods"] = {"gpipe": gpipe, **executor_steps(
+                        methods, compute["model"], compute["micro_batch_sizes"][0], compute["seq_len"],
+                        compute["max_predictions"], device, compute["executor_micro_batches"],
+                        vocab_size=compute["vocab_size"])}
         if rank == 0:
             doc = collectives_json(backend, device.type if device.type == "cpu" else torch.cuda.get_device_name(device),
                                    world, points, threads_per_process=threads, torch=torch.__version__,
@@ -214,7 +224,8 @@ def measure_collectives(out: str | os.PathLike, world: int = 2, backend: str = "
                         max_bytes: int = 16 << 20, repeats: int = 20, budget_s: float = 0.5, model: str | None = None,
                         micro_batch_sizes: Sequence[int] = (8,), seq_len: int = 128,
                         max_predictions: int = 20, vocab_size: int | None = None,
-                        executor_micro_batches: int = 0) -> dict[str, Any]:
+                        executor_micro_batches: int = 0,
+                        executor_methods: Sequence[str] = ()) -> dict[str, Any]:
     """Measure and write ``out``; returns the document written.
 
     Args:
@@ -232,6 +243,9 @@ def measure_collectives(out: str | os.PathLike, world: int = 2, backend: str = "
         executor_micro_batches: with ``model``, N of a GPipe pipeline over the ``world`` processes whose executor
             overhead per action is measured (``measure.executor_overhead``; at the first micro-batch size; where
             the model has at least ``world`` pipeline layers); 0: not measured.
+        executor_methods: with ``executor_micro_batches``, the schedules (``planning.whatif.METHODS``) whose
+            step is measured the same way (``compute.executor.methods``; those the shape refuses are recorded with
+            the reason); GPipe's is the overhead's own run.
 
     Raises:
         ValueError: a bad argument, naming it.
@@ -255,9 +269,15 @@ def measure_collectives(out: str | os.PathLike, world: int = 2, backend: str = "
             raise ValueError(f"--vocab-size={vocab_size}: give the run's model.vocab_size (a positive count)")
         if executor_micro_batches < 0:
             raise ValueError(f"--executor-micro-batches={executor_micro_batches}: give N >= 1, or 0 for none")
+        from pipefisher.planning.whatif import METHODS
+
+        unknown = [m for m in executor_methods if m not in METHODS]
+        if unknown:
+            raise ValueError(f"--executor-methods={','.join(executor_methods)}: {', '.join(unknown)} unknown; choose "
+                             f"from {', '.join(METHODS)}, or all")
         compute = {"model": model, "micro_batch_sizes": list(micro_batch_sizes), "seq_len": seq_len,
                    "max_predictions": max_predictions, "vocab_size": vocab_size,
-                   "executor_micro_batches": executor_micro_batches}
+                   "executor_micro_batches": executor_micro_batches, "executor_methods": list(executor_methods)}
     threads = max(1, (os.cpu_count() or 1) // world) if backend == "gloo" else 1
     port = _free_port()
     mp.start_processes(_worker, args=(world, port, backend, sizes, repeats, budget_s, threads, str(out), compute),
@@ -295,13 +315,21 @@ def main(argv: Sequence[str] | None = None) -> None:
     p.add_argument("--executor-micro-batches", type=int, default=4,
                    help="--model: N of the GPipe pipeline over --world processes whose executor overhead per action "
                         "is measured (default 4; 0: none)")
+    p.add_argument("--executor-methods", default="all",
+                   help="--model: schedules whose executor step is measured at N=--executor-micro-batches over --world "
+                        "processes, comma-separated, 'all' (the default: every schedule the search ranks) or 'gpipe' "
+                        "(the overhead's run alone)")
     args = p.parse_args(argv)
+    from pipefisher.planning.whatif import METHODS
+
+    methods = list(METHODS) if args.executor_methods == "all" else [m for m in args.executor_methods.split(",") if m]
     try:
         doc = measure_collectives(args.out, args.world, args.backend, _bytes(args.min_bytes), _bytes(args.max_bytes),
                                   args.repeats, model=args.model,
                                   micro_batch_sizes=[int(x) for x in args.micro_batch_sizes.split(",")],
                                   seq_len=args.seq_len, max_predictions=args.max_predictions,
-                                  vocab_size=args.vocab_size, executor_micro_batches=args.executor_micro_batches)
+                                  vocab_size=args.vocab_size, executor_micro_batches=args.executor_micro_batches,
+                                  executor_methods=methods)
     except ValueError as exc:
         raise SystemExit(f"collectives: {exc}") from None
     print(f"{doc['backend']} on {doc['device']}, {doc['world_size']} processes, "
@@ -321,6 +349,10 @@ def main(argv: Sequence[str] | None = None) -> None:
         print(f"  executor (GPipe, D={e['stages']}, N={e['micro_batches']}): step {e['step_seconds'] * 1e3:.1f} ms "
               f"against {e['simulated_seconds'] * 1e3:.1f} ms simulated from its own F/B/STEP: "
               f"{e['overhead_per_action_s'] * 1e3:.2f} ms per compute action")
+        for m, row in e.get("methods", {}).items():
+            print(f"    {m:>16}: " + (f"refused ({row['refused']})" if "refused" in row else
+                                     f"step {row['step_seconds'] * 1e3:.1f} ms, {row['simulated_seconds'] * 1e3:.1f} ms "
+                                     f"simulated from its own F/B/STEP"))
     print(f"wrote {args.out}")
 
 

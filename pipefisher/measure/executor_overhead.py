@@ -9,31 +9,54 @@ the same way on one GPipe pipeline of ``world`` stages (the real ``PipelineWorke
 ``overhead_per_action_s`` = (the measured step − the simulated one) / the compute actions on GPipe's critical path,
 2 (N + D − 1). ``measure.collectives --model`` runs it in its own process group and stores it as
 ``compute.executor``.
+
+The same run of other schedules (:func:`executor_steps`; ``measure.collectives --executor-methods``) stores each
+one's measured step (``compute.executor.methods.<method>``): the search solves for the factor by which that
+schedule's F, B, I and W run longer in the executor than the pieces measured alone
+(``planning.executor_calibration``), which the gap per action cannot carry where a schedule keeps every worker
+busy at once (Chimera's F and B took 1.46× GPipe's on two EPYC cores, bench/studies/20-time-to-target-validation.md).
 """
 
 from __future__ import annotations
 
 import statistics
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["executor_overhead", "gpipe_config"]
+__all__ = ["executor_overhead", "executor_steps", "gpipe_config", "pipeline_config"]
 
 
 def gpipe_config(model: str, micro_batch_size: int, num_micro_batches: int, seq_len: int, max_predictions: int,
                  stages: int, device: torch.device, vocab_size: int | None = None) -> Any:
     """train.py's config of a GPipe pipeline of ``stages`` stages on ``model`` at this shape (synthetic data,
     NVLAMB, no evaluation, no logging): what the overhead is measured on."""
+    return pipeline_config("gpipe", model, micro_batch_size, num_micro_batches, seq_len, max_predictions, stages,
+                           device, vocab_size)
+
+
+def pipeline_config(method: str, model: str, micro_batch_size: int, num_micro_batches: int, seq_len: int,
+                    max_predictions: int, stages: int, device: torch.device, vocab_size: int | None = None) -> Any:
+    """train.py's config of a ``method`` pipeline (a schedule name the search uses: ``chimera-doubling`` is
+    Chimera with forward doubling) of ``stages`` stages on ``model`` at this shape (synthetic data, NVLAMB, no
+    evaluation, no logging).
+
+    Raises:
+        ValueError: the shape does not admit the method (train.py's own check, naming the field).
+    """
     from hydra import compose, initialize_config_dir
 
     import pipefisher
     from pipefisher.config.schema import register_configs, to_train_config
+    from pipefisher.config.validation import validate
 
-    overrides = [f"model={model}", "pipeline=gpipe", f"stages={stages}", f"micro_batch_size={micro_batch_size}",
+    pipeline = ["pipeline=chimera", "pipeline.chimera_stacking=doubling"] if method == "chimera-doubling" \
+        else [f"pipeline={method}"]
+    overrides = [f"model={model}", *pipeline, f"stages={stages}", f"micro_batch_size={micro_batch_size}",
                  f"num_micro_batches={num_micro_batches}", f"data.seq_len={seq_len}",
                  f"data.max_predictions={max_predictions}", "optimizer=nvlamb", f"device={device.type}",
                  "progress=false", "wandb.mode=disabled", "eval.every_steps=0"]
@@ -42,7 +65,9 @@ def gpipe_config(model: str, micro_batch_size: int, num_micro_batches: int, seq_
     register_configs()
     with initialize_config_dir(config_dir=str(Path(pipefisher.__file__).resolve().parent / "conf"),
                                version_base="1.3"):
-        return to_train_config(compose(config_name="config", overrides=overrides))
+        cfg = to_train_config(compose(config_name="config", overrides=overrides))
+    validate(cfg)
+    return cfg
 
 
 def executor_overhead(model: str, micro_batch_size: int, seq_len: int, max_predictions: int, device: torch.device,
@@ -53,15 +78,40 @@ def executor_overhead(model: str, micro_batch_size: int, seq_len: int, max_predi
     "simulated_seconds", "overhead_per_action_s"}``: the median over the measured steps of the slowest rank's step,
     the median of the simulator's step from each step's own per-stage F/B means and each worker's STEP, and their
     difference (0 if negative) per compute action on the critical path. Call it on every rank."""
+    row = _timed_steps("gpipe", model, micro_batch_size, seq_len, max_predictions, device, num_micro_batches, steps,
+                       warmup, vocab_size)
+    critical = 2 * (num_micro_batches + dist.get_world_size() - 1)
+    return {**row, "overhead_per_action_s": max(0.0, row["step_seconds"] - row["simulated_seconds"]) / critical}
+
+
+def executor_steps(methods: Sequence[str], model: str, micro_batch_size: int, seq_len: int, max_predictions: int,
+                   device: torch.device, num_micro_batches: int = 4, steps: int = 6, warmup: int = 2,
+                   vocab_size: int | None = None) -> dict[str, dict[str, Any]]:
+    """Each of ``methods`` run as :func:`executor_overhead` runs GPipe (one stage per rank of the default process
+    group): ``method -> {"stages", "micro_batches", "micro_batch_size", "num_virtual", "step_seconds",
+    "simulated_seconds"}``, or ``{"refused": reason}`` where train.py's check refuses the method at this shape.
+    Call it on every rank."""
+    out: dict[str, dict[str, Any]] = {}
+    for method in methods:
+        try:
+            out[method] = _timed_steps(method, model, micro_batch_size, seq_len, max_predictions, device,
+                                       num_micro_batches, steps, warmup, vocab_size)
+        except ValueError as exc:  # the same config on every rank: every rank refuses it alike
+            out[method] = {"refused": str(exc).splitlines()[0]}
+    return out
+
+
+def _timed_steps(method: str, model: str, micro_batch_size: int, seq_len: int, max_predictions: int,
+                 device: torch.device, num_micro_batches: int, steps: int, warmup: int,
+                 vocab_size: int | None) -> dict[str, Any]:
     from pipefisher.runtime.pipeline_worker import PipelineWorker
     from pipefisher.runtime.step_metrics import measured_costs
     from pipefisher.simulate import simulate
 
     rank, world = dist.get_rank(), dist.get_world_size()
-    cfg = gpipe_config(model, micro_batch_size, num_micro_batches, seq_len, max_predictions, world, device,
-                       vocab_size)
+    cfg = pipeline_config(method, model, micro_batch_size, num_micro_batches, seq_len, max_predictions, world, device,
+                          vocab_size)
     worker = PipelineWorker(cfg, rank, world, device)
-    critical = 2 * (num_micro_batches + world - 1)
     walls, simulated = [], []
     for step in range(warmup + steps):
         dist.barrier()
@@ -82,7 +132,7 @@ def executor_overhead(model: str, micro_batch_size: int, seq_len: int, max_predi
             simulated.append((max(e.end_ns for e in timeline) - min(e.start_ns for e in timeline)) / 1e9)
     sim = [statistics.median(simulated) if simulated else 0.0]
     dist.broadcast_object_list(sim, src=0)
-    step_s = statistics.median(walls)
-    return {"method": "gpipe", "stages": world, "micro_batches": num_micro_batches,
-            "micro_batch_size": micro_batch_size, "step_seconds": step_s, "simulated_seconds": sim[0],
-            "overhead_per_action_s": max(0.0, step_s - sim[0]) / critical}
+    del worker
+    return {"method": method, "stages": world, "micro_batches": num_micro_batches,
+            "micro_batch_size": micro_batch_size, "num_virtual": int(cfg.pipeline.num_virtual),
+            "step_seconds": statistics.median(walls), "simulated_seconds": sim[0]}

@@ -34,7 +34,7 @@ from typing import Any
 
 from pipefisher.planning.costs import Hardware
 
-__all__ = ["COLLECTIVES_FORMAT", "OPS", "PIECES", "CommCosts", "LinkFit", "collectives_json", "fit_latency_bandwidth"]
+__all__ = ["COLLECTIVES_FORMAT", "OPS", "PIECES", "CommCosts", "ExecutorStep", "LinkFit", "collectives_json", "fit_latency_bandwidth"]
 
 COLLECTIVES_FORMAT = "pipefisher-collectives/1"
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "p2p")
@@ -96,6 +96,18 @@ def _ring_share(op: str, g: int) -> float:
 
 
 @dataclass(frozen=True)
+class ExecutorStep:
+    """One schedule's step as the executor ran it (``measure.executor_overhead.executor_steps``): the shape it ran
+    at (the file's ``compute.model`` and ``seq_len``) and the median measured step."""
+
+    stages: int
+    micro_batches: int
+    micro_batch_size: int
+    num_virtual: int
+    step_seconds: float
+
+
+@dataclass(frozen=True)
 class CommCosts:
     """Seconds of a collective of ``bytes`` ([Note: what a message's bytes are]) over a group.
 
@@ -120,6 +132,9 @@ class CommCosts:
         action_overhead_s: the executor's own time per compute action (``compute.executor.overhead_per_action_s``,
             measured on a GPipe pipeline: ``measure.executor_overhead``), which the search adds to every F, B, I
             and W; 0 where not measured.
+        executor_steps: schedule (``RunShape.method``) -> its step as the executor ran it at the file's model and
+            ``processes`` stages (``compute.executor.methods``), if measured; the search scales that schedule's F, B,
+            I and W at that D to match it (``planning.executor_calibration``).
         kfac_in_search: price CURV_A/CURV_B, PRECOND and (K-FAC's Cholesky) INVERT at those rates in the search
             (the file's ``compute.kfac_in_search``; off unless a file says so: on two idle validations it made the
             predicted steps worse, bench/studies/20-time-to-target-validation.md).
@@ -138,6 +153,9 @@ class CommCosts:
     kfac_in_search: bool = False
     piece_seconds: Mapping[int, Mapping[str, tuple[float, float, float]]] = field(default_factory=dict)
     action_overhead_s: float = 0.0
+    executor_steps: Mapping[str, ExecutorStep] = field(default_factory=dict)
+    #: the search's solved scale per (schedule, hardware, split ratio): filled on first use, not part of equality
+    factor_cache: dict[Any, float] = field(default_factory=dict, compare=False, repr=False)
 
     def nearest(self, table: Mapping[int, Any], micro_batch_size: int) -> Any:
         """``table``'s entry at the measured micro-batch size nearest ``micro_batch_size`` (the larger on a
@@ -224,6 +242,10 @@ class CommCosts:
                                for name, p in row["pieces"].items()}
                       for b, row in (compute.get("micro_batch") or {}).items() if "pieces" in row}
             overhead = float((compute.get("executor") or {}).get("overhead_per_action_s", 0.0))
+            executor = {m: ExecutorStep(int(row["stages"]), int(row["micro_batches"]), int(row["micro_batch_size"]),
+                                        int(row.get("num_virtual", 1)), float(row["step_seconds"]))
+                        for m, row in ((compute.get("executor") or {}).get("methods") or {}).items()
+                        if "refused" not in row}
             kfac = {int(b): (float(row["curvature_flops_per_s"]), float(row["precondition_flops_per_s"]),
                              float(row["invert_flops_per_s"]) if "invert_flops_per_s" in row else None)
                     for b, row in (compute.get("kfac") or {}).items()}
@@ -231,7 +253,8 @@ class CommCosts:
             raise ValueError(f"comm_costs={path}: field compute needs model, seq_len, max_predictions, "
                              f"micro_batch.<size>.flops_per_s, optimizer_step.memory_bytes_per_s and, if present, "
                              f"tensor_parallel.<tp>.<size>.seconds_fb, micro_batch.<size>.seconds_f, "
-                             f"micro_batch.<size>.pieces.<piece>.seconds_f / seconds_fb / flops_f, executor.overhead_per_action_s and "
+                             f"micro_batch.<size>.pieces.<piece>.seconds_f / seconds_fb / flops_f, executor.overhead_per_action_s, "
+                             f"executor.methods.<method>.stages / micro_batches / micro_batch_size / step_seconds and "
                              f"kfac.<size>.curvature_flops_per_s / precondition_flops_per_s / invert_flops_per_s "
                              f"(numbers); {make}") from None
         unit_rates = [x for unit in kfac.values() for x in unit if x is not None]
@@ -244,6 +267,11 @@ class CommCosts:
         if not 0 <= overhead < 1 or not math.isfinite(overhead):
             raise ValueError(f"comm_costs={path}: field compute.executor.overhead_per_action_s={overhead}: seconds per "
                              f"action, >= 0 and below 1; {make}")
+        if any(not (e.step_seconds > 0 and math.isfinite(e.step_seconds)) or min(e.stages, e.micro_batches,
+                                                                                   e.micro_batch_size) < 1
+               for e in executor.values()):
+            raise ValueError(f"comm_costs={path}: field compute.executor.methods: each measured step needs "
+                             f"step_seconds > 0 and stages, micro_batches, micro_batch_size >= 1; {make}")
         for b, row in pieces.items():
             unknown = sorted(set(row) - set(PIECES))
             if unknown or any(not 0 < f < fb or not flops >= 0 for f, fb, flops in row.values()):
@@ -251,7 +279,7 @@ class CommCosts:
                                  f"{', '.join(PIECES)} (not {', '.join(unknown) or 'others'}), each with 0 < seconds_f "
                                  f"< seconds_fb and flops_f >= 0; {make}")
         return cls(fits, hardware, str(path), rates, memory, tp, shape, vocab, share, kfac,
-                   bool(compute.get("kfac_in_search", False)), pieces, overhead)
+                   bool(compute.get("kfac_in_search", False)), pieces, overhead, executor)
 
     def describe(self) -> str:
         """One line: the source and each measured op's group sizes."""
@@ -275,6 +303,10 @@ class CommCosts:
                 for b, row in sorted(self.piece_seconds.items()))
         if self.action_overhead_s:
             text += f"; executor {self.action_overhead_s * 1e3:.2f} ms per compute action"
+        if self.executor_steps:
+            text += "; executor steps measured: " + ", ".join(
+                f"{m} D={e.stages} N={e.micro_batches} {e.step_seconds * 1e3:.0f} ms"
+                for m, e in self.executor_steps.items())
         if self.kfac_flops_per_s:
             units = [f"micro-batch {b}: curvature {c / 1e9:.2f}, preconditioning {p / 1e9:.2f}"
                      + (f", inversion {i / 1e9:.2f}" if i else "") + " GFLOP/s"

@@ -96,6 +96,7 @@ from pipefisher.model.partition import layer_costs
 from pipefisher.planning.calibration import Calibration
 from pipefisher.planning.comm_costs import PIECES, CommCosts
 from pipefisher.planning.costs import Hardware, RunShape, estimate_run_costs, kfac_linear_dims, stage_parameters
+from pipefisher.planning.executor_calibration import scale_compute, solve_factor
 from pipefisher.planning.memory import (activation_peak, device_overhead, estimate_memory, heads_backward_bytes,
                                         mmapped_parameters, saved_heads_bytes, tied_parameters,
                                         worker_parameters)
@@ -112,7 +113,7 @@ from pipefisher.schedules.kfac import critical_path_assignment
 from pipefisher.simulate import CostModel, peak_activations
 
 __all__ = ["HybridMemory", "Strategy", "format_strategies", "hybrid_costs", "hybrid_memory_per_worker",
-           "model_stages", "pipeline_costs", "recompute_order", "search_strategies", "strategy_plan", "tp_available",
+           "executor_factor", "model_stages", "pipeline_costs", "recompute_order", "search_strategies", "strategy_plan", "tp_available",
            "tp_sharded_parameters"]
 
 log = logging.getLogger(__name__)
@@ -494,7 +495,32 @@ def pipeline_costs(run: RunShape, hardware: Hardware, comm: CommCosts | None = N
     comm = comm if comm is not None else CommCosts({}, hardware)
     cost = hybrid_costs(run, sdp, tp, hardware, comm, schedule, optimizer)
     cost = split_backward_costs(cost, split_backward_ratio) if run.method in SPLIT_METHODS else cost
-    return with_action_overhead(cost, comm.action_overhead_s)
+    factor = executor_factor(run, comm, split_backward_ratio)
+    return with_action_overhead(scale_compute(cost, factor), comm.action_overhead_s)
+
+
+def executor_factor(run: RunShape, comm: CommCosts, split_backward_ratio: float = SPLIT_BACKWARD_RATIO) -> float:
+    """The factor by which ``run.method``'s F, B, I and W are scaled at the D its step was measured at
+    ([Note: per-schedule executor factor], ``planning.executor_calibration``); 1 where ``comm`` has no measured
+    step of that schedule at ``run.stages``. Solved once per schedule and hardware, then cached on ``comm``."""
+    e = comm.executor_steps.get(run.method)
+    if e is None or e.stages != run.stages or comm.compute_model is None:
+        return 1.0
+    key = (run.method, comm.hardware, split_backward_ratio)
+    if key not in comm.factor_cache:
+        size, seq_len, max_predictions = comm.compute_model
+        bert = BertConfig.from_size(size.removeprefix("bert-"))
+        if comm.compute_vocab_size is not None:
+            bert = replace(bert, vocab_size=comm.compute_vocab_size)
+        shape = RunShape(bert, run.method, e.stages, e.micro_batches, e.micro_batch_size, 1, e.num_virtual, seq_len,
+                         max_predictions)
+        schedule = shape.build_schedule(dp_width=1)
+        base = hybrid_costs(shape, 1, 1, comm.hardware_for(e.micro_batch_size), comm, schedule)
+        base = split_backward_costs(base, split_backward_ratio) if run.method in SPLIT_METHODS else base
+        comm.factor_cache[key] = solve_factor(lambda r: predict_schedule(
+            schedule, with_action_overhead(scale_compute(base, r), comm.action_overhead_s))[0].step_time_s,
+            e.step_seconds)
+    return comm.factor_cache[key]
 
 
 def with_action_overhead(cost: CostModel, seconds: float) -> CostModel:

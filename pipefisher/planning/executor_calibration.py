@@ -1,0 +1,66 @@
+"""Per-schedule calibration of the search's step: the factor by which a schedule's compute actions run longer in
+the executor than the pieces measured alone.
+
+[Note: per-schedule executor factor]
+The search prices a stage's F and B as the sum of its pieces timed alone (``measure.compute_rates``), plus the
+executor's own time per action measured on GPipe (``measure.executor_overhead``). Both miss what depends on the
+schedule: a schedule that keeps every worker computing at once (Chimera: each worker holds two stage replicas and
+has almost no bubble) meets more contention for cores, memory bandwidth and caches than GPipe, whose warm-up and
+cool-down leave workers idle. On two EPYC cores Chimera's F and B took 689 ms per worker and step against GPipe's
+472 ms for the same work, and at D=4 on a 16-core Xeon its executor step was 1.25× its own simulation against
+1.11–1.15× for GPipe and 1F1B (bench/studies/20-time-to-target-validation.md).
+
+Where ``measure.collectives --executor-methods`` ran a schedule (``CommCosts.executor_steps``: NVLAMB, synthetic
+data, the file's model, D = its processes), the search solves for the factor r ≥ 0 by which that schedule's F, B,
+I and W must be scaled (before the per-action overhead is added) for the simulated step at the measured shape to
+equal the measured step, and prices every candidate of that schedule at that D with the same r. What r absorbs is
+whatever the measured step holds beyond the model: contention, and any mispricing of that step's STEP and
+messages. It is not applied at another D, where the contention differs (no measurement there).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import replace
+
+from pipefisher.simulate import CostModel
+
+__all__ = ["FACTOR_RANGE", "scale_compute", "solve_factor"]
+
+#: the factors the solver searches; a measured step outside what they reach is clamped to the nearer end
+FACTOR_RANGE = (0.25, 4.0)
+
+
+def scale_compute(cost: CostModel, factor: float) -> CostModel:
+    """``cost`` with every F, B, I and W scaled by ``factor`` (STEP, messages and K-FAC's units unchanged)."""
+    if factor == 1.0:
+        return cost
+
+    def s(xs: tuple[int, ...]) -> tuple[int, ...]:
+        return tuple(max(0, round(x * factor)) for x in xs)
+
+    return replace(cost, forward_ns=s(cost.forward_ns), backward_ns=s(cost.backward_ns),
+                   input_grad_ns=s(cost.input_grad_ns), weight_grad_ns=s(cost.weight_grad_ns))
+
+
+def solve_factor(step_seconds: Callable[[float], float], measured_s: float, tol: float = 1e-4) -> float:
+    """The factor r in :data:`FACTOR_RANGE` with ``step_seconds(r) == measured_s`` (bisection; ``step_seconds``
+    is non-decreasing in r), clamped to the range's ends where the measured step lies outside what they reach.
+
+    Raises:
+        ValueError: ``measured_s`` is not positive.
+    """
+    if not measured_s > 0:
+        raise ValueError(f"measured step {measured_s!r} s: a measured step is positive")
+    lo, hi = FACTOR_RANGE
+    if step_seconds(lo) >= measured_s:
+        return lo
+    if step_seconds(hi) <= measured_s:
+        return hi
+    while hi - lo > tol:
+        mid = (lo + hi) / 2
+        if step_seconds(mid) < measured_s:
+            lo = mid
+        else:
+            hi = mid
+    return (lo + hi) / 2
