@@ -55,7 +55,7 @@ class Bubble:
         return self.end_ns - self.start_ns
 
 
-@dataclass
+@dataclass(slots=True)
 class WindowItem:
     """An action placed in a window over [start, end) ns; ``seq`` breaks ties in list order."""
 
@@ -90,24 +90,29 @@ class Window:
         Work never overlaps an item, and a span of work never contains a zero-length item (an
         all-reduce's arrival) strictly inside it.
         """
-        t = max(ready, self.start)
-        if t + cost > self.end or cost > self.end - self.start - self.busy_ns:
+        start, end = self.start, self.end
+        t = ready if ready > start else start
+        if t + cost > end or cost > end - start - self.busy_ns:
             return None
-        moved = True
-        while moved:
+        items = self.items
+        moved = bool(items)
+        while moved:  # the hot loop of the planner: locals only (same rule as written out in the docstring)
             moved = False
-            for item in self.items:  # by start: the first that starts past the span ends the pass
-                if t + cost > self.end:
+            for item in items:  # by start: the first that starts past the span ends the pass
+                stop = t + cost
+                if stop > end:
                     return None
-                if item.start >= t + cost:
+                s = item.start
+                if s >= stop:
                     break
-                if item.end > item.start:
-                    overlap = item.start < t + cost and item.end > t if cost else item.start < t < item.end
+                e = item.end
+                if e > s:
+                    overlap = (s < stop and e > t) if cost else s < t < e
                 else:
-                    overlap = t < item.start < t + cost
+                    overlap = t < s < stop
                 if overlap:
-                    t, moved = item.end, True
-        return t if t + cost <= self.end else None
+                    t, moved = e, True
+        return t if t + cost <= end else None
 
     def force(self, ready: int, cost: int) -> int:
         """Start of ``cost`` ns of work after every item here (and after ``ready``)."""

@@ -85,6 +85,8 @@ _COMPUTE = frozenset({ActionKind.FORWARD, ActionKind.BACKWARD, ActionKind.BACKWA
 _COMM = frozenset({ActionKind.SEND_F, ActionKind.RECV_F, ActionKind.SEND_B, ActionKind.RECV_B})
 _KFAC = frozenset({ActionKind.CURV_A, ActionKind.CURV_B, ActionKind.SYNC_FACTOR, ActionKind.INVERT,
                    ActionKind.PRECOND})
+_NEEDS_MICRO_BATCH = _COMPUTE | {ActionKind.CURV_A, ActionKind.CURV_B}  # besides the sends and receives
+_NEEDS_STAGE = frozenset({ActionKind.SYNC_FACTOR, ActionKind.INVERT, ActionKind.PRECOND})
 # Longest names first so "SEND_F" is not read as "S" + ... and "F" does not shadow "SEND_F".
 _KIND_ALTERNATIVES = "|".join(sorted((k.value for k in ActionKind), key=len, reverse=True))
 _ACTION_RE = re.compile(
@@ -118,19 +120,20 @@ class Action:
     layer: int | None = None
 
     def __post_init__(self) -> None:
-        if self.kind.is_comm and self.peer is None:
-            raise ValueError(f"{self.kind} needs a peer worker")
-        if not self.kind.is_comm and self.peer is not None:
-            raise ValueError(f"{self.kind} takes no peer")
-        if self.kind.is_compute or self.kind.is_comm:
-            if self.stage is None or self.micro_batch is None:
-                raise ValueError(f"{self.kind} needs a stage and a micro-batch")
-        if self.layer is not None and not self.kind.is_kfac:
-            raise ValueError(f"{self.kind} takes no layer")
-        if self.kind in (ActionKind.CURV_A, ActionKind.CURV_B) and (self.stage is None or self.micro_batch is None):
-            raise ValueError(f"{self.kind} needs a stage and a micro-batch")
-        if self.kind in (ActionKind.SYNC_FACTOR, ActionKind.INVERT, ActionKind.PRECOND) and self.stage is None:
-            raise ValueError(f"{self.kind} needs a stage")
+        # The planner and the simulator make millions of actions: one set lookup per rule (ActionKind's
+        # properties are the same sets).
+        kind = self.kind
+        comm = kind in _COMM
+        if comm and self.peer is None:
+            raise ValueError(f"{kind} needs a peer worker")
+        if not comm and self.peer is not None:
+            raise ValueError(f"{kind} takes no peer")
+        if (comm or kind in _NEEDS_MICRO_BATCH) and (self.stage is None or self.micro_batch is None):
+            raise ValueError(f"{kind} needs a stage and a micro-batch")
+        if self.layer is not None and kind not in _KFAC:
+            raise ValueError(f"{kind} takes no layer")
+        if kind in _NEEDS_STAGE and self.stage is None:
+            raise ValueError(f"{kind} needs a stage")
 
     def __str__(self) -> str:
         s = "" if self.stage is None else str(self.stage)
