@@ -223,6 +223,14 @@ def without_executor_methods(doc: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
+def without_bookkeeping(doc: Mapping[str, Any]) -> dict[str, Any]:
+    """A ``measure.collectives`` document without train.py's measured bookkeeping per step
+    (``compute.executor.bookkeeping_seconds``), so the search adds nothing to each predicted step for it."""
+    out = json.loads(json.dumps(doc))
+    (out.get("compute", {}).get("executor") or {}).pop("bookkeeping_seconds", None)
+    return out
+
+
 def round_rows(doc: Mapping[str, Any], r: int) -> list[Row]:
     """Round ``r`` alone: its own prediction (from the rates measured just before it) against its own runs, for the
     pairs measured in it (the rounds' runs are appended in order, so a pair's ``r``-th entry is round ``r``'s)."""
@@ -676,6 +684,7 @@ REPRICINGS = (
     ("predicted_no_overhead_rounds", "without the executor's terms (compute.executor: its overhead per action and, "
                                      "where measured, the per-schedule factors)"),
     ("predicted_no_schedule_factor_rounds", "without the per-schedule executor factors (compute.executor.methods)"),
+    ("predicted_no_bookkeeping_rounds", "without train.py's bookkeeping per step (compute.executor.bookkeeping_seconds)"),
     # files written at 695ee81-8e2b352, when the search used the share and K-FAC unit rates by default
     ("predicted_legacy_rounds", "without the measured forward share and K-FAC unit rates (B = 2F, K-FAC at the "
                                 "model's rate)"),
@@ -825,6 +834,10 @@ def main() -> None:
             no_factor.write_text(json.dumps(without_executor_methods(json.loads(rates.read_text()))))
             doc.setdefault("predicted_no_schedule_factor_rounds", []).append(
                 predict(args.out / f"search-round{r}-no-schedule-factor", [f"comm_costs={no_factor}"])[0])
+            no_book = args.out / f"collectives-round{r}-no-bookkeeping.json"
+            no_book.write_text(json.dumps(without_bookkeeping(json.loads(rates.read_text()))))
+            doc.setdefault("predicted_no_bookkeeping_rounds", []).append(
+                predict(args.out / f"search-round{r}-no-bookkeeping", [f"comm_costs={no_book}"])[0])
             if r == 0:  # what runs: round 0's search (PipeFisher's plan from its rates)
                 doc.update(search_top=search["top"], refused=search["refused"], search_text=search["text"])
                 files = write_strategies(args.out / f"search-round{r}", keys, pairs)

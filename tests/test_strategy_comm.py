@@ -119,6 +119,8 @@ def test_measurement_at_world_2_writes_fits_the_search_reads(tmp_path: Path):
     assert methods["chimera"]["step_seconds"] > 0 and methods["chimera"]["micro_batches"] == 2
     assert "num_micro_batches" in methods["zb-v"]["refused"]
     assert set(CommCosts.from_json(out).executor_steps) == {"gpipe", "chimera"}
+    assert executor["bookkeeping_seconds"] > 0  # the timeline gathered to rank 0 and read, after every step
+    assert CommCosts.from_json(out).step_bookkeeping_s == executor["bookkeeping_seconds"]
     assert CommCosts.from_json(out).piece_seconds[2]["heads"] == tuple(rate["pieces"]["heads"][k] for k in
                                                                        ("seconds_f", "seconds_fb", "flops_f"))
     units = doc["compute"]["kfac"]["2"]
@@ -437,3 +439,26 @@ def test_a_measured_schedule_step_is_matched_at_its_shape_and_scales_that_schedu
         "gloo", "cpu", 2, {"all_reduce": {2: [(4096.0, 1e-4), (65536.0, 2e-4)]}}, compute=compute)))
     with pytest.raises(ValueError, match="compute.executor.methods"):
         CommCosts.from_json(tmp_path / "bad.json")
+
+
+def test_train_pys_measured_bookkeeping_is_added_to_every_predicted_step_once():
+    """train.py's step_time_s holds rank 0's bookkeeping after the step (compute.executor.bookkeeping_seconds):
+    the search adds it to each candidate's step, once, and nothing else changes."""
+    from dataclasses import replace
+
+    from pipefisher.model.config import BertConfig
+    from pipefisher.planning.strategy_search import search_strategies
+
+    fits = {"all_reduce": {2: LinkFit(50e-6, 2e9)}, "p2p": {2: LinkFit(20e-6, 4e9)}}
+    plain = CommCosts(fits, Hardware(), "test", {8: 5e10}, 4e9)
+    space = dict(devices=2, memory_gb=100.0, global_batch=32, methods=["gpipe", "chimera"], micro_batch_sizes=[8],
+                 optimizers=["nvlamb", "pipefisher"], recompute=[False], sdp_degrees=[1], tp_degrees=[1],
+                 seq_len=64, max_predictions=10)
+    bert = BertConfig.from_size("tiny")
+    before = {s.label: s for s in search_strategies(bert, comm=plain, **space) if s.excluded is None}
+    after = {s.label: s for s in search_strategies(bert, comm=replace(plain, step_bookkeeping_s=3e-3), **space)
+             if s.excluded is None}
+    assert before.keys() == after.keys() and len(before) >= 4
+    for label, s in before.items():
+        assert after[label].step_time_s == pytest.approx(s.step_time_s + 3e-3, abs=1e-12), label
+        assert after[label].interval == s.interval, label  # PipeFisher's plan does not see it

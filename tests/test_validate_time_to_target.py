@@ -192,3 +192,10 @@ def test_without_executor_methods_keeps_the_overhead_and_drops_the_schedules_ste
     stripped = v.without_executor_methods(doc)
     assert stripped["compute"]["executor"] == {"overhead_per_action_s": 1e-3} and doc["compute"]["executor"]["methods"]
     assert v.without_executor_methods({"format": "x"}) == {"format": "x"}
+
+
+def test_without_bookkeeping_drops_only_the_bookkeeping_on_a_copy(v):
+    doc = {"format": "x", "compute": {"executor": {"overhead_per_action_s": 1e-3, "bookkeeping_seconds": 2e-3}}}
+    stripped = v.without_bookkeeping(doc)
+    assert stripped["compute"]["executor"] == {"overhead_per_action_s": 1e-3}
+    assert doc["compute"]["executor"]["bookkeeping_seconds"] == 2e-3

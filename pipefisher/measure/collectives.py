@@ -348,7 +348,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         e = doc["compute"]["executor"]
         print(f"  executor (GPipe, D={e['stages']}, N={e['micro_batches']}): step {e['step_seconds'] * 1e3:.1f} ms "
               f"against {e['simulated_seconds'] * 1e3:.1f} ms simulated from its own F/B/STEP: "
-              f"{e['overhead_per_action_s'] * 1e3:.2f} ms per compute action")
+              f"{e['overhead_per_action_s'] * 1e3:.2f} ms per compute action; train.py's bookkeeping after a step "
+              f"{e.get('bookkeeping_seconds', 0.0) * 1e3:.1f} ms")
         for m, row in e.get("methods", {}).items():
             print(f"    {m:>16}: " + (f"refused ({row['refused']})" if "refused" in row else
                                      f"step {row['step_seconds'] * 1e3:.1f} ms, {row['simulated_seconds'] * 1e3:.1f} ms "

@@ -75,9 +75,11 @@ def executor_overhead(model: str, micro_batch_size: int, seq_len: int, max_predi
                       vocab_size: int | None = None) -> dict[str, Any]:
     """Run ``warmup + steps`` GPipe steps over every rank of the default process group (one stage each) and return,
     on every rank, ``{"method", "stages", "micro_batches", "micro_batch_size", "step_seconds",
-    "simulated_seconds", "overhead_per_action_s"}``: the median over the measured steps of the slowest rank's step,
-    the median of the simulator's step from each step's own per-stage F/B means and each worker's STEP, and their
-    difference (0 if negative) per compute action on the critical path. Call it on every rank."""
+    "simulated_seconds", "bookkeeping_seconds", "overhead_per_action_s"}``: the median over the measured steps of
+    the slowest rank's step, the median of the simulator's step from each step's own per-stage F/B means and each
+    worker's STEP, the median of rank 0's bookkeeping after a step (what train.py does after each: the timeline
+    gathered to rank 0 and its fields read; train.py's ``step_time_s`` includes it), and the step's difference from
+    the simulated one (0 if negative) per compute action on the critical path. Call it on every rank."""
     row = _timed_steps("gpipe", model, micro_batch_size, seq_len, max_predictions, device, num_micro_batches, steps,
                        warmup, vocab_size)
     critical = 2 * (num_micro_batches + dist.get_world_size() - 1)
@@ -89,7 +91,7 @@ def executor_steps(methods: Sequence[str], model: str, micro_batch_size: int, se
                    vocab_size: int | None = None) -> dict[str, dict[str, Any]]:
     """Each of ``methods`` run as :func:`executor_overhead` runs GPipe (one stage per rank of the default process
     group): ``method -> {"stages", "micro_batches", "micro_batch_size", "num_virtual", "step_seconds",
-    "simulated_seconds"}``, or ``{"refused": reason}`` where train.py's check refuses the method at this shape.
+    "simulated_seconds", "bookkeeping_seconds"}``, or ``{"refused": reason}`` where train.py's check refuses the method at this shape.
     Call it on every rank."""
     out: dict[str, dict[str, Any]] = {}
     for method in methods:
@@ -105,14 +107,14 @@ def _timed_steps(method: str, model: str, micro_batch_size: int, seq_len: int, m
                  device: torch.device, num_micro_batches: int, steps: int, warmup: int,
                  vocab_size: int | None) -> dict[str, Any]:
     from pipefisher.runtime.pipeline_worker import PipelineWorker
-    from pipefisher.runtime.step_metrics import measured_costs
+    from pipefisher.runtime.step_metrics import measured_costs, timeline_fields
     from pipefisher.simulate import simulate
 
     rank, world = dist.get_rank(), dist.get_world_size()
     cfg = pipeline_config(method, model, micro_batch_size, num_micro_batches, seq_len, max_predictions, world, device,
                           vocab_size)
     worker = PipelineWorker(cfg, rank, world, device)
-    walls, simulated = [], []
+    walls, simulated, books = [], [], []
     for step in range(warmup + steps):
         dist.barrier()
         start = time.perf_counter()
@@ -120,19 +122,25 @@ def _timed_steps(method: str, model: str, micro_batch_size: int, seq_len: int, m
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         wall = torch.tensor([time.perf_counter() - start], dtype=torch.float64, device=device)
-        dist.all_reduce(wall, op=dist.ReduceOp.MAX)
+        # train.py's bookkeeping after each step (runtime.worker: gather the timeline to rank 0, read its fields)
+        start = time.perf_counter()
         gathered: list[Any] | None = [None] * world if rank == 0 else None
         dist.gather_object(result.events, gathered, dst=0)
+        events = [e for evs in gathered or [] for e in evs]
+        if rank == 0:
+            timeline_fields(events, worker.schedule, world, step, simulated=False)
+        book = time.perf_counter() - start
+        dist.all_reduce(wall, op=dist.ReduceOp.MAX)
         if step < warmup:
             continue
         walls.append(float(wall.item()))
+        books.append(book)
         if rank == 0:
-            events = [e for evs in gathered or [] for e in evs]
             timeline = simulate(worker.schedule, measured_costs(events, worker.schedule))
             simulated.append((max(e.end_ns for e in timeline) - min(e.start_ns for e in timeline)) / 1e9)
-    sim = [statistics.median(simulated) if simulated else 0.0]
-    dist.broadcast_object_list(sim, src=0)
+    sim = [statistics.median(simulated) if simulated else 0.0, statistics.median(books)]
+    dist.broadcast_object_list(sim, src=0)  # rank 0's bookkeeping: what train.py's step time carries
     del worker
     return {"method": method, "stages": world, "micro_batches": num_micro_batches,
             "micro_batch_size": micro_batch_size, "num_virtual": int(cfg.pipeline.num_virtual),
-            "step_seconds": statistics.median(walls), "simulated_seconds": sim[0]}
+            "step_seconds": statistics.median(walls), "simulated_seconds": sim[0], "bookkeeping_seconds": sim[1]}

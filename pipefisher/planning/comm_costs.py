@@ -135,6 +135,9 @@ class CommCosts:
         executor_steps: schedule (``RunShape.method``) -> its step as the executor ran it at the file's model and
             ``processes`` stages (``compute.executor.methods``), if measured; the search scales that schedule's F, B,
             I and W at that D to match it (``planning.executor_calibration``).
+        step_bookkeeping_s: rank 0's bookkeeping after each step in train.py (the timeline gathered and read:
+            ``compute.executor.bookkeeping_seconds``, measured on the GPipe run), which train.py's ``step_time_s``
+            includes and the search adds to every predicted step; 0 where not measured.
         kfac_in_search: price CURV_A/CURV_B, PRECOND and (K-FAC's Cholesky) INVERT at those rates in the search
             (the file's ``compute.kfac_in_search``; off unless a file says so: on two idle validations it made the
             predicted steps worse, bench/studies/20-time-to-target-validation.md).
@@ -154,6 +157,7 @@ class CommCosts:
     piece_seconds: Mapping[int, Mapping[str, tuple[float, float, float]]] = field(default_factory=dict)
     action_overhead_s: float = 0.0
     executor_steps: Mapping[str, ExecutorStep] = field(default_factory=dict)
+    step_bookkeeping_s: float = 0.0
     #: the search's solved scale per (schedule, hardware, split ratio): filled on first use, not part of equality
     factor_cache: dict[Any, float] = field(default_factory=dict, compare=False, repr=False)
 
@@ -242,6 +246,7 @@ class CommCosts:
                                for name, p in row["pieces"].items()}
                       for b, row in (compute.get("micro_batch") or {}).items() if "pieces" in row}
             overhead = float((compute.get("executor") or {}).get("overhead_per_action_s", 0.0))
+            bookkeeping = float((compute.get("executor") or {}).get("bookkeeping_seconds", 0.0))
             executor = {m: ExecutorStep(int(row["stages"]), int(row["micro_batches"]), int(row["micro_batch_size"]),
                                         int(row.get("num_virtual", 1)), float(row["step_seconds"]))
                         for m, row in ((compute.get("executor") or {}).get("methods") or {}).items()
@@ -254,7 +259,7 @@ class CommCosts:
                              f"micro_batch.<size>.flops_per_s, optimizer_step.memory_bytes_per_s and, if present, "
                              f"tensor_parallel.<tp>.<size>.seconds_fb, micro_batch.<size>.seconds_f, "
                              f"micro_batch.<size>.pieces.<piece>.seconds_f / seconds_fb / flops_f, executor.overhead_per_action_s, "
-                             f"executor.methods.<method>.stages / micro_batches / micro_batch_size / step_seconds and "
+                             f"executor.bookkeeping_seconds, executor.methods.<method>.stages / micro_batches / micro_batch_size / step_seconds and "
                              f"kfac.<size>.curvature_flops_per_s / precondition_flops_per_s / invert_flops_per_s "
                              f"(numbers); {make}") from None
         unit_rates = [x for unit in kfac.values() for x in unit if x is not None]
@@ -264,6 +269,9 @@ class CommCosts:
         if any(not 0 < x < 1 for x in share.values()):
             raise ValueError(f"comm_costs={path}: field compute.micro_batch.<size>.seconds_f must be positive and "
                              f"below seconds_fb (a forward is part of a forward + backward); {make}")
+        if not 0 <= bookkeeping < 10 or not math.isfinite(bookkeeping):
+            raise ValueError(f"comm_costs={path}: field compute.executor.bookkeeping_seconds={bookkeeping}: seconds "
+                             f"per step, >= 0 and below 10; {make}")
         if not 0 <= overhead < 1 or not math.isfinite(overhead):
             raise ValueError(f"comm_costs={path}: field compute.executor.overhead_per_action_s={overhead}: seconds per "
                              f"action, >= 0 and below 1; {make}")
@@ -279,7 +287,7 @@ class CommCosts:
                                  f"{', '.join(PIECES)} (not {', '.join(unknown) or 'others'}), each with 0 < seconds_f "
                                  f"< seconds_fb and flops_f >= 0; {make}")
         return cls(fits, hardware, str(path), rates, memory, tp, shape, vocab, share, kfac,
-                   bool(compute.get("kfac_in_search", False)), pieces, overhead, executor)
+                   bool(compute.get("kfac_in_search", False)), pieces, overhead, executor, bookkeeping)
 
     def describe(self) -> str:
         """One line: the source and each measured op's group sizes."""
@@ -303,6 +311,8 @@ class CommCosts:
                 for b, row in sorted(self.piece_seconds.items()))
         if self.action_overhead_s:
             text += f"; executor {self.action_overhead_s * 1e3:.2f} ms per compute action"
+        if self.step_bookkeeping_s:
+            text += f"; train.py bookkeeping {self.step_bookkeeping_s * 1e3:.1f} ms per step"
         if self.executor_steps:
             text += "; executor steps measured: " + ", ".join(
                 f"{m} D={e.stages} N={e.micro_batches} {e.step_seconds * 1e3:.0f} ms"

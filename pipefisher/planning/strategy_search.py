@@ -748,7 +748,8 @@ def _evaluate(bert: BertConfig, base: Strategy, optimizers: Sequence[str], hardw
             excluded.append(replace(cand, memory_gb=worst, memory_per_worker_gb=per_worker, excluded=(
                 f"memory {worst:.2f} GB exceeds memory_gb={budget / GB:g}")))
             continue
-        ranked.append(replace(cand, samples_per_s=base.global_batch / pred.step_time_s, step_time_s=pred.step_time_s,
+        step_s = pred.step_time_s + comm.step_bookkeeping_s  # what train.py's step_time_s holds
+        ranked.append(replace(cand, samples_per_s=base.global_batch / step_s, step_time_s=step_s,
                               utilization=pred.utilization, interval=pred.interval, memory_gb=worst,
                               memory_per_worker_gb=per_worker, curvature_age=age))
     return ranked, excluded
