@@ -25,7 +25,10 @@ STEP times, per compute action on the critical path, is ``compute.executor.overh
 it to every F, B, I and W (``measure.executor_overhead``). With ``--executor-methods`` (default every schedule the
 search ranks) each of those schedules runs the same way and its measured step is stored
 (``compute.executor.methods.<method>``): the search scales that schedule's F, B, I and W at this D so that its
-simulated step equals the measured one (``planning.executor_calibration``).
+simulated step equals the measured one (``planning.executor_calibration``). Each of those runs also times rank 0's
+bookkeeping after a step, as train.py does it (the timeline gathered and read:
+``compute.executor.bookkeeping_seconds``), which train.py's ``step_time_s`` includes: the search adds it to every
+step it predicts.
 Beside each forward + backward the forward alone is timed (``seconds_f``: the search splits a stage's time
 into F and B by that share, not by the FLOP count's 1:2), and K-FAC's per-micro-batch units on one encoder
 layer's Linear shapes with the runtime's own kernels (``optim.kfac_factors``: the curvature sums of the
