@@ -425,6 +425,8 @@ def test_a_measured_schedule_step_is_matched_at_its_shape_and_scales_that_schedu
     assert step(measured, "chimera", optimizer="adamw") > step(plain, "chimera", optimizer="adamw") * 1.3
     assert step(measured, "1f1b") == step(plain, "1f1b")  # not measured: as before
     assert step(measured, "chimera", stages=4) == step(plain, "chimera", stages=4)  # measured at D=2 only
+    again = replace(measured, action_overhead_s=5e-3)  # a copy with another term solves its own factor
+    assert step(again, "chimera") == pytest.approx(1.4 * before, rel=1e-3)
     compute = {"model": "bert-tiny", "seq_len": 64, "max_predictions": 10,
                "micro_batch": {"8": {"flops_per_s": 5e10, "seconds_fb": 0.3}},
                "executor": {"overhead_per_action_s": 1e-3, "methods": {

@@ -91,8 +91,8 @@ def executor_steps(methods: Sequence[str], model: str, micro_batch_size: int, se
                    vocab_size: int | None = None) -> dict[str, dict[str, Any]]:
     """Each of ``methods`` run as :func:`executor_overhead` runs GPipe (one stage per rank of the default process
     group): ``method -> {"stages", "micro_batches", "micro_batch_size", "num_virtual", "step_seconds",
-    "simulated_seconds", "bookkeeping_seconds"}``, or ``{"refused": reason}`` where train.py's check refuses the method at this shape.
-    Call it on every rank."""
+    "simulated_seconds", "bookkeeping_seconds"}``, or ``{"refused": reason}`` where train.py's check refuses the
+    method at this shape. Call it on every rank."""
     out: dict[str, dict[str, Any]] = {}
     for method in methods:
         try:

@@ -34,7 +34,8 @@ from typing import Any
 
 from pipefisher.planning.costs import Hardware
 
-__all__ = ["COLLECTIVES_FORMAT", "OPS", "PIECES", "CommCosts", "ExecutorStep", "LinkFit", "collectives_json", "fit_latency_bandwidth"]
+__all__ = ["COLLECTIVES_FORMAT", "OPS", "PIECES", "CommCosts", "ExecutorStep", "LinkFit", "collectives_json",
+           "fit_latency_bandwidth"]
 
 COLLECTIVES_FORMAT = "pipefisher-collectives/1"
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "p2p")
@@ -158,8 +159,9 @@ class CommCosts:
     action_overhead_s: float = 0.0
     executor_steps: Mapping[str, ExecutorStep] = field(default_factory=dict)
     step_bookkeeping_s: float = 0.0
-    #: the search's solved scale per (schedule, hardware, split ratio): filled on first use, not part of equality
-    factor_cache: dict[Any, float] = field(default_factory=dict, compare=False, repr=False)
+    #: the search's solved scale per (schedule, hardware, split ratio): filled on first use, not part of equality,
+    #: and new on every copy (``dataclasses.replace`` makes a fresh one: a changed term changes the factor)
+    factor_cache: dict[Any, float] = field(default_factory=dict, init=False, compare=False, repr=False)
 
     def nearest(self, table: Mapping[int, Any], micro_batch_size: int) -> Any:
         """``table``'s entry at the measured micro-batch size nearest ``micro_batch_size`` (the larger on a
