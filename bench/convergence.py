@@ -173,6 +173,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--timing-arms", default=",".join(TIMED_ARMS),
                    help=f"the arms --measure-d2 times (of {','.join(TIMED_ARMS)}); a subset replaces the setting's "
                         "figures with the subset's, so give it another --out")
+    p.add_argument("--timing-pipelines", default="chimera",
+                   help="pipelines --measure-d2 times each arm on, comma-separated (chimera: the study's setting; "
+                        "any other is its own setting in step_costs.json)")
+    p.add_argument("--timing-placements", default="global",
+                   help="optimizer_placement values --measure-d2 times, comma-separated (global, per_stage)")
     p.add_argument("--timeout-s", type=float, default=7200.0, help="per run")
     p.add_argument("--calibration-from", default=None, metavar="DIRS",
                    help="comma-separated --out folders of studies at different --steps (budgets): read their runs")
@@ -570,26 +575,41 @@ def cycle_mean_step_s(rows: list[dict[str, Any]]) -> tuple[float, int]:
     return statistics.fmean(r["step_time_s"] for r in rows[start:start + usable]), k
 
 
+def timing_setting(batch: int, pipeline: str = "chimera", placement: str = "global") -> str:
+    """The step_costs.json setting of ``--measure-d2`` timings: the study's own name for chimera with the
+    global step, the pipeline and ``optimizer_placement`` named in it otherwise."""
+    if (pipeline, placement) == ("chimera", "global"):
+        return f"D=2 measured, batch {batch}"
+    return f"D=2 measured, {pipeline}, optimizer_placement={placement}, batch {batch}"
+
+
 def measure_d2(args: argparse.Namespace, data: Data | None, out: Path, batch: int, rounds: int,
-               steps: int, arms: tuple[str, ...] = TIMED_ARMS) -> dict[str, float]:
-    """Seconds per step of each arm's real pipeline at D=2 (chimera, 4 micro-batches of batch/4), in
-    ``rounds`` rounds with the arms' order rotated every round; per arm the median over rounds of
-    :func:`cycle_mean_step_s`. Evaluation off; both workers unpinned (one per core)."""
-    per_arm: dict[str, list[float]] = {a: [] for a in arms}
+               steps: int, arms: tuple[str, ...] = TIMED_ARMS, pipelines: tuple[str, ...] = ("chimera",),
+               placements: tuple[str, ...] = ("global",)) -> dict[str, dict[str, float]]:
+    """Seconds per step of each arm's real pipeline at D=2 (4 micro-batches of batch/4) on each of
+    ``pipelines`` with each ``optimizer_placement`` of ``placements``, in ``rounds`` rounds with the runs'
+    order rotated every round; per run the median over rounds of :func:`cycle_mean_step_s`, keyed by
+    :func:`timing_setting`. Evaluation off; both workers unpinned (one per core)."""
+    runs = [(a, p, q) for p in pipelines for q in placements for a in arms]
+    per_run: dict[tuple[str, str, str], list[float]] = {r: [] for r in runs}
     for r in range(rounds):
-        for arm in h.rotated(arms, r):
-            run_dir = out / "timing" / f"round{r}" / arm
+        for arm, pipeline, placement in h.rotated(runs, r):
+            name = arm if (pipeline, placement) == ("chimera", "global") else f"{arm}-{pipeline}-{placement}"
+            run_dir = out / "timing" / f"round{r}" / name
             shutil.rmtree(run_dir, ignore_errors=True)
             common = common_overrides(args, data, batch, steps, stages=2, num_micro_batches=4, evaluate=False)
-            cmd = [sys.executable, "train.py", *common, "pipeline=chimera",
+            cmd = [sys.executable, "train.py", *common, f"pipeline={pipeline}", f"optimizer_placement={placement}",
                    *timed_overrides(arm, args.decay_per_step), f"hydra.run.dir={run_dir}"]
             done = subprocess.run(cmd, cwd=h.REPO, capture_output=True, text=True, timeout=args.timeout_s)
             if done.returncode:
-                raise RuntimeError(f"timing {arm}: train.py exited with {done.returncode}:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
+                raise RuntimeError(f"timing {name}: train.py exited with {done.returncode}:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
             mean, k = cycle_mean_step_s(h.step_rows(run_dir))
-            per_arm[arm].append(mean)
-            print(f"  timing round {r}: {arm} {mean * 1e3:.1f} ms/step (k={k}, {h.load()})", flush=True)
-    return {a: statistics.median(v) for a, v in per_arm.items()}
+            per_run[(arm, pipeline, placement)].append(mean)
+            print(f"  timing round {r}: {name} {mean * 1e3:.1f} ms/step (k={k}, {h.load()})", flush=True)
+    settings: dict[str, dict[str, float]] = {}
+    for (arm, pipeline, placement), values in per_run.items():
+        settings.setdefault(timing_setting(batch, pipeline, placement), {})[arm] = statistics.median(values)
+    return settings
 
 
 def step_costs_file(out: Path, args: argparse.Namespace) -> Path | None:
@@ -734,9 +754,11 @@ def main() -> None:
         arms = tuple(a for a in args.timing_arms.split(",") if a)
         if not arms or any(a not in TIMED_ARMS and not timed_pipefisher(a) for a in arms):
             raise SystemExit(f"--timing-arms {args.timing_arms!r}: choose from {','.join(TIMED_ARMS)} or pipefisher-cM")
+        pipelines = tuple(x for x in args.timing_pipelines.split(",") if x)
+        placements = tuple(x for x in args.timing_placements.split(",") if x)
         for batch in spec.steps:
-            costs[f"D=2 measured, batch {batch}"] = measure_d2(args, data, out, batch, args.timing_rounds,
-                                                               args.timing_steps, arms)
+            costs.update(measure_d2(args, data, out, batch, args.timing_rounds, args.timing_steps, arms,
+                                    pipelines, placements))
         path.write_text(json.dumps(costs, indent=1) + "\n")
     if args.add_simulated:
         path = out / "step_costs.json"

@@ -3,6 +3,8 @@
     python bench/optimizer_placement.py                                  # bert-tiny and bert-mini, D=2: 1f1b, chimera
     python bench/optimizer_placement.py --models bert-mini --optimizers nvlamb muon --rounds 8
     python bench/optimizer_placement.py --simulate-only                  # D=4 and D=8 through the simulator
+    python bench/optimizer_placement.py --models bert-tiny --optimizers nvlamb pipefisher --micro-batch-size 8 \
+        --seq-len 64 --vocab-size 8192 --rounds 42                      # study 7's D=2 shape, PipeFisher vs NVLAMB
     python bench/optimizer_placement.py --stages 4 --models bert-mini --layers 8 --methods 1f1b zb-v  # >= 16 cores
 
 Measured (D=2 by default, ``--stages`` worker processes on this machine's cores): each variant runs
@@ -11,7 +13,9 @@ processes, alternating step by step, the order rotated every round (``_harness``
 on a shared CPU]); dropout 0. Reported, medians over rounds: the step's wall time (slowest worker,
 after a barrier), the global STEP of each worker (its compute, after the wait for the global norm),
 each stage's STEP under per_stage (its optimizer work, in the bubble), the final STEP that remains
-(the tied weight, the norm's check), and the rollbacks ([Note: post-validation]).
+(the tied weight, the norm's check), and the rollbacks ([Note: post-validation]); beside the
+median step, the mean step over all rounds (K-FAC and PipeFisher: give ``--rounds`` a multiple of the
+refresh interval, so the mean covers whole cycles).
 
 Simulated (D=4, D=8): the FLOP and memory-bandwidth estimate of ``planning.costs`` (``CPU_HARDWARE``,
 the runtime's start-up model), each stage's step priced by its own parameters (the tied weight at
@@ -82,21 +86,25 @@ def _run(rank: int, world: int, variants: list[tuple[str, list[str]]], warmup: i
 
 
 def measure(models: list[str], methods: list[str], optimizers: list[str], clips: list[str], micro_batches: int,
-            warmup: int, rounds: int, stages: int = 2, layers: int | None = None) -> None:
+            warmup: int, rounds: int, stages: int = 2, layers: int | None = None, micro_batch_size: int = 2,
+            seq_len: int = 128, vocab_size: int | None = None) -> None:
     depth = [f"model.num_layers={layers}"] if layers else []
+    depth += [f"model.vocab_size={vocab_size}"] if vocab_size else []
     variants = []
     for model in models:
         for method in methods:
             for opt, clip in [(o, c) for o in optimizers for c in clips]:
                 variants.append((f"{model} {method} {opt} clip {clip}", [f"optimizer.max_grad_norm={clip}",
                     f"model={model}", *depth, f"pipeline={method}", f"stages={stages}",
-                    f"num_micro_batches={micro_batches}", "micro_batch_size=2", "data.seq_len=128", f"optimizer={opt}",
+                    f"num_micro_batches={micro_batches}", f"micro_batch_size={micro_batch_size}", f"data.seq_len={seq_len}",
+                    f"optimizer={opt}",
                     f"steps={warmup + rounds + 1}", "model.hidden_dropout=0.0", "model.attention_dropout=0.0"]))
     load = h.load()
     out = h.launch(_run, stages, variants, warmup, rounds)
     rows, threads = out[0]["result"]["rows"], out[0]["result"]["threads"]
-    shape = f"{layers} layers, " if layers else ""
-    print(f"Measured: D={stages}, N={micro_batches}, {shape}micro-batch 2, seq 128, fp32, dropout 0; {rounds} rounds "
+    shape = (f"{layers} layers, " if layers else "") + (f"vocabulary {vocab_size}, " if vocab_size else "")
+    print(f"Measured: D={stages}, N={micro_batches}, {shape}micro-batch {micro_batch_size}, seq {seq_len}, fp32, "
+          f"dropout 0; {rounds} rounds "
           f"after {warmup} warm-up, order rotated; medians over rounds. {h.caveat(stages)} {load} before the run.")
     print(f"Hardware: {hardware_line(threads)}")
     table = []
@@ -113,12 +121,29 @@ def measure(models: list[str], methods: list[str], optimizers: list[str], clips:
         hideable = (max(med(g, k) for k in g[0] if k.endswith("STEP"))
                     - max((med(p, k) for k in p[0] if k.endswith("STEP")), default=0.0))
         saved = med(g, "wall_ms") - med(p, "wall_ms")
-        table.append([name, med(g, "wall_ms"), med(p, "wall_ms"), ratio, saved, hideable,
+        mean = lambda rs: statistics.fmean(r["wall_ms"] for r in rs)  # noqa: E731  (K-FAC: over refresh cycles)
+        table.append([name, med(g, "wall_ms"), med(p, "wall_ms"), mean(g), mean(p), ratio, saved, hideable,
                       saved / hideable if hideable > 0 else float("nan"), glob_steps, stage_steps, final,
                       sum(r["rollbacks"] for r in p)])
-    print(h.table(["variant", "global step ms", "per_stage step ms", "per_stage / global", "saved ms",
+    print(h.table(["variant", "global step ms", "per_stage step ms", "global mean ms", "per_stage mean ms",
+                   "per_stage / global", "saved ms",
                    "hideable STEP ms", "saved / hideable", "global STEP ms (W0..)", "stage STEP ms",
                    "final STEP ms (W0..)", "rollbacks"], table))
+    # Each optimizer against NVLAMB of the same model, schedule and clip, both placements: ratios of the mean
+    # steps over all rounds (the arms ran interleaved in the same processes; K-FAC's refresh cycles included).
+    means = {name: {q: statistics.fmean(r["wall_ms"] for r in rows[f"{name}|{q}"]) for q in PLACEMENTS}
+             for name, _ in variants}
+    against = []
+    for name, _ in variants:
+        model, method, opt, *clip = name.split(" ")
+        ref = " ".join([model, method, "nvlamb", *clip])
+        if opt != "nvlamb" and ref in means:
+            against.append([name, *(means[name][q] / means[ref][q] for q in PLACEMENTS),
+                            means[name]["per_stage"] / means[ref]["global"]])
+    if against:
+        print("\nAgainst NVLAMB (same model, schedule, clip), ratio of mean steps:")
+        print(h.table(["variant", "global / nvlamb global", "per_stage / nvlamb per_stage",
+                       "per_stage / nvlamb global"], against))
 
 
 def _costs(model: str, method: str, stages: int, micro_batches: int) -> tuple:
@@ -175,6 +200,9 @@ def main() -> None:
                    help="optimizer.max_grad_norm values (1.0: the default, active early in training; 0: off)")
     p.add_argument("--micro-batches", type=int, default=4)
     p.add_argument("--stages", type=int, default=2, help="D: worker processes (one pipeline); at least D cores")
+    p.add_argument("--micro-batch-size", type=int, default=2)
+    p.add_argument("--seq-len", type=int, default=128)
+    p.add_argument("--vocab-size", type=int, default=None, help="model.vocab_size (study 7's WikiText-2 shards: 8192)")
     p.add_argument("--layers", type=int, default=None,
                    help="model.num_layers (V schedules need stages * 2 <= layers + 2)")
     p.add_argument("--rounds", type=int, default=6)
@@ -183,7 +211,7 @@ def main() -> None:
     args = p.parse_args()
     if not args.simulate_only:
         measure(args.models, args.methods, args.optimizers, args.clips, args.micro_batches, args.warmup, args.rounds,
-                args.stages, args.layers)
+                args.stages, args.layers, args.micro_batch_size, args.seq_len, args.vocab_size)
         print()
     simulated([(m, method, d, n) for m, d, n in (("bert-medium", 4, 8), ("bert-large", 8, 16))
                for method in ("1f1b", "chimera", "zb-v")])

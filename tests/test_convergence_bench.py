@@ -305,6 +305,20 @@ def test_a_step_cost_setting_named_for_a_batch_prices_that_batch_only() -> None:
     assert report._cost_arm("pipefisher-d2-c2", pf, "D=2 measured, batch 32") == "pipefisher-c2"
 
 
+def test_timings_on_other_pipelines_and_placements_are_settings_of_their_own(cv) -> None:
+    """--timing-pipelines / --timing-placements: chimera with the global step keeps the study's setting name;
+    any other pipeline or placement is a setting named for it, priced for its batch only."""
+    assert cv.timing_setting(32) == "D=2 measured, batch 32"
+    other = cv.timing_setting(32, "1f1b", "per_stage")
+    assert other == "D=2 measured, 1f1b, optimizer_placement=per_stage, batch 32"
+    assert cv.timing_setting(32, "chimera", "per_stage") != cv.timing_setting(32)
+    report = _load("convergence_report")
+    costs = {cv.timing_setting(32): {"pipefisher": 1.0}, other: {"pipefisher": 2.0}}
+    assert list(report._settings(costs, 32)) == [cv.timing_setting(32), other]
+    assert list(report._settings(costs, 64)) == []
+    assert report._cost_arm("pipefisher-d2", {}, other) == "pipefisher"  # a D=2 setting: PipeFisher's own run
+
+
 def test_tuning_score_ranks_by_steps_to_the_hardest_target_then_by_final_loss(ca) -> None:
     fast = [(50, 7.0), (100, 6.0), (150, 5.9)]
     slow = [(50, 7.0), (100, 6.5), (150, 5.8)]
