@@ -163,7 +163,8 @@ def _parser() -> argparse.ArgumentParser:
                         "(a budget study for --calibration-from: Wen et al. tune each budget's lr by its final loss)")
     p.add_argument("--step-costs", type=Path, default=None, help="JSON {setting: {arm: seconds per step}}")
     p.add_argument("--measure-d2", action="store_true",
-                   help="time every arm's real pipeline at D=2 (chimera) in rotated rounds into <out>/step_costs.json, "
+                   help="time every arm's real pipeline at D=2 (chimera; --timing-pipelines and --timing-placements "
+                        "add others) in rotated rounds into <out>/step_costs.json, "
                         "then report; run it on a quiet machine")
     p.add_argument("--add-simulated", type=Path, action="append", default=[], metavar="FILE",
                    help="a bench/step_costs.py --json file: its simulated arms (pipefisher-kK included) go into "

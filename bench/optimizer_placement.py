@@ -96,8 +96,8 @@ def measure(models: list[str], methods: list[str], optimizers: list[str], clips:
             for opt, clip in [(o, c) for o in optimizers for c in clips]:
                 variants.append((f"{model} {method} {opt} clip {clip}", [f"optimizer.max_grad_norm={clip}",
                     f"model={model}", *depth, f"pipeline={method}", f"stages={stages}",
-                    f"num_micro_batches={micro_batches}", f"micro_batch_size={micro_batch_size}", f"data.seq_len={seq_len}",
-                    f"optimizer={opt}",
+                    f"num_micro_batches={micro_batches}", f"micro_batch_size={micro_batch_size}",
+                    f"data.seq_len={seq_len}", f"optimizer={opt}",
                     f"steps={warmup + rounds + 1}", "model.hidden_dropout=0.0", "model.attention_dropout=0.0"]))
     load = h.load()
     out = h.launch(_run, stages, variants, warmup, rounds)
