@@ -4,6 +4,7 @@
     python bench/validate_time_to_target.py --out DIR --measure --quick     # 6 pairs, the same way (6 min here)
     python bench/validate_time_to_target.py --out DIR --diagnose            # each action's cost: search vs profile
     python bench/validate_time_to_target.py --out DIR --top-pick            # goal 2: the top pick trained to H-0.3
+    python bench/validate_time_to_target.py --out DIR --interleaved 84      # the same pairs in one pair of processes
     python bench/validate_time_to_target.py --out DIR                       # the tables again from DIR/validation.json
 
 Duration: a round is 40 train.py runs (8 schedules x 5 optimizers), 20-60 s each on 2 cores at load 6-10 (most of it
@@ -481,6 +482,114 @@ def measure_round(out: Path, r: int, files: Mapping[str, Path], ks: Mapping[str,
         (out / "validation.json").write_text(json.dumps(doc, indent=1) + "\n")
 
 
+# --- the same pairs interleaved: every pair in the same two processes, step by step --------------------------
+
+
+def interleaved_rounds(ks: Sequence[int], at_least: int) -> int:
+    """Rounds that hold whole refresh cycles of every pair: a multiple of lcm(k) of at least ``at_least``
+    (bert-tiny's plans: k in 1, 3, 4, 6, 7, so 84; each half then holds whole cycles except for k=4, 10.5)."""
+    unit = math.lcm(*[max(1, int(k)) for k in ks])
+    return unit * max(1, math.ceil(at_least / unit))
+
+
+def halves(seconds: Sequence[float]) -> list[float]:
+    """Mean step of the first and of the second half of a pair's rounds (each half whole refresh cycles when the
+    rounds are :func:`interleaved_rounds`, or nearly): the measurement twice, from one interleaved run."""
+    mid = len(seconds) // 2
+    if mid == 0:
+        raise ValueError(f"halves: {len(seconds)} round(s); two halves need at least 2")
+    return [statistics.fmean(seconds[:mid]), statistics.fmean(seconds[mid:2 * mid])]
+
+
+def compose_strategy(path: Path, overrides: Sequence[str]) -> Any:
+    """The run config ``train.py strategy=<path> <overrides>`` would validate (the file's keys set first)."""
+    from hydra import compose, initialize_config_dir
+
+    from pipefisher.config import register_configs, to_train_config
+    from pipefisher.planning.strategy_file import apply_strategy
+
+    register_configs()
+    keys = [f"strategy={path}", *overrides]
+    with initialize_config_dir(config_dir=str(h._CONF_DIR), version_base="1.3"):
+        dcfg = compose(config_name="config", overrides=keys)
+    apply_strategy(dcfg, keys)
+    return to_train_config(dcfg)
+
+
+def _interleaved_worker(rank: int, world: int, pairs: list[tuple[str, str, list[str]]], warmup: int,
+                        rounds: int) -> dict[str, Any]:
+    import torch
+
+    from pipefisher.runtime.worker import PipelineWorker
+
+    workers = {key: PipelineWorker(compose_strategy(Path(path), overrides), rank, world, torch.device("cpu"))
+               for key, path, overrides in pairs}
+    seconds: dict[str, list[float]] = {key: [] for key in workers}
+    for key, s, _ in h.timed_rounds(workers, warmup, rounds):
+        seconds[key].append(s)
+    return {"seconds": seconds, "threads": torch.get_num_threads()}
+
+
+def measure_interleaved(out: Path, doc: dict[str, Any], at_least: int, warmup: int) -> None:
+    """Every pair of ``doc`` (its round-0 strategy files) as a ``PipelineWorker`` in the same ``STAGES`` processes,
+    one step each per round in rotated order ([Note: measuring on a shared CPU]); writes per pair the mean step of
+    each half of the rounds into ``doc["interleaved"]`` (``train_step`` alone: train.py's bookkeeping is not in it,
+    so it is compared with the predictions without bookkeeping)."""
+    keys = sorted(doc["measured"])
+    k = {key: int(doc["predicted_rounds"][0][key].get("k") or 1) for key in keys}
+    rounds = interleaved_rounds(list(k.values()), at_least)
+    files = {key: out / "search-round0" / "strategies" / f"{key.replace('/', '-')}.json" for key in keys}
+    missing = [str(f) for f in files.values() if not f.is_file()]
+    if missing:
+        raise SystemExit(f"--interleaved: no strategy file {missing[0]} (run --measure into {out} first)")
+    pairs = [(key, str(files[key]), [f"steps={warmup + rounds + 1}", "eval.every_steps=0", "device=cpu",
+                                     "progress=false", "wandb.mode=disabled", "save_final=false",
+                                     *run_keys(key.split("/")[1])]) for key in keys]
+    load_before = h.load()
+    start = time.perf_counter()
+    with bench_lock():
+        result = h.launch(_interleaved_worker, STAGES, pairs, warmup, rounds)[0]["result"]
+    doc["interleaved"] = {"rounds": rounds, "warmup": warmup, "load_before": load_before, "load_after": h.load(),
+                          "threads": result["threads"], "seconds": round(time.perf_counter() - start),
+                          "measured": {key: halves(v) for key, v in result["seconds"].items()},
+                          "k": k}
+
+
+def interleaved_lines(doc: Mapping[str, Any]) -> list[str]:
+    """The interleaved measurement against the predictions without bookkeeping (and with it), and against itself."""
+    il = doc["interleaved"]
+    predicted = median_prediction(doc.get("predicted_no_bookkeeping_rounds") or doc["predicted_rounds"])
+    rows = assemble_rows(predicted, il["measured"], doc.get("builtin"), il.get("k"))
+    s = summary(rows)
+    lines = [f"interleaved: every pair in the same {doc.get('stages', 2)} processes, one step each per round in rotated "
+             f"order, {il['rounds']} rounds after {il['warmup']} (whole refresh cycles), {il['seconds']} s, "
+             f"{il['load_before']} before, {il['load_after']} after; a pair's step = the mean of each half, their "
+             "mean; predicted without train.py's bookkeeping (the harness times train_step alone)", ""]
+    lines += table_lines(rows)
+    lines += ["", f"interleaved: Spearman {s['spearman']:.3f} (goal >= {GOAL_SPEARMAN}: "
+                  f"{'met' if s['spearman_met'] else 'not met'}), worst step error {s['worst_error']:+.1%} "
+                  f"({s['worst_pair']}; goal within {GOAL_STEP_ERROR:.0%}: {'met' if s['step_error_met'] else 'not met'}), "
+                  f"{s['within_goal']} of {s['pairs']} within {GOAL_STEP_ERROR:.0%}, median step error "
+                  f"{statistics.median(r.error for r in rows):+.1%}"]
+    with_book = assemble_rows(median_prediction(doc["predicted_rounds"]), il["measured"])
+    wb = summary(with_book)
+    lines.append(f"interleaved against the predictions with the bookkeeping: Spearman {wb['spearman']:.3f}, worst "
+                 f"{wb['worst_error']:+.1%}, {wb['within_goal']} of {wb['pairs']} within {GOAL_STEP_ERROR:.0%}, median "
+                 f"{statistics.median(r.error for r in with_book):+.1%}")
+    ceiling, spread = round_spearman(rows), round_spread(rows)
+    if ceiling and spread:
+        lines.append(f"interleaved against itself (first half of the rounds against the second): Spearman "
+                     f"{ceiling[0]:.3f}; a pair's halves differ by {spread[0]:.1%} (median over {spread[2]} pairs; "
+                     f"largest {spread[1]:.1%})")
+    if doc.get("measured"):
+        runs = assemble_rows(predicted, doc["measured"])
+        both = [(r, x) for r in runs for x in rows if (r.schedule, r.optimizer) == (x.schedule, x.optimizer)]
+        lines.append(f"interleaved against the separate train.py runs (same pairs): Spearman "
+                     f"{spearman([a.measured_time_s for a, _ in both], [b.measured_time_s for _, b in both]):.3f}, "
+                     f"their steps / interleaved median {statistics.median(a.measured_s / b.measured_s for a, b in both):.3f}")
+    return lines
+
+
 # --- which cost is mispriced: the search's costs beside a profile's, taken back to back -----------------------
 
 PROFILE_KEYS = [*MODEL, "stages=2", "pipeline=chimera", "micro_batch_size=8", "num_micro_batches=4", "steps=8",
@@ -758,6 +867,8 @@ def report(doc: Mapping[str, Any]) -> str:
                      + f" (the same action lists at pp={doc.get('stages', 2)}, 4 micro-batches: the same executor work)")
     if doc.get("refused"):
         lines.append(f"refused by the search at pp={doc.get('stages', 2)}: " + "; ".join(f"{k}: {v}" for k, v in doc["refused"].items()))
+    if doc.get("interleaved"):
+        lines += ["", *interleaved_lines(doc)]
     return "\n".join(lines) + "\n"
 
 
@@ -782,6 +893,10 @@ def main() -> None:
                    help="--top-pick: WikiText-2's train.txt and valid.txt")
     p.add_argument("--diagnose", action="store_true",
                    help="the search's cost of each action beside a profile's (chimera pp=2, kfac and muon), back to back")
+    p.add_argument("--interleaved", type=int, default=0, metavar="ROUNDS",
+                   help="after --measure (or on a DIR it filled): every pair again in the same processes, one step "
+                        "each per round, at least ROUNDS rounds of whole refresh cycles (e.g. 84: the measurement's "
+                        "noise drops from separate runs' ~10 %% to ~1 %%, so the goals can be decided)")
     args = p.parse_args()
     global STAGES
     STAGES = args.stages
@@ -845,6 +960,12 @@ def main() -> None:
             measure_round(args.out, r, files, {k: doc["predicted_rounds"][0][k]["k"] for k in files}, args.steps,
                           args.timeout_s, doc)
         doc["uptime_after"] = _uptime()
+        path.write_text(json.dumps(doc, indent=1) + "\n")
+    if args.interleaved:
+        if not path.is_file():
+            raise SystemExit(f"--interleaved: {path} missing; run --measure into {args.out} first")
+        doc = json.loads(path.read_text())
+        measure_interleaved(args.out, doc, args.interleaved, warmup=4)
         path.write_text(json.dumps(doc, indent=1) + "\n")
     parts = []
     if (args.out / "top_pick.json").is_file():

@@ -199,3 +199,55 @@ def test_without_bookkeeping_drops_only_the_bookkeeping_on_a_copy(v):
     stripped = v.without_bookkeeping(doc)
     assert stripped["compute"]["executor"] == {"overhead_per_action_s": 1e-3}
     assert doc["compute"]["executor"]["bookkeeping_seconds"] == 2e-3
+
+
+def test_interleaved_rounds_hold_whole_refresh_cycles_of_every_pair(v):
+    rounds = v.interleaved_rounds([1, 3, 4, 6, 7], 84)
+    assert rounds == 84 and all(rounds % k == 0 for k in (3, 4, 6, 7))
+    assert v.interleaved_rounds([1, 3, 4, 6, 7], 85) == 168  # at least the rounds asked for
+    assert v.interleaved_rounds([1, 1], 10) == 10 and v.interleaved_rounds([0, 2], 3) == 4  # k=0 counts as 1
+
+
+def test_halves_are_the_measurement_twice(v):
+    assert v.halves([1.0, 3.0, 5.0, 7.0]) == [2.0, 6.0]
+    assert v.halves([1.0, 3.0, 5.0]) == [1.0, 3.0]  # an odd round is left out, not counted in one half only
+    with pytest.raises(ValueError, match="two halves"):
+        v.halves([1.0])
+
+
+@pytest.mark.slow
+def test_interleaved_measures_each_strategy_file_in_one_pair_of_processes(tmp_path):
+    """--interleaved on a folder --measure filled: every pair's strategy file becomes a PipelineWorker of the same two
+    processes (the file's pipeline and optimizer, as train.py strategy= runs it); each pair gets its two halves, and
+    the report sets them beside the predictions and against themselves."""
+    import json
+    import subprocess
+    import sys
+
+    from pipefisher.config import DataConfig, ModelConfig
+    from pipefisher.planning.strategy_file import strategy_document
+    from pipefisher.planning.strategy_search import Strategy
+    from tests.conftest import REPO
+
+    folder = tmp_path / "search-round0" / "strategies"
+    folder.mkdir(parents=True)
+    model = ModelConfig(hidden_size=32, num_heads=2, vocab_size=512)
+    keys = ["1f1b/nvlamb", "chimera/adamw", "gpipe/muon"]  # three: the halves' own Spearman needs three pairs
+    for key in keys:
+        method, optimizer = key.split("/")
+        s = Strategy(method, 2, 1, 1, 1, 1, 2, 4, False, optimizer, samples_per_s=10.0, step_time_s=0.05,
+                     utilization=0.9, interval=1, memory_gb=0.1, memory_per_worker_gb=(0.1, 0.1))
+        doc = strategy_document(s, model, DataConfig(seq_len=16, max_predictions=2))
+        (folder / f"{key.replace('/', '-')}.json").write_text(json.dumps(doc))
+    predicted = {key: {"step_s": 0.05 + 0.01 * i, "steps": 100, "k": 1} for i, key in enumerate(keys)}
+    (tmp_path / "validation.json").write_text(json.dumps({
+        "hardware": "test", "command": "test", "loads": [], "rates": [], "stages": 2, "predicted": predicted,
+        "predicted_rounds": [predicted], "measured": {key: [0.05 + 0.02 * i] for i, key in enumerate(keys)},
+        "measured_k": {}}))
+    done = subprocess.run([sys.executable, "bench/validate_time_to_target.py", "--out", str(tmp_path),
+                           "--interleaved", "4"], cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    il = json.loads((tmp_path / "validation.json").read_text())["interleaved"]
+    assert il["rounds"] == 4 and sorted(il["measured"]) == keys
+    assert all(len(h) == 2 and all(x > 0 for x in h) for h in il["measured"].values())
+    assert "interleaved: Spearman" in done.stdout and "interleaved against itself" in done.stdout
