@@ -33,6 +33,14 @@ the first two (``convergence.cycle_mean_step_s``, the study's estimator); the pa
 per pair the median over rounds. Each run holds ``/tmp/pipefisher-bench.lock`` (``flock``), as does the
 measurement of the rates.
 
+Measured interleaved (``--interleaved ROUNDS``, after ``--measure`` into the same DIR): the same strategy files,
+each a ``PipelineWorker`` of the same ``--stages`` processes, one step each per round in rotated order (``_harness``
+[Note: measuring on a shared CPU]), ROUNDS rounded up to whole refresh cycles of every pair; per pair the mean
+step of each half of the rounds. Separate train.py runs differ from run to run by ~10 % on 2 cores (start-up,
+memory placement, the load); steps interleaved in one pair of processes share all of it, so their order can be
+compared with the prediction's at the goal's resolution. ``train_step`` alone is timed, so these are compared
+with the predictions without train.py's bookkeeping.
+
 Time to target = the calibration's steps to H-0.3 (its reference's steps × the optimizer's multiplier) × the
 step. The steps are the same number for predicted and measured (trajectories do not depend on placement), so
 the order test is a test of step times weighted by each optimizer's steps.
