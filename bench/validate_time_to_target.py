@@ -509,6 +509,17 @@ def halves(seconds: Sequence[float]) -> list[float]:
     return [statistics.fmean(seconds[:mid]), statistics.fmean(seconds[mid:2 * mid])]
 
 
+def halves_drift(measured: Mapping[str, Sequence[float]]) -> tuple[float, float, float] | None:
+    """(median first/second half over the pairs, then each pair's |ratio / that median - 1|: median and largest),
+    or None without pairs: the machine's drift during the run, common to all pairs, apart from each pair's noise."""
+    ratios = [h[0] / h[1] for h in measured.values() if len(h) == 2 and h[1] > 0]
+    if not ratios:
+        return None
+    common = statistics.median(ratios)
+    dev = [abs(x / common - 1) for x in ratios]
+    return common, statistics.median(dev), max(dev)
+
+
 def compose_strategy(path: Path, overrides: Sequence[str]) -> Any:
     """The run config ``train.py strategy=<path> <overrides>`` would validate (the file's keys set first)."""
     from hydra import compose, initialize_config_dir
@@ -575,7 +586,9 @@ def interleaved_lines(doc: Mapping[str, Any]) -> list[str]:
              "mean; predicted without train.py's bookkeeping (the harness times train_step alone)", ""]
     lines += table_lines(rows)
     lines += ["", f"interleaved: Spearman {s['spearman']:.3f} (goal >= {GOAL_SPEARMAN}: "
-                  f"{'met' if s['spearman_met'] else 'not met'}), worst step error {s['worst_error']:+.1%} "
+                  f"{'met' if s['spearman_met'] else 'not met'}"
+                  + (f"; {s['spearman_builtin']:.3f} with the built-in keys, steps far off: the calibration's steps "
+                     "order most pairs" if "spearman_builtin" in s else "") + f"), worst step error {s['worst_error']:+.1%} "
                   f"({s['worst_pair']}; goal within {GOAL_STEP_ERROR:.0%}: {'met' if s['step_error_met'] else 'not met'}), "
                   f"{s['within_goal']} of {s['pairs']} within {GOAL_STEP_ERROR:.0%}, median step error "
                   f"{statistics.median(r.error for r in rows):+.1%}"]
@@ -589,6 +602,11 @@ def interleaved_lines(doc: Mapping[str, Any]) -> list[str]:
         lines.append(f"interleaved against itself (first half of the rounds against the second): Spearman "
                      f"{ceiling[0]:.3f}; a pair's halves differ by {spread[0]:.1%} (median over {spread[2]} pairs; "
                      f"largest {spread[1]:.1%})")
+    drift = halves_drift(il["measured"])
+    if drift:
+        lines.append(f"first half / second half of every pair: median {drift[0]:.3f} (a drift of the machine common to "
+                     f"all pairs: it moves every step, not their order); each pair's halves over that: median "
+                     f"{drift[1]:.1%}, largest {drift[2]:.1%} (the pairs' own noise)")
     if doc.get("measured"):
         runs = assemble_rows(predicted, doc["measured"])
         both = [(r, x) for r in runs for x in rows if (r.schedule, r.optimizer) == (x.schedule, x.optimizer)]

@@ -251,3 +251,11 @@ def test_interleaved_measures_each_strategy_file_in_one_pair_of_processes(tmp_pa
     assert il["rounds"] == 4 and sorted(il["measured"]) == keys
     assert all(len(h) == 2 and all(x > 0 for x in h) for h in il["measured"].values())
     assert "interleaved: Spearman" in done.stdout and "interleaved against itself" in done.stdout
+
+
+def test_halves_drift_separates_a_common_slowdown_from_each_pairs_noise(v):
+    measured = {"a/x": [0.9, 1.0], "b/x": [1.8, 2.0], "c/x": [0.95, 1.0]}  # every pair 10 % faster first but one
+    common, median_dev, largest = v.halves_drift(measured)
+    assert common == pytest.approx(0.9) and median_dev == pytest.approx(0.0)
+    assert largest == pytest.approx(0.95 / 0.9 - 1)
+    assert v.halves_drift({}) is None
