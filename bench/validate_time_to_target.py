@@ -578,7 +578,7 @@ def interleaved_lines(doc: Mapping[str, Any]) -> list[str]:
     """The interleaved measurement against the predictions without bookkeeping (and with it), and against itself."""
     il = doc["interleaved"]
     predicted = median_prediction(doc.get("predicted_no_bookkeeping_rounds") or doc["predicted_rounds"])
-    rows = assemble_rows(predicted, il["measured"], doc.get("builtin"), il.get("k"))
+    rows = assemble_rows(predicted, il["measured"], doc.get("builtin"))  # k: the plan's, not read back from the run
     s = summary(rows)
     lines = [f"interleaved: every pair in the same {doc.get('stages', 2)} processes, one step each per round in rotated "
              f"order, {il['rounds']} rounds after {il['warmup']} (whole refresh cycles), {il['seconds']} s, "
@@ -922,7 +922,7 @@ def main() -> None:
     p.add_argument("--interleaved", type=int, default=0, metavar="ROUNDS",
                    help="after --measure (or on a DIR it filled): every pair again in the same processes, one step "
                         "each per round, at least ROUNDS rounds of whole refresh cycles (e.g. 84: the measurement's "
-                        "noise drops from separate runs' ~10 %% to ~1 %%, so the goals can be decided)")
+                        "noise drops from separate runs' ~10 %% to ~2 %%, so the goals can be decided)")
     args = p.parse_args()
     global STAGES
     STAGES = args.stages
