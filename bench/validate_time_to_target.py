@@ -232,6 +232,14 @@ def without_executor_methods(doc: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
+def without_kfac_factor(doc: Mapping[str, Any]) -> dict[str, Any]:
+    """A ``measure.collectives`` document without the K-FAC steps the executor ran (``compute.executor.kfac``), so
+    the search prices K-FAC's units as measured alone ([Note: K-FAC unit factor])."""
+    out = json.loads(json.dumps(doc))
+    (out.get("compute", {}).get("executor") or {}).pop("kfac", None)
+    return out
+
+
 def without_bookkeeping(doc: Mapping[str, Any]) -> dict[str, Any]:
     """A ``measure.collectives`` document without train.py's measured bookkeeping per step
     (``compute.executor.bookkeeping_seconds``), so the search adds nothing to each predicted step for it."""
@@ -574,6 +582,21 @@ def measure_interleaved(out: Path, doc: dict[str, Any], at_least: int, warmup: i
                           "k": k}
 
 
+def without_measured_bookkeeping(doc: Mapping[str, Any], key: str) -> list[dict[str, dict[str, Any]]]:
+    """``doc[key]``'s rounds of predictions less the bookkeeping each round's search added to every step (a constant
+    per round: its ``predicted_rounds`` step less its ``predicted_no_bookkeeping_rounds`` step); [] where ``doc``
+    lacks either."""
+    rounds, plain, bare = doc.get(key) or [], doc.get("predicted_rounds") or [], doc.get("predicted_no_bookkeeping_rounds") or []
+    if not rounds or len(plain) != len(rounds) or len(bare) != len(rounds):
+        return []
+    out = []
+    for alt, p, b in zip(rounds, plain, bare):
+        pair = next(iter(p))
+        book = p[pair]["step_s"] - b[pair]["step_s"]
+        out.append({k: {**v, "step_s": v["step_s"] - book} for k, v in alt.items()})
+    return out
+
+
 def interleaved_lines(doc: Mapping[str, Any]) -> list[str]:
     """The interleaved measurement against the predictions without bookkeeping (and with it), and against itself."""
     il = doc["interleaved"]
@@ -597,6 +620,14 @@ def interleaved_lines(doc: Mapping[str, Any]) -> list[str]:
     lines.append(f"interleaved against the predictions with the bookkeeping: Spearman {wb['spearman']:.3f}, worst "
                  f"{wb['worst_error']:+.1%}, {wb['within_goal']} of {wb['pairs']} within {GOAL_STEP_ERROR:.0%}, median "
                  f"{statistics.median(r.error for r in with_book):+.1%}")
+    for key, how in REPRICINGS:  # the pricings that carry the bookkeeping, less it
+        alt = without_measured_bookkeeping(doc, key) if key in WITH_BOOKKEEPING else []
+        if alt:
+            alt_rows = assemble_rows(median_prediction(alt), il["measured"])
+            a = summary(alt_rows)
+            lines.append(f"interleaved against the predictions {how}: Spearman {a['spearman']:.3f}, worst "
+                         f"{a['worst_error']:+.1%} ({a['worst_pair']}), {a['within_goal']} of {a['pairs']} within "
+                         f"{GOAL_STEP_ERROR:.0%}, median {statistics.median(r.error for r in alt_rows):+.1%}")
     ceiling, spread = round_spearman(rows), round_spread(rows)
     if ceiling and spread:
         lines.append(f"interleaved against itself (first half of the rounds against the second): Spearman "
@@ -819,11 +850,17 @@ REPRICINGS = (
     ("predicted_no_overhead_rounds", "without the executor's terms (compute.executor: its overhead per action and, "
                                      "where measured, the per-schedule factors)"),
     ("predicted_no_schedule_factor_rounds", "without the per-schedule executor factors (compute.executor.methods)"),
+    ("predicted_no_kfac_factor_rounds", "without the K-FAC unit factor (compute.executor.kfac)"),
     ("predicted_no_bookkeeping_rounds", "without train.py's bookkeeping per step (compute.executor.bookkeeping_seconds)"),
     # files written at 695ee81-8e2b352, when the search used the share and K-FAC unit rates by default
     ("predicted_legacy_rounds", "without the measured forward share and K-FAC unit rates (B = 2F, K-FAC at the "
                                 "model's rate)"),
 )
+
+
+#: the repricings whose searches add train.py's bookkeeping (the no-overhead one drops compute.executor whole)
+WITH_BOOKKEEPING = ("predicted_kfac_units_rounds", "predicted_flop_rate_rounds", "predicted_no_schedule_factor_rounds",
+                    "predicted_no_kfac_factor_rounds")
 
 
 def report(doc: Mapping[str, Any]) -> str:
@@ -975,6 +1012,10 @@ def main() -> None:
             no_factor.write_text(json.dumps(without_executor_methods(json.loads(rates.read_text()))))
             doc.setdefault("predicted_no_schedule_factor_rounds", []).append(
                 predict(args.out / f"search-round{r}-no-schedule-factor", [f"comm_costs={no_factor}"])[0])
+            no_kfac = args.out / f"collectives-round{r}-no-kfac-factor.json"
+            no_kfac.write_text(json.dumps(without_kfac_factor(json.loads(rates.read_text()))))
+            doc.setdefault("predicted_no_kfac_factor_rounds", []).append(
+                predict(args.out / f"search-round{r}-no-kfac-factor", [f"comm_costs={no_kfac}"])[0])
             no_book = args.out / f"collectives-round{r}-no-bookkeeping.json"
             no_book.write_text(json.dumps(without_bookkeeping(json.loads(rates.read_text()))))
             doc.setdefault("predicted_no_bookkeeping_rounds", []).append(

@@ -4,6 +4,7 @@ extrapolation to unmeasured group sizes, the JSON the measurement writes, and th
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -86,7 +87,8 @@ def test_measurement_at_world_2_writes_fits_the_search_reads(tmp_path: Path):
     out = tmp_path / "coll.json"
     doc = measure_collectives(out, world=2, min_bytes=4096, max_bytes=256 << 10, repeats=3, budget_s=0.05,
                               model="bert-tiny", micro_batch_sizes=[2], seq_len=32, max_predictions=5,
-                              executor_micro_batches=2, executor_methods=["gpipe", "chimera", "zb-v"])
+                              executor_micro_batches=2, executor_methods=["gpipe", "chimera", "zb-v"],
+                              executor_kfac_methods=["gpipe"])
     assert doc["backend"] == "gloo" and doc["world_size"] == 2
     assert set(doc["ops"]) == {"all_reduce", "all_gather", "reduce_scatter", "p2p"}
     for op, groups in doc["ops"].items():
@@ -119,6 +121,11 @@ def test_measurement_at_world_2_writes_fits_the_search_reads(tmp_path: Path):
     assert methods["chimera"]["step_seconds"] > 0 and methods["chimera"]["micro_batches"] == 2
     assert "num_micro_batches" in methods["zb-v"]["refused"]
     assert set(CommCosts.from_json(out).executor_steps) == {"gpipe", "chimera"}
+    kfac_step = executor["kfac"]["gpipe"]  # GPipe with K-FAC every step and with NVLAMB, taking turns
+    assert kfac_step["step_seconds"] > 0 and kfac_step["nvlamb_step_seconds"] > 0 and kfac_step["micro_batches"] == 2
+    assert kfac_step["rounds"] == 12 and math.isfinite(kfac_step["extra_seconds"])
+    read_kfac = CommCosts.from_json(out).kfac_executor_steps["gpipe"]
+    assert (read_kfac.step_seconds, read_kfac.extra_seconds) == (kfac_step["step_seconds"], kfac_step["extra_seconds"])
     assert executor["bookkeeping_seconds"] > 0  # the timeline gathered to rank 0 and read, after every step
     assert CommCosts.from_json(out).step_bookkeeping_s == executor["bookkeeping_seconds"]
     assert CommCosts.from_json(out).piece_seconds[2]["heads"] == tuple(rate["pieces"]["heads"][k] for k in
@@ -440,6 +447,67 @@ def test_a_measured_schedule_step_is_matched_at_its_shape_and_scales_that_schedu
     (tmp_path / "bad.json").write_text(json.dumps(collectives_json(
         "gloo", "cpu", 2, {"all_reduce": {2: [(4096.0, 1e-4), (65536.0, 2e-4)]}}, compute=compute)))
     with pytest.raises(ValueError, match="compute.executor.methods"):
+        CommCosts.from_json(tmp_path / "bad.json")
+
+
+def test_a_measured_kfac_step_scales_kfac_units_alone_at_every_d(tmp_path: Path):
+    """With GPipe's step measured with K-FAC every step (compute.executor.kfac), the search's K-FAC step of GPipe at
+    that shape equals it; the factor scales only K-FAC's units, so NVLAMB is priced as before, K-FAC on another
+    schedule and D grows, EKFAC (another kernel) does not; the file round-trips it and names a bad field."""
+    from dataclasses import replace
+
+    from pipefisher.model.config import BertConfig
+    from pipefisher.planning.comm_costs import ExecutorStep
+    from pipefisher.planning.costs import RunShape
+    from pipefisher.planning.predict import predict_assignment, predict_schedule
+    from pipefisher.planning.strategy_search import kfac_unit_factor, pipeline_costs
+    from pipefisher.schedules.kfac import critical_path_assignment
+
+    fits = {"all_reduce": {2: LinkFit(50e-6, 2e9)}, "p2p": {2: LinkFit(20e-6, 4e9)}}
+    plain = CommCosts(fits, Hardware(), "test", {8: 5e10}, 4e9, compute_model=("bert-tiny", 64, 10),
+                      action_overhead_s=1e-3)
+    hw = plain.hardware_for(8)
+    bert = BertConfig.from_size("tiny")
+
+    def step(comm: CommCosts, method: str, optimizer: str, stages: int = 2, preconditioner: str = "kfac") -> float:
+        run = RunShape(bert, method, stages, 4, 8, seq_len=64, max_predictions=10, preconditioner=preconditioner)
+        schedule = run.build_schedule(dp_width=1)
+        cost = pipeline_costs(run, hw, comm)
+        if optimizer == "nvlamb":
+            return predict_schedule(schedule, cost)[0].step_time_s
+        return predict_assignment(critical_path_assignment(schedule, run.kfac_layers, 1), cost, "kfac")[0].step_time_s
+
+    before = step(plain, "gpipe", "kfac")
+    measured = replace(plain, kfac_executor_steps={"gpipe": ExecutorStep(2, 4, 8, 1, 1.3 * before)})
+    assert step(measured, "gpipe", "kfac") == pytest.approx(1.3 * before, rel=1e-3)
+    assert kfac_unit_factor(measured) > 1.3  # F, B, messages and STEP are not scaled: the units must grow more
+    assert kfac_unit_factor(plain) == 1.0
+    for method in ("gpipe", "1f1b", "zb-h1", "chimera"):
+        assert step(measured, method, "nvlamb") == step(plain, method, "nvlamb")
+    assert step(measured, "1f1b", "kfac", stages=4) > step(plain, "1f1b", "kfac", stages=4)  # every D
+    assert step(measured, "1f1b", "kfac", preconditioner="ekfac") == step(plain, "1f1b", "kfac",
+                                                                           preconditioner="ekfac")
+    faster = replace(plain, kfac_executor_steps={"gpipe": ExecutorStep(2, 4, 8, 1, 0.9 * before)})
+    assert kfac_unit_factor(faster) < 1  # units faster in the executor than priced: scaled down alike
+    # measured as K-FAC's extra over NVLAMB's step (taking turns): the simulated extra matches it, whatever the
+    # absolute step was on the machine at the time
+    nvlamb = step(plain, "gpipe", "nvlamb")
+    paired = replace(plain, kfac_executor_steps={"gpipe": ExecutorStep(2, 4, 8, 1, 9.0, 1.5 * (before - nvlamb))})
+    assert step(paired, "gpipe", "kfac") - nvlamb == pytest.approx(1.5 * (before - nvlamb), rel=1e-3)
+    row = {"stages": 2, "micro_batches": 4, "micro_batch_size": 8, "num_virtual": 1, "step_seconds": 0.25,
+           "simulated_seconds": 0.2}
+    compute = {"model": "bert-tiny", "seq_len": 64, "max_predictions": 10,
+               "micro_batch": {"8": {"flops_per_s": 5e10, "seconds_fb": 0.3}},
+               "executor": {"overhead_per_action_s": 1e-3, "methods": {"gpipe": dict(row)},
+                            "kfac": {"gpipe": {**row, "step_seconds": 0.4, "extra_seconds": 0.15}}}}
+    ops = {"all_reduce": {2: [(4096.0, 1e-4), (65536.0, 2e-4)]}}
+    (tmp_path / "ok.json").write_text(json.dumps(collectives_json("gloo", "cpu", 2, ops, compute=compute)))
+    read = CommCosts.from_json(tmp_path / "ok.json")
+    assert read.kfac_executor_steps == {"gpipe": ExecutorStep(2, 4, 8, 1, 0.4, 0.15)}
+    assert "K-FAC every step in the executor: gpipe D=2 N=4 400 ms (NVLAMB's + 150 ms)" in read.describe()
+    compute["executor"]["kfac"]["gpipe"]["step_seconds"] = -1.0
+    (tmp_path / "bad.json").write_text(json.dumps(collectives_json("gloo", "cpu", 2, ops, compute=compute)))
+    with pytest.raises(ValueError, match=r"compute.executor.methods \(or .kfac\)"):
         CommCosts.from_json(tmp_path / "bad.json")
 
 

@@ -201,6 +201,27 @@ def test_without_bookkeeping_drops_only_the_bookkeeping_on_a_copy(v):
     assert doc["compute"]["executor"]["bookkeeping_seconds"] == 2e-3
 
 
+def test_without_kfac_factor_drops_only_the_kfac_steps_on_a_copy(v):
+    row = {"stages": 2, "micro_batches": 8, "micro_batch_size": 8, "step_seconds": 0.4}
+    doc = {"format": "x", "compute": {"executor": {"overhead_per_action_s": 1e-3, "kfac": {"gpipe": row}}}}
+    stripped = v.without_kfac_factor(doc)
+    assert stripped["compute"]["executor"] == {"overhead_per_action_s": 1e-3} and doc["compute"]["executor"]["kfac"]
+
+
+def test_a_repricing_less_each_rounds_bookkeeping(v):
+    # round 0's search added 2 ms to every step, round 1's 3 ms: taken off the alternative's steps round by round
+    doc = {"predicted_rounds": [{"a/x": {"step_s": 0.102}}, {"a/x": {"step_s": 0.203}}],
+           "predicted_no_bookkeeping_rounds": [{"a/x": {"step_s": 0.100}}, {"a/x": {"step_s": 0.200}}],
+           "predicted_no_kfac_factor_rounds": [{"a/x": {"step_s": 0.052, "k": 1}, "b/y": {"step_s": 0.032}},
+                                               {"a/x": {"step_s": 0.063, "k": 1}, "b/y": {"step_s": 0.043}}]}
+    alt = v.without_measured_bookkeeping(doc, "predicted_no_kfac_factor_rounds")
+    assert [{k: round(x["step_s"], 6) for k, x in r.items()} for r in alt] == [{"a/x": 0.05, "b/y": 0.03},
+                                                                               {"a/x": 0.06, "b/y": 0.04}]
+    assert alt[0]["a/x"]["k"] == 1
+    assert v.without_measured_bookkeeping(doc, "predicted_kfac_units_rounds") == []
+    assert "predicted_no_overhead_rounds" not in v.WITH_BOOKKEEPING  # its search has no bookkeeping to take off
+
+
 def test_interleaved_rounds_hold_whole_refresh_cycles_of_every_pair(v):
     rounds = v.interleaved_rounds([1, 3, 4, 6, 7], 84)
     assert rounds == 84 and all(rounds % k == 0 for k in (3, 4, 6, 7))

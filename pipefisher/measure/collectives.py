@@ -25,7 +25,9 @@ STEP times, per compute action on the critical path, is ``compute.executor.overh
 it to every F, B, I and W (``measure.executor_overhead``). With ``--executor-methods`` (default every schedule the
 search ranks) each of those schedules runs the same way and its measured step is stored
 (``compute.executor.methods.<method>``): the search scales that schedule's F, B, I and W at this D so that its
-simulated step equals the measured one (``planning.executor_calibration``). Each of those runs also times rank 0's
+simulated step equals the measured one (``planning.executor_calibration``); with ``--executor-kfac-methods``
+(default gpipe) a schedule runs with K-FAC every step and with NVLAMB, taking turns step by step in the same
+processes (``compute.executor.kfac.<method>``), from which the search solves the factor on K-FAC's units. Each of those runs also times rank 0's
 bookkeeping after a step, as train.py does it (the timeline gathered and read:
 ``compute.executor.bookkeeping_seconds``), which train.py's ``step_time_s`` includes: the search adds it to every
 step it predicts.
@@ -65,7 +67,7 @@ import torch.multiprocessing as mp
 from pipefisher.atomic import write_text_atomic
 from pipefisher.measure.compute_rates import (compute_rate, kfac_rates, measured_bert, optimizer_rate, piece_seconds,
                                               tp_seconds)
-from pipefisher.measure.executor_overhead import executor_overhead, executor_steps
+from pipefisher.measure.executor_overhead import executor_overhead, executor_steps, kfac_executor_steps
 from pipefisher.planning.comm_costs import OPS, collectives_json
 from pipefisher.planning.costs import STEP_BYTES_PER_PARAM
 from pipefisher.runtime.teardown import release_process_group
@@ -213,6 +215,11 @@ def _worker(rank: int, world: int, port: int, backend: str, sizes: Sequence[int]
                         methods, compute["model"], compute["micro_batch_sizes"][0], compute["seq_len"],
                         compute["max_predictions"], device, compute["executor_micro_batches"],
                         vocab_size=compute["vocab_size"])}
+                if compute.get("executor_kfac_methods"):
+                    extra["compute"]["executor"]["kfac"] = kfac_executor_steps(
+                        compute["executor_kfac_methods"], compute["model"], compute["micro_batch_sizes"][0],
+                        compute["seq_len"], compute["max_predictions"], device, compute["executor_micro_batches"],
+                        vocab_size=compute["vocab_size"])
         if rank == 0:
             doc = collectives_json(backend, device.type if device.type == "cpu" else torch.cuda.get_device_name(device),
                                    world, points, threads_per_process=threads, torch=torch.__version__,
@@ -228,7 +235,8 @@ def measure_collectives(out: str | os.PathLike, world: int = 2, backend: str = "
                         micro_batch_sizes: Sequence[int] = (8,), seq_len: int = 128,
                         max_predictions: int = 20, vocab_size: int | None = None,
                         executor_micro_batches: int = 0,
-                        executor_methods: Sequence[str] = ()) -> dict[str, Any]:
+                        executor_methods: Sequence[str] = (),
+                        executor_kfac_methods: Sequence[str] = ()) -> dict[str, Any]:
     """Measure and write ``out``; returns the document written.
 
     Args:
@@ -249,6 +257,10 @@ def measure_collectives(out: str | os.PathLike, world: int = 2, backend: str = "
         executor_methods: with ``executor_micro_batches``, the schedules (``planning.whatif.METHODS``) whose
             step is measured the same way (``compute.executor.methods``; those the shape refuses are recorded with
             the reason); GPipe's is the overhead's own run.
+        executor_kfac_methods: with ``executor_micro_batches``, the schedules whose step is measured the same way
+            with K-FAC every step and with NVLAMB taking turns in the same processes (``compute.executor.kfac.<method>``:
+            K-FAC's extra time per step, a paired difference), from which the search solves the executor's factor on
+            K-FAC's units (``planning.executor_calibration``).
 
     Raises:
         ValueError: a bad argument, naming it.
@@ -274,13 +286,15 @@ def measure_collectives(out: str | os.PathLike, world: int = 2, backend: str = "
             raise ValueError(f"--executor-micro-batches={executor_micro_batches}: give N >= 1, or 0 for none")
         from pipefisher.planning.whatif import METHODS
 
-        unknown = [m for m in executor_methods if m not in METHODS]
-        if unknown:
-            raise ValueError(f"--executor-methods={','.join(executor_methods)}: {', '.join(unknown)} unknown; choose "
-                             f"from {', '.join(METHODS)}, or all")
+        for flag, given in (("--executor-methods", executor_methods), ("--executor-kfac-methods", executor_kfac_methods)):
+            unknown = [m for m in given if m not in METHODS]
+            if unknown:
+                raise ValueError(f"{flag}={','.join(given)}: {', '.join(unknown)} unknown; choose from "
+                                 f"{', '.join(METHODS)}" + (", or all" if flag == "--executor-methods" else ""))
         compute = {"model": model, "micro_batch_sizes": list(micro_batch_sizes), "seq_len": seq_len,
                    "max_predictions": max_predictions, "vocab_size": vocab_size,
-                   "executor_micro_batches": executor_micro_batches, "executor_methods": list(executor_methods)}
+                   "executor_micro_batches": executor_micro_batches, "executor_methods": list(executor_methods),
+                   "executor_kfac_methods": list(executor_kfac_methods)}
     threads = max(1, (os.cpu_count() or 1) // world) if backend == "gloo" else 1
     port = _free_port()
     mp.start_processes(_worker, args=(world, port, backend, sizes, repeats, budget_s, threads, str(out), compute),
@@ -322,6 +336,9 @@ def main(argv: Sequence[str] | None = None) -> None:
                    help="--model: schedules whose executor step is measured at N=--executor-micro-batches over --world "
                         "processes, comma-separated, 'all' (the default: every schedule the search ranks) or 'gpipe' "
                         "(the overhead's run alone)")
+    p.add_argument("--executor-kfac-methods", default="gpipe",
+                   help="--model: schedules run with K-FAC every step and with NVLAMB taking turns in the same processes, "
+                        "comma-separated (default gpipe; '' for none): K-FAC's extra step, the search's factor on its units")
     args = p.parse_args(argv)
     from pipefisher.planning.whatif import METHODS
 
@@ -332,7 +349,8 @@ def main(argv: Sequence[str] | None = None) -> None:
                                   micro_batch_sizes=[int(x) for x in args.micro_batch_sizes.split(",")],
                                   seq_len=args.seq_len, max_predictions=args.max_predictions,
                                   vocab_size=args.vocab_size, executor_micro_batches=args.executor_micro_batches,
-                                  executor_methods=methods)
+                                  executor_methods=methods,
+                                  executor_kfac_methods=[m for m in args.executor_kfac_methods.split(",") if m])
     except ValueError as exc:
         raise SystemExit(f"collectives: {exc}") from None
     print(f"{doc['backend']} on {doc['device']}, {doc['world_size']} processes, "
@@ -357,6 +375,11 @@ def main(argv: Sequence[str] | None = None) -> None:
             print(f"    {m:>16}: " + (f"refused ({row['refused']})" if "refused" in row else
                                      f"step {row['step_seconds'] * 1e3:.1f} ms, {row['simulated_seconds'] * 1e3:.1f} ms "
                                      f"simulated from its own F/B/STEP"))
+        for m, row in e.get("kfac", {}).items():
+            print(f"    {m + ' K-FAC':>16}: " + (f"refused ({row['refused']})" if "refused" in row else
+                                              f"step {row['step_seconds'] * 1e3:.1f} ms with K-FAC every step, "
+                                              f"{row['nvlamb_step_seconds'] * 1e3:.1f} ms with NVLAMB, taking "
+                                              f"turns: K-FAC's extra {row['extra_seconds'] * 1e3:.1f} ms"))
     print(f"wrote {args.out}")
 
 

@@ -15,6 +15,13 @@ one's measured step (``compute.executor.methods.<method>``): the search solves f
 schedule's F, B, I and W run longer in the executor than the pieces measured alone
 (``planning.executor_calibration``), which the gap per action cannot carry where a schedule keeps every worker
 busy at once (Chimera's F and B took 1.46× GPipe's on two EPYC cores, bench/studies/20-time-to-target-validation.md).
+
+:func:`kfac_executor_steps` runs a schedule with K-FAC every step (its units on the critical path) and with NVLAMB
+as two workers of the same processes, one step each in turn, so that K-FAC's extra time per step is a paired
+difference, not one of two steps measured apart on a machine whose speed drifts (on the 2-core Zen 4 EPYC two GPipe
+runs a minute apart took 147 and 188 ms). The search solves from it how much longer K-FAC's units take in the
+executor than measured alone (the captures in F and B, one action per unit and layer:
+``planning.executor_calibration`` [Note: K-FAC unit factor]).
 """
 
 from __future__ import annotations
@@ -28,7 +35,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["executor_overhead", "executor_steps", "gpipe_config", "pipeline_config"]
+__all__ = ["executor_overhead", "executor_steps", "gpipe_config", "kfac_executor_steps", "pipeline_config"]
 
 
 def gpipe_config(model: str, micro_batch_size: int, num_micro_batches: int, seq_len: int, max_predictions: int,
@@ -40,10 +47,11 @@ def gpipe_config(model: str, micro_batch_size: int, num_micro_batches: int, seq_
 
 
 def pipeline_config(method: str, model: str, micro_batch_size: int, num_micro_batches: int, seq_len: int,
-                    max_predictions: int, stages: int, device: torch.device, vocab_size: int | None = None) -> Any:
+                    max_predictions: int, stages: int, device: torch.device, vocab_size: int | None = None,
+                    optimizer: str = "nvlamb") -> Any:
     """train.py's config of a ``method`` pipeline (a schedule name the search uses: ``chimera-doubling`` is
-    Chimera with forward doubling) of ``stages`` stages on ``model`` at this shape (synthetic data, NVLAMB, no
-    evaluation, no logging).
+    Chimera with forward doubling) of ``stages`` stages on ``model`` at this shape (synthetic data, ``optimizer``
+    with its defaults: NVLAMB, or K-FAC every step; no evaluation, no logging).
 
     Raises:
         ValueError: the shape does not admit the method (train.py's own check, naming the field).
@@ -58,7 +66,7 @@ def pipeline_config(method: str, model: str, micro_batch_size: int, num_micro_ba
         else [f"pipeline={method}"]
     overrides = [f"model={model}", *pipeline, f"stages={stages}", f"micro_batch_size={micro_batch_size}",
                  f"num_micro_batches={num_micro_batches}", f"data.seq_len={seq_len}",
-                 f"data.max_predictions={max_predictions}", "optimizer=nvlamb", f"device={device.type}",
+                 f"data.max_predictions={max_predictions}", f"optimizer={optimizer}", f"device={device.type}",
                  "progress=false", "wandb.mode=disabled", "eval.every_steps=0"]
     if vocab_size is not None:
         overrides.append(f"model.vocab_size={vocab_size}")
@@ -100,6 +108,48 @@ def executor_steps(methods: Sequence[str], model: str, micro_batch_size: int, se
                                        num_micro_batches, steps, warmup, vocab_size)
         except ValueError as exc:  # the same config on every rank: every rank refuses it alike
             out[method] = {"refused": str(exc).splitlines()[0]}
+    return out
+
+
+def kfac_executor_steps(methods: Sequence[str], model: str, micro_batch_size: int, seq_len: int,
+                        max_predictions: int, device: torch.device, num_micro_batches: int = 4, rounds: int = 12,
+                        warmup: int = 2, vocab_size: int | None = None) -> dict[str, dict[str, Any]]:
+    """Each of ``methods`` (one stage per rank of the default process group) with K-FAC every step and with NVLAMB,
+    two workers of the same processes taking turns (NVLAMB first in even rounds, K-FAC first in odd ones):
+    ``method -> {"stages", "micro_batches", "micro_batch_size", "num_virtual", "step_seconds" (K-FAC's median step),
+    "nvlamb_step_seconds" (NVLAMB's), "extra_seconds" (the median over rounds of K-FAC's step less NVLAMB's in the
+    same round), "rounds"}``, or ``{"refused": reason}``. Steps are the slowest rank's; call it on every rank."""
+    from pipefisher.runtime.pipeline_worker import PipelineWorker
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    out: dict[str, dict[str, Any]] = {}
+    for method in methods:
+        try:
+            cfgs = {opt: pipeline_config(method, model, micro_batch_size, num_micro_batches, seq_len, max_predictions,
+                                         world, device, vocab_size, opt) for opt in ("nvlamb", "kfac")}
+        except ValueError as exc:  # the same config on every rank: every rank refuses it alike
+            out[method] = {"refused": str(exc).splitlines()[0]}
+            continue
+        workers = {opt: PipelineWorker(cfg, rank, world, device) for opt, cfg in cfgs.items()}
+        times: dict[str, list[float]] = {opt: [] for opt in workers}
+        for r in range(warmup + rounds):
+            for opt in (("nvlamb", "kfac") if r % 2 == 0 else ("kfac", "nvlamb")):
+                dist.barrier()
+                start = time.perf_counter()
+                workers[opt].train_step(r)
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
+                wall = torch.tensor([time.perf_counter() - start], dtype=torch.float64, device=device)
+                dist.all_reduce(wall, op=dist.ReduceOp.MAX)
+                if r >= warmup:
+                    times[opt].append(float(wall.item()))
+        del workers
+        out[method] = {"method": method, "stages": world, "micro_batches": num_micro_batches,
+                       "micro_batch_size": micro_batch_size, "num_virtual": int(cfgs["kfac"].pipeline.num_virtual),
+                       "step_seconds": statistics.median(times["kfac"]),
+                       "nvlamb_step_seconds": statistics.median(times["nvlamb"]),
+                       "extra_seconds": statistics.median(k - n for k, n in zip(times["kfac"], times["nvlamb"])),
+                       "rounds": rounds}
     return out
 
 

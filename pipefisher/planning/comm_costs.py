@@ -98,14 +98,17 @@ def _ring_share(op: str, g: int) -> float:
 
 @dataclass(frozen=True)
 class ExecutorStep:
-    """One schedule's step as the executor ran it (``measure.executor_overhead.executor_steps``): the shape it ran
-    at (the file's ``compute.model`` and ``seq_len``) and the median measured step."""
+    """One schedule's step as the executor ran it (``measure.executor_overhead.executor_steps``, or
+    ``kfac_executor_steps``): the shape it ran at (the file's ``compute.model`` and ``seq_len``) and the median
+    measured step."""
 
     stages: int
     micro_batches: int
     micro_batch_size: int
     num_virtual: int
     step_seconds: float
+    #: K-FAC's runs (``compute.executor.kfac``): its step less NVLAMB's, the two taking turns in the same processes
+    extra_seconds: float | None = None
 
 
 @dataclass(frozen=True)
@@ -139,6 +142,9 @@ class CommCosts:
         step_bookkeeping_s: rank 0's bookkeeping after each step in train.py (the timeline gathered and read:
             ``compute.executor.bookkeeping_seconds``, measured on the GPipe run), which train.py's ``step_time_s``
             includes and the search adds to every predicted step; 0 where not measured.
+        kfac_executor_steps: schedule -> its step with K-FAC every step as the executor ran it
+            (``compute.executor.kfac``), if measured; the search scales K-FAC's units by the factor that makes the
+            simulated step equal it (``planning.executor_calibration`` [Note: K-FAC unit factor]).
         kfac_in_search: price CURV_A/CURV_B, PRECOND and (K-FAC's Cholesky) INVERT at those rates in the search
             (the file's ``compute.kfac_in_search``; off unless a file says so: on two idle validations it made the
             predicted steps worse, bench/studies/20-time-to-target-validation.md).
@@ -159,6 +165,7 @@ class CommCosts:
     action_overhead_s: float = 0.0
     executor_steps: Mapping[str, ExecutorStep] = field(default_factory=dict)
     step_bookkeeping_s: float = 0.0
+    kfac_executor_steps: Mapping[str, ExecutorStep] = field(default_factory=dict)
     #: the search's solved scale per (schedule, hardware, split ratio): filled on first use, not part of equality,
     #: and new on every copy (``dataclasses.replace`` makes a fresh one: a changed term changes the factor)
     factor_cache: dict[Any, float] = field(default_factory=dict, init=False, compare=False, repr=False)
@@ -249,10 +256,12 @@ class CommCosts:
                       for b, row in (compute.get("micro_batch") or {}).items() if "pieces" in row}
             overhead = float((compute.get("executor") or {}).get("overhead_per_action_s", 0.0))
             bookkeeping = float((compute.get("executor") or {}).get("bookkeeping_seconds", 0.0))
-            executor = {m: ExecutorStep(int(row["stages"]), int(row["micro_batches"]), int(row["micro_batch_size"]),
-                                        int(row.get("num_virtual", 1)), float(row["step_seconds"]))
-                        for m, row in ((compute.get("executor") or {}).get("methods") or {}).items()
-                        if "refused" not in row}
+            executor, kfac_executor = ({m: ExecutorStep(int(row["stages"]), int(row["micro_batches"]),
+                                                        int(row["micro_batch_size"]), int(row.get("num_virtual", 1)),
+                                                        float(row["step_seconds"]),
+                                                        float(row["extra_seconds"]) if "extra_seconds" in row else None)
+                                        for m, row in ((compute.get("executor") or {}).get(key) or {}).items()
+                                        if "refused" not in row} for key in ("methods", "kfac"))
             kfac = {int(b): (float(row["curvature_flops_per_s"]), float(row["precondition_flops_per_s"]),
                              float(row["invert_flops_per_s"]) if "invert_flops_per_s" in row else None)
                     for b, row in (compute.get("kfac") or {}).items()}
@@ -261,7 +270,7 @@ class CommCosts:
                              f"micro_batch.<size>.flops_per_s, optimizer_step.memory_bytes_per_s and, if present, "
                              f"tensor_parallel.<tp>.<size>.seconds_fb, micro_batch.<size>.seconds_f, "
                              f"micro_batch.<size>.pieces.<piece>.seconds_f / seconds_fb / flops_f, executor.overhead_per_action_s, "
-                             f"executor.bookkeeping_seconds, executor.methods.<method>.stages / micro_batches / micro_batch_size / step_seconds and "
+                             f"executor.bookkeeping_seconds, executor.methods.<method> (and executor.kfac.<method>).stages / micro_batches / micro_batch_size / step_seconds and "
                              f"kfac.<size>.curvature_flops_per_s / precondition_flops_per_s / invert_flops_per_s "
                              f"(numbers); {make}") from None
         unit_rates = [x for unit in kfac.values() for x in unit if x is not None]
@@ -279,8 +288,9 @@ class CommCosts:
                              f"action, >= 0 and below 1; {make}")
         if any(not (e.step_seconds > 0 and math.isfinite(e.step_seconds)) or min(e.stages, e.micro_batches,
                                                                                    e.micro_batch_size) < 1
-               for e in executor.values()):
-            raise ValueError(f"comm_costs={path}: field compute.executor.methods: each measured step needs "
+               or not math.isfinite(e.extra_seconds if e.extra_seconds is not None else 0.0)
+               for e in [*executor.values(), *kfac_executor.values()]):
+            raise ValueError(f"comm_costs={path}: field compute.executor.methods (or .kfac): each measured step needs "
                              f"step_seconds > 0 and stages, micro_batches, micro_batch_size >= 1; {make}")
         for b, row in pieces.items():
             unknown = sorted(set(row) - set(PIECES))
@@ -289,7 +299,7 @@ class CommCosts:
                                  f"{', '.join(PIECES)} (not {', '.join(unknown) or 'others'}), each with 0 < seconds_f "
                                  f"< seconds_fb and flops_f >= 0; {make}")
         return cls(fits, hardware, str(path), rates, memory, tp, shape, vocab, share, kfac,
-                   bool(compute.get("kfac_in_search", False)), pieces, overhead, executor, bookkeeping)
+                   bool(compute.get("kfac_in_search", False)), pieces, overhead, executor, bookkeeping, kfac_executor)
 
     def describe(self) -> str:
         """One line: the source and each measured op's group sizes."""
@@ -319,6 +329,11 @@ class CommCosts:
             text += "; executor steps measured: " + ", ".join(
                 f"{m} D={e.stages} N={e.micro_batches} {e.step_seconds * 1e3:.0f} ms"
                 for m, e in self.executor_steps.items())
+        if self.kfac_executor_steps:
+            text += "; K-FAC every step in the executor: " + ", ".join(
+                f"{m} D={e.stages} N={e.micro_batches} {e.step_seconds * 1e3:.0f} ms"
+                + (f" (NVLAMB's + {e.extra_seconds * 1e3:.0f} ms)" if e.extra_seconds is not None else "")
+                for m, e in self.kfac_executor_steps.items())
         if self.kfac_flops_per_s:
             units = [f"micro-batch {b}: curvature {c / 1e9:.2f}, preconditioning {p / 1e9:.2f}"
                      + (f", inversion {i / 1e9:.2f}" if i else "") + " GFLOP/s"

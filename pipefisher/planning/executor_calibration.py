@@ -16,6 +16,20 @@ I and W must be scaled (before the per-action overhead is added) for the simulat
 equal the measured step, and prices every candidate of that schedule at that D with the same r. What r absorbs is
 whatever the measured step holds beyond the model: contention, and any mispricing of that step's STEP and
 messages. It is not applied at another D, where the contention differs (no measurement there).
+
+[Note: K-FAC unit factor]
+K-FAC's units (CURV_A, CURV_B, INVERT, PRECOND) are priced from FLOP estimates at a measured rate, timed alone on
+one layer's shapes. In the executor they cost more: F and B capture the layers' inputs and output gradients for
+them, each unit is an action of its own per layer and micro-batch, and they share the cores with the pipeline.
+On the Zen 4 EPYC's 40-pair validation (bench/studies/20-time-to-target-validation.md) pricing them at their
+measured rates put every K-FAC and PipeFisher step 4–23 % under the measured one. Where
+``measure.collectives --executor-kfac-methods`` ran a schedule with K-FAC every step
+(``CommCosts.kfac_executor_steps``), the search solves for the factor g by which every K-FAC unit is scaled
+(:func:`scale_kfac_units`, after that schedule's own executor factor and per-action overhead are applied to its
+F, B, I and W) for the simulated K-FAC step to equal the measured one, and prices K-FAC's units by g in every
+candidate (K-FAC with its Cholesky inverses; EKFAC's eigh is another kernel and stays unscaled). Unlike the
+schedule factor g is applied at every D: it carries per-unit costs (captures, actions), not one schedule's
+contention.
 """
 
 from __future__ import annotations
@@ -25,7 +39,7 @@ from dataclasses import replace
 
 from pipefisher.simulate import CostModel
 
-__all__ = ["FACTOR_RANGE", "scale_compute", "solve_factor"]
+__all__ = ["FACTOR_RANGE", "scale_compute", "scale_kfac_units", "solve_factor"]
 
 #: the factors the solver searches; a measured step outside what they reach is clamped to the nearer end
 FACTOR_RANGE = (0.25, 4.0)
@@ -41,6 +55,20 @@ def scale_compute(cost: CostModel, factor: float) -> CostModel:
 
     return replace(cost, forward_ns=s(cost.forward_ns), backward_ns=s(cost.backward_ns),
                    input_grad_ns=s(cost.input_grad_ns), weight_grad_ns=s(cost.weight_grad_ns))
+
+
+def scale_kfac_units(cost: CostModel, factor: float) -> CostModel:
+    """``cost`` with K-FAC's CURV_A, CURV_B, INVERT and PRECOND scaled by ``factor`` (F, B, messages, factor syncs
+    and STEP unchanged; [Note: K-FAC unit factor])."""
+    if factor == 1.0:
+        return cost
+
+    def s(xs: tuple[int, ...]) -> tuple[int, ...]:
+        return tuple(max(0, round(x * factor)) for x in xs)
+
+    return replace(cost, curv_a_ns=tuple(s(row) for row in cost.curv_a_ns),
+                   curv_b_ns=tuple(s(row) for row in cost.curv_b_ns),
+                   invert_ns=tuple(s(row) for row in cost.invert_ns), precond_ns=s(cost.precond_ns))
 
 
 def solve_factor(step_seconds: Callable[[float], float], measured_s: float, tol: float = 1e-4) -> float:

@@ -96,7 +96,7 @@ from pipefisher.model.partition import layer_costs
 from pipefisher.planning.calibration import Calibration
 from pipefisher.planning.comm_costs import PIECES, CommCosts
 from pipefisher.planning.costs import Hardware, RunShape, estimate_run_costs, kfac_linear_dims, stage_parameters
-from pipefisher.planning.executor_calibration import scale_compute, solve_factor
+from pipefisher.planning.executor_calibration import scale_compute, scale_kfac_units, solve_factor
 from pipefisher.planning.memory import (activation_peak, device_overhead, estimate_memory, heads_backward_bytes,
                                         mmapped_parameters, saved_heads_bytes, tied_parameters,
                                         worker_parameters)
@@ -113,7 +113,7 @@ from pipefisher.schedules.kfac import critical_path_assignment
 from pipefisher.simulate import CostModel, peak_activations
 
 __all__ = ["HybridMemory", "Strategy", "format_strategies", "hybrid_costs", "hybrid_memory_per_worker",
-           "executor_factor", "model_stages", "pipeline_costs", "recompute_order", "search_strategies", "strategy_plan", "tp_available",
+           "executor_factor", "kfac_unit_factor", "model_stages", "pipeline_costs", "recompute_order", "search_strategies", "strategy_plan", "tp_available",
            "tp_sharded_parameters"]
 
 log = logging.getLogger(__name__)
@@ -493,10 +493,47 @@ def pipeline_costs(run: RunShape, hardware: Hardware, comm: CommCosts | None = N
     ``split_backward_ratio`` × B on zb-h1 and the V schedules, and the executor's measured time per compute action
     added to each (:func:`with_action_overhead`)."""
     comm = comm if comm is not None else CommCosts({}, hardware)
+    cost = _scheduled_costs(run, hardware, comm, sdp, tp, schedule, split_backward_ratio, optimizer)
+    if run.preconditioner != "kfac":  # the factor is measured with K-FAC's kernels, not EKFAC's eigh and rotations
+        return cost
+    return scale_kfac_units(cost, kfac_unit_factor(comm, split_backward_ratio))
+
+
+def _scheduled_costs(run: RunShape, hardware: Hardware, comm: CommCosts, sdp: int, tp: int, schedule: Schedule | None,
+                     split_backward_ratio: float, optimizer: str = "nvlamb") -> CostModel:
+    """:func:`pipeline_costs` before the K-FAC unit factor."""
     cost = hybrid_costs(run, sdp, tp, hardware, comm, schedule, optimizer)
     cost = split_backward_costs(cost, split_backward_ratio) if run.method in SPLIT_METHODS else cost
     factor = executor_factor(run, comm, split_backward_ratio)
     return with_action_overhead(scale_compute(cost, factor), comm.action_overhead_s)
+
+
+def kfac_unit_factor(comm: CommCosts, split_backward_ratio: float = SPLIT_BACKWARD_RATIO) -> float:
+    """The factor on K-FAC's units ([Note: K-FAC unit factor], ``planning.executor_calibration``): solved on the
+    first schedule ``comm`` measured with K-FAC every step (``kfac_executor_steps``, GPipe by default) so that its
+    simulated K-FAC step, priced as the search prices it, exceeds its simulated NVLAMB step by the measured extra
+    (K-FAC's step less NVLAMB's, taking turns), or, where only K-FAC's step was measured, equals it; 1 where none
+    was measured. Cached on ``comm``."""
+    if not comm.kfac_executor_steps or comm.compute_model is None:
+        return 1.0
+    method, e = min(comm.kfac_executor_steps.items(), key=lambda kv: (kv[0] != "gpipe", kv[0]))
+    key = ("kfac-units", method, e, comm.hardware, split_backward_ratio)
+    if key not in comm.factor_cache:
+        size, seq_len, max_predictions = comm.compute_model
+        bert = BertConfig.from_size(size.removeprefix("bert-"))
+        if comm.compute_vocab_size is not None:
+            bert = replace(bert, vocab_size=comm.compute_vocab_size)
+        shape = RunShape(bert, method, e.stages, e.micro_batches, e.micro_batch_size, 1, e.num_virtual, seq_len,
+                         max_predictions)
+        schedule = shape.build_schedule(dp_width=1)
+        base = _scheduled_costs(shape, comm.hardware_for(e.micro_batch_size), comm, 1, 1, schedule,
+                                split_backward_ratio)
+        assignment = critical_path_assignment(schedule, shape.kfac_layers, 1)
+        target = e.step_seconds if e.extra_seconds is None else \
+            predict_schedule(schedule, base)[0].step_time_s + e.extra_seconds
+        comm.factor_cache[key] = solve_factor(lambda g: predict_assignment(
+            assignment, scale_kfac_units(base, g), "kfac")[0].step_time_s, target)
+    return comm.factor_cache[key]
 
 
 def executor_factor(run: RunShape, comm: CommCosts, split_backward_ratio: float = SPLIT_BACKWARD_RATIO) -> float:
