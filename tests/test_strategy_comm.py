@@ -494,6 +494,16 @@ def test_a_measured_kfac_step_scales_kfac_units_alone_at_every_d(tmp_path: Path)
     nvlamb = step(plain, "gpipe", "nvlamb")
     paired = replace(plain, kfac_executor_steps={"gpipe": ExecutorStep(2, 4, 8, 1, 9.0, 1.5 * (before - nvlamb))})
     assert step(paired, "gpipe", "kfac") - nvlamb == pytest.approx(1.5 * (before - nvlamb), rel=1e-3)
+    # a schedule measured on its own gets its own factor at its D; others, and other D, keep GPipe's
+    chimera_nvlamb, chimera_kfac = step(plain, "chimera", "nvlamb"), step(plain, "chimera", "kfac")
+    own = replace(paired, kfac_executor_steps={
+        **paired.kfac_executor_steps, "chimera": ExecutorStep(2, 4, 8, 1, 9.0, 2.0 * (chimera_kfac - chimera_nvlamb))})
+    assert step(own, "chimera", "kfac") - chimera_nvlamb == pytest.approx(2.0 * (chimera_kfac - chimera_nvlamb),
+                                                                          rel=1e-3)
+    assert step(own, "gpipe", "kfac") == step(paired, "gpipe", "kfac")
+    assert step(own, "1f1b", "kfac") == step(paired, "1f1b", "kfac")
+    assert step(own, "chimera", "kfac", stages=4) == step(paired, "chimera", "kfac", stages=4)
+    assert step(paired, "chimera", "kfac") != pytest.approx(step(own, "chimera", "kfac"), rel=1e-2)
     row = {"stages": 2, "micro_batches": 4, "micro_batch_size": 8, "num_virtual": 1, "step_seconds": 0.25,
            "simulated_seconds": 0.2}
     compute = {"model": "bert-tiny", "seq_len": 64, "max_predictions": 10,

@@ -26,8 +26,9 @@ it to every F, B, I and W (``measure.executor_overhead``). With ``--executor-met
 search ranks) each of those schedules runs the same way and its measured step is stored
 (``compute.executor.methods.<method>``): the search scales that schedule's F, B, I and W at this D so that its
 simulated step equals the measured one (``planning.executor_calibration``); with ``--executor-kfac-methods``
-(default gpipe) a schedule runs with K-FAC every step and with NVLAMB, taking turns step by step in the same
-processes (``compute.executor.kfac.<method>``), from which the search solves the factor on K-FAC's units. Each of those runs also times rank 0's
+(default every schedule the search ranks) each schedule runs with K-FAC every step and with NVLAMB, taking turns
+step by step in the same processes (``compute.executor.kfac.<method>``), from which the search solves that
+schedule's factor on K-FAC's units. Each of those runs also times rank 0's
 bookkeeping after a step, as train.py does it (the timeline gathered and read:
 ``compute.executor.bookkeeping_seconds``), which train.py's ``step_time_s`` includes: the search adds it to every
 step it predicts.
@@ -336,13 +337,17 @@ def main(argv: Sequence[str] | None = None) -> None:
                    help="--model: schedules whose executor step is measured at N=--executor-micro-batches over --world "
                         "processes, comma-separated, 'all' (the default: every schedule the search ranks) or 'gpipe' "
                         "(the overhead's run alone)")
-    p.add_argument("--executor-kfac-methods", default="gpipe",
+    p.add_argument("--executor-kfac-methods", default="all",
                    help="--model: schedules run with K-FAC every step and with NVLAMB taking turns in the same processes, "
-                        "comma-separated (default gpipe; '' for none): K-FAC's extra step, the search's factor on its units")
+                        "comma-separated, 'all' (the default: every schedule the search ranks), 'gpipe' or '' for none: "
+                        "K-FAC's extra step per schedule, from which the search solves its factor on K-FAC's units")
     args = p.parse_args(argv)
     from pipefisher.planning.whatif import METHODS
 
-    methods = list(METHODS) if args.executor_methods == "all" else [m for m in args.executor_methods.split(",") if m]
+    def schedules(arg: str) -> list[str]:
+        return list(METHODS) if arg == "all" else [m for m in arg.split(",") if m]
+
+    methods = schedules(args.executor_methods)
     try:
         doc = measure_collectives(args.out, args.world, args.backend, _bytes(args.min_bytes), _bytes(args.max_bytes),
                                   args.repeats, model=args.model,
@@ -350,7 +355,7 @@ def main(argv: Sequence[str] | None = None) -> None:
                                   seq_len=args.seq_len, max_predictions=args.max_predictions,
                                   vocab_size=args.vocab_size, executor_micro_batches=args.executor_micro_batches,
                                   executor_methods=methods,
-                                  executor_kfac_methods=[m for m in args.executor_kfac_methods.split(",") if m])
+                                  executor_kfac_methods=schedules(args.executor_kfac_methods))
     except ValueError as exc:
         raise SystemExit(f"collectives: {exc}") from None
     print(f"{doc['backend']} on {doc['device']}, {doc['world_size']} processes, "

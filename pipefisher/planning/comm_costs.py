@@ -143,8 +143,9 @@ class CommCosts:
             ``compute.executor.bookkeeping_seconds``, measured on the GPipe run), which train.py's ``step_time_s``
             includes and the search adds to every predicted step; 0 where not measured.
         kfac_executor_steps: schedule -> its step with K-FAC every step as the executor ran it
-            (``compute.executor.kfac``), if measured; the search scales K-FAC's units by the factor that makes the
-            simulated step equal it (``planning.executor_calibration`` [Note: K-FAC unit factor]).
+            (``compute.executor.kfac``), if measured; the search scales that schedule's K-FAC units by the factor
+            that makes its simulated step (or extra over NVLAMB's) equal it, other schedules' by GPipe's
+            (``planning.executor_calibration`` [Note: K-FAC unit factor]).
         kfac_in_search: price CURV_A/CURV_B, PRECOND and (K-FAC's Cholesky) INVERT at those rates in the search
             (the file's ``compute.kfac_in_search``; off unless a file says so: on two idle validations it made the
             predicted steps worse, bench/studies/20-time-to-target-validation.md).

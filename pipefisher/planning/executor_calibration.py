@@ -18,18 +18,20 @@ whatever the measured step holds beyond the model: contention, and any mispricin
 messages. It is not applied at another D, where the contention differs (no measurement there).
 
 [Note: K-FAC unit factor]
-K-FAC's units (CURV_A, CURV_B, INVERT, PRECOND) are priced from FLOP estimates at a measured rate, timed alone on
-one layer's shapes. In the executor they cost more: F and B capture the layers' inputs and output gradients for
-them, each unit is an action of its own per layer and micro-batch, and they share the cores with the pipeline.
-On the Zen 4 EPYC's 40-pair validation (bench/studies/20-time-to-target-validation.md) pricing them at their
-measured rates put every K-FAC and PipeFisher step 4–23 % under the measured one. Where
-``measure.collectives --executor-kfac-methods`` ran a schedule with K-FAC every step
-(``CommCosts.kfac_executor_steps``), the search solves for the factor g by which every K-FAC unit is scaled
-(:func:`scale_kfac_units`, after that schedule's own executor factor and per-action overhead are applied to its
-F, B, I and W) for the simulated K-FAC step to equal the measured one, and prices K-FAC's units by g in every
-candidate (K-FAC with its Cholesky inverses; EKFAC's eigh is another kernel and stays unscaled). Unlike the
-schedule factor g is applied at every D: it carries per-unit costs (captures, actions), not one schedule's
-contention.
+K-FAC's units (CURV_A, CURV_B, INVERT, PRECOND) are priced from FLOP estimates (at the model's measured rate, or
+at their own rates timed alone on one layer's shapes). In the executor they cost something else: F and B capture
+the layers' inputs and output gradients for them, each unit is an action of its own per layer and micro-batch,
+they share the cores with the pipeline, and a worker holding two replicas of a stage (Chimera) repeats the
+per-step work. On the Zen 4 EPYC (bench/studies/20-time-to-target-validation.md), measured interleaved at D=2,
+K-FAC every step cost NVLAMB's step + 60 ms on GPipe, 1F1B, interleaved and ZB-H1, + 88–94 ms on Chimera and
++ 105–110 ms on the V schedules, where the FLOP-rate pricing put + 86, 103 and 172 ms: one factor per schedule,
+not one in all. Where ``measure.collectives --executor-kfac-methods`` ran a schedule with K-FAC every step and
+NVLAMB taking turns (``CommCosts.kfac_executor_steps``), the search solves for the factor g by which every K-FAC
+unit is scaled (:func:`scale_kfac_units`, after that schedule's executor factor and per-action overhead are
+applied to its F, B, I and W) for the simulated extra over NVLAMB's step to equal the measured one, and prices
+that schedule's K-FAC units by g at that D; other schedules and other D take GPipe's g (the per-unit costs it
+carries, captures and actions, are not one schedule's). K-FAC with its Cholesky inverses only: EKFAC's eigh is
+another kernel and stays unscaled.
 """
 
 from __future__ import annotations

@@ -496,7 +496,7 @@ def pipeline_costs(run: RunShape, hardware: Hardware, comm: CommCosts | None = N
     cost = _scheduled_costs(run, hardware, comm, sdp, tp, schedule, split_backward_ratio, optimizer)
     if run.preconditioner != "kfac":  # the factor is measured with K-FAC's kernels, not EKFAC's eigh and rotations
         return cost
-    return scale_kfac_units(cost, kfac_unit_factor(comm, split_backward_ratio))
+    return scale_kfac_units(cost, kfac_unit_factor(comm, split_backward_ratio, run))
 
 
 def _scheduled_costs(run: RunShape, hardware: Hardware, comm: CommCosts, sdp: int, tp: int, schedule: Schedule | None,
@@ -508,15 +508,21 @@ def _scheduled_costs(run: RunShape, hardware: Hardware, comm: CommCosts, sdp: in
     return with_action_overhead(scale_compute(cost, factor), comm.action_overhead_s)
 
 
-def kfac_unit_factor(comm: CommCosts, split_backward_ratio: float = SPLIT_BACKWARD_RATIO) -> float:
+def kfac_unit_factor(comm: CommCosts, split_backward_ratio: float = SPLIT_BACKWARD_RATIO,
+                     run: RunShape | None = None) -> float:
     """The factor on K-FAC's units ([Note: K-FAC unit factor], ``planning.executor_calibration``): solved on the
-    first schedule ``comm`` measured with K-FAC every step (``kfac_executor_steps``, GPipe by default) so that its
-    simulated K-FAC step, priced as the search prices it, exceeds its simulated NVLAMB step by the measured extra
-    (K-FAC's step less NVLAMB's, taking turns), or, where only K-FAC's step was measured, equals it; 1 where none
-    was measured. Cached on ``comm``."""
+    schedule ``comm`` measured with K-FAC every step (``kfac_executor_steps``) so that its simulated K-FAC step,
+    priced as the search prices it, exceeds its simulated NVLAMB step by the measured extra (K-FAC's step less
+    NVLAMB's, taking turns), or, where only K-FAC's step was measured, equals it. The schedule is ``run``'s own
+    where it was measured at ``run.stages``, else GPipe's (else the first measured); 1 where none was measured.
+    Cached on ``comm``."""
     if not comm.kfac_executor_steps or comm.compute_model is None:
         return 1.0
-    method, e = min(comm.kfac_executor_steps.items(), key=lambda kv: (kv[0] != "gpipe", kv[0]))
+    own = comm.kfac_executor_steps.get(run.method) if run is not None else None
+    if own is not None and own.stages == run.stages:
+        method, e = run.method, own
+    else:
+        method, e = min(comm.kfac_executor_steps.items(), key=lambda kv: (kv[0] != "gpipe", kv[0]))
     key = ("kfac-units", method, e, comm.hardware, split_backward_ratio)
     if key not in comm.factor_cache:
         size, seq_len, max_predictions = comm.compute_model
