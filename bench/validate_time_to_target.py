@@ -297,6 +297,18 @@ def twin_spread(rows: Sequence[Row], a: str = "nvlamb", b: str = "adamw") -> dic
     return {s: steps[(s, a)] / steps[(s, b)] - 1 for s, o in steps if o == a and (s, b) in steps}
 
 
+def diagnostic_line(rows: Sequence[Row], measured: str = "measured") -> str:
+    """:func:`decompose` in one line: the common factor, each optimizer's and schedule's ratio over it, the worst
+    pair and the pairs within the goal once it is divided out (a diagnostic, not the goal)."""
+    d = decompose(rows)
+    return (f"diagnostic: predicted / {measured} step over every pair, median {d['common']:.2f} (a rate off for all "
+            f"of them); over that factor, by optimizer: "
+            + ", ".join(f"{k} {v:.2f}" for k, v in sorted(d["optimizer"].items()))
+            + "; by schedule: " + ", ".join(f"{k} {v:.2f}" for k, v in sorted(d["schedule"].items()))
+            + f"; worst pair then {d['worst_after_common'][0]} {d['worst_after_common'][1]:+.0%}, "
+            f"{d['within_after_common']} of {len(rows)} within {GOAL_STEP_ERROR:.0%}")
+
+
 def table_lines(rows: Sequence[Row]) -> list[str]:
     """Markdown: every pair, fastest measured time first, with both ranks."""
     pr = ranks([r.predicted_time_s for r in rows])
@@ -627,7 +639,11 @@ def interleaved_lines(doc: Mapping[str, Any]) -> list[str]:
             a = summary(alt_rows)
             lines.append(f"interleaved against the predictions {how}: Spearman {a['spearman']:.3f}, worst "
                          f"{a['worst_error']:+.1%} ({a['worst_pair']}), {a['within_goal']} of {a['pairs']} within "
-                         f"{GOAL_STEP_ERROR:.0%}, median {statistics.median(r.error for r in alt_rows):+.1%}")
+                         f"{GOAL_STEP_ERROR:.0%}, median {statistics.median(r.error for r in alt_rows):+.1%} "
+                         f"({decompose(alt_rows)['within_after_common']} within {GOAL_STEP_ERROR:.0%} over its "
+                         "common factor)")
+    if len(rows) >= 2:  # the rates were measured minutes before the interleaved run: a drift moves every pair alike
+        lines.append(diagnostic_line(rows, "interleaved"))
     ceiling, spread = round_spearman(rows), round_spread(rows)
     if ceiling and spread:
         lines.append(f"interleaved against itself (first half of the rounds against the second): Spearman "
@@ -916,13 +932,7 @@ def report(doc: Mapping[str, Any]) -> str:
         lines.append(f"the same pair's rounds differ by {spread[0]:.0%} (median over {spread[2]} pairs; largest "
                      f"{spread[1]:.0%}): the measurement's noise on this machine, against the goal's 10 %")
     if len(rows) >= 2:
-        d = decompose(rows)
-        lines.append(f"diagnostic: predicted / measured step over every pair, median {d['common']:.2f} (a rate off for all "
-                     f"of them); over that factor, by optimizer: "
-                     + ", ".join(f"{k} {v:.2f}" for k, v in sorted(d["optimizer"].items()))
-                     + "; by schedule: " + ", ".join(f"{k} {v:.2f}" for k, v in sorted(d["schedule"].items()))
-                     + f"; worst pair then {d['worst_after_common'][0]} {d['worst_after_common'][1]:+.0%}, "
-                     f"{d['within_after_common']} of {len(rows)} within {GOAL_STEP_ERROR:.0%}")
+        lines.append(diagnostic_line(rows))
     if doc.get("search_top"):
         lines.append(f"the search's top pick over world {doc.get('stages', 2)} (measured rates): {doc['search_top']}")
     if doc.get("same_schedules"):
