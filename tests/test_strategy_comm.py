@@ -116,8 +116,9 @@ def test_measurement_at_world_2_writes_fits_the_search_reads(tmp_path: Path):
     assert executor["overhead_per_action_s"] == pytest.approx(
         max(0.0, executor["step_seconds"] - executor["simulated_seconds"]) / 6)
     assert CommCosts.from_json(out).action_overhead_s == executor["overhead_per_action_s"]
-    methods = executor["methods"]  # GPipe's row is the overhead's own run; zb-v needs N >= 2D = 4
-    assert methods["gpipe"]["step_seconds"] == executor["step_seconds"]
+    methods = executor["methods"]  # GPipe again, taking turns with the others; zb-v needs N >= 2D = 4
+    assert list(methods)[0] == "gpipe" and methods["gpipe"]["step_seconds"] > 0
+    assert methods["gpipe"]["simulated_seconds"] > 0 and methods["chimera"]["simulated_seconds"] > 0
     assert methods["chimera"]["step_seconds"] > 0 and methods["chimera"]["micro_batches"] == 2
     assert "num_micro_batches" in methods["zb-v"]["refused"]
     assert set(CommCosts.from_json(out).executor_steps) == {"gpipe", "chimera"}

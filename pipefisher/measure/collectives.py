@@ -23,7 +23,8 @@ With ``--executor-micro-batches N`` (default 4) a GPipe pipeline of the model ov
 few steps with the real executor; what its step takes beyond the simulator's step from the same step's F, B and
 STEP times, per compute action on the critical path, is ``compute.executor.overhead_per_action_s``: the search adds
 it to every F, B, I and W (``measure.executor_overhead``). With ``--executor-methods`` (default every schedule the
-search ranks) each of those schedules runs the same way and its measured step is stored
+search ranks) each of those schedules runs the same way, all of them (GPipe again among them) workers of the same
+processes taking turns one step each, and its measured step is stored
 (``compute.executor.methods.<method>``): the search scales that schedule's F, B, I and W at this D so that its
 simulated step equals the measured one (``planning.executor_calibration``); with ``--executor-kfac-methods``
 (default every schedule the search ranks) each schedule runs with K-FAC every step and with NVLAMB, taking turns
@@ -209,13 +210,15 @@ def _worker(rank: int, world: int, port: int, backend: str, sizes: Sequence[int]
                 extra["compute"]["executor"] = executor_overhead(
                     compute["model"], compute["micro_batch_sizes"][0], compute["seq_len"], compute["max_predictions"],
                     device, compute["executor_micro_batches"], vocab_size=compute["vocab_size"])
-                methods = [m for m in compute.get("executor_methods", ()) if m != "gpipe"]
-                if compute.get("executor_methods"):
-                    gpipe = {k: v for k, v in extra["compute"]["executor"].items() if k != "overhead_per_action_s"}
-                    extra["compute"]["executor"]["methods"] = {"gpipe": gpipe, **executor_steps(
-                        methods, compute["model"], compute["micro_batch_sizes"][0], compute["seq_len"],
+                others = [m for m in compute.get("executor_methods", ()) if m != "gpipe"]
+                gpipe = {k: v for k, v in extra["compute"]["executor"].items() if k != "overhead_per_action_s"}
+                if others:  # GPipe again among them: every schedule's step measured under the same drift
+                    extra["compute"]["executor"]["methods"] = executor_steps(
+                        ["gpipe", *others], compute["model"], compute["micro_batch_sizes"][0], compute["seq_len"],
                         compute["max_predictions"], device, compute["executor_micro_batches"],
-                        vocab_size=compute["vocab_size"])}
+                        vocab_size=compute["vocab_size"])
+                elif compute.get("executor_methods"):
+                    extra["compute"]["executor"]["methods"] = {"gpipe": gpipe}
                 if compute.get("executor_kfac_methods"):
                     extra["compute"]["executor"]["kfac"] = kfac_executor_steps(
                         compute["executor_kfac_methods"], compute["model"], compute["micro_batch_sizes"][0],

@@ -98,17 +98,25 @@ def executor_steps(methods: Sequence[str], model: str, micro_batch_size: int, se
                    device: torch.device, num_micro_batches: int = 4, steps: int = 6, warmup: int = 2,
                    vocab_size: int | None = None) -> dict[str, dict[str, Any]]:
     """Each of ``methods`` run as :func:`executor_overhead` runs GPipe (one stage per rank of the default process
-    group): ``method -> {"stages", "micro_batches", "micro_batch_size", "num_virtual", "step_seconds",
-    "simulated_seconds", "bookkeeping_seconds"}``, or ``{"refused": reason}`` where train.py's check refuses the
-    method at this shape. Call it on every rank."""
+    group), all of them workers of the same processes taking turns, one step each per round, so that their steps
+    are measured under the same drift of the machine (on the 2-core Zen 4 EPYC, measured one after the other, zb-v
+    took 280 ms where v-half and v-min, the same action lists at D=2, took 232 and 239 ms): ``method -> {"stages",
+    "micro_batches", "micro_batch_size", "num_virtual", "step_seconds", "simulated_seconds",
+    "bookkeeping_seconds"}``, or ``{"refused": reason}`` where train.py's check refuses the method at this shape.
+    Call it on every rank."""
     out: dict[str, dict[str, Any]] = {}
+    runnable = []
     for method in methods:
         try:
-            out[method] = _timed_steps(method, model, micro_batch_size, seq_len, max_predictions, device,
-                                       num_micro_batches, steps, warmup, vocab_size)
+            pipeline_config(method, model, micro_batch_size, num_micro_batches, seq_len, max_predictions,
+                            dist.get_world_size(), device, vocab_size)
+            runnable.append(method)
         except ValueError as exc:  # the same config on every rank: every rank refuses it alike
             out[method] = {"refused": str(exc).splitlines()[0]}
-    return out
+    if runnable:
+        out.update(_interleaved_steps(runnable, model, micro_batch_size, seq_len, max_predictions, device,
+                                      num_micro_batches, steps, warmup, vocab_size))
+    return {m: out[m] for m in methods}
 
 
 def kfac_executor_steps(methods: Sequence[str], model: str, micro_batch_size: int, seq_len: int,
@@ -156,41 +164,61 @@ def kfac_executor_steps(methods: Sequence[str], model: str, micro_batch_size: in
 def _timed_steps(method: str, model: str, micro_batch_size: int, seq_len: int, max_predictions: int,
                  device: torch.device, num_micro_batches: int, steps: int, warmup: int,
                  vocab_size: int | None) -> dict[str, Any]:
+    return _interleaved_steps([method], model, micro_batch_size, seq_len, max_predictions, device, num_micro_batches,
+                              steps, warmup, vocab_size)[method]
+
+
+def _interleaved_steps(methods: Sequence[str], model: str, micro_batch_size: int, seq_len: int,
+                       max_predictions: int, device: torch.device, num_micro_batches: int, steps: int, warmup: int,
+                       vocab_size: int | None) -> dict[str, dict[str, Any]]:
+    """``warmup + steps`` rounds, each one step of every method's worker in turn (the order rotated by one each
+    round), all workers held by the same processes: a drift of the machine's speed moves every method alike.
+    Per method its median step (the slowest rank's), the simulator's step from each step's own measured actions,
+    and rank 0's bookkeeping after a step (what train.py does: the timeline gathered to rank 0, its fields read)."""
     from pipefisher.runtime.pipeline_worker import PipelineWorker
     from pipefisher.runtime.step_metrics import measured_costs, timeline_fields
     from pipefisher.simulate import simulate
 
     rank, world = dist.get_rank(), dist.get_world_size()
-    cfg = pipeline_config(method, model, micro_batch_size, num_micro_batches, seq_len, max_predictions, world, device,
-                          vocab_size)
-    worker = PipelineWorker(cfg, rank, world, device)
-    walls, simulated, books = [], [], []
+    cfgs = {m: pipeline_config(m, model, micro_batch_size, num_micro_batches, seq_len, max_predictions, world, device,
+                               vocab_size) for m in methods}
+    workers = {m: PipelineWorker(cfg, rank, world, device) for m, cfg in cfgs.items()}
+    walls: dict[str, list[float]] = {m: [] for m in methods}
+    simulated: dict[str, list[float]] = {m: [] for m in methods}
+    books: dict[str, list[float]] = {m: [] for m in methods}
+    order = list(methods)
     for step in range(warmup + steps):
-        dist.barrier()
-        start = time.perf_counter()
-        _, result = worker.train_step(step)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        wall = torch.tensor([time.perf_counter() - start], dtype=torch.float64, device=device)
-        # train.py's bookkeeping after each step (runtime.worker: gather the timeline to rank 0, read its fields)
-        start = time.perf_counter()
-        gathered: list[Any] | None = [None] * world if rank == 0 else None
-        dist.gather_object(result.events, gathered, dst=0)
-        events = [e for evs in gathered or [] for e in evs]
-        if rank == 0:
-            timeline_fields(events, worker.schedule, world, step, simulated=False)
-        book = time.perf_counter() - start
-        dist.all_reduce(wall, op=dist.ReduceOp.MAX)
-        if step < warmup:
-            continue
-        walls.append(float(wall.item()))
-        books.append(book)
-        if rank == 0:
-            timeline = simulate(worker.schedule, measured_costs(events, worker.schedule))
-            simulated.append((max(e.end_ns for e in timeline) - min(e.start_ns for e in timeline)) / 1e9)
-    sim = [statistics.median(simulated) if simulated else 0.0, statistics.median(books)]
-    dist.broadcast_object_list(sim, src=0)  # rank 0's bookkeeping: what train.py's step time carries
-    del worker
-    return {"method": method, "stages": world, "micro_batches": num_micro_batches,
-            "micro_batch_size": micro_batch_size, "num_virtual": int(cfg.pipeline.num_virtual),
-            "step_seconds": statistics.median(walls), "simulated_seconds": sim[0], "bookkeeping_seconds": sim[1]}
+        for method in order[step % len(order):] + order[:step % len(order)]:
+            worker = workers[method]
+            dist.barrier()
+            start = time.perf_counter()
+            _, result = worker.train_step(step)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            wall = torch.tensor([time.perf_counter() - start], dtype=torch.float64, device=device)
+            # train.py's bookkeeping after each step (runtime.worker: gather the timeline to rank 0, read its fields)
+            start = time.perf_counter()
+            gathered: list[Any] | None = [None] * world if rank == 0 else None
+            dist.gather_object(result.events, gathered, dst=0)
+            events = [e for evs in gathered or [] for e in evs]
+            if rank == 0:
+                timeline_fields(events, worker.schedule, world, step, simulated=False)
+            book = time.perf_counter() - start
+            dist.all_reduce(wall, op=dist.ReduceOp.MAX)
+            if step < warmup:
+                continue
+            walls[method].append(float(wall.item()))
+            books[method].append(book)
+            if rank == 0:
+                timeline = simulate(worker.schedule, measured_costs(events, worker.schedule))
+                simulated[method].append((max(e.end_ns for e in timeline) - min(e.start_ns for e in timeline)) / 1e9)
+    out: dict[str, dict[str, Any]] = {}
+    for method in methods:
+        sim = [statistics.median(simulated[method]) if simulated[method] else 0.0, statistics.median(books[method])]
+        dist.broadcast_object_list(sim, src=0)  # rank 0's bookkeeping: what train.py's step time carries
+        out[method] = {"method": method, "stages": world, "micro_batches": num_micro_batches,
+                       "micro_batch_size": micro_batch_size, "num_virtual": int(cfgs[method].pipeline.num_virtual),
+                       "step_seconds": statistics.median(walls[method]), "simulated_seconds": sim[0],
+                       "bookkeeping_seconds": sim[1]}
+    del workers
+    return out
