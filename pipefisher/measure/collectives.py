@@ -260,10 +260,11 @@ def measure_collectives(out: str | os.PathLike, world: int = 2, backend: str = "
             the model has at least ``world`` pipeline layers); 0: not measured.
         executor_methods: with ``executor_micro_batches``, the schedules (``planning.whatif.METHODS``) whose
             step is measured the same way (``compute.executor.methods``; those the shape refuses are recorded with
-            the reason); GPipe's is the overhead's own run.
+            the reason), all of them workers of the same processes taking turns one step each, GPipe again among
+            them (GPipe's is the overhead's own run where it is the only one).
         executor_kfac_methods: with ``executor_micro_batches``, the schedules whose step is measured the same way
             with K-FAC every step and with NVLAMB taking turns in the same processes (``compute.executor.kfac.<method>``:
-            K-FAC's extra time per step, a paired difference), from which the search solves the executor's factor on
+            K-FAC's extra time per step, a paired difference), from which the search solves that schedule's factor on
             K-FAC's units (``planning.executor_calibration``).
 
     Raises:

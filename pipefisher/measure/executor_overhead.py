@@ -10,8 +10,8 @@ the same way on one GPipe pipeline of ``world`` stages (the real ``PipelineWorke
 2 (N + D − 1). ``measure.collectives --model`` runs it in its own process group and stores it as
 ``compute.executor``.
 
-The same run of other schedules (:func:`executor_steps`; ``measure.collectives --executor-methods``) stores each
-one's measured step (``compute.executor.methods.<method>``): the search solves for the factor by which that
+The same run of every schedule (:func:`executor_steps`; ``measure.collectives --executor-methods``), all of them
+workers of the same processes taking turns one step each per round, stores each one's measured step (``compute.executor.methods.<method>``): the search solves for the factor by which that
 schedule's F, B, I and W run longer in the executor than the pieces measured alone
 (``planning.executor_calibration``), which the gap per action cannot carry where a schedule keeps every worker
 busy at once (Chimera's F and B took 1.46× GPipe's on two EPYC cores, bench/studies/20-time-to-target-validation.md).
