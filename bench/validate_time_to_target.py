@@ -859,6 +859,14 @@ def top_pick_lines(doc: Mapping[str, Any]) -> list[str]:
 
 
 #: documents' alternative predictions of the same runs, and how each was priced (report lines)
+def without_muon_factor(doc: Mapping[str, Any]) -> dict[str, Any]:
+    """A ``measure.collectives`` document without the Muon steps the executor ran (``compute.executor.muon``), so
+    the search prices Muon's step by its model alone ([Note: Muon step factor])."""
+    out = json.loads(json.dumps(doc))
+    (out.get("compute", {}).get("executor") or {}).pop("muon", None)
+    return out
+
+
 REPRICINGS = (
     ("predicted_kfac_units_rounds", "with K-FAC's measured unit rates (compute.kfac_in_search)"),
     ("predicted_flop_rate_rounds", "without the per-piece times (each stage's FLOPs at the whole model's rate, split "
@@ -867,6 +875,7 @@ REPRICINGS = (
                                      "where measured, the per-schedule factors)"),
     ("predicted_no_schedule_factor_rounds", "without the per-schedule executor factors (compute.executor.methods)"),
     ("predicted_no_kfac_factor_rounds", "without the K-FAC unit factor (compute.executor.kfac)"),
+    ("predicted_no_muon_factor_rounds", "without the Muon step factor (compute.executor.muon)"),
     ("predicted_no_bookkeeping_rounds", "without train.py's bookkeeping per step (compute.executor.bookkeeping_seconds)"),
     # files written at 695ee81-8e2b352, when the search used the share and K-FAC unit rates by default
     ("predicted_legacy_rounds", "without the measured forward share and K-FAC unit rates (B = 2F, K-FAC at the "
@@ -876,7 +885,7 @@ REPRICINGS = (
 
 #: the repricings whose searches add train.py's bookkeeping (the no-overhead one drops compute.executor whole)
 WITH_BOOKKEEPING = ("predicted_kfac_units_rounds", "predicted_flop_rate_rounds", "predicted_no_schedule_factor_rounds",
-                    "predicted_no_kfac_factor_rounds")
+                    "predicted_no_kfac_factor_rounds", "predicted_no_muon_factor_rounds")
 
 
 def report(doc: Mapping[str, Any]) -> str:
@@ -1026,6 +1035,10 @@ def main() -> None:
             no_kfac.write_text(json.dumps(without_kfac_factor(json.loads(rates.read_text()))))
             doc.setdefault("predicted_no_kfac_factor_rounds", []).append(
                 predict(args.out / f"search-round{r}-no-kfac-factor", [f"comm_costs={no_kfac}"])[0])
+            no_muon = args.out / f"collectives-round{r}-no-muon-factor.json"
+            no_muon.write_text(json.dumps(without_muon_factor(json.loads(rates.read_text()))))
+            doc.setdefault("predicted_no_muon_factor_rounds", []).append(
+                predict(args.out / f"search-round{r}-no-muon-factor", [f"comm_costs={no_muon}"])[0])
             no_book = args.out / f"collectives-round{r}-no-bookkeeping.json"
             no_book.write_text(json.dumps(without_bookkeeping(json.loads(rates.read_text()))))
             doc.setdefault("predicted_no_bookkeeping_rounds", []).append(

@@ -451,6 +451,57 @@ def test_a_measured_schedule_step_is_matched_at_its_shape_and_scales_that_schedu
         CommCosts.from_json(tmp_path / "bad.json")
 
 
+def test_a_measured_muon_step_scales_the_part_of_muons_step_beyond_nvlambs(tmp_path: Path):
+    """With GPipe's Muon step measured beside NVLAMB's (compute.executor.muon), the search's simulated Muon step
+    exceeds its NVLAMB step by the measured extra; NVLAMB, AdamW and K-FAC are priced as before; a schedule measured
+    on its own takes its own factor at its D, others GPipe's; the file round-trips it."""
+    from dataclasses import replace
+
+    from pipefisher.model.config import BertConfig
+    from pipefisher.planning.comm_costs import ExecutorStep
+    from pipefisher.planning.costs import RunShape
+    from pipefisher.planning.predict import predict_schedule
+    from pipefisher.planning.strategy_search import muon_step_factor, pipeline_costs
+
+    fits = {"all_reduce": {2: LinkFit(50e-6, 2e9)}, "p2p": {2: LinkFit(20e-6, 4e9)}}
+    plain = CommCosts(fits, Hardware(), "test", {8: 5e10}, 4e9, compute_model=("bert-tiny", 64, 10),
+                      action_overhead_s=1e-3)
+    hw = plain.hardware_for(8)
+    bert = BertConfig.from_size("tiny")
+
+    def step(comm: CommCosts, method: str, optimizer: str, stages: int = 2) -> float:
+        run = RunShape(bert, method, stages, 4, 8, seq_len=64, max_predictions=10)
+        schedule = run.build_schedule(dp_width=1)
+        return predict_schedule(schedule, pipeline_costs(run, hw, comm, schedule=schedule,
+                                                         optimizer=optimizer))[0].step_time_s
+
+    extra = step(plain, "gpipe", "muon") - step(plain, "gpipe", "nvlamb")
+    assert extra > 0  # Newton-Schulz: the model prices Muon's step dearer than NVLAMB's
+    measured = replace(plain, muon_executor_steps={"gpipe": ExecutorStep(2, 4, 8, 1, 9.0, 0.5 * extra)})
+    assert step(measured, "gpipe", "muon") - step(measured, "gpipe", "nvlamb") == pytest.approx(0.5 * extra, rel=1e-2)
+    assert 0.25 <= muon_step_factor(measured) < 1 and muon_step_factor(plain) == 1.0
+    for method in ("gpipe", "1f1b", "chimera"):
+        for optimizer in ("nvlamb", "adamw"):
+            assert step(measured, method, optimizer) == step(plain, method, optimizer)
+    assert step(measured, "1f1b", "muon") < step(plain, "1f1b", "muon")  # GPipe's factor on an unmeasured schedule
+    chimera = step(plain, "chimera", "muon") - step(plain, "chimera", "nvlamb")
+    own = replace(measured, muon_executor_steps={**measured.muon_executor_steps,
+                                                 "chimera": ExecutorStep(2, 4, 8, 1, 9.0, 2.0 * chimera)})
+    assert step(own, "chimera", "muon") - step(own, "chimera", "nvlamb") == pytest.approx(2.0 * chimera, rel=1e-2)
+    assert step(own, "gpipe", "muon") == step(measured, "gpipe", "muon")
+    row = {"stages": 2, "micro_batches": 4, "micro_batch_size": 8, "num_virtual": 1, "step_seconds": 0.25}
+    compute = {"model": "bert-tiny", "seq_len": 64, "max_predictions": 10,
+               "micro_batch": {"8": {"flops_per_s": 5e10, "seconds_fb": 0.3}},
+               "executor": {"overhead_per_action_s": 1e-3,
+                            "muon": {"gpipe": {**row, "extra_seconds": -0.004}, "zb-v": {"refused": "N"}}}}
+    ops = {"all_reduce": {2: [(4096.0, 1e-4), (65536.0, 2e-4)]}}
+    (tmp_path / "ok.json").write_text(json.dumps(collectives_json("gloo", "cpu", 2, ops, compute=compute)))
+    read = CommCosts.from_json(tmp_path / "ok.json")
+    assert read.muon_executor_steps == {"gpipe": ExecutorStep(2, 4, 8, 1, 0.25, -0.004)}
+    assert "Muon in the executor: gpipe D=2 N=4 250 ms (NVLAMB's -4 ms)" in read.describe()
+    assert muon_step_factor(read) == 0.25  # a measured extra below what the range reaches: clamped to its end
+
+
 def test_a_measured_kfac_step_scales_kfac_units_alone_at_every_d(tmp_path: Path):
     """With GPipe's step measured with K-FAC every step (compute.executor.kfac), the search's K-FAC step of GPipe at
     that shape equals it; the factor scales only K-FAC's units, so NVLAMB is priced as before, K-FAC on another
@@ -518,7 +569,7 @@ def test_a_measured_kfac_step_scales_kfac_units_alone_at_every_d(tmp_path: Path)
     assert "K-FAC every step in the executor: gpipe D=2 N=4 400 ms (NVLAMB's + 150 ms)" in read.describe()
     compute["executor"]["kfac"]["gpipe"]["step_seconds"] = -1.0
     (tmp_path / "bad.json").write_text(json.dumps(collectives_json("gloo", "cpu", 2, ops, compute=compute)))
-    with pytest.raises(ValueError, match=r"compute.executor.methods \(or .kfac\)"):
+    with pytest.raises(ValueError, match=r"compute.executor.methods \(or .kfac, .muon\)"):
         CommCosts.from_json(tmp_path / "bad.json")
 
 

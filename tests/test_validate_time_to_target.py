@@ -208,6 +208,13 @@ def test_without_kfac_factor_drops_only_the_kfac_steps_on_a_copy(v):
     assert stripped["compute"]["executor"] == {"overhead_per_action_s": 1e-3} and doc["compute"]["executor"]["kfac"]
 
 
+def test_without_muon_factor_drops_only_the_muon_steps_on_a_copy(v):
+    row = {"stages": 2, "micro_batches": 8, "micro_batch_size": 8, "step_seconds": 0.4}
+    doc = {"format": "x", "compute": {"executor": {"kfac": {"gpipe": row}, "muon": {"gpipe": row}}}}
+    stripped = v.without_muon_factor(doc)
+    assert stripped["compute"]["executor"] == {"kfac": {"gpipe": row}} and doc["compute"]["executor"]["muon"]
+
+
 def test_a_repricing_less_each_rounds_bookkeeping(v):
     # round 0's search added 2 ms to every step, round 1's 3 ms: taken off the alternative's steps round by round
     doc = {"predicted_rounds": [{"a/x": {"step_s": 0.102}}, {"a/x": {"step_s": 0.203}}],

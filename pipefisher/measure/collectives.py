@@ -29,7 +29,9 @@ processes taking turns one step each, and its measured step is stored
 simulated step equals the measured one (``planning.executor_calibration``); with ``--executor-kfac-methods``
 (default every schedule the search ranks) each schedule runs with K-FAC every step and with NVLAMB, taking turns
 step by step in the same processes (``compute.executor.kfac.<method>``), from which the search solves that
-schedule's factor on K-FAC's units. Each of those runs also times rank 0's
+schedule's factor on K-FAC's units; with ``--executor-muon-methods`` (the same default) the same with Muon
+(``compute.executor.muon.<method>``), from which the search scales Muon's step beyond NVLAMB's. Each of those runs
+also times rank 0's
 bookkeeping after a step, as train.py does it (the timeline gathered and read:
 ``compute.executor.bookkeeping_seconds``), which train.py's ``step_time_s`` includes: the search adds it to every
 step it predicts.
@@ -69,7 +71,7 @@ import torch.multiprocessing as mp
 from pipefisher.atomic import write_text_atomic
 from pipefisher.measure.compute_rates import (compute_rate, kfac_rates, measured_bert, optimizer_rate, piece_seconds,
                                               tp_seconds)
-from pipefisher.measure.executor_overhead import executor_overhead, executor_steps, kfac_executor_steps
+from pipefisher.measure.executor_overhead import executor_overhead, executor_steps, optimizer_executor_steps
 from pipefisher.planning.comm_costs import OPS, collectives_json
 from pipefisher.planning.costs import STEP_BYTES_PER_PARAM
 from pipefisher.runtime.teardown import release_process_group
@@ -219,11 +221,12 @@ def _worker(rank: int, world: int, port: int, backend: str, sizes: Sequence[int]
                         vocab_size=compute["vocab_size"])
                 elif compute.get("executor_methods"):
                     extra["compute"]["executor"]["methods"] = {"gpipe": gpipe}
-                if compute.get("executor_kfac_methods"):
-                    extra["compute"]["executor"]["kfac"] = kfac_executor_steps(
-                        compute["executor_kfac_methods"], compute["model"], compute["micro_batch_sizes"][0],
-                        compute["seq_len"], compute["max_predictions"], device, compute["executor_micro_batches"],
-                        vocab_size=compute["vocab_size"])
+                for optimizer in ("kfac", "muon"):
+                    if compute.get(f"executor_{optimizer}_methods"):
+                        extra["compute"]["executor"][optimizer] = optimizer_executor_steps(
+                            compute[f"executor_{optimizer}_methods"], compute["model"],
+                            compute["micro_batch_sizes"][0], compute["seq_len"], compute["max_predictions"], device,
+                            compute["executor_micro_batches"], vocab_size=compute["vocab_size"], optimizer=optimizer)
         if rank == 0:
             doc = collectives_json(backend, device.type if device.type == "cpu" else torch.cuda.get_device_name(device),
                                    world, points, threads_per_process=threads, torch=torch.__version__,
@@ -240,7 +243,8 @@ def measure_collectives(out: str | os.PathLike, world: int = 2, backend: str = "
                         max_predictions: int = 20, vocab_size: int | None = None,
                         executor_micro_batches: int = 0,
                         executor_methods: Sequence[str] = (),
-                        executor_kfac_methods: Sequence[str] = ()) -> dict[str, Any]:
+                        executor_kfac_methods: Sequence[str] = (),
+                        executor_muon_methods: Sequence[str] = ()) -> dict[str, Any]:
     """Measure and write ``out``; returns the document written.
 
     Args:
@@ -266,6 +270,8 @@ def measure_collectives(out: str | os.PathLike, world: int = 2, backend: str = "
             with K-FAC every step and with NVLAMB taking turns in the same processes (``compute.executor.kfac.<method>``:
             K-FAC's extra time per step, a paired difference), from which the search solves that schedule's factor on
             K-FAC's units (``planning.executor_calibration``).
+        executor_muon_methods: the same with Muon (``compute.executor.muon.<method>``): the search's factor on
+            Muon's step beyond NVLAMB's.
 
     Raises:
         ValueError: a bad argument, naming it.
@@ -291,7 +297,8 @@ def measure_collectives(out: str | os.PathLike, world: int = 2, backend: str = "
             raise ValueError(f"--executor-micro-batches={executor_micro_batches}: give N >= 1, or 0 for none")
         from pipefisher.planning.whatif import METHODS
 
-        for flag, given in (("--executor-methods", executor_methods), ("--executor-kfac-methods", executor_kfac_methods)):
+        for flag, given in (("--executor-methods", executor_methods), ("--executor-kfac-methods", executor_kfac_methods),
+                            ("--executor-muon-methods", executor_muon_methods)):
             unknown = [m for m in given if m not in METHODS]
             if unknown:
                 raise ValueError(f"{flag}={','.join(given)}: {', '.join(unknown)} unknown; choose from "
@@ -299,7 +306,8 @@ def measure_collectives(out: str | os.PathLike, world: int = 2, backend: str = "
         compute = {"model": model, "micro_batch_sizes": list(micro_batch_sizes), "seq_len": seq_len,
                    "max_predictions": max_predictions, "vocab_size": vocab_size,
                    "executor_micro_batches": executor_micro_batches, "executor_methods": list(executor_methods),
-                   "executor_kfac_methods": list(executor_kfac_methods)}
+                   "executor_kfac_methods": list(executor_kfac_methods),
+                   "executor_muon_methods": list(executor_muon_methods)}
     threads = max(1, (os.cpu_count() or 1) // world) if backend == "gloo" else 1
     port = _free_port()
     mp.start_processes(_worker, args=(world, port, backend, sizes, repeats, budget_s, threads, str(out), compute),
@@ -345,6 +353,9 @@ def main(argv: Sequence[str] | None = None) -> None:
                    help="--model: schedules run with K-FAC every step and with NVLAMB taking turns in the same processes, "
                         "comma-separated, 'all' (the default: every schedule the search ranks), 'gpipe' or '' for none: "
                         "K-FAC's extra step per schedule, from which the search solves its factor on K-FAC's units")
+    p.add_argument("--executor-muon-methods", default="all",
+                   help="--model: the same with Muon: its step beyond NVLAMB's per schedule, from which the search solves "
+                        "its factor on that part of Muon's step ('all', the default; '' for none)")
     args = p.parse_args(argv)
     from pipefisher.planning.whatif import METHODS
 
@@ -359,7 +370,8 @@ def main(argv: Sequence[str] | None = None) -> None:
                                   seq_len=args.seq_len, max_predictions=args.max_predictions,
                                   vocab_size=args.vocab_size, executor_micro_batches=args.executor_micro_batches,
                                   executor_methods=methods,
-                                  executor_kfac_methods=schedules(args.executor_kfac_methods))
+                                  executor_kfac_methods=schedules(args.executor_kfac_methods),
+                                  executor_muon_methods=schedules(args.executor_muon_methods))
     except ValueError as exc:
         raise SystemExit(f"collectives: {exc}") from None
     print(f"{doc['backend']} on {doc['device']}, {doc['world_size']} processes, "
@@ -384,11 +396,12 @@ def main(argv: Sequence[str] | None = None) -> None:
             print(f"    {m:>16}: " + (f"refused ({row['refused']})" if "refused" in row else
                                      f"step {row['step_seconds'] * 1e3:.1f} ms, {row['simulated_seconds'] * 1e3:.1f} ms "
                                      f"simulated from its own F/B/STEP"))
-        for m, row in e.get("kfac", {}).items():
-            print(f"    {m + ' K-FAC':>16}: " + (f"refused ({row['refused']})" if "refused" in row else
-                                              f"step {row['step_seconds'] * 1e3:.1f} ms with K-FAC every step, "
-                                              f"{row['nvlamb_step_seconds'] * 1e3:.1f} ms with NVLAMB, taking "
-                                              f"turns: K-FAC's extra {row['extra_seconds'] * 1e3:.1f} ms"))
+        for key, name in (("kfac", "K-FAC"), ("muon", "Muon")):
+            for m, row in e.get(key, {}).items():
+                print(f"    {m + ' ' + name:>16}: " + (f"refused ({row['refused']})" if "refused" in row else
+                                                    f"step {row['step_seconds'] * 1e3:.1f} ms with {name}, "
+                                                    f"{row['nvlamb_step_seconds'] * 1e3:.1f} ms with NVLAMB, taking "
+                                                    f"turns: {name}'s extra {row['extra_seconds'] * 1e3:+.1f} ms"))
     print(f"wrote {args.out}")
 
 

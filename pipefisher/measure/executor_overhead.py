@@ -21,7 +21,8 @@ as two workers of the same processes, one step each in turn, so that K-FAC's ext
 difference, not one of two steps measured apart on a machine whose speed drifts (on the 2-core Zen 4 EPYC two GPipe
 runs a minute apart took 147 and 188 ms). The search solves from it how much longer K-FAC's units take in the
 executor than measured alone (the captures in F and B, one action per unit and layer:
-``planning.executor_calibration`` [Note: K-FAC unit factor]).
+``planning.executor_calibration`` [Note: K-FAC unit factor]). :func:`optimizer_executor_steps` does the same for
+Muon, whose step beyond NVLAMB's the search scales alike ([Note: Muon step factor]).
 """
 
 from __future__ import annotations
@@ -35,7 +36,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["executor_overhead", "executor_steps", "gpipe_config", "kfac_executor_steps", "pipeline_config"]
+__all__ = ["executor_overhead", "executor_steps", "gpipe_config", "kfac_executor_steps", "optimizer_executor_steps",
+           "pipeline_config"]
 
 
 def gpipe_config(model: str, micro_batch_size: int, num_micro_batches: int, seq_len: int, max_predictions: int,
@@ -122,11 +124,21 @@ def executor_steps(methods: Sequence[str], model: str, micro_batch_size: int, se
 def kfac_executor_steps(methods: Sequence[str], model: str, micro_batch_size: int, seq_len: int,
                         max_predictions: int, device: torch.device, num_micro_batches: int = 4, rounds: int = 12,
                         warmup: int = 2, vocab_size: int | None = None) -> dict[str, dict[str, Any]]:
-    """Each of ``methods`` (one stage per rank of the default process group) with K-FAC every step and with NVLAMB,
-    two workers of the same processes taking turns (NVLAMB first in even rounds, K-FAC first in odd ones):
-    ``method -> {"stages", "micro_batches", "micro_batch_size", "num_virtual", "step_seconds" (K-FAC's median step),
-    "nvlamb_step_seconds" (NVLAMB's), "extra_seconds" (the median over rounds of K-FAC's step less NVLAMB's in the
-    same round), "rounds"}``, or ``{"refused": reason}``. Steps are the slowest rank's; call it on every rank."""
+    """:func:`optimizer_executor_steps` with K-FAC every step."""
+    return optimizer_executor_steps(methods, model, micro_batch_size, seq_len, max_predictions, device,
+                                    num_micro_batches, rounds, warmup, vocab_size, "kfac")
+
+
+def optimizer_executor_steps(methods: Sequence[str], model: str, micro_batch_size: int, seq_len: int,
+                             max_predictions: int, device: torch.device, num_micro_batches: int = 4, rounds: int = 12,
+                             warmup: int = 2, vocab_size: int | None = None,
+                             optimizer: str = "kfac") -> dict[str, dict[str, Any]]:
+    """Each of ``methods`` (one stage per rank of the default process group) with ``optimizer`` (its defaults:
+    K-FAC every step, or Muon) and with NVLAMB, two workers of the same processes taking turns (NVLAMB first in even
+    rounds, the other first in odd ones): ``method -> {"stages", "micro_batches", "micro_batch_size",
+    "num_virtual", "step_seconds" (``optimizer``'s median step), "nvlamb_step_seconds" (NVLAMB's), "extra_seconds"
+    (the median over rounds of its step less NVLAMB's in the same round), "rounds"}``, or ``{"refused": reason}``.
+    Steps are the slowest rank's; call it on every rank."""
     from pipefisher.runtime.pipeline_worker import PipelineWorker
 
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -134,14 +146,14 @@ def kfac_executor_steps(methods: Sequence[str], model: str, micro_batch_size: in
     for method in methods:
         try:
             cfgs = {opt: pipeline_config(method, model, micro_batch_size, num_micro_batches, seq_len, max_predictions,
-                                         world, device, vocab_size, opt) for opt in ("nvlamb", "kfac")}
+                                         world, device, vocab_size, opt) for opt in ("nvlamb", optimizer)}
         except ValueError as exc:  # the same config on every rank: every rank refuses it alike
             out[method] = {"refused": str(exc).splitlines()[0]}
             continue
         workers = {opt: PipelineWorker(cfg, rank, world, device) for opt, cfg in cfgs.items()}
         times: dict[str, list[float]] = {opt: [] for opt in workers}
         for r in range(warmup + rounds):
-            for opt in (("nvlamb", "kfac") if r % 2 == 0 else ("kfac", "nvlamb")):
+            for opt in (("nvlamb", optimizer) if r % 2 == 0 else (optimizer, "nvlamb")):
                 dist.barrier()
                 start = time.perf_counter()
                 workers[opt].train_step(r)
@@ -153,10 +165,10 @@ def kfac_executor_steps(methods: Sequence[str], model: str, micro_batch_size: in
                     times[opt].append(float(wall.item()))
         del workers
         out[method] = {"method": method, "stages": world, "micro_batches": num_micro_batches,
-                       "micro_batch_size": micro_batch_size, "num_virtual": int(cfgs["kfac"].pipeline.num_virtual),
-                       "step_seconds": statistics.median(times["kfac"]),
+                       "micro_batch_size": micro_batch_size, "num_virtual": int(cfgs[optimizer].pipeline.num_virtual),
+                       "step_seconds": statistics.median(times[optimizer]),
                        "nvlamb_step_seconds": statistics.median(times["nvlamb"]),
-                       "extra_seconds": statistics.median(k - n for k, n in zip(times["kfac"], times["nvlamb"])),
+                       "extra_seconds": statistics.median(k - n for k, n in zip(times[optimizer], times["nvlamb"])),
                        "rounds": rounds}
     return out
 

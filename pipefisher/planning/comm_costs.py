@@ -99,7 +99,7 @@ def _ring_share(op: str, g: int) -> float:
 @dataclass(frozen=True)
 class ExecutorStep:
     """One schedule's step as the executor ran it (``measure.executor_overhead.executor_steps``, or
-    ``kfac_executor_steps``): the shape it ran at (the file's ``compute.model`` and ``seq_len``) and the median
+    ``optimizer_executor_steps``): the shape it ran at (the file's ``compute.model`` and ``seq_len``) and the median
     measured step."""
 
     stages: int
@@ -107,7 +107,8 @@ class ExecutorStep:
     micro_batch_size: int
     num_virtual: int
     step_seconds: float
-    #: K-FAC's runs (``compute.executor.kfac``): its step less NVLAMB's, the two taking turns in the same processes
+    #: K-FAC's and Muon's runs (``compute.executor.kfac``, ``.muon``): its step less NVLAMB's, the two taking turns
+    #: in the same processes
     extra_seconds: float | None = None
 
 
@@ -146,6 +147,9 @@ class CommCosts:
             (``compute.executor.kfac``), if measured; the search scales that schedule's K-FAC units by the factor
             that makes its simulated step (or extra over NVLAMB's) equal it, other schedules' by GPipe's
             (``planning.executor_calibration`` [Note: K-FAC unit factor]).
+        muon_executor_steps: the same with Muon in K-FAC's place (``compute.executor.muon``); the search scales
+            the part of Muon's STEP beyond NVLAMB's by the factor that makes its simulated extra equal the measured
+            one ([Note: Muon step factor]).
         kfac_in_search: price CURV_A/CURV_B, PRECOND and (K-FAC's Cholesky) INVERT at those rates in the search
             (the file's ``compute.kfac_in_search``; off unless a file says so: on two idle validations it made the
             predicted steps worse, bench/studies/20-time-to-target-validation.md).
@@ -167,6 +171,7 @@ class CommCosts:
     executor_steps: Mapping[str, ExecutorStep] = field(default_factory=dict)
     step_bookkeeping_s: float = 0.0
     kfac_executor_steps: Mapping[str, ExecutorStep] = field(default_factory=dict)
+    muon_executor_steps: Mapping[str, ExecutorStep] = field(default_factory=dict)
     #: the search's solved scale per (schedule, hardware, split ratio): filled on first use, not part of equality,
     #: and new on every copy (``dataclasses.replace`` makes a fresh one: a changed term changes the factor)
     factor_cache: dict[Any, float] = field(default_factory=dict, init=False, compare=False, repr=False)
@@ -257,12 +262,12 @@ class CommCosts:
                       for b, row in (compute.get("micro_batch") or {}).items() if "pieces" in row}
             overhead = float((compute.get("executor") or {}).get("overhead_per_action_s", 0.0))
             bookkeeping = float((compute.get("executor") or {}).get("bookkeeping_seconds", 0.0))
-            executor, kfac_executor = ({m: ExecutorStep(int(row["stages"]), int(row["micro_batches"]),
+            executor, kfac_executor, muon_executor = ({m: ExecutorStep(int(row["stages"]), int(row["micro_batches"]),
                                                         int(row["micro_batch_size"]), int(row.get("num_virtual", 1)),
                                                         float(row["step_seconds"]),
                                                         float(row["extra_seconds"]) if "extra_seconds" in row else None)
                                         for m, row in ((compute.get("executor") or {}).get(key) or {}).items()
-                                        if "refused" not in row} for key in ("methods", "kfac"))
+                                        if "refused" not in row} for key in ("methods", "kfac", "muon"))
             kfac = {int(b): (float(row["curvature_flops_per_s"]), float(row["precondition_flops_per_s"]),
                              float(row["invert_flops_per_s"]) if "invert_flops_per_s" in row else None)
                     for b, row in (compute.get("kfac") or {}).items()}
@@ -271,7 +276,7 @@ class CommCosts:
                              f"micro_batch.<size>.flops_per_s, optimizer_step.memory_bytes_per_s and, if present, "
                              f"tensor_parallel.<tp>.<size>.seconds_fb, micro_batch.<size>.seconds_f, "
                              f"micro_batch.<size>.pieces.<piece>.seconds_f / seconds_fb / flops_f, executor.overhead_per_action_s, "
-                             f"executor.bookkeeping_seconds, executor.methods.<method> (and executor.kfac.<method>).stages / micro_batches / micro_batch_size / step_seconds and "
+                             f"executor.bookkeeping_seconds, executor.methods.<method> (and executor.kfac.<method>, executor.muon.<method>).stages / micro_batches / micro_batch_size / step_seconds and "
                              f"kfac.<size>.curvature_flops_per_s / precondition_flops_per_s / invert_flops_per_s "
                              f"(numbers); {make}") from None
         unit_rates = [x for unit in kfac.values() for x in unit if x is not None]
@@ -290,8 +295,8 @@ class CommCosts:
         if any(not (e.step_seconds > 0 and math.isfinite(e.step_seconds)) or min(e.stages, e.micro_batches,
                                                                                    e.micro_batch_size) < 1
                or not math.isfinite(e.extra_seconds if e.extra_seconds is not None else 0.0)
-               for e in [*executor.values(), *kfac_executor.values()]):
-            raise ValueError(f"comm_costs={path}: field compute.executor.methods (or .kfac): each measured step needs "
+               for e in [*executor.values(), *kfac_executor.values(), *muon_executor.values()]):
+            raise ValueError(f"comm_costs={path}: field compute.executor.methods (or .kfac, .muon): each measured step needs "
                              f"step_seconds > 0 and stages, micro_batches, micro_batch_size >= 1; {make}")
         for b, row in pieces.items():
             unknown = sorted(set(row) - set(PIECES))
@@ -300,7 +305,8 @@ class CommCosts:
                                  f"{', '.join(PIECES)} (not {', '.join(unknown) or 'others'}), each with 0 < seconds_f "
                                  f"< seconds_fb and flops_f >= 0; {make}")
         return cls(fits, hardware, str(path), rates, memory, tp, shape, vocab, share, kfac,
-                   bool(compute.get("kfac_in_search", False)), pieces, overhead, executor, bookkeeping, kfac_executor)
+                   bool(compute.get("kfac_in_search", False)), pieces, overhead, executor, bookkeeping, kfac_executor,
+                   muon_executor)
 
     def describe(self) -> str:
         """One line: the source and each measured op's group sizes."""
@@ -335,6 +341,11 @@ class CommCosts:
                 f"{m} D={e.stages} N={e.micro_batches} {e.step_seconds * 1e3:.0f} ms"
                 + (f" (NVLAMB's + {e.extra_seconds * 1e3:.0f} ms)" if e.extra_seconds is not None else "")
                 for m, e in self.kfac_executor_steps.items())
+        if self.muon_executor_steps:
+            text += "; Muon in the executor: " + ", ".join(
+                f"{m} D={e.stages} N={e.micro_batches} {e.step_seconds * 1e3:.0f} ms"
+                + (f" (NVLAMB's {e.extra_seconds * 1e3:+.0f} ms)" if e.extra_seconds is not None else "")
+                for m, e in self.muon_executor_steps.items())
         if self.kfac_flops_per_s:
             units = [f"micro-batch {b}: curvature {c / 1e9:.2f}, preconditioning {p / 1e9:.2f}"
                      + (f", inversion {i / 1e9:.2f}" if i else "") + " GFLOP/s"

@@ -32,6 +32,16 @@ applied to its F, B, I and W) for the simulated extra over NVLAMB's step to equa
 that schedule's K-FAC units by g at that D; other schedules and other D take GPipe's g (the per-unit costs it
 carries, captures and actions, are not one schedule's). K-FAC with its Cholesky inverses only: EKFAC's eigh is
 another kernel and stays unscaled.
+
+[Note: Muon step factor]
+Muon's STEP is priced as NVLAMB's element-wise step over its other parameters plus Newton–Schulz's FLOPs at the
+model's measured rate (``planning.optimizer_costs``), while torch's Muon runs Newton–Schulz in bf16 where the CPU
+has bf16 arithmetic (0.43–1.07× fp32's time on the Zen 4 EPYC, 22–47× on an AVX2-only EPYC: bench/studies/14).
+On the Zen 4 EPYC's validations every Muon pair was over-priced by 4–11 % of its step over the common factor.
+Where ``measure.collectives --executor-muon-methods`` ran a schedule with Muon and with NVLAMB taking turns
+(``CommCosts.muon_executor_steps``), the search solves for the factor h by which the part of Muon's STEP beyond
+NVLAMB's is scaled (:func:`scale_step_beyond`) for the simulated extra to equal the measured one, the schedule's
+own at its D and GPipe's elsewhere, as for K-FAC's units.
 """
 
 from __future__ import annotations
@@ -41,7 +51,7 @@ from dataclasses import replace
 
 from pipefisher.simulate import CostModel
 
-__all__ = ["FACTOR_RANGE", "scale_compute", "scale_kfac_units", "solve_factor"]
+__all__ = ["FACTOR_RANGE", "scale_compute", "scale_kfac_units", "scale_step_beyond", "solve_factor"]
 
 #: the factors the solver searches; a measured step outside what they reach is clamped to the nearer end
 FACTOR_RANGE = (0.25, 4.0)
@@ -71,6 +81,14 @@ def scale_kfac_units(cost: CostModel, factor: float) -> CostModel:
     return replace(cost, curv_a_ns=tuple(s(row) for row in cost.curv_a_ns),
                    curv_b_ns=tuple(s(row) for row in cost.curv_b_ns),
                    invert_ns=tuple(s(row) for row in cost.invert_ns), precond_ns=s(cost.precond_ns))
+
+
+def scale_step_beyond(cost: CostModel, reference: CostModel, factor: float) -> CostModel:
+    """``cost`` with the part of its STEP beyond ``reference``'s scaled by ``factor`` ([Note: Muon step factor]):
+    ``reference.step_ns + factor × (cost.step_ns − reference.step_ns)``, never below 0."""
+    if factor == 1.0:
+        return cost
+    return replace(cost, step_ns=max(0, round(reference.step_ns + factor * (cost.step_ns - reference.step_ns))))
 
 
 def solve_factor(step_seconds: Callable[[float], float], measured_s: float, tol: float = 1e-4) -> float:

@@ -94,9 +94,9 @@ from pipefisher.config import V_METHODS, TrainConfig
 from pipefisher.model.config import BertConfig
 from pipefisher.model.partition import layer_costs
 from pipefisher.planning.calibration import Calibration
-from pipefisher.planning.comm_costs import PIECES, CommCosts
+from pipefisher.planning.comm_costs import PIECES, CommCosts, ExecutorStep
 from pipefisher.planning.costs import Hardware, RunShape, estimate_run_costs, kfac_linear_dims, stage_parameters
-from pipefisher.planning.executor_calibration import scale_compute, scale_kfac_units, solve_factor
+from pipefisher.planning.executor_calibration import scale_compute, scale_kfac_units, scale_step_beyond, solve_factor
 from pipefisher.planning.memory import (activation_peak, device_overhead, estimate_memory, heads_backward_bytes,
                                         mmapped_parameters, saved_heads_bytes, tied_parameters,
                                         worker_parameters)
@@ -113,7 +113,7 @@ from pipefisher.schedules.kfac import critical_path_assignment
 from pipefisher.simulate import CostModel, peak_activations
 
 __all__ = ["HybridMemory", "Strategy", "format_strategies", "hybrid_costs", "hybrid_memory_per_worker",
-           "executor_factor", "kfac_unit_factor", "model_stages", "pipeline_costs", "recompute_order", "search_strategies", "strategy_plan", "tp_available",
+           "executor_factor", "kfac_unit_factor", "model_stages", "muon_step_factor", "pipeline_costs", "recompute_order", "search_strategies", "strategy_plan", "tp_available",
            "tp_sharded_parameters"]
 
 log = logging.getLogger(__name__)
@@ -494,6 +494,11 @@ def pipeline_costs(run: RunShape, hardware: Hardware, comm: CommCosts | None = N
     added to each (:func:`with_action_overhead`)."""
     comm = comm if comm is not None else CommCosts({}, hardware)
     cost = _scheduled_costs(run, hardware, comm, sdp, tp, schedule, split_backward_ratio, optimizer)
+    if optimizer == "muon":
+        h = muon_step_factor(comm, split_backward_ratio, run)
+        if h != 1.0:
+            cost = scale_step_beyond(cost, _scheduled_costs(run, hardware, comm, sdp, tp, schedule,
+                                                            split_backward_ratio), h)
     if run.preconditioner != "kfac":  # the factor is measured with K-FAC's kernels, not EKFAC's eigh and rotations
         return cost
     return scale_kfac_units(cost, kfac_unit_factor(comm, split_backward_ratio, run))
@@ -516,30 +521,69 @@ def kfac_unit_factor(comm: CommCosts, split_backward_ratio: float = SPLIT_BACKWA
     NVLAMB's, taking turns), or, where only K-FAC's step was measured, equals it. The schedule is ``run``'s own
     where it was measured at ``run.stages``, else GPipe's (else the first measured); 1 where none was measured.
     Cached on ``comm``."""
-    if not comm.kfac_executor_steps or comm.compute_model is None:
+    picked = _measured_entry(comm, comm.kfac_executor_steps, run)
+    if picked is None:
         return 1.0
-    own = comm.kfac_executor_steps.get(run.method) if run is not None else None
-    if own is not None and own.stages == run.stages:
-        method, e = run.method, own
-    else:
-        method, e = min(comm.kfac_executor_steps.items(), key=lambda kv: (kv[0] != "gpipe", kv[0]))
+    method, e = picked
     key = ("kfac-units", method, e, comm.hardware, split_backward_ratio)
     if key not in comm.factor_cache:
-        size, seq_len, max_predictions = comm.compute_model
-        bert = BertConfig.from_size(size.removeprefix("bert-"))
-        if comm.compute_vocab_size is not None:
-            bert = replace(bert, vocab_size=comm.compute_vocab_size)
-        shape = RunShape(bert, method, e.stages, e.micro_batches, e.micro_batch_size, 1, e.num_virtual, seq_len,
-                         max_predictions)
-        schedule = shape.build_schedule(dp_width=1)
-        base = _scheduled_costs(shape, comm.hardware_for(e.micro_batch_size), comm, 1, 1, schedule,
-                                split_backward_ratio)
+        shape, schedule, hw = _measured_shape(comm, method, e)
+        base = _scheduled_costs(shape, hw, comm, 1, 1, schedule, split_backward_ratio)
         assignment = critical_path_assignment(schedule, shape.kfac_layers, 1)
         target = e.step_seconds if e.extra_seconds is None else \
             predict_schedule(schedule, base)[0].step_time_s + e.extra_seconds
         comm.factor_cache[key] = solve_factor(lambda g: predict_assignment(
             assignment, scale_kfac_units(base, g), "kfac")[0].step_time_s, target)
     return comm.factor_cache[key]
+
+
+def muon_step_factor(comm: CommCosts, split_backward_ratio: float = SPLIT_BACKWARD_RATIO,
+                     run: RunShape | None = None) -> float:
+    """The factor on Muon's STEP beyond NVLAMB's ([Note: Muon step factor], ``planning.executor_calibration``):
+    solved, as :func:`kfac_unit_factor` is, on the schedule ``comm`` measured with Muon and NVLAMB taking turns
+    (``muon_executor_steps``; ``run``'s own at its D, else GPipe's) so that the simulated Muon step exceeds the
+    simulated NVLAMB step by the measured extra; 1 where none was measured or where the model prices Muon's step
+    no dearer than NVLAMB's (nothing to scale). Cached on ``comm``."""
+    picked = _measured_entry(comm, comm.muon_executor_steps, run)
+    if picked is None:
+        return 1.0
+    method, e = picked
+    key = ("muon-step", method, e, comm.hardware, split_backward_ratio)
+    if key not in comm.factor_cache:
+        shape, schedule, hw = _measured_shape(comm, method, e)
+        plain = _scheduled_costs(shape, hw, comm, 1, 1, schedule, split_backward_ratio)
+        muon = _scheduled_costs(shape, hw, comm, 1, 1, schedule, split_backward_ratio, "muon")
+        if muon.step_ns <= plain.step_ns:
+            comm.factor_cache[key] = 1.0
+        else:
+            nvlamb = predict_schedule(schedule, plain)[0].step_time_s
+            target = e.step_seconds if e.extra_seconds is None else nvlamb + e.extra_seconds
+            comm.factor_cache[key] = solve_factor(lambda h: predict_schedule(
+                schedule, scale_step_beyond(muon, plain, h))[0].step_time_s, target)
+    return comm.factor_cache[key]
+
+
+def _measured_entry(comm: CommCosts, steps: Mapping[str, ExecutorStep],
+                    run: RunShape | None) -> tuple[str, ExecutorStep] | None:
+    """``run``'s schedule's measured step where it was measured at ``run.stages``, else GPipe's (else the first
+    measured); None where nothing was measured or ``comm`` has no model to price it on."""
+    if not steps or comm.compute_model is None:
+        return None
+    own = steps.get(run.method) if run is not None else None
+    if own is not None and own.stages == run.stages:
+        return run.method, own
+    return min(steps.items(), key=lambda kv: (kv[0] != "gpipe", kv[0]))
+
+
+def _measured_shape(comm: CommCosts, method: str, e: ExecutorStep) -> tuple[RunShape, Schedule, Hardware]:
+    """The run shape, schedule (one pipeline) and hardware of a step the executor measured (``e``)."""
+    size, seq_len, max_predictions = comm.compute_model
+    bert = BertConfig.from_size(size.removeprefix("bert-"))
+    if comm.compute_vocab_size is not None:
+        bert = replace(bert, vocab_size=comm.compute_vocab_size)
+    shape = RunShape(bert, method, e.stages, e.micro_batches, e.micro_batch_size, 1, e.num_virtual, seq_len,
+                     max_predictions)
+    return shape, shape.build_schedule(dp_width=1), comm.hardware_for(e.micro_batch_size)
 
 
 def executor_factor(run: RunShape, comm: CommCosts, split_backward_ratio: float = SPLIT_BACKWARD_RATIO) -> float:
