@@ -29,7 +29,7 @@ processes taking turns one step each, and its measured step is stored
 simulated step equals the measured one (``planning.executor_calibration``); with ``--executor-kfac-methods``
 (default every schedule the search ranks) each schedule runs with K-FAC every step and with NVLAMB, taking turns
 step by step in the same processes (``compute.executor.kfac.<method>``), from which the search solves that
-schedule's factor on K-FAC's units; with ``--executor-muon-methods`` (the same default) the same with Muon
+schedule's factor on K-FAC's units; with ``--executor-muon-methods`` (default none) the same with Muon
 (``compute.executor.muon.<method>``), from which the search scales Muon's step beyond NVLAMB's. Each of those runs
 also times rank 0's
 bookkeeping after a step, as train.py does it (the timeline gathered and read:
@@ -353,9 +353,10 @@ def main(argv: Sequence[str] | None = None) -> None:
                    help="--model: schedules run with K-FAC every step and with NVLAMB taking turns in the same processes, "
                         "comma-separated, 'all' (the default: every schedule the search ranks), 'gpipe' or '' for none: "
                         "K-FAC's extra step per schedule, from which the search solves its factor on K-FAC's units")
-    p.add_argument("--executor-muon-methods", default="all",
+    p.add_argument("--executor-muon-methods", default="",
                    help="--model: the same with Muon: its step beyond NVLAMB's per schedule, from which the search solves "
-                        "its factor on that part of Muon's step ('all', the default; '' for none)")
+                        "its factor on that part of Muon's step (comma-separated or 'all'; default none: on the Zen 4 "
+                        "EPYC the extras were 0-13 ms, too small against their noise for a factor per schedule)")
     args = p.parse_args(argv)
     from pipefisher.planning.whatif import METHODS
 

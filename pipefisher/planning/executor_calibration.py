@@ -41,7 +41,11 @@ On the Zen 4 EPYC's validations every Muon pair was over-priced by 4–11 % of i
 Where ``measure.collectives --executor-muon-methods`` ran a schedule with Muon and with NVLAMB taking turns
 (``CommCosts.muon_executor_steps``), the search solves for the factor h by which the part of Muon's STEP beyond
 NVLAMB's is scaled (:func:`scale_step_beyond`) for the simulated extra to equal the measured one, the schedule's
-own at its D and GPipe's elsewhere, as for K-FAC's units.
+own at its D and GPipe's elsewhere, as for K-FAC's units. Measured on request only (the option's default is
+none): on the Zen 4 EPYC Muon's extras over NVLAMB were 0–13 ms at D=2, N=8 (a few % of a step, within the
+measurement's noise), and with them the search put Muon's median over the common factor at 0.99 (1.06 without)
+but spread the schedules wider (zb-v's +0 ms clamps its factor to 0.25): 34 pairs within 10 % over the common
+factor against 36 without (bench/studies/20-time-to-target-validation.md, run D).
 """
 
 from __future__ import annotations
