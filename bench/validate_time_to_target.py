@@ -883,6 +883,18 @@ REPRICINGS = (
 )
 
 
+#: each repricing measured with the rates: its key, its files' suffix, the rates file it searches
+REPRICE_FILES = (
+    ("predicted_kfac_units_rounds", "kfac-units", with_kfac_units_in_search),
+    ("predicted_flop_rate_rounds", "flop-rate", without_pieces),
+    ("predicted_no_overhead_rounds", "no-overhead", without_executor_overhead),
+    ("predicted_no_schedule_factor_rounds", "no-schedule-factor", without_executor_methods),
+    ("predicted_no_kfac_factor_rounds", "no-kfac-factor", without_kfac_factor),
+    ("predicted_no_muon_factor_rounds", "no-muon-factor", without_muon_factor),
+    ("predicted_no_bookkeeping_rounds", "no-bookkeeping", without_bookkeeping),
+)
+
+
 #: the repricings whose searches add train.py's bookkeeping (the no-overhead one drops compute.executor whole)
 WITH_BOOKKEEPING = ("predicted_kfac_units_rounds", "predicted_flop_rate_rounds", "predicted_no_schedule_factor_rounds",
                     "predicted_no_kfac_factor_rounds", "predicted_no_muon_factor_rounds")
@@ -1013,36 +1025,13 @@ def main() -> None:
                 raise SystemExit(f"the search has no pp={STAGES} row for {', '.join(missing)}: "
                                  + "; ".join(f"{k}: {search['refused'].get(k, '?')}" for k in missing))
             doc["predicted_rounds"].append(predicted)
-            # the same rates with K-FAC's measured unit rates priced in the search (compute.kfac_in_search), against
-            # the same runs: what that pricing would change, with the measurement held fixed
-            units = args.out / f"collectives-round{r}-kfac-units.json"
-            units.write_text(json.dumps(with_kfac_units_in_search(json.loads(rates.read_text()))))
-            doc.setdefault("predicted_kfac_units_rounds", []).append(
-                predict(args.out / f"search-round{r}-kfac-units", [f"comm_costs={units}"])[0])
-            flop_rate = args.out / f"collectives-round{r}-flop-rate.json"
-            flop_rate.write_text(json.dumps(without_pieces(json.loads(rates.read_text()))))
-            doc.setdefault("predicted_flop_rate_rounds", []).append(
-                predict(args.out / f"search-round{r}-flop-rate", [f"comm_costs={flop_rate}"])[0])
-            no_overhead = args.out / f"collectives-round{r}-no-overhead.json"
-            no_overhead.write_text(json.dumps(without_executor_overhead(json.loads(rates.read_text()))))
-            doc.setdefault("predicted_no_overhead_rounds", []).append(
-                predict(args.out / f"search-round{r}-no-overhead", [f"comm_costs={no_overhead}"])[0])
-            no_factor = args.out / f"collectives-round{r}-no-schedule-factor.json"
-            no_factor.write_text(json.dumps(without_executor_methods(json.loads(rates.read_text()))))
-            doc.setdefault("predicted_no_schedule_factor_rounds", []).append(
-                predict(args.out / f"search-round{r}-no-schedule-factor", [f"comm_costs={no_factor}"])[0])
-            no_kfac = args.out / f"collectives-round{r}-no-kfac-factor.json"
-            no_kfac.write_text(json.dumps(without_kfac_factor(json.loads(rates.read_text()))))
-            doc.setdefault("predicted_no_kfac_factor_rounds", []).append(
-                predict(args.out / f"search-round{r}-no-kfac-factor", [f"comm_costs={no_kfac}"])[0])
-            no_muon = args.out / f"collectives-round{r}-no-muon-factor.json"
-            no_muon.write_text(json.dumps(without_muon_factor(json.loads(rates.read_text()))))
-            doc.setdefault("predicted_no_muon_factor_rounds", []).append(
-                predict(args.out / f"search-round{r}-no-muon-factor", [f"comm_costs={no_muon}"])[0])
-            no_book = args.out / f"collectives-round{r}-no-bookkeeping.json"
-            no_book.write_text(json.dumps(without_bookkeeping(json.loads(rates.read_text()))))
-            doc.setdefault("predicted_no_bookkeeping_rounds", []).append(
-                predict(args.out / f"search-round{r}-no-bookkeeping", [f"comm_costs={no_book}"])[0])
+            # the same rates priced other ways (one term taken out or K-FAC's unit rates put in), against the same
+            # runs: what each term changes, with the measurement held fixed
+            for key, suffix, transform in REPRICE_FILES:
+                alt = args.out / f"collectives-round{r}-{suffix}.json"
+                alt.write_text(json.dumps(transform(json.loads(rates.read_text()))))
+                doc.setdefault(key, []).append(
+                    predict(args.out / f"search-round{r}-{suffix}", [f"comm_costs={alt}"])[0])
             if r == 0:  # what runs: round 0's search (PipeFisher's plan from its rates)
                 doc.update(search_top=search["top"], refused=search["refused"], search_text=search["text"])
                 files = write_strategies(args.out / f"search-round{r}", keys, pairs)

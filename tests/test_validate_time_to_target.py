@@ -303,3 +303,16 @@ def test_the_interleaved_report_divides_out_the_drift_since_the_rates_were_measu
     assert "0 of 9 within 10%" in text  # every raw error is -12 % or +14 %: the goal's count
     assert ("diagnostic: predicted / interleaved step over every pair, median 0.88" in text
             and "worst pair then chimera/muon +30%, 8 of 9 within 10%" in text)
+
+
+def test_every_repricing_measured_with_the_rates_is_reported_and_strips_a_copy(v):
+    """Each rates file --measure writes beside the real one is reported under its key (the legacy key only reads
+    old files), and each transform leaves the measured document as it was."""
+    assert [k for k, _, _ in v.REPRICE_FILES] == [k for k, _ in v.REPRICINGS if k != "predicted_legacy_rounds"]
+    doc = {"compute": {"micro_batch": {"8": {"flops_per_s": 1.0, "pieces": {}}},
+                       "executor": {"overhead_per_action_s": 1e-3, "bookkeeping_seconds": 2e-3, "methods": {},
+                                    "kfac": {}, "muon": {}}}}
+    before = repr(doc)
+    for _, _, transform in v.REPRICE_FILES:
+        assert transform(doc) != doc
+    assert repr(doc) == before

@@ -113,8 +113,8 @@ from pipefisher.schedules.kfac import critical_path_assignment
 from pipefisher.simulate import CostModel, peak_activations
 
 __all__ = ["HybridMemory", "Strategy", "format_strategies", "hybrid_costs", "hybrid_memory_per_worker",
-           "executor_factor", "kfac_unit_factor", "model_stages", "muon_step_factor", "pipeline_costs", "recompute_order", "search_strategies", "strategy_plan", "tp_available",
-           "tp_sharded_parameters"]
+           "executor_factor", "kfac_unit_factor", "model_stages", "muon_step_factor", "pipeline_costs",
+           "recompute_order", "search_strategies", "strategy_plan", "tp_available", "tp_sharded_parameters"]
 
 log = logging.getLogger(__name__)
 GB = 1e9
@@ -491,7 +491,8 @@ def pipeline_costs(run: RunShape, hardware: Hardware, comm: CommCosts | None = N
     """The cost model the search prices a pipeline with and PipeFisher is planned under, by the search and by
     train.py alike ([Note: one planning path]): :func:`hybrid_costs`, with a split backward's I and W at
     ``split_backward_ratio`` × B on zb-h1 and the V schedules, and the executor's measured time per compute action
-    added to each (:func:`with_action_overhead`)."""
+    added to each (:func:`with_action_overhead`); where ``comm`` measured them, Muon's step beyond NVLAMB's and
+    K-FAC's units scaled by their executor factors (:func:`muon_step_factor`, :func:`kfac_unit_factor`)."""
     comm = comm if comm is not None else CommCosts({}, hardware)
     cost = _scheduled_costs(run, hardware, comm, sdp, tp, schedule, split_backward_ratio, optimizer)
     if optimizer == "muon":
@@ -506,7 +507,7 @@ def pipeline_costs(run: RunShape, hardware: Hardware, comm: CommCosts | None = N
 
 def _scheduled_costs(run: RunShape, hardware: Hardware, comm: CommCosts, sdp: int, tp: int, schedule: Schedule | None,
                      split_backward_ratio: float, optimizer: str = "nvlamb") -> CostModel:
-    """:func:`pipeline_costs` before the K-FAC unit factor."""
+    """:func:`pipeline_costs` before the K-FAC unit factor and Muon's step factor."""
     cost = hybrid_costs(run, sdp, tp, hardware, comm, schedule, optimizer)
     cost = split_backward_costs(cost, split_backward_ratio) if run.method in SPLIT_METHODS else cost
     factor = executor_factor(run, comm, split_backward_ratio)
@@ -595,14 +596,8 @@ def executor_factor(run: RunShape, comm: CommCosts, split_backward_ratio: float 
         return 1.0
     key = (run.method, comm.hardware, split_backward_ratio)
     if key not in comm.factor_cache:
-        size, seq_len, max_predictions = comm.compute_model
-        bert = BertConfig.from_size(size.removeprefix("bert-"))
-        if comm.compute_vocab_size is not None:
-            bert = replace(bert, vocab_size=comm.compute_vocab_size)
-        shape = RunShape(bert, run.method, e.stages, e.micro_batches, e.micro_batch_size, 1, e.num_virtual, seq_len,
-                         max_predictions)
-        schedule = shape.build_schedule(dp_width=1)
-        base = hybrid_costs(shape, 1, 1, comm.hardware_for(e.micro_batch_size), comm, schedule)
+        shape, schedule, hw = _measured_shape(comm, run.method, e)
+        base = hybrid_costs(shape, 1, 1, hw, comm, schedule)
         base = split_backward_costs(base, split_backward_ratio) if run.method in SPLIT_METHODS else base
         comm.factor_cache[key] = solve_factor(lambda r: predict_schedule(
             schedule, with_action_overhead(scale_compute(base, r), comm.action_overhead_s))[0].step_time_s,
