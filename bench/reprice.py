@@ -4,12 +4,25 @@
     python bench/reprice.py --out DIR --paired 20    # the optimizer step alone, the arms taking turns in one process
     python bench/reprice.py --out DIR --simulate     # D=8 simulated (N=8 and 16) from D=2 profiles taken here
     python bench/reprice.py --out DIR                # the tables (markdown) from DIR/d2.json and DIR/d8.json
+    python bench/reprice.py --out DIR --calibration bench/calibration/budget_b32_valid.json --target-loss 6.24
+                                                     # the same tables with a calibration's steps
 
 Steps to target are the study's (bench/studies/07-convergence.md, seeds 0-2 mean and range; the numerics do not
-depend on the schedule, the placement or Newton-Schulz's time), step costs are measured or simulated here;
-time to target = steps × step cost; its interval = the seed range of steps × the step, at D=2 × the step's
-range over rounds as well (the fewest steps at the fastest round to the most at the slowest). Bench study 17
-(bench/studies/17-repriced-time-to-target.md) reads the output.
+depend on the schedule, the placement or Newton-Schulz's time), or with ``--calibration`` a calibration file's
+(``pipefisher.planning.calibration``, e.g. study 18's budget method) at each ``--target-loss``: NVLAMB's steps to
+the loss × each optimizer's steps multiplier and its seed interval ([Note: steps from a calibration]); step costs
+are measured or simulated here; time to target = steps × step cost; its interval = the seed range of steps × the
+step, at D=2 × the step's range over rounds as well (the fewest steps at the fastest round to the most at the
+slowest). Bench study 17 (bench/studies/17-repriced-time-to-target.md) reads the output.
+
+[Note: steps from a calibration]
+A calibration gives the reference's (NVLAMB's) seed-mean steps to a loss and, per optimizer, its steps over the
+reference's with an interval over seed pairs (which already holds the reference's seed spread). So NVLAMB's time
+is one number and an arm's interval is NVLAMB's steps × the multiplier's interval × the step: "sep." from NVLAMB
+means the multiplier's interval times the step ratio excludes 1. PipeFisher takes the entry at the k its planner
+picked in that setting (the nearest larger k measured, ``Calibration.entry``) with train.py's
+``promote_inverses=when_ready``; an optimizer the file has no entry for (AdamW in study 18's) is "not calibrated",
+out of the ranking, as the strategy search refuses to rank it by time.
 
 D=2 measured: ``train.py stages=2 pipeline=<schedule>`` with 4 micro-batches of 8 (global batch 32, bert-tiny,
 vocabulary 8,192, seq 64, 10 predictions: the study's shape), synthetic data of that shape (step cost does not
@@ -41,6 +54,8 @@ import _harness as h
 import step_costs as sc
 from convergence import arm_overrides, cycle_mean_step_s
 
+from pipefisher.planning.calibration import Calibration, read_calibration
+
 # --- the study's steps to target (07-convergence.md: mean, min, max over seeds 0-2) --------------------------
 TARGETS = ("H-0.2", "H-0.3")
 STUDY_STEPS: dict[str, dict[str, tuple[int, int, int]]] = {
@@ -55,6 +70,52 @@ STUDY_STEPS: dict[str, dict[str, tuple[int, int, int]]] = {
 #: nor on AdamW's kernel (optimizer.adamw_kernel=fused rounds differently, ~1e-7 per step: tests/test_adamw_kernel.py)
 STEPS_OF = {"nvlamb": "nvlamb", "adamw": "adamw", "adamw-fused": "adamw", "muon": "muon", "muon-fused": "muon",
             "muon-bf16": "muon", "kfac-k1": "kfac-k1", "pipefisher": "pipefisher"}
+#: the calibration entry (optimizer, k) of each study arm; PipeFisher's k is its plan's ([Note: steps from a calibration])
+CALIBRATION_KEY = {"nvlamb": ("nvlamb", None), "adamw": ("adamw", None), "muon": ("muon", None),
+                   "kfac-k1": ("kfac", 1), "pipefisher": ("pipefisher", None)}
+PIPEFISHER_PROMOTE = "when_ready"  # train.py optimizer=pipefisher's optimizer.promote_inverses
+
+
+@dataclasses.dataclass(frozen=True)
+class StepsSource:
+    """Where the steps to a target come from: study 7's seed tables (no calibration) or a calibration file at
+    the given held-out losses ([Note: steps from a calibration])."""
+
+    calibration: Calibration | None = None
+    losses: tuple[float, ...] = ()
+
+    @property
+    def targets(self) -> tuple[str, ...]:
+        """The column names: H-0.2 and H-0.3 (study 7), or ``L=<loss>`` per calibrated loss."""
+        return TARGETS if self.calibration is None else tuple(f"L={x:.3f}" for x in self.losses)
+
+    def steps(self, arm: str, target: str, pipefisher_k: int | None = None) -> tuple[float, float, float] | None:
+        """(mean, low, high) steps of ``arm`` to ``target``; None where the calibration has no entry for it."""
+        study_arm = STEPS_OF[arm]
+        if self.calibration is None:
+            return STUDY_STEPS[study_arm][target]
+        loss = float(target.removeprefix("L="))
+        ref = self.calibration.reference_steps(loss)
+        if ref is None:
+            return None
+        optimizer, k = CALIBRATION_KEY[study_arm]
+        promote = PIPEFISHER_PROMOTE if optimizer == "pipefisher" else None
+        multiplier = self.calibration.steps_multiplier(optimizer, pipefisher_k if optimizer == "pipefisher" else k,
+                                                       loss, promote)
+        if multiplier is None:
+            return None
+        m, lo, hi = multiplier
+        return ref * m, ref * lo, ref * hi
+
+    def describe(self) -> str:
+        if self.calibration is None:
+            return "steps: study 7's seed tables (bench/studies/07-convergence.md, seeds 0-2; one 2,000-step schedule)"
+        return (f"steps: {self.calibration.describe()}; at held-out loss "
+                + ", ".join(f"{x:g}" for x in self.losses) + f" ({self.calibration.reference}'s steps "
+                + ", ".join(f"{self.calibration.reference_steps(x):.0f}" for x in self.losses) + ")")
+
+
+STUDY = StepsSource()
 
 SCHEDULES = ("chimera", "1f1b", "zb-h1", "zb-v")
 #: the D=2 runs: (schedule, arm)
@@ -219,12 +280,15 @@ def simulate_d8(out: Path, methods: tuple[str, ...], ns: tuple[int, ...], reps: 
 # --- tables ----------------------------------------------------------------------------------------------------
 
 
-def time_to_target(arm: str, step_s: float, target: str, step_range: tuple[float, float] | None = None
-                   ) -> tuple[float, float, float]:
-    """(mean, low, high) seconds to ``target``: the study's steps (mean, seed range) × ``step_s``; with
+def time_to_target(arm: str, step_s: float, target: str, step_range: tuple[float, float] | None = None,
+                   source: StepsSource = STUDY, pipefisher_k: int | None = None) -> tuple[float, float, float] | None:
+    """(mean, low, high) seconds to ``target``: ``source``'s steps (mean, seed range) × ``step_s``; with
     ``step_range`` (the step's lowest and highest measurement) the interval also spans the step's noise:
-    [fewest steps × lowest step, most steps × highest step]."""
-    m, lo, hi = STUDY_STEPS[STEPS_OF[arm]][target]
+    [fewest steps × lowest step, most steps × highest step]. None: ``source`` has no steps for ``arm``."""
+    steps = source.steps(arm, target, pipefisher_k)
+    if steps is None:
+        return None
+    m, lo, hi = steps
     s_lo, s_hi = step_range or (step_s, step_s)
     return m * step_s, lo * s_lo, hi * s_hi
 
@@ -234,18 +298,26 @@ def overlap(a: tuple[float, float, float], b: tuple[float, float, float]) -> boo
     return a[1] <= b[2] and b[1] <= a[2]
 
 
-def setting_table(steps: dict[str, float], title: str, ranges: dict[str, tuple[float, float]] | None = None) -> str:
+def setting_table(steps: dict[str, float], title: str, ranges: dict[str, tuple[float, float]] | None = None,
+                  source: StepsSource = STUDY, pipefisher_k: int | None = None) -> str:
     """Markdown: per arm its step, × NVLAMB's step, time to each target (s, interval over seeds and, with
     ``ranges``, over the step's measurements), × NVLAMB's time [range over the intervals' ends] and whether it
-    is separated from NVLAMB's and from the fastest arm (intervals disjoint)."""
+    is separated from NVLAMB's and from the fastest arm (intervals disjoint); "not calibrated" where ``source``
+    has no steps for the arm (left out of the fastest)."""
     ref = steps["nvlamb"]
     ranges = ranges or {}
-    times = {t: {a: time_to_target(a, s, t, ranges.get(a)) for a, s in steps.items()} for t in TARGETS}
-    best = {t: min(times[t], key=lambda a: times[t][a][0]) for t in TARGETS}
+    targets = source.targets
+    times = {t: {a: tt for a, s in steps.items()
+                 if (tt := time_to_target(a, s, t, ranges.get(a), source, pipefisher_k)) is not None}
+             for t in targets}
+    best = {t: min(times[t], key=lambda a: times[t][a][0]) for t in targets}
     rows = []
     for arm, s in steps.items():
         row = [arm, f"{s * 1e3:.1f}", f"{s / ref:.3f}"]
-        for t in TARGETS:
+        for t in targets:
+            if arm not in times[t]:
+                row += ["not calibrated", "", ""]
+                continue
             tt, nv = times[t][arm], times[t]["nvlamb"]
             ratio = f"{tt[0] / nv[0]:.2f} [{tt[1] / nv[2]:.2f}–{tt[2] / nv[1]:.2f}]"
             sep = "" if arm == "nvlamb" else (" not sep." if overlap(tt, nv) else " sep.")
@@ -254,13 +326,13 @@ def setting_table(steps: dict[str, float], title: str, ranges: dict[str, tuple[f
             row += [f"{tt[0]:.0f} [{tt[1]:.0f}–{tt[2]:.0f}]", ratio + sep, vs_best]
         rows.append(row)
     head = ["arm", "step ms", "× nvlamb step"]
-    for t in TARGETS:
+    for t in targets:
         head += [f"{t}: s [interval]", f"{t}: × nvlamb", f"{t}: vs fastest"]
     return f"**{title}**\n\n" + h.table(head, rows)
 
 
-def report(out: Path) -> str:
-    parts = []
+def report(out: Path, source: StepsSource = STUDY) -> str:
+    parts = [source.describe()]
     d2 = out / "d2.json"
     if d2.is_file():
         doc = json.loads(d2.read_text())
@@ -272,13 +344,16 @@ def report(out: Path) -> str:
             by_sched.setdefault(s, {})[a] = r["step_s"]
         for s, steps in by_sched.items():
             rounds = {a: doc["runs"][f"{s}/{a}"]["rounds_s"] for a in steps}
+            k = doc["runs"].get(f"{s}/pipefisher", {}).get("k")
             parts.append(setting_table(steps, f"D=2 measured, {s}, 4 micro-batches of 8",
-                                       {a: (min(v), max(v)) for a, v in rounds.items()}))
+                                       {a: (min(v), max(v)) for a, v in rounds.items()}, source, k))
             parts.append("rounds (ms): " + "; ".join(f"{a} " + ", ".join(f"{x * 1e3:.0f}" for x in v)
                                                     for a, v in rounds.items()))
         all_runs = {key: r["step_s"] for key, r in doc["runs"].items()}
         parts.append(ranking(all_runs, "D=2 measured, every (schedule, arm)",
-                             {key: (min(r["rounds_s"]), max(r["rounds_s"])) for key, r in doc["runs"].items()}))
+                             {key: (min(r["rounds_s"]), max(r["rounds_s"])) for key, r in doc["runs"].items()},
+                             source, {key.split("/")[0]: r["k"] for key, r in doc["runs"].items()
+                                      if key.endswith("/pipefisher")}))
     paired = out / "paired.json"
     if paired.is_file():
         doc = json.loads(paired.read_text())
@@ -295,19 +370,25 @@ def report(out: Path) -> str:
                      + ", ".join(f"{a} {v:.3f}" for a, v in doc["step_ratio_to_nvlamb"].items()))
         for setting, r in doc["simulated"].items():
             parts.append(setting_table(r["step_s"], f"D=8 simulated, {setting} (PipeFisher k={r['pipefisher_k']}, "
-                                                    f"{r['pipefisher_note']})"))
+                                                    f"{r['pipefisher_note']})", None, source, r["pipefisher_k"]))
         all_runs = {f"{setting}/{a}": v for setting, r in doc["simulated"].items() for a, v in r["step_s"].items()}
-        parts.append(ranking(all_runs, "D=8 simulated, every (schedule, N, arm)"))
+        parts.append(ranking(all_runs, "D=8 simulated, every (schedule, N, arm)", None, source,
+                             {setting: r["pipefisher_k"] for setting, r in doc["simulated"].items()}))
     return "\n\n".join(parts) + "\n"
 
 
-def ranking(steps: dict[str, float], title: str, ranges: dict[str, tuple[float, float]] | None = None) -> str:
-    """The eight fastest (schedule, arm) to H-0.3 over all of a setting's runs, with overlap against the first."""
-    ranges = ranges or {}
-    rows = sorted(((k, time_to_target(k.rsplit("/", 1)[1], s, "H-0.3", ranges.get(k))) for k, s in steps.items()),
-                  key=lambda kv: kv[1][0])
+def ranking(steps: dict[str, float], title: str, ranges: dict[str, tuple[float, float]] | None = None,
+            source: StepsSource = STUDY, pipefisher_ks: dict[str, int] | None = None) -> str:
+    """The eight fastest (setting/arm) to the hardest target (H-0.3, or the calibration's last loss) over all of
+    a setting's runs, with overlap against the first; uncalibrated arms left out. ``pipefisher_ks``: PipeFisher's
+    k per setting (the key less its arm)."""
+    ranges, ks = ranges or {}, pipefisher_ks or {}
+    target = source.targets[-1]
+    timed = ((key, time_to_target(key.rsplit("/", 1)[1], s, target, ranges.get(key), source,
+                                  ks.get(key.rsplit("/", 1)[0]))) for key, s in steps.items())
+    rows = sorted(((key, t) for key, t in timed if t is not None), key=lambda kv: kv[1][0])
     first = rows[0][1]
-    return f"**{title}, fastest to H-0.3**\n\n" + h.table(
+    return f"**{title}, fastest to {target}**\n\n" + h.table(
         ["rank", "schedule/arm", "s [interval]", "vs first"],
         [[i + 1, k, f"{t[0]:.0f} [{t[1]:.0f}–{t[2]:.0f}]", "" if i == 0 else
           ("overlaps" if overlap(t, first) else "separated")] for i, (k, t) in enumerate(rows[:8])])
@@ -325,6 +406,10 @@ def main() -> None:
     p.add_argument("--methods", default="chimera,1f1b,zb-h1", help="D=8 simulated schedules")
     p.add_argument("--micro-batches", default="8,16", help="D=8 simulated N (batch 32: micro-batch 32/N)")
     p.add_argument("--timeout-s", type=int, default=900)
+    p.add_argument("--calibration", type=Path, default=None,
+                   help="steps from this calibration file (bench/convergence.py --calibration-out) instead of study 7's")
+    p.add_argument("--target-loss", default="",
+                   help="--calibration: held-out losses, comma-separated (default: the file's hardest)")
     args = p.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     runs = [tuple(x.split("/")) for x in args.runs.split(",") if x] or D2_RUNS
@@ -336,7 +421,18 @@ def main() -> None:
     if args.simulate:
         simulate_d8(args.out, tuple(args.methods.split(",")), tuple(int(n) for n in args.micro_batches.split(",")),
                     args.paired or 20)
-    text = report(args.out)
+    source = STUDY
+    if args.calibration is not None:
+        cal = read_calibration(args.calibration)
+        losses = tuple(float(x) for x in args.target_loss.split(",") if x) or (cal.default_target,)
+        for x in losses:
+            if cal.reference_steps(x) is None:
+                lo, hi = cal.loss_range
+                raise SystemExit(f"--target-loss {x:g}: {args.calibration} covers held-out losses {lo:g} .. {hi:g}")
+        source = StepsSource(cal, losses)
+    elif args.target_loss:
+        raise SystemExit("--target-loss needs --calibration FILE (study 7's targets are H-0.2 and H-0.3)")
+    text = report(args.out, source)
     (args.out / "tables.md").write_text(text)
     print(text)
     print(f"({time.perf_counter() - start:.0f} s)")

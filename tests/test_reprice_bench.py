@@ -49,3 +49,62 @@ def test_fused_arms_take_their_optimizers_steps_and_set_the_kernel(rp):
     assert rp.time_to_target("adamw-fused", 0.1, "H-0.2") == rp.time_to_target("adamw", 0.1, "H-0.2")
     assert rp.arm_keys("muon-fused") == ["optimizer=muon", "optimizer.adamw_kernel=fused"]
     assert rp.PAIRED_ARMS["adamw-fused"] == ["optimizer=adamw", "optimizer.adamw_kernel=fused"]
+
+
+def _calibration(tmp_path):
+    import json
+
+    from pipefisher.planning.calibration import calibration_document, read_calibration
+
+    flat = [{"loss": 6.5, "value": 1.25, "low": 1.2, "high": 1.3}, {"loss": 6.2, "value": 1.25, "low": 1.2, "high": 1.3}]
+    doc = calibration_document(
+        method="budget", model={"name": "bert-tiny", "num_layers": 2, "hidden_size": 128, "num_heads": 2,
+                                "vocab_size": 8192},
+        batch={"global_batch": 32, "seq_len": 64, "max_predictions": 10}, data={"train": "t", "heldout": "h"},
+        seeds=[0, 1], hardware="test", reference="nvlamb", budgets=[500, 1000, 2000],
+        reference_steps=[(6.5, 500.0), (6.2, 2000.0)],
+        optimizers=[{"optimizer": "muon", "speedup": flat},
+                    {"optimizer": "kfac", "k": 1, "speedup": [{**p, "value": 2.0, "low": 1.9, "high": 2.1} for p in flat]},
+                    {"optimizer": "pipefisher", "k": 8, "promote_inverses": "when_ready",
+                     "speedup": [{**p, "value": 1.6, "low": 1.5, "high": 1.7} for p in flat]}],
+        provenance="hand-made", limits="a test")
+    path = tmp_path / "cal.json"
+    path.write_text(json.dumps(doc))
+    return read_calibration(path)
+
+
+def test_steps_from_a_calibration_are_nvlambs_times_the_multiplier(rp, tmp_path):
+    source = rp.StepsSource(_calibration(tmp_path), (6.3,))
+    assert source.targets == ("L=6.300",)
+    ref = 500 + (6.5 - 6.3) / (6.5 - 6.2) * 1500  # NVLAMB's steps to 6.3, interpolated in loss: 1500
+    assert source.steps("nvlamb", "L=6.300") == pytest.approx((ref, ref, ref))
+    # Muon 1.25x fewer steps [1.2-1.3]: steps ref/1.25, interval [ref/1.3, ref/1.2]; its precision/kernel arms alike
+    assert source.steps("muon-fused", "L=6.300") == pytest.approx((ref / 1.25, ref / 1.3, ref / 1.2))
+    assert source.steps("kfac-k1", "L=6.300") == pytest.approx((ref / 2, ref / 2.1, ref / 1.9))
+    # PipeFisher at its plan's k takes the nearest larger k measured; above it, and AdamW, are not calibrated
+    assert source.steps("pipefisher", "L=6.300", pipefisher_k=5) == pytest.approx((ref / 1.6, ref / 1.7, ref / 1.5))
+    assert source.steps("pipefisher", "L=6.300", pipefisher_k=9) is None
+    assert source.steps("adamw", "L=6.300") is None
+    assert rp.time_to_target("muon", 0.1, "L=6.300", source=source) == pytest.approx((120.0, ref / 1.3 * 0.1, 125.0))
+
+
+def test_a_calibrated_table_leaves_uncalibrated_arms_out_and_separates_by_the_multiplier(rp, tmp_path):
+    source = rp.StepsSource(_calibration(tmp_path), (6.3,))
+    steps = {"nvlamb": 0.1, "adamw": 0.05, "muon": 0.1, "pipefisher": 0.13}
+
+    def row(text, arm):
+        line = next(x for x in text.splitlines() if x.startswith(f"| {arm} "))
+        return [c.strip() for c in line.strip("|").split("|")]
+
+    text = rp.setting_table(steps, "t", source=source, pipefisher_k=6)
+    assert row(text, "adamw")[3] == "not calibrated"  # the fastest step, but no steps to price it with
+    assert row(text, "muon")[4] == "0.80 [0.77–0.83] sep."  # 1/1.25 [1/1.3, 1/1.2] at NVLAMB's step
+    assert row(text, "muon")[5] == "fastest"
+    assert row(text, "pipefisher")[4].endswith("sep.") and row(text, "pipefisher")[5] == "overlaps muon"
+    # a Muon step 1.3x NVLAMB's: [1.0, 1.08] x NVLAMB's time, touching 1: not separated
+    slow = rp.setting_table({**steps, "muon": 0.13}, "t", source=source, pipefisher_k=6)
+    assert row(slow, "muon")[4].endswith("not sep.")
+    ranked = rp.ranking({f"s/{a}": v for a, v in steps.items()}, "t", source=source, pipefisher_ks={"s": 6})
+    assert "s/adamw" not in ranked and "fastest to L=6.300" in ranked
+    first = [c.strip() for c in ranked.splitlines()[4].strip("|").split("|")]
+    assert first[:3] == ["1", "s/muon", "120 [115–125]"]
