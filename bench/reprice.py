@@ -108,6 +108,7 @@ class StepsSource:
         return ref * m, ref * lo, ref * hi
 
     def describe(self) -> str:
+        """One line: where the steps came from (the report's first line)."""
         if self.calibration is None:
             return "steps: study 7's seed tables (bench/studies/07-convergence.md, seeds 0-2; one 2,000-step schedule)"
         return (f"steps: {self.calibration.describe()}; at held-out loss "
