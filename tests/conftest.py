@@ -84,6 +84,25 @@ def load_bench(name: str, as_name: str | None = None):
     return module
 
 
+def calibration_doc(**changes) -> dict:
+    """A hand-made calibration document (``planning.calibration``): bert-mini at batch 16, NVLAMB's steps 500 at
+    held-out loss 6.0 and 2,000 at 5.0, Muon 3x fewer steps at 6.0 [2.5, 3.5] and level at 5.0 [0.8, 1.25];
+    ``changes`` replace its fields as the file holds them."""
+    from pipefisher.planning.calibration import calibration_document
+
+    doc = calibration_document(
+        method="budget", model={"name": "bert-mini", "num_layers": 4, "hidden_size": 256, "num_heads": 4,
+                                "vocab_size": 30522},
+        batch={"global_batch": 16, "seq_len": 64, "max_predictions": 10}, data={"train": "t", "heldout": "h"},
+        seeds=[0, 1], hardware="test", reference="nvlamb", budgets=[500, 1000, 2000],
+        reference_steps=[(6.0, 500.0), (5.0, 2000.0)],
+        optimizers=[{"optimizer": "muon", "speedup": [{"loss": 6.0, "value": 3.0, "low": 2.5, "high": 3.5},
+                                                      {"loss": 5.0, "value": 1.0, "low": 0.8, "high": 1.25}]}],
+        provenance="hand-made", limits="a test")
+    doc.update(changes)
+    return doc
+
+
 @pytest.fixture(scope="module")
 def ca():
     """``bench/convergence_analysis.py`` as a module (the convergence and calibration tests)."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.conftest import load_bench
+from tests.conftest import calibration_doc, load_bench
 
 
 
@@ -51,30 +51,21 @@ def test_fused_arms_take_their_optimizers_steps_and_set_the_kernel(rp):
     assert rp.PAIRED_ARMS["adamw-fused"] == ["optimizer=adamw", "optimizer.adamw_kernel=fused"]
 
 
-def _calibration(tmp_path):
-    import json
-
-    from pipefisher.planning.calibration import calibration_document, read_calibration
+def _calibration():
+    from pipefisher.planning.calibration import parse_calibration
 
     flat = [{"loss": 6.5, "value": 1.25, "low": 1.2, "high": 1.3}, {"loss": 6.2, "value": 1.25, "low": 1.2, "high": 1.3}]
-    doc = calibration_document(
-        method="budget", model={"name": "bert-tiny", "num_layers": 2, "hidden_size": 128, "num_heads": 2,
-                                "vocab_size": 8192},
-        batch={"global_batch": 32, "seq_len": 64, "max_predictions": 10}, data={"train": "t", "heldout": "h"},
-        seeds=[0, 1], hardware="test", reference="nvlamb", budgets=[500, 1000, 2000],
-        reference_steps=[(6.5, 500.0), (6.2, 2000.0)],
+    doc = calibration_doc(
+        reference_steps=[{"loss": 6.5, "steps": 500.0}, {"loss": 6.2, "steps": 2000.0}],
         optimizers=[{"optimizer": "muon", "speedup": flat},
                     {"optimizer": "kfac", "k": 1, "speedup": [{**p, "value": 2.0, "low": 1.9, "high": 2.1} for p in flat]},
                     {"optimizer": "pipefisher", "k": 8, "promote_inverses": "when_ready",
-                     "speedup": [{**p, "value": 1.6, "low": 1.5, "high": 1.7} for p in flat]}],
-        provenance="hand-made", limits="a test")
-    path = tmp_path / "cal.json"
-    path.write_text(json.dumps(doc))
-    return read_calibration(path)
+                     "speedup": [{**p, "value": 1.6, "low": 1.5, "high": 1.7} for p in flat]}])
+    return parse_calibration(doc, "cal.json")
 
 
-def test_steps_from_a_calibration_are_nvlambs_times_the_multiplier(rp, tmp_path):
-    source = rp.StepsSource(_calibration(tmp_path), (6.3,))
+def test_steps_from_a_calibration_are_nvlambs_times_the_multiplier(rp):
+    source = rp.StepsSource(_calibration(), (6.3,))
     assert source.targets == ("L=6.300",)
     ref = 500 + (6.5 - 6.3) / (6.5 - 6.2) * 1500  # NVLAMB's steps to 6.3, interpolated in loss: 1500
     assert source.steps("nvlamb", "L=6.300") == pytest.approx((ref, ref, ref))
@@ -88,8 +79,8 @@ def test_steps_from_a_calibration_are_nvlambs_times_the_multiplier(rp, tmp_path)
     assert rp.time_to_target("muon", 0.1, "L=6.300", source=source) == pytest.approx((120.0, ref / 1.3 * 0.1, 125.0))
 
 
-def test_a_calibrated_table_leaves_uncalibrated_arms_out_and_separates_by_the_multiplier(rp, tmp_path):
-    source = rp.StepsSource(_calibration(tmp_path), (6.3,))
+def test_a_calibrated_table_leaves_uncalibrated_arms_out_and_separates_by_the_multiplier(rp):
+    source = rp.StepsSource(_calibration(), (6.3,))
     steps = {"nvlamb": 0.1, "adamw": 0.05, "muon": 0.1, "pipefisher": 0.13}
 
     def row(text, arm):

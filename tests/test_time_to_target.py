@@ -12,30 +12,19 @@ import pytest
 
 from pipefisher.config import ConfigError
 from pipefisher.model.config import BertConfig
-from pipefisher.planning.calibration import CalibrationError, calibration_document, read_calibration, write_calibration
+from pipefisher.planning.calibration import CalibrationError, read_calibration, write_calibration
 from pipefisher.planning.comm_costs import CommCosts
 from pipefisher.planning.costs import Hardware, RunShape, kfac_linear_dims
 from pipefisher.planning.memory import estimate_memory_per_worker
 from pipefisher.planning.optimizer_costs import newton_schulz_flops
 from pipefisher.planning.strategy_search import format_strategies, hybrid_costs, hybrid_memory_per_worker, search_strategies
 from pipefisher.planning.time_to_target import rank_by_time_to_target
-from tests.conftest import REPO
+from tests.conftest import REPO, calibration_doc
 
 STUDY = REPO / "bench" / "calibration" / "study_b32_fixed_schedule.json"
 
 
-def _doc(**changes) -> dict:
-    doc = calibration_document(
-        method="budget", model={"name": "bert-mini", "num_layers": 4, "hidden_size": 256, "num_heads": 4,
-                                "vocab_size": 30522},
-        batch={"global_batch": 16, "seq_len": 64, "max_predictions": 10}, data={"train": "t", "heldout": "h"},
-        seeds=[0, 1], hardware="test", reference="nvlamb", budgets=[500, 1000, 2000],
-        reference_steps=[(6.0, 500.0), (5.0, 2000.0)],
-        optimizers=[{"optimizer": "muon", "speedup": [{"loss": 6.0, "value": 3.0, "low": 2.5, "high": 3.5},
-                                                      {"loss": 5.0, "value": 1.0, "low": 0.8, "high": 1.25}]}],
-        provenance="hand-made", limits="a test")
-    doc.update(changes)
-    return doc
+_doc = calibration_doc
 
 
 def _write(tmp_path: Path, doc: dict, name: str = "cal.json") -> Path:
