@@ -412,17 +412,7 @@ def main() -> None:
     p.add_argument("--target-loss", default="",
                    help="--calibration: held-out losses, comma-separated (default: the file's hardest)")
     args = p.parse_args()
-    args.out.mkdir(parents=True, exist_ok=True)
-    runs = [tuple(x.split("/")) for x in args.runs.split(",") if x] or D2_RUNS
-    start = time.perf_counter()
-    if args.measure:
-        measure_d2(args.out, args.rounds, args.steps, runs, args.timeout_s)  # type: ignore[arg-type]
-    if args.paired:
-        paired_steps(args.out, args.paired)
-    if args.simulate:
-        simulate_d8(args.out, tuple(args.methods.split(",")), tuple(int(n) for n in args.micro_batches.split(",")),
-                    args.paired or 20)
-    source = STUDY
+    source = STUDY  # checked before any measurement: a bad --calibration or --target-loss costs no minutes
     if args.calibration is not None:
         cal = read_calibration(args.calibration)
         losses = tuple(float(x) for x in args.target_loss.split(",") if x) or (cal.default_target,)
@@ -433,6 +423,16 @@ def main() -> None:
         source = StepsSource(cal, losses)
     elif args.target_loss:
         raise SystemExit("--target-loss needs --calibration FILE (study 7's targets are H-0.2 and H-0.3)")
+    args.out.mkdir(parents=True, exist_ok=True)
+    runs = [tuple(x.split("/")) for x in args.runs.split(",") if x] or D2_RUNS
+    start = time.perf_counter()
+    if args.measure:
+        measure_d2(args.out, args.rounds, args.steps, runs, args.timeout_s)  # type: ignore[arg-type]
+    if args.paired:
+        paired_steps(args.out, args.paired)
+    if args.simulate:
+        simulate_d8(args.out, tuple(args.methods.split(",")), tuple(int(n) for n in args.micro_batches.split(",")),
+                    args.paired or 20)
     text = report(args.out, source)
     (args.out / "tables.md").write_text(text)
     print(text)
