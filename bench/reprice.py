@@ -35,7 +35,11 @@ to one encoder layer per stage (``bench/step_costs.py``); NVLAMB, K-FAC every st
 defaults) as step_costs.py simulates them, and AdamW and Muon as NVLAMB's pipeline with the STEP action's cost
 scaled by that optimizer's step / NVLAMB's, measured side by side in one process (``--paired``: the optimizer
 step alone on the whole bert-tiny, one thread as a D=2 worker has, arms taking turns; Muon with ``ns_dtype=auto``
-and ``bf16``; AdamW and Muon also with ``optimizer.adamw_kernel=fused``, the ``-fused`` arms). zb-v (two model chunks per worker) is not in step_costs.py's methods.
+and ``bf16``; AdamW and Muon also with ``optimizer.adamw_kernel=fused``, the ``-fused`` arms).
+Two-chunk schedules (interleaved, zb-v, dualpipev, v-half, v-min) are simulated on 2D model stages; ``--layers 16``
+gives every schedule the same 16-layer model (2 layers per stage for one chunk per worker, 1 per chunk for two),
+the default one layer per model stage (8 layers for one chunk, 16 for two). A (schedule, N) its generator refuses
+(zb-v and dualpipev need N ≥ 2D) is skipped and listed.
 """
 
 from __future__ import annotations
@@ -245,12 +249,16 @@ def _costs(path: Path) -> tuple[Any, Any]:
     return costs_from_profile(profile, path=path), RunShape.from_train_config(profile.metadata["config"])
 
 
-def simulate_d8(out: Path, methods: tuple[str, ...], ns: tuple[int, ...], reps: int) -> dict[str, Any]:
+def simulate_d8(out: Path, methods: tuple[str, ...], ns: tuple[int, ...], reps: int,
+                layers: int | None = None) -> dict[str, Any]:
     """D=8 step seconds per (method, N, arm); AdamW's and Muon's STEP = the profile's STEP × their paired
-    optimizer step over NVLAMB's (``out/paired.json``, measured first when missing); writes ``out/d8.json``."""
+    optimizer step over NVLAMB's (``out/paired.json``, measured first when missing); the simulated model has
+    ``layers`` encoder layers (default one per model stage, ``step_costs.simulated_run``); a (method, N) the
+    schedule's generator refuses (zb-v needs N ≥ 2D) is skipped with its reason. Writes ``out/d8.json``."""
     paired = out / "paired.json"
     ratio = (json.loads(paired.read_text()) if paired.is_file() else paired_steps(out, reps))["pair_ratio_to_nvlamb"]
     sims: dict[str, Any] = {}
+    skipped: dict[str, str] = {}
     step_ms: dict[str, float] = {}
     for n in ns:
         mb = 32 // n
@@ -261,11 +269,16 @@ def simulate_d8(out: Path, methods: tuple[str, ...], ns: tuple[int, ...], reps: 
         cost, measured = sc.load_costs(sc.profile_run(keys, out / f"kfac-profile-mb{mb}"))
         step_ms[f"micro-batch {mb}"] = cost.step_ns / 1e6
         for method in methods:
-            rows = sc.simulated_step_costs(cost, measured, 8, method, n, intervals=(1,))
+            target = sc.simulated_run(measured, 8, method, n, layers)
+            try:
+                schedule = sc.simulated_schedule(target, sc.scale_costs(cost, measured, target))
+            except ValueError as err:
+                skipped[f"{method}/N={n}"] = str(err)
+                print(f"  D=8 {method} N={n}: skipped ({err})", flush=True)
+                continue
+            rows = sc.simulated_step_costs(cost, measured, 8, method, n, layers, intervals=(1,))
             res = {"nvlamb": rows["nvlamb"]["step_s"], "kfac-k1": rows["kfac-k1"]["step_s"],
                    "pipefisher": rows["pipefisher"]["step_s"]}
-            target = sc.simulated_run(measured, 8, method, n)
-            schedule = target.build_schedule(dp_width=1)
             for arm in [a for a in ("adamw", "adamw-fused", "muon", "muon-fused", "muon-bf16") if a in ratio]:
                 c = dataclasses.replace(cost, step_ns=round(cost.step_ns * ratio[arm]))
                 res[arm] = sc.steady_step_ns((schedule,), sc.scale_costs(c, measured, target)) / 1e9
@@ -273,7 +286,7 @@ def simulate_d8(out: Path, methods: tuple[str, ...], ns: tuple[int, ...], reps: 
                                        "pipefisher_note": rows["pipefisher"]["note"]}
             print(f"  D=8 {method} N={n}: " + ", ".join(f"{a} {v * 1e3:.1f} ms" for a, v in res.items()), flush=True)
     doc = {"command": "python " + " ".join(sys.argv), "hardware": _hardware(), "step_ratio_to_nvlamb": ratio,
-           "profile_step_ms": step_ms, "simulated": sims}
+           "profile_step_ms": step_ms, "layers": layers, "simulated": sims, "skipped": skipped}
     (out / "d8.json").write_text(json.dumps(doc, indent=1) + "\n")
     return doc
 
@@ -365,13 +378,18 @@ def report(out: Path, source: StepsSource = STUDY) -> str:
     d8 = out / "d8.json"
     if d8.is_file():
         doc = json.loads(d8.read_text())
-        parts.append(f"D=8 simulated: {doc['hardware']}; `{doc['command']}`; the profiles' STEP (ms): "
+        layers = doc.get("layers")
+        model = (f"{layers} encoder layers split evenly over the model stages" if layers
+                 else "one encoder layer per model stage")
+        parts.append(f"D=8 simulated ({model}): {doc['hardware']}; `{doc['command']}`; the profiles' STEP (ms): "
                      + ", ".join(f"{a} {v:.2f}" for a, v in doc["profile_step_ms"].items())
                      + "; optimizer step / NVLAMB's (paired): "
                      + ", ".join(f"{a} {v:.3f}" for a, v in doc["step_ratio_to_nvlamb"].items()))
         for setting, r in doc["simulated"].items():
             parts.append(setting_table(r["step_s"], f"D=8 simulated, {setting} (PipeFisher k={r['pipefisher_k']}, "
                                                     f"{r['pipefisher_note']})", None, source, r["pipefisher_k"]))
+        if doc.get("skipped"):
+            parts.append("not simulated: " + "; ".join(f"{k} ({why})" for k, why in doc["skipped"].items()))
         all_runs = {f"{setting}/{a}": v for setting, r in doc["simulated"].items() for a, v in r["step_s"].items()}
         parts.append(ranking(all_runs, "D=8 simulated, every (schedule, N, arm)", None, source,
                              {setting: r["pipefisher_k"] for setting, r in doc["simulated"].items()}))
@@ -406,6 +424,9 @@ def main() -> None:
     p.add_argument("--runs", default="", help="schedule/arm,... (default: the study's list, D2_RUNS)")
     p.add_argument("--methods", default="chimera,1f1b,zb-h1", help="D=8 simulated schedules")
     p.add_argument("--micro-batches", default="8,16", help="D=8 simulated N (batch 32: micro-batch 32/N)")
+    p.add_argument("--layers", type=int, default=None,
+                   help="D=8 simulated model's encoder layers (default one per model stage: 8, or 16 for a "
+                        "two-chunk schedule; give 16 to compare every schedule on one model)")
     p.add_argument("--timeout-s", type=int, default=900)
     p.add_argument("--calibration", type=Path, default=None,
                    help="steps from this calibration file (bench/convergence.py --calibration-out) instead of study 7's")
@@ -423,6 +444,16 @@ def main() -> None:
         source = StepsSource(cal, losses)
     elif args.target_loss:
         raise SystemExit("--target-loss needs --calibration FILE (study 7's targets are H-0.2 and H-0.3)")
+    methods = tuple(args.methods.split(","))
+    if args.simulate:
+        unknown = [m for m in methods if m not in sc.SIMULATED_METHODS]
+        if unknown:
+            raise SystemExit(f"--methods {','.join(unknown)}: use {', '.join(sc.SIMULATED_METHODS)}")
+        for m in methods:  # a bad --layers is refused here, before the profiles' minutes
+            try:
+                sc.layers_per_model_stage(m, 8, args.layers)
+            except ValueError as err:
+                raise SystemExit(str(err)) from None
     args.out.mkdir(parents=True, exist_ok=True)
     runs = [tuple(x.split("/")) for x in args.runs.split(",") if x] or D2_RUNS
     start = time.perf_counter()
@@ -431,8 +462,8 @@ def main() -> None:
     if args.paired:
         paired_steps(args.out, args.paired)
     if args.simulate:
-        simulate_d8(args.out, tuple(args.methods.split(",")), tuple(int(n) for n in args.micro_batches.split(",")),
-                    args.paired or 20)
+        simulate_d8(args.out, methods, tuple(int(n) for n in args.micro_batches.split(",")), args.paired or 20,
+                    args.layers)
     text = report(args.out, source)
     (args.out / "tables.md").write_text(text)
     print(text)

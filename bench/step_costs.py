@@ -16,12 +16,15 @@ can stand beside the measured D=2 step times. Importable API: :func:`profile_ove
    ``optimizer=kfac`` refreshing every step, so every K-FAC unit (CURV_A, CURV_B, SYNC_FACTOR per
    layer, INVERT per layer, PRECOND per stage) is recorded; ``costs_from_profile`` turns the events
    into a ``CostModel`` (means per stage, kind and layer).
-2. **Scale to D stages** (:func:`scale_costs`): every simulated stage holds one encoder layer of the
-   measured width; its F, B (I, W), PRECOND and gradient all-reduce are the measured model's totals
-   over its L encoder layers, i.e. the mean over the measured stages divided by the encoder layers a
-   measured stage holds (for bert-tiny at D=2: exactly the mean of the two stages), and its six K-FAC
-   layers cost the mean of the measured K-FAC layers at the same position (query, key, value,
-   attention output, intermediate, output).
+2. **Scale to D stages** (:func:`scale_costs`): every simulated model stage holds m encoder layers of
+   the measured width (``--layers``: one per model stage by default); its F, B (I, W), PRECOND and
+   gradient all-reduce are m × the measured model's totals per encoder layer, i.e. the mean over the
+   measured stages divided by the encoder layers a measured stage holds (for bert-tiny at D=2: exactly
+   the mean of the two stages), and its 6m K-FAC layers cost the mean of the measured K-FAC layers at
+   the same position (query, key, value, attention output, intermediate, output). Two-chunk methods
+   (interleaved, zb-v, dualpipev, v-half, v-min: ``TWO_CHUNK_METHODS``) have 2D model stages, so the
+   same model is ``--layers 2D`` for every method (2 layers per stage for one chunk per worker, 1 per
+   chunk for two).
 3. **Simulate each arm** on the D-stage schedule (``--method``, default chimera as in the PipeFisher
    paper; ``--micro-batches`` N, default 2D, the N/D of the measured D=2 runs, N=4):
 
@@ -84,16 +87,18 @@ from pipefisher.planning.assign import plan_interval, plan_pipefisher
 from pipefisher.schedules.kfac import curvature_age_bound
 from pipefisher.planning.costs import RunShape, costs_from_profile
 from pipefisher.profiling import read_profile
-from pipefisher.schedules import ActionKind, Schedule
+from pipefisher.schedules import ActionKind, Schedule, build_schedule
 from pipefisher.schedules.kfac import LINEARS_PER_ENCODER_LAYER, critical_path_assignment, kfac_layer_counts
 from pipefisher.simulate import CostModel, simulate_phases
 
-__all__ = ["INTERVALS", "METHODS", "arm_step_costs", "default_max_predictions", "load_costs", "measured_step_costs",
+__all__ = ["INTERVALS", "METHODS", "SIMULATED_METHODS", "TWO_CHUNK_METHODS", "arm_step_costs", "layers_per_model_stage", "simulated_schedule", "default_max_predictions", "load_costs", "measured_step_costs",
            "profile_overrides", "profile_run", "scale_costs", "simulated_run", "simulated_step_costs",
            "steady_step_ns"]
 
 INTERVALS = (1, 2, 4, 8)
-METHODS = ("gpipe", "1f1b", "chimera", "zb-h1")  # one model chunk per worker
+METHODS = ("gpipe", "1f1b", "chimera", "zb-h1")  # one model chunk per worker: what a profile is taken on
+TWO_CHUNK_METHODS = ("interleaved", "zb-v", "dualpipev", "v-half", "v-min")  # two model chunks per worker
+SIMULATED_METHODS = METHODS + TWO_CHUNK_METHODS
 _BASE = ["device=cpu", "progress=false", "wandb.mode=disabled"]  # as _harness.compose
 
 
@@ -153,22 +158,24 @@ def _mean(values: Sequence[float]) -> int:
 
 
 def scale_costs(cost: CostModel, measured: RunShape, target: RunShape) -> CostModel:
-    """``cost`` (per stage of ``measured``) as a cost model of ``target``, one encoder layer per stage.
+    """``cost`` (per stage of ``measured``) as a cost model of ``target``, m encoder layers in every stage.
 
     Per simulated stage: F, B, I, W, PRECOND and the gradient all-reduce are the mean over the
     measured stages divided by ``e = L / D_measured``, the encoder layers a measured stage holds
-    (the measured model's total per encoder layer); each of its K-FAC layers costs the mean of the
-    measured K-FAC layers at the same position within an encoder layer; STEP scales with a worker's
-    parameter share, ``step · (target stages per worker) / (measured stages per worker · e)``.
+    (the measured model's total per encoder layer), times m; its 6m K-FAC layers cost the mean of
+    the measured K-FAC layers at the same position within an encoder layer; STEP scales with a
+    worker's parameter share, ``step · (target stages per worker) · m / (measured stages per worker · e)``.
     All-reduces cost 0 where ``target`` has one replica per stage.
 
     Raises:
-        ValueError: ``target`` does not hold one encoder layer per stage, the widths differ, or
-            ``cost`` has no K-FAC tables.
+        ValueError: ``target``'s stages hold unequal numbers of encoder layers (or none), the widths
+            differ, or ``cost`` has no K-FAC tables.
     """
-    if target.encoder_layers != [1] * target.num_model_stages:
-        raise ValueError(f"target run has encoder layers {target.encoder_layers} per stage; give it "
-                         f"model.num_layers = stages and layers_per_stage = 1 each (simulated_step_costs does)")
+    m = target.encoder_layers[0]
+    if m < 1 or target.encoder_layers != [m] * target.num_model_stages:
+        raise ValueError(f"target run has encoder layers {target.encoder_layers} per stage; give every stage the "
+                         f"same number, at least one (simulated_run does: model.num_layers a multiple of the "
+                         f"model stages)")
     if target.bert.hidden_size != measured.bert.hidden_size:
         raise ValueError(f"target hidden size {target.bert.hidden_size} != measured {measured.bert.hidden_size}")
     if cost.kfac_layers is None:
@@ -177,17 +184,17 @@ def scale_costs(cost: CostModel, measured: RunShape, target: RunShape) -> CostMo
     e = measured.bert.num_layers / measured.num_model_stages
 
     def per_stage(values: Sequence[int]) -> tuple[int, ...]:
-        return (round(statistics.fmean(values) / e),) * d
+        return (round(statistics.fmean(values) * m / e),) * d
 
     def per_layer(table: Sequence[Sequence[int]]) -> tuple[tuple[int, ...], ...]:
         by_position: dict[int, list[int]] = defaultdict(list)
         for row in table:
             for layer, value in enumerate(row):
                 by_position[layer % n].append(value)
-        return (tuple(_mean(by_position[pos]) for pos in range(n)),) * d
+        return (tuple(_mean(by_position[pos]) for pos in range(n)) * m,) * d
 
     replicated = target.num_replicas > 1
-    zeros = ((0,) * n,) * d
+    zeros = ((0,) * (n * m),) * d
     return CostModel(
         forward_ns=per_stage(cost.forward_ns),
         backward_ns=per_stage(cost.backward_ns),
@@ -195,7 +202,7 @@ def scale_costs(cost: CostModel, measured: RunShape, target: RunShape) -> CostMo
         weight_grad_ns=per_stage(cost.weight_grad_ns),
         p2p_ns=cost.p2p_ns,
         sync_ns=per_stage(cost.sync_ns) if replicated else (0,) * d,
-        step_ns=round(cost.step_ns * target.stages_per_worker / (measured.stages_per_worker * e)),
+        step_ns=round(cost.step_ns * target.stages_per_worker * m / (measured.stages_per_worker * e)),
         curv_a_ns=per_layer(cost.curv_a_ns),
         curv_b_ns=per_layer(cost.curv_b_ns),
         sync_factor_ns=per_layer(cost.sync_factor_ns) if replicated else zeros,
@@ -278,27 +285,71 @@ def arm_step_costs(schedule: Schedule, cost: CostModel, kfac_layers: Sequence[in
 
 
 def simulated_run(measured: RunShape, stages: int = 8, method: str = "chimera",
-                  micro_batches: int | None = None) -> RunShape:
-    """The D-stage run of the simulation: ``measured``'s width, seq and micro-batch size, one
-    encoder layer per stage (``model.num_layers = stages``), N = ``micro_batches`` (default 2D)."""
-    if method not in METHODS:
-        raise ValueError(f"--method {method!r}: use one of {', '.join(METHODS)}")
-    bert = dataclasses.replace(measured.bert, num_layers=stages)
+                  micro_batches: int | None = None, layers: int | None = None) -> RunShape:
+    """The D-stage run of the simulation: ``measured``'s width, seq and micro-batch size, ``layers``
+    encoder layers (default: one per model stage, i.e. D, or 2D for a two-chunk method) split evenly over
+    the model stages (D, or 2D for a method in ``TWO_CHUNK_METHODS``), N = ``micro_batches`` (default 2D).
+
+    Raises:
+        ValueError: an unknown method, or ``layers`` not a positive multiple of the model stages.
+    """
+    m = layers_per_model_stage(method, stages, layers)
+    chunks = 2 if method in TWO_CHUNK_METHODS else 1
+    bert = dataclasses.replace(measured.bert, num_layers=m * stages * chunks)
     return dataclasses.replace(measured, bert=bert, method=method, stages=stages,
-                               num_micro_batches=micro_batches or 2 * stages, dp_width=1, num_virtual=1,
-                               layers_per_stage=(1,) * stages, order_costs=None, activation_memory=1.0)
+                               num_micro_batches=micro_batches or 2 * stages, dp_width=1, num_virtual=chunks,
+                               layers_per_stage=(m,) * (stages * chunks), order_costs=None, activation_memory=1.0)
+
+
+def layers_per_model_stage(method: str, stages: int, layers: int | None = None) -> int:
+    """Encoder layers in each model stage when ``layers`` (default: one per model stage) are split evenly over
+    ``method``'s model stages at D = ``stages`` (D, or 2D for a two-chunk method).
+
+    Raises:
+        ValueError: an unknown method, or ``layers`` not a positive multiple of the model stages.
+    """
+    if method not in SIMULATED_METHODS:
+        raise ValueError(f"--method {method!r}: use one of {', '.join(SIMULATED_METHODS)}")
+    model_stages = stages * (2 if method in TWO_CHUNK_METHODS else 1)
+    layers = model_stages if layers is None else layers
+    if layers < model_stages or layers % model_stages:
+        raise ValueError(f"--layers {layers}: {method} at D={stages} has {model_stages} model stages; give a "
+                         f"multiple of {model_stages} so that every stage holds the same encoder layers")
+    return layers // model_stages
 
 
 def simulated_step_costs(cost: CostModel, measured: RunShape, stages: int = 8, method: str = "chimera",
-                         micro_batches: int | None = None, **options: Any) -> dict[str, dict[str, Any]]:
-    """:func:`arm_step_costs` at D = ``stages`` from the measured costs scaled by :func:`scale_costs`.
+                         micro_batches: int | None = None, layers: int | None = None,
+                         **options: Any) -> dict[str, dict[str, Any]]:
+    """:func:`arm_step_costs` at D = ``stages`` (``layers`` encoder layers, :func:`simulated_run`) from the
+    measured costs scaled by :func:`scale_costs`.
 
     ``options`` go to :func:`arm_step_costs` (intervals, max_interval, curvature_micro_batches, cycles).
     """
-    target = simulated_run(measured, stages, method, micro_batches)
-    schedule = target.build_schedule(dp_width=1)
-    layers = kfac_layer_counts(schedule, target.encoder_layers)
-    return arm_step_costs(schedule, scale_costs(cost, measured, target), layers, **options)
+    target = simulated_run(measured, stages, method, micro_batches, layers)
+    scaled = scale_costs(cost, measured, target)
+    schedule = simulated_schedule(target, scaled)
+    return arm_step_costs(schedule, scaled, kfac_layer_counts(schedule, target.encoder_layers), **options)
+
+
+LIST_SCHEDULED = ("zb-v", "v-half", "v-min")  # their order comes from a list scheduler given stage costs
+
+
+def simulated_schedule(target: RunShape, cost: CostModel) -> Schedule:
+    """The schedule of the simulated run (one data-parallel group). zb-v, v-half and v-min are ordered by the
+    costs they are simulated with (``cost``'s per-stage F and mean F/I/W), not by ``RunShape``'s estimate of
+    the partition: the simulated stages are equal (each carries its share of the embeddings and heads), while
+    the estimate puts the heads in the V's last stage, and an order built for that stage took 2.5× as long on
+    equal stages in tests/test_reprice_bench.py's case."""
+    if target.method not in LIST_SCHEDULED:
+        return target.build_schedule(dp_width=1)
+    options: dict[str, Any] = {"stage_costs": list(cost.forward_ns),
+                               "order_costs": [statistics.fmean(x) for x in
+                                               (cost.forward_ns, cost.input_grad_ns, cost.weight_grad_ns)]}
+    if target.method == "zb-v":
+        options["activation_memory"] = target.activation_memory
+    return build_schedule(target.method, target.stages, target.num_micro_batches, 1,
+                          num_virtual=target.num_virtual, **options)
 
 
 def measured_step_costs(cost: CostModel, measured: RunShape, micro_batches: int | None = None,
@@ -346,7 +397,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--profile-dir", type=Path, default=None, help="where the profiling run writes "
                         "(default: a new folder under the system's temp dir)")
     parser.add_argument("--stages", type=int, default=8)
-    parser.add_argument("--method", default="chimera", choices=METHODS)
+    parser.add_argument("--method", default="chimera", choices=SIMULATED_METHODS)
+    parser.add_argument("--layers", type=int, default=None, help="encoder layers of the simulated model (default: "
+                        "one per model stage: --stages, twice that for a two-chunk method)")
     parser.add_argument("--micro-batches", type=int, default=None, help="N at --stages (default 2 x stages)")
     parser.add_argument("--intervals", default=",".join(map(str, INTERVALS)), help="K of the kfac-k<K> arms")
     parser.add_argument("--max-interval", type=int, default=8, help="the largest k PipeFisher's planner tries")
@@ -375,8 +428,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     options = {"intervals": [int(k) for k in args.intervals.split(",")], "max_interval": args.max_interval,
                "curvature_micro_batches": args.curvature_micro_batches, "cycles": args.cycles,
                "max_staleness": args.max_staleness or None, "promote": args.promote_inverses}
-    target = simulated_run(measured, args.stages, args.method, args.micro_batches)
-    sim = simulated_step_costs(cost, measured, args.stages, args.method, args.micro_batches, **options)
+    target = simulated_run(measured, args.stages, args.method, args.micro_batches, args.layers)
+    sim = simulated_step_costs(cost, measured, args.stages, args.method, args.micro_batches, args.layers, **options)
     at_measured = measured_step_costs(cost, measured, **options)
 
     b = measured.bert
@@ -385,8 +438,9 @@ def main(argv: Sequence[str] | None = None) -> None:
           f"{measured.seq_len} (P={measured.max_predictions}), optimizer=kfac, CPU; {path}")
     print("  stage F ms: " + ", ".join(f"{f / 1e6:.2f}" for f in cost.forward_ns)
           + "; B ms: " + ", ".join(f"{x / 1e6:.2f}" for x in cost.backward_ns))
-    print(f"\nSimulated: {args.method}, D={target.stages}, N={target.num_micro_batches}, one encoder layer of "
-          f"H={b.hidden_size} per stage (+1/{b.num_layers} of the measured embeddings and heads); "
+    print(f"\nSimulated: {args.method}, D={target.stages}, N={target.num_micro_batches}, "
+          f"{target.encoder_layers[0]} encoder layer(s) of H={b.hidden_size} in each of {target.num_model_stages} "
+          f"model stages (+1/{b.num_layers} of the measured embeddings and heads per layer); "
           f"{_cost_line(scale_costs(cost, measured, target))}")
     print(_table(sim))
     print(f"\nSimulated at the measured shape: {measured.method}, D={measured.stages}, "

@@ -99,3 +99,50 @@ def test_a_calibrated_table_leaves_uncalibrated_arms_out_and_separates_by_the_mu
     assert "s/adamw" not in ranked and "fastest to L=6.300" in ranked
     first = [c.strip() for c in ranked.splitlines()[4].strip("|").split("|")]
     assert first[:3] == ["1", "s/muon", "120 [115–125]"]
+
+
+def test_simulate_d8_prices_two_chunk_schedules_on_the_same_model_and_skips_what_a_generator_refuses(
+        rp, tmp_path, monkeypatch):
+    """D=8 simulation from a (synthetic) profile: a 16-layer model for every schedule; zb-v at N=8 (< 2D) is
+    skipped with the generator's reason, not priced; Muon's STEP is NVLAMB's × its paired ratio."""
+    import json
+
+    from pipefisher.model import BertConfig
+    from pipefisher.planning.costs import RunShape
+    from pipefisher.simulate import CostModel
+
+    sc = rp.sc
+    measured = RunShape(bert=BertConfig(hidden_size=64, num_layers=2, num_heads=2), method="chimera", stages=2,
+                        num_micro_batches=4, micro_batch_size=4, seq_len=32, max_predictions=5)
+    row = (1, 2, 3, 4, 5, 6)
+    cost = CostModel(forward_ns=(100_000, 300_000), backward_ns=(200_000, 600_000), step_ns=1_000_000,
+                     curv_a_ns=(row, row), curv_b_ns=(row, row), invert_ns=(row, row), sync_factor_ns=(row, row),
+                     precond_ns=(50, 50))
+    monkeypatch.setattr(sc, "profile_run", lambda keys, out: out)
+    monkeypatch.setattr(sc, "load_costs", lambda path: (cost, measured))
+    (tmp_path / "paired.json").write_text(json.dumps({
+        "command": "test", "hardware": "test", "threads": 1, "reps": 1, "load": "test",
+        "step_s": {"nvlamb": 1.0, "muon": 2.0}, "pair_ratio_to_nvlamb": {"nvlamb": 1.0, "muon": 2.0}}))
+    doc = rp.simulate_d8(tmp_path, ("1f1b", "zb-v"), (8, 16), reps=1, layers=16)
+    assert set(doc["simulated"]) == {"1f1b/N=8", "1f1b/N=16", "zb-v/N=16"}
+    assert "zb-v/N=8" in doc["skipped"] and "micro" in doc["skipped"]["zb-v/N=8"].lower()
+    assert doc["layers"] == 16 and json.loads((tmp_path / "d8.json").read_text())["skipped"] == doc["skipped"]
+    for key, r in doc["simulated"].items():
+        method, n = key.split("/N=")
+        target = sc.simulated_run(measured, 8, method, int(n), 16)
+        assert target.bert.num_layers == 16
+        scaled = sc.scale_costs(cost, measured, target)
+        want = sc.steady_step_ns((sc.simulated_schedule(target, scaled),), scaled) / 1e9
+        assert r["step_s"]["nvlamb"] == pytest.approx(want)
+        assert r["step_s"]["muon"] > r["step_s"]["nvlamb"]  # its STEP doubled
+    # a zero-bubble V schedule at N=16 is faster than 1F1B's flush on the same model and costs: within 10 % of
+    # zb-v's lower bound N(F+I+W) + (D-1)F/2 per worker share (2 chunks of F 200 us, I 200, W 200) + STEP 1 ms
+    zbv = doc["simulated"]["zb-v/N=16"]["step_s"]["nvlamb"]
+    bound = (16 * 3 * 400e-6 + 7 * 200e-6) + 1e-3
+    assert bound <= zbv <= 1.1 * bound
+    assert zbv < doc["simulated"]["1f1b/N=16"]["step_s"]["nvlamb"]
+    # ordered by RunShape's estimate (the heads in the V's last stage) it is far slower on these equal stages
+    target = sc.simulated_run(measured, 8, "zb-v", 16, 16)
+    estimate_order = sc.steady_step_ns((target.build_schedule(dp_width=1),), sc.scale_costs(cost, measured, target))
+    assert estimate_order / 1e9 > 2 * zbv
+    assert "16 encoder layers" in rp.report(tmp_path)

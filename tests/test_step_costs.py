@@ -181,12 +181,44 @@ def test_scaling_to_a_method_with_one_replica_drops_the_all_reduces_and_halves_t
 def test_scaling_refuses_what_it_cannot_scale(sc) -> None:
     measured = _measured(2)
     with pytest.raises(ValueError, match="encoder layers"):
-        sc.scale_costs(_measured_cost(1), measured, dataclasses.replace(measured, stages=1))
+        uneven = dataclasses.replace(measured, bert=dataclasses.replace(measured.bert, num_layers=3),
+                                     layers_per_stage=(1, 2))
+        sc.scale_costs(_measured_cost(1), measured, uneven)
     no_kfac = CostModel(forward_ns=(1, 1), backward_ns=(1, 1))
     with pytest.raises(ValueError, match="K-FAC"):
         sc.scale_costs(no_kfac, measured, sc.simulated_run(measured, 4))
     with pytest.raises(ValueError, match="--method"):
-        sc.simulated_run(measured, 4, "zb-v")
+        sc.simulated_run(measured, 4, "zb-x")
+    with pytest.raises(ValueError, match="--layers 12.*multiple of 8"):
+        sc.simulated_run(measured, 4, "zb-v", layers=12)  # 8 model stages (two chunks per worker)
+    with pytest.raises(ValueError, match="--layers 2.*multiple of 4"):
+        sc.simulated_run(measured, 4, "1f1b", layers=2)  # fewer layers than stages
+
+
+@pytest.mark.parametrize("method", ["interleaved", "zb-v", "dualpipev", "v-half", "v-min"])
+def test_two_chunk_methods_hold_the_same_model_in_twice_the_stages(sc, method) -> None:
+    """The same 8-layer model at D=4: a one-chunk method puts 2 layers in each of 4 stages, a two-chunk one 1 in
+    each of 8; per worker both hold the same work (F, B, PRECOND, K-FAC layers, STEP's parameters)."""
+    measured = _measured(2)
+    cost = _measured_cost(1)
+    one = sc.simulated_run(measured, 4, "1f1b", 8, layers=8)
+    two = sc.simulated_run(measured, 4, method, 8, layers=8)
+    assert (one.num_model_stages, one.encoder_layers) == (4, [2] * 4)
+    assert (two.num_model_stages, two.encoder_layers, two.num_virtual) == (8, [1] * 8, 2)
+    assert sc.simulated_run(measured, 4, method, 8).encoder_layers == [1] * 8  # default: one layer per stage
+    a, b = sc.scale_costs(cost, measured, one), sc.scale_costs(cost, measured, two)
+    assert a.forward_ns == (400,) * 4 and b.forward_ns == (200,) * 8  # the measured 200 per encoder layer, x m
+    assert a.kfac_layers == (12,) * 4 and b.kfac_layers == (6,) * 8
+    assert a.invert_ns[0] == b.invert_ns[0] * 2  # the same six Linear positions, repeated per encoder layer
+    assert a.step_ns == b.step_ns == 1000  # a worker holds 2 of the 2 measured layers' parameters either way
+    for name in ("forward_ns", "backward_ns", "input_grad_ns", "weight_grad_ns", "precond_ns"):
+        assert sum(getattr(a, name)) == sum(getattr(b, name)), name
+    schedule = sc.simulated_schedule(two, b)
+    assert schedule.num_stages == 8 and schedule.method == method
+    got = sc.simulated_step_costs(cost, measured, 4, method, 8, layers=8, intervals=(1,))
+    assert got == sc.arm_step_costs(schedule, b, [6] * 8, intervals=(1,))
+    # no faster than the work of one worker without any bubble: N x (its two stages' F + B) + STEP
+    assert got["nvlamb"]["step_s"] * 1e9 >= 8 * 2 * (200 + 400) + 1000
 
 
 def test_simulated_step_costs_simulate_the_scaled_uniform_pipeline(sc) -> None:
