@@ -24,6 +24,14 @@ picked in that setting (the nearest larger k measured, ``Calibration.entry``) wi
 ``promote_inverses=when_ready``; an optimizer the file has no entry for (AdamW in study 18's) is "not calibrated",
 out of the ranking, as the strategy search refuses to rank it by time.
 
+[Note: profiles taking turns]
+D=8 settings at different N are simulated from different profiles (micro-batch 32/N), so a comparison across N
+compares two profiles. One profile per micro-batch size is not enough: in three repeats on a 2-core Xeon the
+simulated chimera N=16 NVLAMB step came out 0.75×, 1.34× and 0.96× its N=8 step, and the best configuration's
+time over chimera N=8 NVLAMB's 0.52–0.75× with it, while every ratio within one N (one profile) moved by ≤ 0.02.
+So ``--profiles R`` (default 3) takes R profiles per micro-batch size, the sizes taking turns, and simulates each
+N from their element-wise median (``step_costs.median_costs``); the report prints every profile's F+B and STEP.
+
 D=2 measured: ``train.py stages=2 pipeline=<schedule>`` with 4 micro-batches of 8 (global batch 32, bert-tiny,
 vocabulary 8,192, seq 64, 10 predictions: the study's shape), synthetic data of that shape (step cost does not
 depend on the text), evaluation off, both workers unpinned; per run the mean step over whole refresh cycles after
@@ -250,24 +258,34 @@ def _costs(path: Path) -> tuple[Any, Any]:
 
 
 def simulate_d8(out: Path, methods: tuple[str, ...], ns: tuple[int, ...], reps: int,
-                layers: int | None = None) -> dict[str, Any]:
+                layers: int | None = None, profiles: int = 3) -> dict[str, Any]:
     """D=8 step seconds per (method, N, arm); AdamW's and Muon's STEP = the profile's STEP × their paired
     optimizer step over NVLAMB's (``out/paired.json``, measured first when missing); the simulated model has
     ``layers`` encoder layers (default one per model stage, ``step_costs.simulated_run``); a (method, N) the
-    schedule's generator refuses (zb-v needs N ≥ 2D) is skipped with its reason. Writes ``out/d8.json``."""
+    schedule's generator refuses (zb-v needs N ≥ 2D) is skipped with its reason. Each N's costs are the
+    element-wise median of ``profiles`` profiles, the micro-batch sizes taking turns (a single profile's load
+    moved N=16's step over N=8's by 0.75–1.34× in three repeats: [Note: profiles taking turns]). Writes
+    ``out/d8.json``."""
     paired = out / "paired.json"
     ratio = (json.loads(paired.read_text()) if paired.is_file() else paired_steps(out, reps))["pair_ratio_to_nvlamb"]
     sims: dict[str, Any] = {}
     skipped: dict[str, str] = {}
-    step_ms: dict[str, float] = {}
+    taken: dict[int, list[Any]] = {n: [] for n in ns}
+    measured_of: dict[int, Any] = {}
+    for r in range(profiles):
+        for n in h.rotated(list(ns), r):
+            mb = 32 // n
+            keys = sc.profile_overrides("bert-tiny", 64, mb, max_predictions=10, method="chimera", micro_batches=4,
+                                        overrides=["model.vocab_size=8192"])
+            print(f"profile {r + 1}/{profiles} (optimizer=kfac, micro-batch {mb}): python profile.py "
+                  f"{' '.join(keys)} ({h.load()})", flush=True)
+            cost, measured_of[n] = sc.load_costs(sc.profile_run(keys, out / f"kfac-profile-mb{mb}-{r}"))
+            taken[n].append(cost)
+    step_ms = {f"micro-batch {32 // n}": [c.step_ns / 1e6 for c in taken[n]] for n in ns}
+    work_ms = {f"micro-batch {32 // n}": [(sum(c.forward_ns) + sum(c.backward_ns)) / 1e6 for c in taken[n]]
+               for n in ns}
     for n in ns:
-        mb = 32 // n
-        keys = sc.profile_overrides("bert-tiny", 64, mb, max_predictions=10, method="chimera", micro_batches=4,
-                                    overrides=["model.vocab_size=8192"])
-        print(f"profiling (optimizer=kfac, micro-batch {mb}): python profile.py {' '.join(keys)} ({h.load()})",
-              flush=True)
-        cost, measured = sc.load_costs(sc.profile_run(keys, out / f"kfac-profile-mb{mb}"))
-        step_ms[f"micro-batch {mb}"] = cost.step_ns / 1e6
+        cost, measured = sc.median_costs(taken[n]), measured_of[n]
         for method in methods:
             target = sc.simulated_run(measured, 8, method, n, layers)
             try:
@@ -286,7 +304,8 @@ def simulate_d8(out: Path, methods: tuple[str, ...], ns: tuple[int, ...], reps: 
                                        "pipefisher_note": rows["pipefisher"]["note"]}
             print(f"  D=8 {method} N={n}: " + ", ".join(f"{a} {v * 1e3:.1f} ms" for a, v in res.items()), flush=True)
     doc = {"command": "python " + " ".join(sys.argv), "hardware": _hardware(), "step_ratio_to_nvlamb": ratio,
-           "profile_step_ms": step_ms, "layers": layers, "simulated": sims, "skipped": skipped}
+           "profiles": profiles, "profile_step_ms": step_ms, "profile_f_plus_b_ms": work_ms, "layers": layers,
+           "simulated": sims, "skipped": skipped}
     (out / "d8.json").write_text(json.dumps(doc, indent=1) + "\n")
     return doc
 
@@ -381,8 +400,15 @@ def report(out: Path, source: StepsSource = STUDY) -> str:
         layers = doc.get("layers")
         model = (f"{layers} encoder layers split evenly over the model stages" if layers
                  else "one encoder layer per model stage")
-        parts.append(f"D=8 simulated ({model}): {doc['hardware']}; `{doc['command']}`; the profiles' STEP (ms): "
-                     + ", ".join(f"{a} {v:.2f}" for a, v in doc["profile_step_ms"].items())
+        def ms(v: float | list[float]) -> str:
+            return f"{v:.2f}" if isinstance(v, float) else "/".join(f"{x:.1f}" for x in v)
+
+        work = doc.get("profile_f_plus_b_ms", {})
+        parts.append(f"D=8 simulated ({model}; each N's costs the median of {doc.get('profiles', 1)} profile(s)): "
+                     f"{doc['hardware']}; `{doc['command']}`; the profiles' STEP (ms): "
+                     + ", ".join(f"{a} {ms(v)}" for a, v in doc["profile_step_ms"].items())
+                     + ("; their F+B over both stages (ms): " + ", ".join(f"{a} {ms(v)}" for a, v in work.items())
+                        if work else "")
                      + "; optimizer step / NVLAMB's (paired): "
                      + ", ".join(f"{a} {v:.3f}" for a, v in doc["step_ratio_to_nvlamb"].items()))
         for setting, r in doc["simulated"].items():
@@ -427,6 +453,8 @@ def main() -> None:
     p.add_argument("--layers", type=int, default=None,
                    help="D=8 simulated model's encoder layers (default one per model stage: 8, or 16 for a "
                         "two-chunk schedule; give 16 to compare every schedule on one model)")
+    p.add_argument("--profiles", type=int, default=3, help="D=8: profiles per micro-batch size, taking turns; "
+                   "each N's costs are their element-wise median")
     p.add_argument("--timeout-s", type=int, default=900)
     p.add_argument("--calibration", type=Path, default=None,
                    help="steps from this calibration file (bench/convergence.py --calibration-out) instead of study 7's")
@@ -438,9 +466,10 @@ def main() -> None:
         cal = read_calibration(args.calibration)
         losses = tuple(float(x) for x in args.target_loss.split(",") if x) or (cal.default_target,)
         for x in losses:
-            if cal.reference_steps(x) is None:
-                lo, hi = cal.loss_range
-                raise SystemExit(f"--target-loss {x:g}: {args.calibration} covers held-out losses {lo:g} .. {hi:g}")
+            try:
+                cal.steps_to(x, field="--target-loss")
+            except ValueError as err:
+                raise SystemExit(str(err)) from None
         source = StepsSource(cal, losses)
     elif args.target_loss:
         raise SystemExit("--target-loss needs --calibration FILE (study 7's targets are H-0.2 and H-0.3)")
@@ -463,7 +492,7 @@ def main() -> None:
         paired_steps(args.out, args.paired)
     if args.simulate:
         simulate_d8(args.out, methods, tuple(int(n) for n in args.micro_batches.split(",")), args.paired or 20,
-                    args.layers)
+                    args.layers, args.profiles)
     text = report(args.out, source)
     (args.out / "tables.md").write_text(text)
     print(text)

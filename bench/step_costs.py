@@ -91,7 +91,7 @@ from pipefisher.schedules import ActionKind, Schedule, build_schedule
 from pipefisher.schedules.kfac import LINEARS_PER_ENCODER_LAYER, critical_path_assignment, kfac_layer_counts
 from pipefisher.simulate import CostModel, simulate_phases
 
-__all__ = ["INTERVALS", "METHODS", "SIMULATED_METHODS", "TWO_CHUNK_METHODS", "arm_step_costs", "layers_per_model_stage", "simulated_schedule", "default_max_predictions", "load_costs", "measured_step_costs",
+__all__ = ["INTERVALS", "METHODS", "SIMULATED_METHODS", "TWO_CHUNK_METHODS", "arm_step_costs", "layers_per_model_stage", "median_costs", "simulated_schedule", "default_max_predictions", "load_costs", "measured_step_costs",
            "profile_overrides", "profile_run", "scale_costs", "simulated_run", "simulated_step_costs",
            "steady_step_ns"]
 
@@ -148,6 +148,28 @@ def load_costs(path: str | Path) -> tuple[CostModel, RunShape]:
     profile = read_profile(path)
     cost = costs_from_profile(profile, path=path)  # names the file and the fix when the config is missing
     return cost, RunShape.from_train_config(profile.metadata["config"])
+
+
+def median_costs(costs: Sequence[CostModel]) -> CostModel:
+    """The element-wise median of cost models of the same run (repeated profiles): every action's cost, per stage
+    and per K-FAC layer, is the median over the profiles (one profile's load moves its costs together: four profiles of the
+    same run gave F+B of 32.7–40.4 ms at micro-batch 4 and 16.8–24.7 ms at 2, bench/studies/18-budget-calibration.md).
+
+    Raises:
+        ValueError: no cost models, or models of different shapes (stages, K-FAC layers).
+    """
+    if not costs:
+        raise ValueError("median_costs: give at least one cost model")
+
+    def med(values: Sequence[Any], name: str) -> Any:
+        if isinstance(values[0], tuple):
+            if len({len(v) for v in values}) != 1:
+                raise ValueError(f"median_costs: {name} differs in shape between the profiles (not the same run)")
+            return tuple(med([v[i] for v in values], name) for i in range(len(values[0])))
+        return round(statistics.median(values))
+
+    return CostModel(**{f.name: med([getattr(c, f.name) for c in costs], f.name)
+                        for f in dataclasses.fields(CostModel)})
 
 
 # -- 2. scale ----------------------------------------------------------------------------------

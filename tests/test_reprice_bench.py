@@ -146,3 +146,23 @@ def test_simulate_d8_prices_two_chunk_schedules_on_the_same_model_and_skips_what
     estimate_order = sc.steady_step_ns((target.build_schedule(dp_width=1),), sc.scale_costs(cost, measured, target))
     assert estimate_order / 1e9 > 2 * zbv
     assert "16 encoder layers" in rp.report(tmp_path)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--target-loss", "4"], "--target-loss=4: the calibration's reference covers held-out losses 5 .. 6"),
+    (["--simulate", "--methods", "zb-v", "--layers", "8"], "--layers 8: zb-v at D=8 has 16 model stages"),
+    (["--simulate", "--methods", "zb-x"], "--methods zb-x: use gpipe"),
+])
+def test_bad_arguments_are_refused_before_any_measurement(rp, tmp_path, monkeypatch, argv, message):
+    import json
+    import re
+    import sys
+
+    cal = tmp_path / "cal.json"
+    cal.write_text(json.dumps(calibration_doc()))
+    out = tmp_path / "out"
+    extra = ["--calibration", str(cal)] if "--target-loss" in argv else []
+    monkeypatch.setattr(sys, "argv", ["reprice.py", "--out", str(out), *extra, *argv])
+    with pytest.raises(SystemExit, match=re.escape(message)):
+        rp.main()
+    assert not out.exists()  # refused before the output folder, a profile or a run

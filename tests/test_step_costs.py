@@ -275,3 +275,19 @@ def test_cli_profiles_a_tiny_run_and_prints_both_tables(sc, tmp_path, capsys) ->
     # the profile is reusable
     sc.main(["--profile", data["profile"], "--stages", "4", "--intervals", "1", "--max-interval", "1"])
     assert "Simulated: chimera, D=4, N=8" in capsys.readouterr().out
+
+
+def test_median_costs_take_each_actions_median_over_the_profiles(sc) -> None:
+    a = _measured_cost(1)
+    b = dataclasses.replace(a, forward_ns=(300, 100), step_ns=4000, p2p_ns=1)
+    c = dataclasses.replace(a, forward_ns=(200, 200), step_ns=2000, p2p_ns=9,
+                            invert_ns=tuple(tuple(x + 1000 for x in row) for row in a.invert_ns))
+    got = sc.median_costs([a, b, c])
+    assert got.forward_ns == (200, 200)  # per stage: median(100, 300, 200) and median(300, 100, 200)
+    assert got.step_ns == 2000 and got.p2p_ns == 5
+    assert got.invert_ns == a.invert_ns  # median of (x, x, x + 1000) per layer
+    assert sc.median_costs([a]) == a
+    with pytest.raises(ValueError, match="different shapes|differs in shape"):
+        sc.median_costs([a, _measured_cost(2)])
+    with pytest.raises(ValueError, match="at least one"):
+        sc.median_costs([])

@@ -123,6 +123,20 @@ class Calibration:
         """The reference's steps to ``loss`` (interpolated); None outside its losses."""
         return _interpolate(self.reference_curve, loss)
 
+    def steps_to(self, loss: float, field: str = "target_loss") -> float:
+        """:meth:`reference_steps`, refusing a loss outside the reference's range.
+
+        Raises:
+            CalibrationError: ``loss`` outside :attr:`loss_range`; the message names ``field`` (the key or flag
+                the loss came from), the range and this file.
+        """
+        steps = self.reference_steps(loss)
+        if steps is None:
+            lo, hi = self.loss_range
+            raise CalibrationError(f"{field}={loss:g}: the calibration's reference covers held-out losses "
+                                   f"{lo:g} .. {hi:g}; give a target inside them ({self.path})")
+        return steps
+
     def entry(self, optimizer: str, k: int | None = None, promote: str | None = None) -> Entry | None:
         """The entry serving ``optimizer`` (at refresh interval ``k``): the same k, else the nearest larger one;
         among equal k, the one measured under ``promote`` (then any)."""

@@ -122,10 +122,8 @@ class ScheduleConfig:
                               f"give one (bench/convergence.py --calibration-out writes it), or drop target_loss")
         if self.calibration is not None:
             cal = read_calibration(self.calibration)
-            if self.target_loss is not None and cal.reference_steps(self.target_loss) is None:
-                lo, hi = cal.loss_range
-                raise ConfigError(f"target_loss={self.target_loss!r}: calibration={self.calibration} covers held-out "
-                                  f"losses {lo:g} .. {hi:g}; give a target inside them")
+            if self.target_loss is not None:
+                cal.steps_to(self.target_loss)  # a CalibrationError (a ConfigError) names the range and the file
         if str(self.gpu).lower() not in ("auto", "true", "false"):
             raise ConfigError(f"gpu={self.gpu!r}: choose auto (kernel time when the profile has CUDA kernels), "
                               f"true or false")
