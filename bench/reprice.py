@@ -28,7 +28,7 @@ out of the ranking, as the strategy search refuses to rank it by time.
 D=8 settings at different N are simulated from different profiles (micro-batch 32/N), so a comparison across N
 compares two profiles. One profile per micro-batch size is not enough: in three repeats on a 2-core Xeon the
 simulated chimera N=16 NVLAMB step came out 0.75×, 1.34× and 0.96× its N=8 step, and the best configuration's
-time over chimera N=8 NVLAMB's 0.52–0.75× with it, while every ratio within one N (one profile) moved by ≤ 0.02.
+time over chimera N=8 NVLAMB's 0.52–0.75× with it, while the ratios within one N (one profile) held.
 So ``--profiles R`` (default 3) takes R profiles per micro-batch size, the sizes taking turns, and simulates each
 N from their element-wise median (``step_costs.median_costs``); the report prints every profile's F+B and STEP.
 
@@ -38,9 +38,10 @@ depend on the text), evaluation off, both workers unpinned; per run the mean ste
 the first two (``convergence.cycle_mean_step_s``, the study's estimator), per (schedule, arm) the median over
 rounds; the order of the runs rotates every round.
 
-D=8 simulated: one ``optimizer=kfac`` profile at D=2 chimera (micro-batch 4 for N=8, 2 for N=16: batch 32), scaled
-to one encoder layer per stage (``bench/step_costs.py``); NVLAMB, K-FAC every step and PipeFisher (its planner's
-defaults) as step_costs.py simulates them, and AdamW and Muon as NVLAMB's pipeline with the STEP action's cost
+D=8 simulated: ``--profiles`` (3) ``optimizer=kfac`` profiles at D=2 chimera per micro-batch size (4 for N=8, 2 for
+N=16: batch 32), their element-wise median, scaled to one encoder layer per model stage (``--layers`` otherwise;
+``bench/step_costs.py``); NVLAMB, K-FAC every step and PipeFisher (its planner's defaults) as step_costs.py
+simulates them, and AdamW and Muon as NVLAMB's pipeline with the STEP action's cost
 scaled by that optimizer's step / NVLAMB's, measured side by side in one process (``--paired``: the optimizer
 step alone on the whole bert-tiny, one thread as a D=2 worker has, arms taking turns; Muon with ``ns_dtype=auto``
 and ``bf16``; AdamW and Muon also with ``optimizer.adamw_kernel=fused``, the ``-fused`` arms).
@@ -400,6 +401,7 @@ def report(out: Path, source: StepsSource = STUDY) -> str:
         layers = doc.get("layers")
         model = (f"{layers} encoder layers split evenly over the model stages" if layers
                  else "one encoder layer per model stage")
+
         def ms(v: float | list[float]) -> str:
             return f"{v:.2f}" if isinstance(v, float) else "/".join(f"{x:.1f}" for x in v)
 
@@ -475,6 +477,9 @@ def main() -> None:
         raise SystemExit("--target-loss needs --calibration FILE (study 7's targets are H-0.2 and H-0.3)")
     methods = tuple(args.methods.split(","))
     if args.simulate:
+        if args.profiles < 1:
+            raise SystemExit(f"--profiles {args.profiles}: take at least one profile per micro-batch size (3 or more "
+                             f"to compare N=8 with N=16)")
         unknown = [m for m in methods if m not in sc.SIMULATED_METHODS]
         if unknown:
             raise SystemExit(f"--methods {','.join(unknown)}: use {', '.join(sc.SIMULATED_METHODS)}")
