@@ -105,7 +105,9 @@ def _worker(rank: int, cases: list[tuple[TrainConfig, int]], out_dir: str) -> No
             params = {f"{pipe}/{stage}/{name}": _whole(p).detach().clone()
                       for (pipe, stage), m in worker.modules.items() for name, p in m.named_parameters()}
             torch.save({"losses": losses, "grads": first_grads, "params": params, "factors": factors,
-                        "events": events, "rollbacks": rollbacks, "ns": ns},
+                        "events": events, "rollbacks": rollbacks, "ns": ns,
+                        "kfac_work": None if worker.kfac is None else (worker.kfac.inverted, worker.kfac.preconditioned),
+                        "curvature_age": worker.kfac.curvature_age() if worker.kfac is not None else None},
                        Path(out_dir) / f"case{i}_rank{rank}.pt")
         finally:
             release_process_group()
@@ -126,7 +128,8 @@ def run_cases(cases: list[tuple[TrainConfig, int]], out_dir: Path) -> list[dict[
         "pipe/stage/name", "events": the first step's timeline as (name, kind, is a wait), and
         "rollbacks": per step, the stage steps rolled back over all workers (``optimizer_placement=per_stage``),
         "ns": per step, (NS runs on this rank, of which for matrices it does not hold) with
-        ``optimizer.ns_owners=pipeline`` (else empty).
+        ``optimizer.ns_owners=pipeline`` (else empty), "kfac_work": (layers inverted, layers preconditioned on
+        this rank over the run) with K-FAC (else None), "curvature_age": the last step's (K-FAC).
     """
     max_world = max(cfg.num_workers for cfg, _ in cases)
     start_workers(_worker, (cases, str(out_dir)), max_world)

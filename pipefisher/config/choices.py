@@ -23,6 +23,7 @@ NONFINITE_MODES = ("stop", "skip")
 INVERSE_DTYPES = ("auto", "float32", "float64")
 NS_DTYPES = ("auto", "bf16", "fp32")  # optimizer.ns_dtype (pipefisher.optim.muon.NS_DTYPES)
 NS_OWNERS = ("holder", "pipeline")  # optimizer.ns_owners (pipefisher.runtime.ns_spread)
+KFAC_OWNERS = ("holder", "replicas")  # optimizer.kfac_owners (pipefisher.runtime.kfac_owners)
 ADAMW_KERNELS = ("auto", "foreach", "fused")  # optimizer.adamw_kernel (pipefisher.optim.baselines.ADAMW_KERNELS)
 KFAC_UPDATES = ("lamb", "momentum")
 RESUME_MODES = ("none", "auto")  # or a path to a checkpoint (step_<n>) or a checkpoint directory

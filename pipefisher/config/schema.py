@@ -80,6 +80,7 @@ class OptimizerConfig:
     muon_momentum: float = 0.95  # muon: Nesterov momentum of the Muon half (torch's default)
     ns_dtype: str = "auto"  # muon: Newton–Schulz precision: auto (bf16 where the device has bf16 arithmetic: CUDA capability >= 8.0, CPUs with avx512_bf16/amx_bf16; else fp32), bf16 (torch's Muon) or fp32
     ns_owners: str = "holder"  # muon: who runs a matrix's Newton–Schulz: holder (the worker that steps it) or pipeline (spread over all workers at the final STEP, balanced by NS FLOPs; sdp=1, tp=1; docs/optimizer-placement.md)
+    kfac_owners: str = "holder"  # kfac, pipefisher, ekfac: who inverts and preconditions a layer that several replicas hold (Chimera's twins, data-parallel copies): holder (every replica) or replicas (one owner per layer, balanced by cost; the others receive its preconditioned gradient; sdp=1, tp=1; docs/optimizer-placement.md)
     adamw_kernel: str = "auto"  # adamw, and muon's AdamW half: torch's AdamW kernel: auto (torch's choice: a per-tensor loop on CPU, foreach on CUDA), foreach, or fused (one kernel per device and dtype; rounds differently, ~1e-6 relative; docs/optimizers.md)
     preconditioner: str = "kfac"  # kfac, pipefisher: kfac (damped inverses of the factors) or ekfac (Adam in the factors' eigenbasis, SOAP's rule; optimizer=ekfac sets it)
     ekfac_beta2: float = 0.999  # preconditioner=ekfac: decay of the second moment in the eigenbasis

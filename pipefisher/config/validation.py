@@ -17,7 +17,7 @@ from pipefisher.config.batch import resolve_batch
 from pipefisher.config.checks import (_check_csv, _check_cluster, _validate_checkpoint, _validate_eval, _validate_sdp,
                                       _validate_tp)
 from pipefisher.config.choices import (ADAMW_KERNELS, CHIMERA_STACKINGS, DATA_KINDS, FACTOR_DECAY_UNITS, FAULT_MODES, INVERSE_DTYPES,
-                                       KFAC_OPTIMIZERS, KFAC_UPDATES, NONFINITE_MODES, NS_DTYPES, NS_OWNERS,
+                                       KFAC_OPTIMIZERS, KFAC_OWNERS, KFAC_UPDATES, NONFINITE_MODES, NS_DTYPES, NS_OWNERS,
                                        OPTIMIZER_PLACEMENTS, OPTIMIZERS, PIPELINE_METHODS, PRECISIONS,
                                        PRECONDITIONERS, PROMOTE_INVERSES, V_METHODS, WANDB_MODES, _check_choice, _fail)
 
@@ -275,6 +275,12 @@ def validate(cfg: Any) -> None:
     if o.name == "muon" and o.ns_owners == "pipeline" and (cfg.sdp > 1 or cfg.tp > 1):
         _fail("optimizer.ns_owners", o.ns_owners, f"needs sdp=1 and tp=1 (sdp={cfg.sdp}, tp={cfg.tp}: ShardedMuon "
               "already orthogonalizes each matrix once per mesh); use optimizer.ns_owners=holder")
+    _check_choice("optimizer.kfac_owners", o.kfac_owners, KFAC_OWNERS)
+    if o.name not in KFAC_OPTIMIZERS and o.kfac_owners != type(o).kfac_owners:
+        log.warning("optimizer.kfac_owners has no effect unless optimizer is one of %s", ", ".join(KFAC_OPTIMIZERS))
+    if o.name in KFAC_OPTIMIZERS and o.kfac_owners == "replicas" and (cfg.sdp > 1 or cfg.tp > 1):
+        _fail("optimizer.kfac_owners", o.kfac_owners, f"needs sdp=1 and tp=1 (sdp={cfg.sdp}, tp={cfg.tp}); use "
+              "optimizer.kfac_owners=holder")
     _check_adamw_kernel(cfg)
     _validate_checkpoint(cfg)
     _validate_sdp(cfg)

@@ -174,10 +174,7 @@ class LinearEKFAC(LinearKFAC):
             return False
         assert self.q_a is not None and self.q_b is not None and self.v is not None
         with torch.no_grad():
-            if b is not None and b.grad is None:
-                b.grad = torch.zeros_like(b)
-            raw = w.grad.float().pow(2).sum()
-            self.raw_grad_sq = raw if b is None else raw + b.grad.float().pow(2).sum()
+            self.raw_grad_sq = self.grad_sq()
             self.moment_steps = eigen_adam_precondition_(w.grad, None if b is None else b.grad, self.q_a, self.q_b,
                                                          self.v, self.moment_steps, self.beta2, self.eps)
         return True

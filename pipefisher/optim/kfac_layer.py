@@ -258,12 +258,19 @@ class LinearKFAC:
         if self.a_inv is None or self.b_inv is None or w.grad is None:
             return False
         with torch.no_grad():
+            self.raw_grad_sq = self.grad_sq()
+            kron_precondition_(w.grad, None if b is None else b.grad, self.a_inv, self.b_inv)  # [O, I], [O]
+        return True
+
+    def grad_sq(self) -> Tensor:
+        """‖∇W‖² + ‖∇b‖² of the gradients as they are now (fp32; a missing bias gradient is created as zeros, as
+        preconditioning does): what :meth:`precondition` records as ``raw_grad_sq``."""
+        w, b = self.module.weight, self.module.bias
+        with torch.no_grad():
             if b is not None and b.grad is None:
                 b.grad = torch.zeros_like(b)
             raw = w.grad.float().pow(2).sum()
-            self.raw_grad_sq = raw if b is None else raw + b.grad.float().pow(2).sum()
-            kron_precondition_(w.grad, None if b is None else b.grad, self.a_inv, self.b_inv)  # [O, I], [O]
-        return True
+            return raw if b is None else raw + b.grad.float().pow(2).sum()
 
     # -- checkpoints -----------------------------------------------------------------------------
 

@@ -31,10 +31,11 @@ MANIFEST = "manifest.json"
 #: Config fields a checkpoint must agree on to be loadable (the state's shapes and placement, and
 #: the data and weight streams). ``model`` and ``pipeline`` stand for all their fields.
 MATCHING_FIELDS = ("model", "pipeline", "stages", "data_parallel", "num_micro_batches", "micro_batch_size",
-                   "seed", "optimizer.name", "sdp", "tp")
+                   "seed", "optimizer.name", "sdp", "tp", "optimizer.kfac_owners")
 #: Matching fields recorded only when they differ from these values, so that checkpoints written
-#: before the fields existed keep their hash: sharded data parallel and tensor parallel (issue 27).
-_UNLESS = {"sdp": 1, "tp": 1}
+#: before the fields existed keep their hash: sharded data parallel and tensor parallel (issue 27); K-FAC's
+#: owners (a replica holds inverses only for the layers it owns: ``runtime.kfac_owners``).
+_UNLESS = {"sdp": 1, "tp": 1, "optimizer.kfac_owners": "holder"}
 #: Fields whose change on resume is not worth a warning (they do not change the trajectory).
 _QUIET_FIELDS = ("resume", "eval.", "checkpoint.", "fault.", "progress", "wandb.", "cluster.", "log_every", "profile.",
                  "device", "save_final", "init_from")  # init_from: the checkpoint's weights replace its weights

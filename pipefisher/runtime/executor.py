@@ -423,14 +423,19 @@ class WorkerExecutor:
             Whether anything was in flight, and for STEP the global gradient norm (a collective
             too, over all workers), else None.
         """
-        if a.kind == ActionKind.PRECOND or (a.kind == ActionKind.STEP and a.stage is not None):
+        if a.kind == ActionKind.PRECOND:
             return self._finish_grad_sync(syncs, (a.pipe, a.stage)), None  # this replica's gradients
+        if a.kind == ActionKind.STEP and a.stage is not None:  # and its preconditioned ones from their owners
+            waited = self._finish_grad_sync(syncs, (a.pipe, a.stage))
+            return (self.kfac is not None and self.kfac.finish_exchanges((a.pipe, a.stage))) or waited, None
         if a.kind == ActionKind.INVERT:
             return self.kfac.wait_for_syncs(a), None
         for work, _ in sends:
             work.wait()
         sends.clear()
         self._finish_grad_sync(syncs)
+        if self.kfac is not None:  # kfac_owners=replicas: [Note: K-FAC owners among replicas]
+            self.kfac.finish_exchanges()
         return True, self.grad_norm()
 
     def _finish_grad_sync(self, syncs: dict[StageKey, tuple[dist.Work, torch.Tensor, list[nn.Parameter]]],

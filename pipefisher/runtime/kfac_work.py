@@ -30,6 +30,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import Iterator, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -55,11 +56,14 @@ class KfacWork:
         ablate: communication ablation: factor all-reduces become 1-byte messages.
         promote: when deferred inverses are put in use: ``at_cycle_end`` (the next cycle's first
             step) or ``when_ready`` (the step after their INVERT).
+        owned: ``optimizer.kfac_owners=replicas``: per stage replica with a group, the layers it inverts and
+            preconditions (``runtime.kfac_owners.owned_layers``; [Note: K-FAC owners among replicas]); None:
+            every replica does all its layers.
     """
 
     def __init__(self, preconditioners: dict[StageKey, KFACPreconditioner],
                  groups: dict[int, dist.ProcessGroup | None], deferred: bool, ablate: bool = False,
-                 promote: str = "at_cycle_end") -> None:
+                 promote: str = "at_cycle_end", owned: dict[StageKey, frozenset[str]] | None = None) -> None:
         if promote not in ("at_cycle_end", "when_ready"):
             raise ValueError(f"promote={promote!r}: use at_cycle_end or when_ready")
         self.pre = preconditioners
@@ -74,6 +78,12 @@ class KfacWork:
         self._capture_step: dict[tuple[StageKey, str], int | None] = {}  # (replica, layer) -> step captured
         # Factor all-reduces in flight: (stage replica, layer names) -> (work, flat buffer, tensors, world).
         self._syncs: dict[tuple[StageKey, tuple[str, ...]], tuple[dist.Work, torch.Tensor, list[torch.Tensor], int]] = {}
+        self.owned = owned or {}
+        # Preconditioned-gradient exchanges in flight (kfac_owners=replicas): replica -> [(work, flat, tensors,
+        # layers, raw norms of the layers owned elsewhere)].
+        self._exchanges: dict[StageKey, list[tuple[Any, ...]]] = {}
+        self.inverted = 0  # layers inverted here, over the run (tests, benchmarks)
+        self.preconditioned = 0  # layers preconditioned here (with inverses in use), over the run
 
     def _names(self, a: Action) -> list[str]:
         names = self.pre[(a.pipe, a.stage)].layer_names
@@ -144,17 +154,86 @@ class KfacWork:
         elif k == ActionKind.INVERT:  # the executor has waited for its syncs (wait_for_syncs)
             for pending in self._pending_syncs(a):
                 self._finish_sync(*pending)
+            owned = self.owned.get((a.pipe, a.stage))
             for name in self._names(a):
-                pre.invert(name, deferred=self.deferred)
+                if owned is None or name in owned:
+                    pre.invert(name, deferred=self.deferred)
+                    self.inverted += 1
         elif k == ActionKind.PRECOND:
-            for name in self._names(a):
-                if pre.precondition(name) and self.step is not None:
+            key, owned = (a.pipe, a.stage), self.owned.get((a.pipe, a.stage))
+            names = self._names(a)
+            ages: dict[str, int | None] = {}  # the layers preconditioned here: the age of the curvature used
+            for name in names:
+                if owned is not None and name not in owned:
+                    continue  # its owner's gradient arrives by _start_exchange
+                if pre.precondition(name):
+                    self.preconditioned += 1
                     used = pre.layer(name).inverse_step
-                    if used is not None:
-                        age = self.step - used
-                        self._used_age = age if self._used_age is None else max(self._used_age, age)
+                    ages[name] = None if used is None or self.step is None else self.step - used
+                    self._note_age(ages[name])
+            if owned is not None:
+                self._start_exchange(key, pre, names, owned, ages)
         else:  # pragma: no cover - only K-FAC kinds are dispatched here
             raise ValueError(f"not a K-FAC action: {a}")
+
+    def _note_age(self, age: int | None) -> None:
+        if age is not None:
+            self._used_age = age if self._used_age is None else max(self._used_age, age)
+
+    def _start_exchange(self, key: StageKey, pre: KFACPreconditioner, names: list[str], owned: frozenset[str],
+                        ages: dict[str, int | None]) -> None:
+        """Every replica's ``names`` gradients from their owners ([Note: K-FAC owners among replicas]): the layers
+        owned elsewhere have their gradient's norm recorded (the clip reads it) and are zeroed here, and one
+        all-reduce (a sum) over the stage's group carries the owners' gradients and, per layer, whether its owner
+        preconditioned it and with curvature how old (``ages``); :meth:`finish_exchanges` applies it."""
+        tensors: list[torch.Tensor] = []
+        raw: dict[str, torch.Tensor] = {}
+        for name in names:
+            layer = pre.layer(name)
+            if name not in owned:
+                raw[name] = layer.grad_sq()  # also creates a missing bias gradient, as the owner's PRECOND does
+            for p in (layer.module.weight, layer.module.bias):
+                if p is None:
+                    continue
+                if p.grad is None:  # as the gradient all-reduce does: every replica sends every tensor
+                    p.grad = torch.zeros_like(p)
+                if name not in owned:
+                    p.grad.zero_()
+                tensors.append(p.grad)
+        meta = torch.zeros(2 * len(names), dtype=tensors[0].dtype, device=tensors[0].device)
+        for i, name in enumerate(names):  # [preconditioned, age + 1 (0: none)] from the owner, zeros elsewhere
+            if name in ages:
+                age = ages[name]
+                meta[2 * i], meta[2 * i + 1] = 1.0, 0.0 if age is None else age + 1.0
+        tensors.append(meta)
+        flat = torch._utils._flatten_dense_tensors(tensors)
+        work = dist.all_reduce(flat, group=self.groups[key[1]], async_op=True)
+        self._exchanges.setdefault(key, []).append((work, flat, tensors, [(n, pre.layer(n)) for n in names], raw))
+
+    def finish_exchanges(self, key: StageKey | None = None) -> bool:
+        """Wait for the preconditioned-gradient exchanges of one stage replica (or all) and copy them into the
+        gradients; a layer owned elsewhere and preconditioned there keeps the norm recorded before (as
+        ``precondition`` keeps it). The executor calls this before a STEP reads the gradients ([Note: waits are
+        not compute]).
+
+        Returns:
+            Whether one was in flight.
+        """
+        keys = [key] if key is not None else list(self._exchanges)
+        waited = False
+        for k in keys:
+            for work, flat, tensors, layers, raw in self._exchanges.pop(k, []):
+                work.wait()
+                waited = True
+                synced = torch._utils._unflatten_dense_tensors(flat, tensors)
+                for t, got in zip(tensors[:-1], synced[:-1]):
+                    t.copy_(got)
+                meta = synced[-1].tolist()
+                for i, (name, layer) in enumerate(layers):
+                    if name in raw and meta[2 * i] > 0.5:  # owned elsewhere, preconditioned there
+                        layer.raw_grad_sq = raw[name]
+                        self._note_age(None if meta[2 * i + 1] < 0.5 else round(meta[2 * i + 1]) - 1)
+        return waited
 
     def _pending_syncs(self, a: Action) -> list[tuple[StageKey, tuple[str, ...]]]:
         """The factor all-reduces in flight that INVERT ``a`` needs (those of its layers)."""
@@ -230,6 +309,7 @@ class KfacWork:
         was never consumed by curvature work)."""
         for pending in list(self._syncs):
             self._finish_sync(*pending)
+        self.finish_exchanges()
         for key in self._capturing:
             self.pre[key].step_curvature_done()
         self._capturing = set()

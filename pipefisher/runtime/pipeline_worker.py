@@ -35,6 +35,7 @@ from pipefisher.runtime.device import autocast_context
 from pipefisher.runtime.executor import CommSpec, StepResult, WorkerExecutor
 from pipefisher.runtime.init_weights import load_initial_weights
 from pipefisher.runtime.faults import fault_here, inject_fault, poison_gradient, poison_outputs
+from pipefisher.runtime.kfac_owners import owned_layers
 from pipefisher.runtime.kfac_work import KfacWork
 from pipefisher.runtime.ns_spread import NsSpread, late_workers
 from pipefisher.runtime.sharded_checkpoint import ShardedCheckpointer, checkpoint_groups
@@ -113,8 +114,9 @@ class PipelineWorker:
                                           beta2=o.ekfac_beta2, eps=o.ekfac_eps)
                 for key, m in self.modules.items()
             }
+            owned = owned_layers(preconditioners, grad_groups) if o.kfac_owners == "replicas" else None
             self.kfac = KfacWork(preconditioners, grad_groups, deferred=self.assignment.deferred,
-                                 ablate=cfg.comm_ablation, promote=o.promote_inverses)
+                                 ablate=cfg.comm_ablation, promote=o.promote_inverses, owned=owned)
         # optimizer_placement=per_stage: [Note: per-stage optimizer steps], [Note: post-validation].
         self.stage_steps: StageSteps | None = None
         if cfg.optimizer_placement == "per_stage":

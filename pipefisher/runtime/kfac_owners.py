@@ -1,0 +1,82 @@
+"""K-FAC layer owners among a stage's replicas (``optimizer.kfac_owners=replicas``, issue 36).
+
+Entry points: :func:`plan_owners` (who inverts and preconditions which layer, a pure function) and
+:func:`owned_layers` (this worker's share, per stage replica); ``runtime.kfac_work.KfacWork`` performs it.
+
+[Note: K-FAC owners among replicas]
+A stage held by several replicas (Chimera's two pipes, data-parallel copies) has, after its gradient all-reduce
+and its factor all-reduce, the same gradients and the same factors on every replica, so every replica computes
+the same inverses (INVERT) and the same preconditioned gradients (PRECOND): Chimera's twins do a stage's K-FAC
+work twice, and at D=2 Chimera has no bubble to hide it in (bench/studies/16-optimizer-placement.md: PipeFisher's
+step 1.10–1.13× NVLAMB's there). With ``kfac_owners=replicas`` each layer of the stage gets one owner among the
+stage's replicas (:func:`plan_owners`: the most expensive layer first, to the least loaded replica; cost ∝ the
+INVERT and PRECOND FLOPs of an [O, I] layer, O³ + I³ + O·I·(O + I)). Only the owner inverts the layer; at PRECOND
+each replica preconditions the layers it owns, sets the others' gradients to zero (after recording their norm,
+which the clip reads: ``clip_before_precondition``), and one all-reduce (a sum) over the stage's group, started
+at PRECOND and waited for before the STEP that reads the gradients, gives every replica every layer's
+preconditioned gradient. x + 0 = x exactly in floating point, so every replica's gradients equal the owner's,
+which are bit for bit what each replica computes with ``holder`` (the same inputs through the same operations);
+the parameters equal ``holder``'s (tests/test_kfac_owners.py). Curvature (CURV_A, CURV_B) is still captured by
+every replica from its own micro-batches and all-reduced, as before; a replica keeps no inverses for layers it does
+not own, so a checkpoint written under one setting cannot continue under the other (``checkpoint_io``'s matching
+fields). The schedule and the planner are unchanged: the INVERT units of a layer a replica does not own cost it
+nothing, so the step is at most what the planner predicts. Not under ``sdp``/``tp`` (refused at config time).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import torch.distributed as dist
+
+from pipefisher.optim import KFACPreconditioner
+
+__all__ = ["layer_cost", "owned_layers", "plan_owners"]
+
+StageKey = tuple[int, int]  # (pipe, stage)
+
+
+def layer_cost(out_features: int, in_features: int) -> int:
+    """Relative INVERT + PRECOND cost of an [O, I] layer: O³ + I³ (both factors' inverses) + O·I·(O + I)."""
+    return out_features ** 3 + in_features ** 3 + out_features * in_features * (out_features + in_features)
+
+
+def plan_owners(shapes: Sequence[tuple[int, int]], members: int) -> list[int]:
+    """The owner (0 .. ``members`` − 1) of each layer of ``shapes`` ([O, I] per layer): the layers by cost,
+    the most expensive first (ties: the earlier layer), each to the member with the least cost so far (ties: the
+    lowest index). The same answer on every rank.
+
+    Raises:
+        ValueError: ``members`` < 1.
+    """
+    if members < 1:
+        raise ValueError(f"members={members}: a stage has at least one replica")
+    load = [0] * members
+    owner = [0] * len(shapes)
+    for i in sorted(range(len(shapes)), key=lambda j: (-layer_cost(*shapes[j]), j)):
+        m = min(range(members), key=lambda r: (load[r], r))
+        owner[i] = m
+        load[m] += layer_cost(*shapes[i])
+    return owner
+
+
+def owned_layers(preconditioners: Mapping[StageKey, KFACPreconditioner],
+                 groups: Mapping[int, dist.ProcessGroup | None]) -> dict[StageKey, frozenset[str]]:
+    """Per stage replica of this worker whose stage has a group (several replicas): the names of the layers it
+    owns (:func:`plan_owners` over the group's members, this rank's index in the group). Replicas without a group
+    are absent: they own every layer and exchange nothing."""
+    stages = [stage for _, stage in preconditioners]
+    if len(set(stages)) != len(stages):
+        raise ValueError(f"kfac_owners=replicas: this worker holds two replicas of one stage ({sorted(preconditioners)}); "
+                         f"owners are planned per worker of a stage's group: use optimizer.kfac_owners=holder")
+    out: dict[StageKey, frozenset[str]] = {}
+    for (pipe, stage), pre in preconditioners.items():
+        group = groups.get(stage)
+        if group is None:
+            continue
+        names = pre.layer_names
+        shapes = [tuple(pre.layer(n).module.weight.shape) for n in names]
+        owners = plan_owners(shapes, dist.get_world_size(group))  # type: ignore[arg-type]
+        me = dist.get_rank(group)
+        out[(pipe, stage)] = frozenset(n for n, o in zip(names, owners) if o == me)
+    return out

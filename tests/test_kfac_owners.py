@@ -1,0 +1,103 @@
+"""``optimizer.kfac_owners=replicas`` (issue 36, ``runtime.kfac_owners`` [Note: K-FAC owners among replicas]):
+each layer a stage's replicas share is inverted and preconditioned once, by its owner; the parameters equal
+``kfac_owners=holder``'s bit for bit (and so single-process training), with clipping on and off, on Chimera's
+twins and on data-parallel copies; each replica does about half of the work."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pipefisher.config import ConfigError
+from pipefisher.runtime.checkpoint_io import config_fields, config_hash
+from pipefisher.runtime.kfac_owners import layer_cost, plan_owners
+from tests.dist_harness import run_cases
+from tests.test_optimizer_placement import OFF, ROLL_BACK, _cfg
+
+STEPS = 5
+
+
+def test_layer_cost_counts_both_inverses_and_the_preconditioning() -> None:
+    assert layer_cost(4, 2) == 64 + 8 + 4 * 2 * 6
+    assert layer_cost(2, 4) == layer_cost(4, 2)
+
+
+def test_owners_take_the_most_expensive_layer_first_to_the_least_loaded_replica() -> None:
+    # bert's six Linears per encoder layer: q, k, v, attention output [H, H], intermediate [4H, H], output [H, 4H]
+    h = 8
+    shapes = [(h, h)] * 4 + [(4 * h, h), (h, 4 * h)]
+    assert plan_owners(shapes, 1) == [0] * 6
+    owners = plan_owners(shapes, 2)
+    assert owners[4] != owners[5]  # the two large layers on different replicas
+    assert owners == [0, 1, 0, 1, 0, 1]  # then the small ones alternate, each to the lighter side
+    loads = [sum(layer_cost(*s) for s, o in zip(shapes, owners) if o == m) for m in (0, 1)]
+    assert loads[0] == loads[1]
+    assert plan_owners(shapes, 8)[:6] == [2, 3, 4, 5, 0, 1]  # more replicas than large layers: one layer each
+    with pytest.raises(ValueError, match="at least one replica"):
+        plan_owners(shapes, 0)
+
+
+def test_kfac_owners_is_validated_with_a_one_line_error_and_is_part_of_a_checkpoints_identity() -> None:
+    with pytest.raises(ConfigError, match="optimizer.kfac_owners='all': choose one of holder, replicas"):
+        _cfg("chimera", 2, 4, "kfac", "global", OFF, "optimizer.kfac_owners=all")
+    with pytest.raises(ConfigError, match="optimizer.kfac_owners='replicas': needs sdp=1 and tp=1.*kfac_owners=holder"):
+        _cfg("1f1b", 2, 4, "kfac", "global", OFF, "optimizer.kfac_owners=replicas", "sdp=2")
+    holder = _cfg("chimera", 2, 4, "kfac", "global", OFF)
+    replicas = _cfg("chimera", 2, 4, "kfac", "global", OFF, "optimizer.kfac_owners=replicas")
+    assert "optimizer.kfac_owners" not in config_fields(holder)  # the default keeps old checkpoints' hash
+    assert config_fields(replicas)["optimizer.kfac_owners"] == "replicas"
+    assert config_hash(config_fields(holder)) != config_hash(config_fields(replicas))
+
+
+DP = ("data_parallel=2",)
+# (schedule, optimizer, placement, clip, extra): Chimera's twins (kfac every step, PipeFisher's plan), clipping
+# that changes the step (ROLL_BACK: the global norm is above it), per-stage steps; 1F1B's data-parallel copies.
+CASES = [("chimera", "kfac", "global", OFF), ("chimera", "kfac", "global", ROLL_BACK),
+         ("chimera", "pipefisher", "global", ROLL_BACK), ("chimera", "pipefisher", "per_stage", ROLL_BACK),
+         ("chimera", "ekfac", "global", ROLL_BACK), ("1f1b", "kfac", "global", ROLL_BACK, *DP)]
+OWNERS = ("holder", "replicas")
+
+
+def _owners_cfg(case: tuple, owners: str):
+    method, optimizer, placement, clip, *extra = case
+    return _cfg(method, 2, 4, optimizer, placement, clip, f"optimizer.kfac_owners={owners}", f"steps={STEPS}", *extra)
+
+
+def _id(case: tuple) -> str:
+    method, optimizer, placement, clip, *extra = case
+    return "-".join([method, optimizer, placement, f"clip{clip:g}", *(["dp2"] if tuple(extra) == DP else [])])
+
+
+@pytest.fixture(scope="module")
+def owner_results(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple, dict[str, dict]]:
+    results = {}
+    for cases in ([c for c in CASES if c[4:] != DP], [c for c in CASES if c[4:] == DP]):  # one spawn per world
+        out = run_cases([(_owners_cfg(c, owners), STEPS) for c in cases for owners in OWNERS],
+                        tmp_path_factory.mktemp("kfac_owners"))
+        results.update({c: dict(zip(OWNERS, out[2 * i:2 * i + 2])) for i, c in enumerate(cases)})
+    return results
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", CASES, ids=_id)
+def test_kfac_owners_replicas_equals_holder_bit_for_bit_with_half_the_work(case, owner_results) -> None:
+    holder, owners = owner_results[case]["holder"], owner_results[case]["replicas"]
+    for r in holder:
+        assert owners[r]["losses"] == holder[r]["losses"]
+        assert owners[r]["rollbacks"] == holder[r]["rollbacks"]
+        assert owners[r]["curvature_age"] == holder[r]["curvature_age"]  # the owners' ages reach every replica
+        for name, value in holder[r]["params"].items():
+            torch.testing.assert_close(owners[r]["params"][name], value, rtol=0, atol=0,
+                                       msg=lambda m, n=name: f"{n}: {m}")
+        for name, value in holder[r]["grads"].items():  # the first step's gradients, preconditioned where owned
+            torch.testing.assert_close(owners[r]["grads"][name], value, rtol=0, atol=0,
+                                       msg=lambda m, n=name: f"{n}: {m}")
+    inverted = [holder[r]["kfac_work"][0] for r in sorted(holder)], [owners[r]["kfac_work"][0] for r in sorted(owners)]
+    preconditioned = ([holder[r]["kfac_work"][1] for r in sorted(holder)],
+                      [owners[r]["kfac_work"][1] for r in sorted(owners)])
+    assert all(n > 0 for n in inverted[0] + preconditioned[0])  # K-FAC acted in these steps
+    # every replica pair shares each layer: together the replicas do one holder's share, split evenly
+    group = 2
+    assert sum(inverted[1]) * group == sum(inverted[0])
+    assert sum(preconditioned[1]) * group == sum(preconditioned[0])
+    assert max(inverted[1]) < max(inverted[0]) and max(preconditioned[1]) < max(preconditioned[0])
