@@ -6,6 +6,8 @@
     python bench/optimizer_placement.py --models bert-tiny --optimizers nvlamb pipefisher --micro-batch-size 8 \
         --seq-len 64 --vocab-size 8192 --rounds 42                      # study 7's D=2 shape, PipeFisher vs NVLAMB
     python bench/optimizer_placement.py --stages 4 --models bert-mini --layers 8 --methods 1f1b zb-v  # >= 16 cores
+    python bench/optimizer_placement.py --models bert-tiny --methods chimera --micro-batch-size 8 --seq-len 64 \
+        --vocab-size 8192 --rounds 84 --optimizers nvlamb pipefisher pipefisher:kfac_owners=replicas  # K-FAC owners
 
 Measured (D=2 by default, ``--stages`` worker processes on this machine's cores): each variant runs
 ``PipelineWorker.train_step`` with ``optimizer_placement=global`` and ``per_stage`` in the same two
@@ -93,11 +95,12 @@ def measure(models: list[str], methods: list[str], optimizers: list[str], clips:
     variants = []
     for model in models:
         for method in methods:
-            for opt, clip in [(o, c) for o in optimizers for c in clips]:
-                variants.append((f"{model} {method} {opt} clip {clip}", [f"optimizer.max_grad_norm={clip}",
+            for arm, clip in [(o, c) for o in optimizers for c in clips]:
+                opt, *options = arm.split(":")  # e.g. pipefisher:kfac_owners=replicas
+                variants.append((f"{model} {method} {arm} clip {clip}", [f"optimizer.max_grad_norm={clip}",
                     f"model={model}", *depth, f"pipeline={method}", f"stages={stages}",
                     f"num_micro_batches={micro_batches}", f"micro_batch_size={micro_batch_size}",
-                    f"data.seq_len={seq_len}", f"optimizer={opt}",
+                    f"data.seq_len={seq_len}", f"optimizer={opt}", *(f"optimizer.{x}" for x in options),
                     f"steps={warmup + rounds + 1}", "model.hidden_dropout=0.0", "model.attention_dropout=0.0"]))
     load = h.load()
     out = h.launch(_run, stages, variants, warmup, rounds)
@@ -195,7 +198,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--models", nargs="+", default=["bert-tiny", "bert-mini"])
     p.add_argument("--methods", nargs="+", default=["1f1b", "chimera"])
-    p.add_argument("--optimizers", nargs="+", default=["nvlamb"])
+    p.add_argument("--optimizers", nargs="+", default=["nvlamb"],
+                   help="arms: an optimizer, with optimizer.* options after colons (pipefisher:kfac_owners=replicas)")
     p.add_argument("--clips", nargs="+", default=["1.0", "0"],
                    help="optimizer.max_grad_norm values (1.0: the default, active early in training; 0: off)")
     p.add_argument("--micro-batches", type=int, default=4)

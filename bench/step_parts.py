@@ -1,0 +1,76 @@
+"""Where a step's time goes, per action kind and worker, for arms taking turns in the same processes.
+
+    python bench/step_parts.py                     # PipeFisher with kfac_owners holder / replicas against NVLAMB
+    python bench/step_parts.py --arm muon:optimizer=muon --arm nvlamb:optimizer=nvlamb --rounds 20
+
+Each arm is a ``PipelineWorker`` of the same D=2 processes (``--base`` overrides, then the arm's), stepped once per
+round in rotated order (``_harness.timed_rounds``); per arm the mean wall step over the rounds (whole refresh
+cycles when ``--rounds`` is a multiple of K-FAC's k) and, per worker and action kind, the mean ms per step of its
+compute events and, apart, of its waits ([Note: waits are not compute] in ``runtime.executor``). Default: study
+7's shape (bert-tiny, vocabulary 8,192, Chimera D=2, 4 micro-batches of 8, seq 64), dropout 0, clip 1.0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+from collections import defaultdict
+
+import torch
+
+import _harness as h
+from pipefisher.runtime.worker import PipelineWorker
+from pipefisher.timeline import is_wait
+
+BASE = ["model=bert-tiny", "model.vocab_size=8192", "pipeline=chimera", "stages=2", "num_micro_batches=4",
+        "micro_batch_size=8", "data.seq_len=64", "model.hidden_dropout=0.0", "model.attention_dropout=0.0",
+        "optimizer.max_grad_norm=1.0"]
+ARMS = ["nvlamb:optimizer=nvlamb", "pf-holder:optimizer=pipefisher",
+        "pf-replicas:optimizer=pipefisher;optimizer.kfac_owners=replicas"]
+
+
+def _run(rank: int, world: int, base: list[str], arms: dict[str, list[str]], warmup: int, rounds: int) -> dict:
+    workers = {a: PipelineWorker(h.compose(base + [f"steps={warmup + rounds + 1}", *o]), rank, world,
+                                 torch.device("cpu")) for a, o in arms.items()}
+    busy: dict[str, dict[str, float]] = {a: defaultdict(float) for a in arms}
+    waits: dict[str, dict[str, float]] = {a: defaultdict(float) for a in arms}
+    walls: dict[str, list[float]] = defaultdict(list)
+    for key, seconds, events in h.timed_rounds(workers, warmup, rounds):  # rank 0 only
+        walls[key].append(seconds * 1e3)
+        for e in events:
+            (waits if is_wait(e) else busy)[key][f"W{e.worker} {e.kind}"] += e.duration_ns / 1e6
+    return {a: {"wall_ms": statistics.fmean(walls[a]), "busy": {k: v / len(walls[a]) for k, v in busy[a].items()},
+                "wait": {k: v / len(walls[a]) for k, v in waits[a].items()}} for a in walls}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--base", nargs="*", default=BASE, help="overrides of every arm")
+    p.add_argument("--arm", action="append", default=None, metavar="NAME:KEY=VALUE;KEY=VALUE",
+                   help=f"an arm and its overrides (repeatable; default: {' '.join(ARMS)})")
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--rounds", type=int, default=42, help="a multiple of K-FAC's k (7 here) covers whole cycles")
+    args = p.parse_args()
+    arms = {}
+    for spec in args.arm or ARMS:
+        name, _, keys = spec.partition(":")
+        if not keys:
+            raise SystemExit(f"--arm {spec!r}: give NAME:KEY=VALUE[;KEY=VALUE], e.g. muon:optimizer=muon")
+        arms[name] = keys.split(";")
+    load = h.load()
+    out = h.launch(_run, 2, args.base, arms, args.warmup, args.rounds)[0]
+    result = out["result"]
+    from pipefisher.hardware import describe_hardware  # after the fork: the parent runs no torch op before it
+
+    print(f"{describe_hardware()} ({out['threads']} thread(s) per worker); {load} before; `{' '.join(args.base)}`; {args.rounds} rounds after {args.warmup} "
+          f"warm-up, arms taking turns; ms per step, mean over the rounds")
+    kinds = sorted({k for r in result.values() for k in r["busy"]})
+    print(h.table(["action (worker kind)", *(f"{a} busy" for a in result)],
+                  [[k, *(result[a]["busy"].get(k, 0.0) for a in result)] for k in kinds]
+                  + [[f"{k} (wait)", *(result[a]["wait"].get(k, 0.0) for a in result)]
+                     for k in sorted({k for r in result.values() for k in r["wait"]})]
+                  + [["wall step", *(result[a]["wall_ms"] for a in result)]]))
+
+
+if __name__ == "__main__":
+    h.main_guard(main)
