@@ -900,6 +900,56 @@ WITH_BOOKKEEPING = ("predicted_kfac_units_rounds", "predicted_flop_rate_rounds",
                     "predicted_no_kfac_factor_rounds", "predicted_no_muon_factor_rounds")
 
 
+#: the calibration entry (optimizer, k) of each validated optimizer; PipeFisher's k is its pair's plan
+_CALIBRATION_KEY = {"nvlamb": ("nvlamb", None), "adamw": ("adamw", None), "muon": ("muon", None),
+                    "kfac": ("kfac", 1), "pipefisher": ("pipefisher", None)}
+
+
+def restep(doc: Mapping[str, Any], calibration: Any, loss: float) -> dict[str, Any]:
+    """``doc`` with every pair's steps to the target taken from another calibration at held-out ``loss``: its
+    reference's steps × the optimizer's multiplier at the pair's k (PipeFisher: its plan's, when_ready, as
+    ``train.py optimizer=pipefisher`` runs it). The steps are the same number on the predicted and the measured side,
+    so the step errors do not move; the order does. Pairs of an optimizer the calibration has no entry for (AdamW in
+    study 18's) are left out of every table, and listed under ``"unpriced"``.
+
+    Raises:
+        CalibrationError: ``loss`` outside the calibration's range (names it).
+    """
+    ref = calibration.steps_to(loss, field="--target-loss")
+    out = json.loads(json.dumps(doc))
+    unpriced: set[str] = set()
+
+    def steps_of(key: str, row: Mapping[str, Any]) -> float | None:
+        optimizer, k = _CALIBRATION_KEY[key.split("/")[1]]
+        promote = "when_ready" if optimizer == "pipefisher" else None
+        m = calibration.steps_multiplier(optimizer, row.get("k") if optimizer == "pipefisher" else k, loss, promote)
+        return None if m is None else ref * m[0]
+
+    def reprice(rows: dict[str, Any]) -> None:
+        for key in list(rows):
+            steps = steps_of(key, rows[key])
+            if steps is None:
+                unpriced.add(key)
+                del rows[key]
+            else:
+                rows[key]["steps"] = steps
+                rows[key]["time_s"] = steps * rows[key]["step_s"]
+
+    for name in ("predicted", "builtin"):
+        if out.get(name):
+            reprice(out[name])
+    for name, value in list(out.items()):
+        if name.startswith("predicted") and name.endswith("rounds"):
+            for rows in value:
+                reprice(rows)
+    for measured in [out.get("measured", {}), (out.get("interleaved") or {}).get("measured", {})]:
+        for key in [k for k in measured if k in unpriced]:
+            del measured[key]
+    out["unpriced"] = sorted(unpriced)
+    out["steps_from"] = f"{calibration.describe()}; at held-out loss {loss:g} ({calibration.reference}'s steps {ref:.0f})"
+    return out
+
+
 def report(doc: Mapping[str, Any]) -> str:
     rows = assemble_rows(doc["predicted"], doc["measured"], doc.get("builtin"), doc.get("measured_k"))
     s = summary(rows)
@@ -908,6 +958,9 @@ def report(doc: Mapping[str, Any]) -> str:
              f"uptime before: {doc.get('uptime_before', '?')}; after: {doc.get('uptime_after', '?')}",
              _load_range(loads, "at the runs' starts"),
              "rates measured here (the search's comm_costs):", *[f"- {x}" for x in doc.get("rates", [])], ""]
+    if doc.get("steps_from"):
+        lines[1:1] = [f"steps to the target: {doc['steps_from']}"
+                      + (f"; not calibrated, left out: {', '.join(doc['unpriced'])}" if doc.get("unpriced") else "")]
     lines += table_lines(rows)
     lines.append("")
     if "spearman" in s:
@@ -987,6 +1040,10 @@ def main() -> None:
                    help="--top-pick: WikiText-2's train.txt and valid.txt")
     p.add_argument("--diagnose", action="store_true",
                    help="the search's cost of each action beside a profile's (chimera pp=2, kfac and muon), back to back")
+    p.add_argument("--calibration", type=Path, default=None,
+                   help=f"steps from this calibration file (default {CALIBRATION.name}): the search's with --measure; "
+                        "on a DIR measured before, its pairs' steps repriced (the step errors do not change)")
+    p.add_argument("--target-loss", type=float, default=TARGET_LOSS, help="held-out loss of the target (H-0.3: 6.24)")
     p.add_argument("--interleaved", type=int, default=0, metavar="ROUNDS",
                    help="after --measure (or on a DIR it filled): every pair again in the same processes, one step "
                         "each per round, at least ROUNDS rounds of whole refresh cycles (e.g. 84: the measurement's "
@@ -994,6 +1051,16 @@ def main() -> None:
     args = p.parse_args()
     global STAGES
     STAGES = args.stages
+    calibration = None
+    if args.calibration is not None or args.target_loss != TARGET_LOSS:  # checked before any minute is spent
+        from pipefisher.planning.calibration import read_calibration
+
+        calibration = read_calibration(args.calibration or CALIBRATION)
+        try:
+            calibration.steps_to(args.target_loss, field="--target-loss")
+        except ValueError as err:
+            raise SystemExit(str(err)) from None
+        SEARCH[-2:] = [f"calibration={args.calibration or CALIBRATION}", f"target_loss={args.target_loss}"]
     args.out.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
     path = args.out / "validation.json"
@@ -1057,8 +1124,12 @@ def main() -> None:
         print("\n\n".join(parts))
         return
     doc = json.loads(path.read_text())
+    name = "validation.md"
+    if calibration is not None:  # the pairs' steps from this calibration (uncalibrated optimizers left out)
+        doc = restep(doc, calibration, args.target_loss)
+        name = f"validation-{Path(args.calibration or CALIBRATION).stem}-{args.target_loss:g}.md"
     text = "\n\n".join([report(doc), *parts])
-    (args.out / "validation.md").write_text(text)
+    (args.out / name).write_text(text)
     print(text)
     print(f"({time.perf_counter() - start:.0f} s)")
 

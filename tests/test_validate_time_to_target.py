@@ -316,3 +316,37 @@ def test_every_repricing_measured_with_the_rates_is_reported_and_strips_a_copy(v
     for _, _, transform in v.REPRICE_FILES:
         assert transform(doc) != doc
     assert repr(doc) == before
+
+
+def test_restep_takes_every_pairs_steps_from_another_calibration_and_leaves_out_what_it_lacks(v) -> None:
+    """Study 20's runs re-read with study 18's budget calibration: steps = the reference's steps to the loss × the
+    optimizer's multiplier (the same on both sides, so step errors stay); AdamW, which the file lacks, is left
+    out of every table and listed; a loss outside the file's range is refused naming it."""
+    from pipefisher.planning.calibration import parse_calibration
+    from tests.conftest import calibration_doc
+
+    cal = parse_calibration(calibration_doc(), "cal.json")
+    pair = lambda step, steps, k=1: {"step_s": step, "steps": steps, "k": k, "time_s": step * steps}  # noqa: E731
+    doc = {"predicted": {"chimera/nvlamb": pair(0.1, 1606), "chimera/adamw": pair(0.1, 1606),
+                         "chimera/muon": pair(0.12, 1245)},
+           "predicted_rounds": [{"chimera/nvlamb": pair(0.1, 1606), "chimera/adamw": pair(0.1, 1606),
+                                 "chimera/muon": pair(0.12, 1245)}],
+           "measured": {"chimera/nvlamb": [0.11, 0.09], "chimera/adamw": [0.1], "chimera/muon": [0.125]},
+           "interleaved": {"measured": {"chimera/nvlamb": [0.1], "chimera/adamw": [0.1], "chimera/muon": [0.12]}}}
+    out = v.restep(doc, cal, 6.0)
+    assert out["unpriced"] == ["chimera/adamw"]
+    assert set(out["predicted"]) == set(out["measured"]) == set(out["interleaved"]["measured"]) == \
+        {"chimera/nvlamb", "chimera/muon"}
+    assert out["predicted"]["chimera/nvlamb"]["steps"] == 500.0  # the reference's steps to loss 6.0
+    assert out["predicted"]["chimera/muon"]["steps"] == pytest.approx(500.0 / 3.0)  # 3x fewer
+    assert out["predicted_rounds"][0]["chimera/muon"]["steps"] == pytest.approx(500.0 / 3.0)
+    assert "chimera/adamw" in doc["predicted"]  # the input is not changed
+    before = {r.optimizer: r.error for r in v.assemble_rows(doc["predicted"], doc["measured"])}
+    after = {r.optimizer: r for r in v.assemble_rows(out["predicted"], out["measured"])}
+    assert all(after[o].error == before[o] for o in after)  # steps cancel in a step's error
+    # the order can change: Muon's time is now 1/3 of NVLAMB's steps x its 1.2x step, ahead of NVLAMB
+    assert after["muon"].predicted_time_s < after["nvlamb"].predicted_time_s
+    assert "not calibrated, left out: chimera/adamw" in v.report({**out, "hardware": "h", "command": "c",
+                                                                  "interleaved": None})
+    with pytest.raises(ValueError, match="--target-loss=7: the calibration's reference covers held-out losses 5 .. 6"):
+        v.restep(doc, cal, 7.0)
