@@ -171,7 +171,7 @@ class KfacWork:
                     used = pre.layer(name).inverse_step
                     ages[name] = None if used is None or self.step is None else self.step - used
                     self._note_age(ages[name])
-            if owned is not None:
+            if owned is not None and names:  # a stage without K-FAC layers has nothing to exchange (on every replica)
                 self._start_exchange(key, pre, names, owned, ages)
         else:  # pragma: no cover - only K-FAC kinds are dispatched here
             raise ValueError(f"not a K-FAC action: {a}")
