@@ -215,10 +215,17 @@ def test_two_chunk_methods_hold_the_same_model_in_twice_the_stages(sc, method) -
         assert sum(getattr(a, name)) == sum(getattr(b, name)), name
     schedule = sc.simulated_schedule(two, b)
     assert schedule.num_stages == 8 and schedule.method == method
-    got = sc.simulated_step_costs(cost, measured, 4, method, 8, layers=8, intervals=(1,))
-    assert got == sc.arm_step_costs(schedule, b, [6] * 8, intervals=(1,))
     # no faster than the work of one worker without any bubble: N x (its two stages' F + B) + STEP
-    assert got["nvlamb"]["step_s"] * 1e9 >= 8 * 2 * (200 + 400) + 1000
+    assert sc.steady_step_ns((schedule,), b) >= 8 * 2 * (200 + 400) + 1000
+
+
+def test_simulated_step_costs_of_a_two_chunk_method_simulate_its_scaled_schedule(sc) -> None:
+    measured, cost = _measured(2), _measured_cost(1)
+    got = sc.simulated_step_costs(cost, measured, 4, "zb-v", 8, layers=8, intervals=(1,))
+    target = sc.simulated_run(measured, 4, "zb-v", 8, layers=8)
+    scaled = sc.scale_costs(cost, measured, target)
+    assert got == sc.arm_step_costs(sc.simulated_schedule(target, scaled), scaled, [6] * 8, intervals=(1,))
+    assert got["nvlamb"]["step_s"] <= got["pipefisher"]["step_s"] <= got["kfac-k1"]["step_s"]
 
 
 def test_simulated_step_costs_simulate_the_scaled_uniform_pipeline(sc) -> None:
