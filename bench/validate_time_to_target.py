@@ -942,6 +942,7 @@ def restep(doc: Mapping[str, Any], calibration: Any, loss: float) -> dict[str, A
         if name.startswith("predicted") and name.endswith("rounds"):
             for rows in value:
                 reprice(rows)
+    out["unpriced_measured"] = {k: v for k, v in out.get("measured", {}).items() if k in unpriced}  # the noise check
     for measured in [out.get("measured", {}), (out.get("interleaved") or {}).get("measured", {})]:
         for key in [k for k in measured if k in unpriced]:
             del measured[key]
@@ -992,7 +993,9 @@ def report(doc: Mapping[str, Any]) -> str:
                              f"{alt['worst_error']:+.1%} ({alt['worst_pair']}), {alt['within_goal']} of {alt['pairs']} "
                              f"within {GOAL_STEP_ERROR:.0%}, median step error "
                              f"{statistics.median(r.error for r in alt_rows):+.1%}")
-    twins = twin_spread(rows)
+    every_run = {**doc["measured"], **doc.get("unpriced_measured", {})}  # AdamW's runs count here even if unpriced
+    twins = twin_spread([Row(*key.split("/"), 1.0, 1.0, statistics.median(v), tuple(v))
+                         for key, v in every_run.items() if v])
     if twins:
         lines.append("NVLAMB / AdamW measured step - 1 (the same pipeline, priced equal): " + ", ".join(
             f"{k} {v:+.0%}" for k, v in twins.items()) + f"; median |.| {statistics.median(abs(v) for v in twins.values()):.0%}"

@@ -346,7 +346,9 @@ def test_restep_takes_every_pairs_steps_from_another_calibration_and_leaves_out_
     assert all(after[o].error == before[o] for o in after)  # steps cancel in a step's error
     # the order can change: Muon's time is now 1/3 of NVLAMB's steps x its 1.2x step, ahead of NVLAMB
     assert after["muon"].predicted_time_s < after["nvlamb"].predicted_time_s
-    assert "not calibrated, left out: chimera/adamw" in v.report({**out, "hardware": "h", "command": "c",
-                                                                  "interleaved": None})
+    text = v.report({**out, "hardware": "h", "command": "c", "interleaved": None})
+    assert "not calibrated, left out: chimera/adamw" in text
+    assert out["unpriced_measured"] == {"chimera/adamw": [0.1]}  # still the noise check's twin of NVLAMB
+    assert "NVLAMB / AdamW measured step - 1 (the same pipeline, priced equal): chimera +0%" in text
     with pytest.raises(ValueError, match="--target-loss=7: the calibration's reference covers held-out losses 5 .. 6"):
         v.restep(doc, cal, 7.0)
