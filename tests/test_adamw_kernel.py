@@ -168,7 +168,7 @@ def test_pipelines_with_fused_adamw_equal_one_process_with_fused_adamw(tmp_path:
         with one_thread():  # as dist_harness's workers
             ref_params, ref_last_loss = equiv._reference_params(cfg)
         assert sum(result[0]["losses"][-1]) == pytest.approx(ref_last_loss, rel=1e-5), case
-        tol = {"rtol": 0.0, "atol": 0.0} if exact else {"rtol": 1e-5, "atol": 1e-6}
+        tol = {"rtol": 0.0, "atol": 0.0} if exact else {"rtol": 1e-5, "atol": equiv.PARAM_ATOL}
         params = {(equiv.WORD if n == equiv.DECODER else n): v for n, v in equiv._by_name(result, "params")}
         for pname, value in params.items():
             torch.testing.assert_close(value, ref_params[pname], **tol, msg=lambda m, n=pname, c=case: f"{c} {n}: {m}")
