@@ -68,6 +68,7 @@ import step_costs as sc
 from convergence import arm_overrides, cycle_mean_step_s
 
 from pipefisher.planning.calibration import Calibration, read_calibration
+from pipefisher.schedules.kfac import kfac_layer_counts
 
 # --- the study's steps to target (07-convergence.md: mean, min, max over seeds 0-2) --------------------------
 TARGETS = ("H-0.2", "H-0.3")
@@ -289,13 +290,15 @@ def simulate_d8(out: Path, methods: tuple[str, ...], ns: tuple[int, ...], reps: 
         cost, measured = sc.median_costs(taken[n]), measured_of[n]
         for method in methods:
             target = sc.simulated_run(measured, 8, method, n, layers)
+            scaled = sc.scale_costs(cost, measured, target)
             try:
-                schedule = sc.simulated_schedule(target, sc.scale_costs(cost, measured, target))
+                schedule = sc.simulated_schedule(target, scaled)
             except ValueError as err:
                 skipped[f"{method}/N={n}"] = str(err)
                 print(f"  D=8 {method} N={n}: skipped ({err})", flush=True)
                 continue
-            rows = sc.simulated_step_costs(cost, measured, 8, method, n, layers, intervals=(1,))
+            rows = sc.arm_step_costs(schedule, scaled, kfac_layer_counts(schedule, target.encoder_layers),
+                                     intervals=(1,))  # what simulated_step_costs does, on the schedule built here
             res = {"nvlamb": rows["nvlamb"]["step_s"], "kfac-k1": rows["kfac-k1"]["step_s"],
                    "pipefisher": rows["pipefisher"]["step_s"]}
             for arm in [a for a in ("adamw", "adamw-fused", "muon", "muon-fused", "muon-bf16") if a in ratio]:
