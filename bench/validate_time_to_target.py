@@ -900,11 +900,6 @@ WITH_BOOKKEEPING = ("predicted_kfac_units_rounds", "predicted_flop_rate_rounds",
                     "predicted_no_kfac_factor_rounds", "predicted_no_muon_factor_rounds")
 
 
-#: the calibration entry (optimizer, k) of each validated optimizer; PipeFisher's k is its pair's plan
-_CALIBRATION_KEY = {"nvlamb": ("nvlamb", None), "adamw": ("adamw", None), "muon": ("muon", None),
-                    "kfac": ("kfac", 1), "pipefisher": ("pipefisher", None)}
-
-
 def restep(doc: Mapping[str, Any], calibration: Any, loss: float) -> dict[str, Any]:
     """``doc`` with every pair's steps to the target taken from another calibration at held-out ``loss``: its
     reference's steps × the optimizer's multiplier at the pair's k (PipeFisher: its plan's, when_ready, as
@@ -920,9 +915,9 @@ def restep(doc: Mapping[str, Any], calibration: Any, loss: float) -> dict[str, A
     unpriced: set[str] = set()
 
     def steps_of(key: str, row: Mapping[str, Any]) -> float | None:
-        optimizer, k = _CALIBRATION_KEY[key.split("/")[1]]
+        optimizer = key.split("/")[1]  # the search's optimizer names are the calibration's; k is the row's interval
         promote = "when_ready" if optimizer == "pipefisher" else None
-        m = calibration.steps_multiplier(optimizer, row.get("k") if optimizer == "pipefisher" else k, loss, promote)
+        m = calibration.steps_multiplier(optimizer, row.get("k"), loss, promote)
         return None if m is None else ref * m[0]
 
     def reprice(rows: dict[str, Any]) -> None:
