@@ -91,8 +91,9 @@ from pipefisher.schedules import ActionKind, Schedule, build_schedule
 from pipefisher.schedules.kfac import LINEARS_PER_ENCODER_LAYER, critical_path_assignment, kfac_layer_counts
 from pipefisher.simulate import CostModel, simulate_phases
 
-__all__ = ["INTERVALS", "METHODS", "SIMULATED_METHODS", "TWO_CHUNK_METHODS", "arm_step_costs", "layers_per_model_stage", "median_costs", "simulated_schedule", "default_max_predictions", "load_costs", "measured_step_costs",
-           "profile_overrides", "profile_run", "scale_costs", "simulated_run", "simulated_step_costs",
+__all__ = ["INTERVALS", "METHODS", "SIMULATED_METHODS", "TWO_CHUNK_METHODS", "arm_step_costs", "default_max_predictions",
+           "layers_per_model_stage", "load_costs", "measured_step_costs", "median_costs", "profile_overrides",
+           "profile_run", "scale_costs", "simulated_run", "simulated_schedule", "simulated_step_costs",
            "steady_step_ns"]
 
 INTERVALS = (1, 2, 4, 8)
@@ -152,8 +153,9 @@ def load_costs(path: str | Path) -> tuple[CostModel, RunShape]:
 
 def median_costs(costs: Sequence[CostModel]) -> CostModel:
     """The element-wise median of cost models of the same run (repeated profiles): every action's cost, per stage
-    and per K-FAC layer, is the median over the profiles (one profile's load moves its costs together: four profiles of the
-    same run gave F+B of 32.7–40.4 ms at micro-batch 4 and 16.8–24.7 ms at 2, bench/studies/18-budget-calibration.md).
+    and per K-FAC layer, is the median over the profiles (one profile's load moves its costs together: four
+    profiles of the same run gave F+B of 32.7–40.4 ms at micro-batch 4 and 16.8–24.7 ms at 2,
+    bench/studies/18-budget-calibration.md).
 
     Raises:
         ValueError: no cost models, or models of different shapes (stages, K-FAC layers).

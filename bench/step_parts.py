@@ -62,8 +62,8 @@ def main() -> None:
     result = out["result"]
     from pipefisher.hardware import describe_hardware  # after the fork: the parent runs no torch op before it
 
-    print(f"{describe_hardware()} ({out['threads']} thread(s) per worker); {load} before; `{' '.join(args.base)}`; {args.rounds} rounds after {args.warmup} "
-          f"warm-up, arms taking turns; ms per step, mean over the rounds")
+    print(f"{describe_hardware()} ({out['threads']} thread(s) per worker); {load} before; `{' '.join(args.base)}`; "
+          f"{args.rounds} rounds after {args.warmup} warm-up, arms taking turns; ms per step, mean over the rounds")
     kinds = sorted({k for r in result.values() for k in r["busy"]})
     print(h.table(["action (worker kind)", *(f"{a} busy" for a in result)],
                   [[k, *(result[a]["busy"].get(k, 0.0) for a in result)] for k in kinds]
