@@ -283,6 +283,27 @@ def main_guard(main: Callable[[], None]) -> None:
 # --------------------------------------------------------------------------------------------
 
 
+def read_calibration_for(path: Path, losses: Sequence[float],
+                         field: str = "--target-loss") -> tuple[Any, tuple[float, ...]]:
+    """Read a calibration file (``planning.calibration``) and check, before any minute is measured, that its
+    steps reach every target in ``losses`` (none given: the file's default target); a target outside its
+    range exits naming ``field``.
+
+    Returns:
+        The calibration and the targets checked.
+    """
+    from pipefisher.planning.calibration import read_calibration
+
+    calibration = read_calibration(path)
+    losses = tuple(losses) or (calibration.default_target,)
+    for loss in losses:
+        try:
+            calibration.steps_to(loss, field=field)
+        except ValueError as err:
+            raise SystemExit(str(err)) from None
+    return calibration, losses
+
+
 def step_rows(run_dir: Path) -> list[dict[str, Any]]:
     """The step rows of a run's ``metrics.jsonl``, one per step in order (an evaluation that came as
     its own record of a step is merged into that step's row); empty when there is no file yet."""

@@ -28,7 +28,6 @@ worker's stages; per_stage with the pass's default placement and with ``place_st
 from __future__ import annotations
 
 import argparse
-import platform
 import statistics
 from collections import defaultdict
 from dataclasses import replace
@@ -36,6 +35,7 @@ from dataclasses import replace
 import torch
 
 import _harness as h
+from pipefisher.hardware import describe_hardware
 from pipefisher.planning.costs import STEP_BYTES_PER_PARAM, estimate_run_costs, stage_parameters
 from pipefisher.planning.step_placement import place_stage_steps
 from pipefisher.runtime.build import CPU_HARDWARE, run_shape, stage_slices
@@ -48,21 +48,9 @@ PLACEMENTS = ("global", "per_stage")
 
 
 def hardware_line(threads: int) -> str:
-    """CPU model and the flags that decide its arithmetic, threads per worker, torch version."""
-    model, flags = platform.processor() or platform.machine(), set()
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    model = line.split(":", 1)[1].strip()
-                elif line.startswith("flags"):
-                    flags = set(line.split(":", 1)[1].split())
-                    break
-    except OSError:
-        pass
-    shown = [x for x in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if x in flags]
-    return (f"{model} ({', '.join(shown) or 'no AVX2/AVX-512 flags'}), {h.cores()} cores, {threads} thread(s) "
-            f"per worker, torch {torch.__version__}")
+    """The CPU (model, cores, the flags that decide its arithmetic) and torch version, with the threads each
+    worker ran on (``describe_hardware`` counts the driver's)."""
+    return f"{describe_hardware('cpu')} in the driver; {threads} thread(s) per worker"
 
 
 def _step_parts(events: list[Event]) -> dict[str, float]:

@@ -67,7 +67,7 @@ import _harness as h
 import step_costs as sc
 from convergence import arm_overrides, cycle_mean_step_s
 
-from pipefisher.planning.calibration import Calibration, read_calibration
+from pipefisher.planning.calibration import Calibration
 from pipefisher.schedules.kfac import kfac_layer_counts
 
 # --- the study's steps to target (07-convergence.md: mean, min, max over seeds 0-2) --------------------------
@@ -468,13 +468,7 @@ def main() -> None:
     args = p.parse_args()
     source = STUDY  # checked before any measurement: a bad --calibration or --target-loss costs no minutes
     if args.calibration is not None:
-        cal = read_calibration(args.calibration)
-        losses = tuple(float(x) for x in args.target_loss.split(",") if x) or (cal.default_target,)
-        for x in losses:
-            try:
-                cal.steps_to(x, field="--target-loss")
-            except ValueError as err:
-                raise SystemExit(str(err)) from None
+        cal, losses = h.read_calibration_for(args.calibration, [float(x) for x in args.target_loss.split(",") if x])
         source = StepsSource(cal, losses)
     elif args.target_loss:
         raise SystemExit("--target-loss needs --calibration FILE (study 7's targets are H-0.2 and H-0.3)")

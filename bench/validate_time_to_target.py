@@ -1051,13 +1051,7 @@ def main() -> None:
     STAGES = args.stages
     calibration = None
     if args.calibration is not None or args.target_loss != TARGET_LOSS:  # checked before any minute is spent
-        from pipefisher.planning.calibration import read_calibration
-
-        calibration = read_calibration(args.calibration or CALIBRATION)
-        try:
-            calibration.steps_to(args.target_loss, field="--target-loss")
-        except ValueError as err:
-            raise SystemExit(str(err)) from None
+        calibration, _ = h.read_calibration_for(args.calibration or CALIBRATION, [args.target_loss])
         SEARCH[-2:] = [f"calibration={args.calibration or CALIBRATION}", f"target_loss={args.target_loss}"]
     args.out.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()

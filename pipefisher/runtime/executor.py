@@ -75,6 +75,7 @@ import torch.distributed as dist
 from torch import nn
 
 from pipefisher.model.rng import dropout_key
+from pipefisher.runtime.flat_all_reduce import FlatAllReduce
 from pipefisher.runtime.kfac_work import KfacWork, StageKey
 from pipefisher.runtime.sharding import ShardedStages, local
 from pipefisher.runtime.split_backward import (WeightGradStore, accumulating, apply_weight_grads, deferring,
@@ -165,7 +166,7 @@ class _StepState:
     deferred: dict[tuple[int, int, int], WeightGradStore] = field(default_factory=dict)  # an I's, until its W
     batches: dict[int, dict[str, torch.Tensor]] = field(default_factory=dict)  # micro-batch -> batch
     sends: list[tuple[dist.Work, torch.Tensor]] = field(default_factory=list)
-    syncs: dict[StageKey, tuple[dist.Work, torch.Tensor, list[nn.Parameter]]] = field(default_factory=dict)
+    syncs: dict[StageKey, FlatAllReduce] = field(default_factory=dict)
     grad_norm: torch.Tensor | None = None  # from STEP's wait
 
 
@@ -386,12 +387,11 @@ class WorkerExecutor:
         group = self.grad_groups.get(a.stage)
         if group is None:
             return
-        params = self._sync_params[(a.pipe, a.stage)]
-        if self.comm.ablate:
-            flat, params = self.comm.message(None), []  # nothing is copied back
+        if self.comm.ablate:  # nothing is copied back
+            st.syncs[(a.pipe, a.stage)] = FlatAllReduce.start_message(self.comm.message(None), group)
         else:
-            flat = torch._utils._flatten_dense_tensors([_grad(p) for p in params])
-        st.syncs[(a.pipe, a.stage)] = (dist.all_reduce(flat, group=group, async_op=True), flat, params)
+            grads = [_grad(p) for p in self._sync_params[(a.pipe, a.stage)]]
+            st.syncs[(a.pipe, a.stage)] = FlatAllReduce.start(grads, group)
 
     def _kfac_unit(self, a: Action, st: _StepState) -> None:
         self.kfac.run(a)  # PRECOND and INVERT find their all-reduces done (waited for in run_step)
@@ -414,7 +414,7 @@ class WorkerExecutor:
             return contextlib.nullcontext()
         return torch.cuda.nvtx.range(name)
 
-    def _wait_for_collectives(self, a: Action, syncs: dict[StageKey, tuple[dist.Work, torch.Tensor, list[nn.Parameter]]],
+    def _wait_for_collectives(self, a: Action, syncs: dict[StageKey, FlatAllReduce],
                               sends: list[tuple[dist.Work, torch.Tensor]]) -> tuple[bool, torch.Tensor | None]:
         """Wait for what PRECOND, INVERT or STEP ``a`` consumes from collectives ([Note: waits are
         not compute]).
@@ -438,7 +438,7 @@ class WorkerExecutor:
             self.kfac.finish_exchanges()
         return True, self.grad_norm()
 
-    def _finish_grad_sync(self, syncs: dict[StageKey, tuple[dist.Work, torch.Tensor, list[nn.Parameter]]],
+    def _finish_grad_sync(self, syncs: dict[StageKey, FlatAllReduce],
                           key: StageKey | None = None) -> bool:
         """Wait for the pending gradient all-reduces (of one stage replica, or all) and copy back;
         after all of them, sum the tied weight's gradient over its holders.
@@ -448,14 +448,9 @@ class WorkerExecutor:
         """
         waited = False
         for k in [key] if key is not None else list(syncs):
-            if k not in syncs:
-                continue
-            work, flat, params = syncs.pop(k)
-            work.wait()
-            waited = True
-            if params:
-                for p, synced in zip(params, torch._utils._unflatten_dense_tensors(flat, [_grad(p) for p in params])):
-                    _grad(p).copy_(synced)
+            if k in syncs:
+                syncs.pop(k).finish()
+                waited = True
         if key is not None:
             return waited
         return self.reduce_tied_grads() or waited

@@ -36,6 +36,7 @@ import torch
 import torch.distributed as dist
 
 from pipefisher.optim import KFACPreconditioner
+from pipefisher.runtime.flat_all_reduce import FlatAllReduce
 from pipefisher.schedules.ir import Action, ActionKind
 
 __all__ = ["KfacWork"]
@@ -76,12 +77,13 @@ class KfacWork:
         self.step: int | None = None  # the step running (its captures are stamped with it)
         self._used_age: int | None = None  # oldest curvature this step's PRECONDs used (steps)
         self._capture_step: dict[tuple[StageKey, str], int | None] = {}  # (replica, layer) -> step captured
-        # Factor all-reduces in flight: (stage replica, layer names) -> (work, flat buffer, tensors, world).
-        self._syncs: dict[tuple[StageKey, tuple[str, ...]], tuple[dist.Work, torch.Tensor, list[torch.Tensor], int]] = {}
+        # Factor all-reduces in flight: (stage replica, layer names) -> (the all-reduce, its group's size).
+        self._syncs: dict[tuple[StageKey, tuple[str, ...]], tuple[FlatAllReduce, int]] = {}
         self.owned = owned or {}
-        # Preconditioned-gradient exchanges in flight (kfac_owners=replicas): replica -> [(work, flat, tensors,
-        # layers, raw norms of the layers owned elsewhere)].
-        self._exchanges: dict[StageKey, list[tuple[Any, ...]]] = {}
+        # Preconditioned-gradient exchanges in flight (kfac_owners=replicas): replica -> [(the all-reduce of the
+        # gradients and a last [preconditioned, age + 1] tensor, (name, layer) in packing order, raw norms of the
+        # layers owned elsewhere)].
+        self._exchanges: dict[StageKey, list[tuple[FlatAllReduce, list[tuple[str, Any]], dict[str, Any]]]] = {}
         self.inverted = 0  # layers inverted here, over the run (tests, benchmarks)
         self.preconditioned = 0  # layers preconditioned here (with inverses in use), over the run
 
@@ -146,9 +148,7 @@ class KfacWork:
                 dist.all_reduce(torch.zeros(1, dtype=torch.uint8, device=device), group=group)
             elif group is not None:  # see [Note: asynchronous factor syncs]
                 tensors = [t for name in names for t in pre.factor_tensors(name)]
-                flat = torch._utils._flatten_dense_tensors(tensors)
-                work = dist.all_reduce(flat, group=group, async_op=True)
-                self._syncs[(key, tuple(names))] = (work, flat, tensors, dist.get_world_size(group))
+                self._syncs[(key, tuple(names))] = (FlatAllReduce.start(tensors, group), dist.get_world_size(group))
                 return
             self._fold(key, names, world=1)
         elif k == ActionKind.INVERT:  # the executor has waited for its syncs (wait_for_syncs)
@@ -206,9 +206,8 @@ class KfacWork:
                 age = ages[name]
                 meta[2 * i], meta[2 * i + 1] = 1.0, 0.0 if age is None else age + 1.0
         tensors.append(meta)
-        flat = torch._utils._flatten_dense_tensors(tensors)
-        work = dist.all_reduce(flat, group=self.groups[key[1]], async_op=True)
-        self._exchanges.setdefault(key, []).append((work, flat, tensors, [(n, pre.layer(n)) for n in names], raw))
+        exchange = FlatAllReduce.start(tensors, self.groups[key[1]])
+        self._exchanges.setdefault(key, []).append((exchange, [(n, pre.layer(n)) for n in names], raw))
 
     def finish_exchanges(self, key: StageKey | None = None) -> bool:
         """Wait for the preconditioned-gradient exchanges of one stage replica (or all) and copy them into the
@@ -222,13 +221,9 @@ class KfacWork:
         keys = [key] if key is not None else list(self._exchanges)
         waited = False
         for k in keys:
-            for work, flat, tensors, layers, raw in self._exchanges.pop(k, []):
-                work.wait()
+            for exchange, layers, raw in self._exchanges.pop(k, []):
+                meta = exchange.finish()[-1].tolist()
                 waited = True
-                synced = torch._utils._unflatten_dense_tensors(flat, tensors)
-                for t, got in zip(tensors[:-1], synced[:-1]):
-                    t.copy_(got)
-                meta = synced[-1].tolist()
                 for i, (name, layer) in enumerate(layers):
                     if name in raw and meta[2 * i] > 0.5:  # owned elsewhere, preconditioned there
                         layer.raw_grad_sq = raw[name]
@@ -256,10 +251,8 @@ class KfacWork:
     def _finish_sync(self, key: StageKey, names: tuple[str, ...]) -> None:
         """Wait for a factor all-reduce started by SYNC_FACTOR (if :meth:`wait_for_syncs` has not)
         and fold its result into the factors."""
-        work, flat, tensors, world = self._syncs.pop((key, names))
-        work.wait()
-        for t, synced in zip(tensors, torch._utils._unflatten_dense_tensors(flat, tensors)):
-            t.copy_(synced)
+        reduce, world = self._syncs.pop((key, names))
+        reduce.finish()
         self._fold(key, list(names), world)
 
     def _fold(self, key: StageKey, names: list[str], world: int) -> None:
