@@ -112,6 +112,7 @@ def standin_lifecycle(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, d
     return out, {r: json.loads((out / f"standin_rank{r}.json").read_text()) for r in range(4)}
 
 
+@pytest.mark.slow
 def test_every_local_rank_touches_only_its_own_gpu_through_a_whole_lifecycle(standin_lifecycle) -> None:
     """Defect 1 and its consequences: each rank's set_device, tensors, stream events, syncs, memory
     statistics, generator state and NCCL object collectives all target cuda:<local rank>."""
@@ -128,6 +129,7 @@ def test_every_local_rank_touches_only_its_own_gpu_through_a_whole_lifecycle(sta
             assert kind in kinds, f"rank {rank} never made a {kind} call: the lifecycle missed a path"
 
 
+@pytest.mark.slow
 def test_standin_lifecycle_checkpoints_requeues_and_resumes(standin_lifecycle) -> None:
     out, ranks = standin_lifecycle
     for seen in ranks.values():  # stopped after step 1; the requeued attempt ran steps 2 and 3
@@ -197,6 +199,7 @@ def test_slurm_gpu_request_gives_each_worker_a_gpu(device, gpus, tasks, refused)
             check_gpu_request(device, gpus, tasks)
 
 
+@pytest.mark.slow
 def test_slurm_run_with_device_auto_and_no_gpu_request_is_refused_before_submitting(tmp_path) -> None:
     """The real command: one line on stderr, status 1, nothing submitted (no .submitit folder). (A
     partition no cluster has: were the check to let it through, sbatch refuses it.)"""
@@ -225,6 +228,7 @@ def _dies_or_waits(index: int) -> None:
     time.sleep(3600)
 
 
+@pytest.mark.slow
 def test_launcher_notices_a_killed_worker_by_its_exit_not_by_its_peers() -> None:
     context = mp.start_processes(_dies_or_waits, nprocs=2, join=False, start_method=START_METHOD)
     start = time.monotonic()

@@ -25,6 +25,7 @@ def _run(args: list[str], timeout: int = 300) -> subprocess.CompletedProcess:
     return proc
 
 
+@pytest.mark.slow
 def test_profile_py_does_not_break_cprofile_or_torch_dynamo() -> None:
     # Run from the root, `import profile` finds our profile.py; cProfile and torch._dynamo need the
     # standard library's module (DESIGN.md, the shadowing trap).
@@ -40,6 +41,7 @@ def test_profile_py_does_not_break_cprofile_or_torch_dynamo() -> None:
           str(REPO / "profile.py"), stdlib])
 
 
+@pytest.mark.slow
 def test_train_py_default_model_writes_metrics(tmp_path: Path) -> None:
     _run(["train.py", "model=bert-tiny", "steps=3", f"hydra.run.dir={tmp_path}", *SMALL])
     rows = read_metrics(tmp_path / "metrics.jsonl")

@@ -67,6 +67,7 @@ def _failing_worker(index: int, delay_s: float) -> None:
 
 
 @pytest.mark.parametrize("delay_s", [0.0, 1.0])
+@pytest.mark.slow
 def test_the_root_cause_is_raised_not_the_first_peer_to_notice(delay_s: float) -> None:
     from pipefisher.launch import failures
 

@@ -60,6 +60,7 @@ def compose_finetune(overrides: list[str]) -> FinetuneConfig:
     [("toy", 100), ("toy_pair", 150)],
     ids=["single_sentence_keyword", "sentence_pair_both_keyword"],
 )
+@pytest.mark.slow
 def test_toy_classification_reaches_high_accuracy(tmp_path: Path, task: str, steps: int) -> None:
     cfg = compose_finetune([f"task={task}", f"steps={steps}", "eval_every=50", "task.toy.num_train=2000",
                             "task.toy.num_dev=300"])
@@ -76,6 +77,7 @@ def test_toy_classification_reaches_high_accuracy(tmp_path: Path, task: str, ste
     assert sum(r["kind"] == "train" for r in records) == steps
 
 
+@pytest.mark.slow
 def test_toy_squad_runs_end_to_end_with_strided_windows(tmp_path: Path) -> None:
     cfg = compose_finetune(["task=toy_squad", "steps=40", "task.toy.num_train=300", "task.toy.num_dev=60",
                             *NARROW])
@@ -420,6 +422,7 @@ def test_huggingface_state_dict_loads_and_matches_transformers(tmp_path: Path, k
     ],
     ids=["kfac_adamw", "nvlamb", "recompute_bf16", "kfac_nvlamb_recompute"],
 )
+@pytest.mark.slow
 def test_optimizer_and_memory_options_train(tmp_path: Path, options: list[str], min_accuracy: float | None) -> None:
     cfg = compose_finetune(["task=toy", "steps=60", "task.toy.num_train=1920", "task.toy.num_dev=128",
                             *NARROW, *options])
@@ -436,6 +439,7 @@ def test_optimizer_and_memory_options_train(tmp_path: Path, options: list[str], 
 # --------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_every_task_file_composes(tmp_path: Path) -> None:
     vocab = write_toy_vocab(tmp_path / "vocab.txt", ["x"])
     for task_file in sorted((CONF_DIR / "task").glob("*.yaml")):
@@ -471,6 +475,7 @@ def test_bad_settings_stop_with_the_field_and_fix(overrides: list[str], message:
     assert message in str(info.value)
 
 
+@pytest.mark.slow
 def test_finetune_py_runs_the_default_toy_task_from_the_repo_root(tmp_path: Path) -> None:
     env = {**os.environ, "WANDB_MODE": "disabled", "OMP_NUM_THREADS": "1"}
     args = [sys.executable, "finetune.py", "steps=20", "task.toy.num_train=640", "task.toy.num_dev=64",

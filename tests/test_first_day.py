@@ -100,6 +100,7 @@ def _attempt(folder: Path, continuing: bool, steps: range) -> str:
 
 
 @pytest.mark.usefixtures("_wandb_sandbox")
+@pytest.mark.slow
 def test_an_attempt_that_continues_from_a_checkpoint_logs_into_the_same_wandb_run(tmp_path: Path) -> None:
     first = _attempt(tmp_path, continuing=False, steps=range(0, 3))
     assert (tmp_path / RUN_ID_FILE).read_text().strip() == first

@@ -64,6 +64,7 @@ def test_config_error_prints_one_message_exits_nonzero_and_leaves_no_run_dir(tmp
     (["schedule.py", "from=/etc/passwd"], "schedule.py: /etc/passwd: not an SQLite database"),
     (["finetune.py", "task=mnli"], "finetune.py: task.data_dir=None: task=mnli reads files"),
 ], ids=["schema-as-model", "schedule-not-json", "profile-not-sqlite", "finetune-without-data"])
+@pytest.mark.slow
 def test_bad_input_of_each_program_prints_one_message_and_leaves_no_folder(args, expected, tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     proc = _script([*args, f"hydra.run.dir={run_dir}"])
@@ -96,6 +97,7 @@ def test_only_a_run_folder_that_is_provably_this_run_s_and_empty_is_removed(tmp_
     assert not _hydra_only(tmp_path, "train", ["stages=50"])
 
 
+@pytest.mark.slow
 def test_unreadable_shard_is_named_before_wandb_and_workers_start(tmp_path: Path) -> None:
     data = tmp_path / "shards"
     data.mkdir()
@@ -114,6 +116,7 @@ def test_missing_data_path_is_a_config_error_without_traceback(tmp_path: Path) -
     _assert_one_message(proc, "data.path=", "no such file or directory")
 
 
+@pytest.mark.slow
 def test_checkpoint_error_prints_one_message(tmp_path: Path) -> None:
     empty = tmp_path / "no_checkpoints"
     empty.mkdir()
@@ -123,6 +126,7 @@ def test_checkpoint_error_prints_one_message(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("script", ["train.py", "profile.py", "schedule.py"])
+@pytest.mark.slow
 def test_typo_in_a_key_names_the_closest_key_not_a_plus_override(script: str, tmp_path: Path) -> None:
     proc = _script([script, "stagez=2", f"hydra.run.dir={tmp_path / 'run'}"])
     _assert_one_message(proc, "unknown key 'stagez'; did you mean stages=2?")

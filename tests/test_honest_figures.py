@@ -132,6 +132,7 @@ def _kfac_events(out: Path) -> list[list[Event]]:
 
 # -- waits are not compute ------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_a_delayed_all_reduce_leaves_busy_time_unchanged_and_its_wait_absorbs_it(runs: Path):
     """The check of "waits are not compute" (DESIGN.md, Bubble utilization): worker 1 waits DELAY_S
     longer for one all-reduce (its gradient all-reduce before a PRECOND at one step, a factor
@@ -148,6 +149,7 @@ def test_a_delayed_all_reduce_leaves_busy_time_unchanged_and_its_wait_absorbs_it
         assert max(e.duration_ns for e in waited) / 1e9 >= DELAY_S, (step, waited)
 
 
+@pytest.mark.slow
 def test_precond_and_invert_events_never_contain_a_wait(runs: Path):
     for events in _kfac_events(runs):
         for w in (0, 1):
@@ -185,6 +187,7 @@ def test_cost_readers_charge_no_unit_for_its_wait(tmp_path: Path, make_cfg):
 
 # -- step time ------------------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_step_time_includes_the_bookkeeping_the_workers_wait_for(runs: Path):
     """Rank 0's per-step simulation is made BOOKKEEPING_S slower; the steps' times must still add
     up to the time from the first step's start to the last one's (measured apart from the

@@ -432,6 +432,7 @@ def _steps_to_target(optimizer: str, lr: float, target: float, max_steps: int, n
     return None
 
 
+@pytest.mark.slow
 def test_kfac_reaches_target_loss_in_fewer_steps_than_nvlamb() -> None:
     target, max_steps = 1.0, 250  # nats; ln 8 = 2.08 at chance
     nvlamb = {lr: _steps_to_target("nvlamb", lr, target, max_steps) for lr in (0.01, 0.03, 0.1)}

@@ -445,6 +445,7 @@ def cpu_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out
 
 
+@pytest.mark.slow
 def test_a_cpu_runs_profile_answers_nvidia_style_queries(cpu_run: Path) -> None:
     conn = sqlite3.connect(cpu_run / "profile.sqlite")
     names = conn.execute(  # what NVIDIA's nvtx recipes select: same-thread ranges, text or registered string
@@ -474,6 +475,7 @@ def test_a_cpu_runs_profile_answers_nvidia_style_queries(cpu_run: Path) -> None:
         [(e.worker, e.kind, e.start_ns, e.end_ns) for e in by_time(ours.events)]  # waits are named by collective
 
 
+@pytest.mark.slow
 def test_a_cpu_run_writes_a_valid_timeline_json(cpu_run: Path) -> None:
     doc = json.loads((cpu_run / "timeline.json").read_text())
     complete = validate_trace(doc)

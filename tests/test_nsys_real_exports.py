@@ -551,6 +551,7 @@ def _plan(path: str, tmp_path: Path, *keys: str):
     return plan_run(cfg, tmp_path / "plan", requested={k.split("=")[0] for k in overrides})
 
 
+@pytest.mark.slow
 def test_a_megatron_profile_plans_through_ranges_megatron_zb(megatron: tuple[list[Event], Path],
                                                              tmp_path: Path) -> None:
     _, d = megatron
@@ -565,6 +566,7 @@ def test_a_megatron_profile_plans_through_ranges_megatron_zb(megatron: tuple[lis
     assert "zb-h1 D=2 N=4" in proc.stdout and (tmp_path / "cli" / "assignment.json").is_file()
 
 
+@pytest.mark.slow
 def test_foreign_names_without_a_map_list_the_names_found(tmp_path: Path) -> None:
     counts = {"forward_0": 6, "forward_1": 5, "backward_0": 4, "Optimizer": 3, "iter": 2, "zz": 1}
     events, t = [], START_NS

@@ -174,6 +174,7 @@ def test_pipefisher_is_never_predicted_slower_than_critical_path_kfac_at_its_int
     assert cmp.pipefisher.step_time_s <= cmp.kfac.step_time_s
 
 
+@pytest.mark.slow
 def test_exposed_work_of_one_f_one_b_with_n_4d_overlaps_in_one_phase():
     # bert-large, 1F1B, D=8, N=32 (the shape of the issue): the plan itself, not the critical-path
     # fallback, beats critical-path K-FAC at its k by more than 3 %. No k <= 8 hides all the work:
@@ -572,6 +573,7 @@ def _run(args: list[str], ok: bool = True) -> subprocess.CompletedProcess:
     return proc
 
 
+@pytest.mark.slow
 def test_schedule_py_plans_from_a_profile(tmp_path: Path, make_cfg):
     path, _ = _profile(tmp_path, make_cfg, "chimera")
     out = tmp_path / "plan"
@@ -585,6 +587,7 @@ def test_schedule_py_plans_from_a_profile(tmp_path: Path, make_cfg):
     assert f"{path}: the profile is of another run" in bad.stderr and "num_micro_batches=8" in bad.stderr
 
 
+@pytest.mark.slow
 def test_schedule_py_plans_from_estimates_without_a_profile(tmp_path: Path):
     out = tmp_path / "plan"
     proc = _run(["schedule.py", "model=bert-mini", "pipeline=1f1b", "stages=2", "num_micro_batches=4",

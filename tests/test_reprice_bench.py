@@ -101,6 +101,7 @@ def test_a_calibrated_table_leaves_uncalibrated_arms_out_and_separates_by_the_mu
     assert first[:3] == ["1", "s/muon", "120 [115–125]"]
 
 
+@pytest.mark.slow
 def test_simulate_d8_prices_two_chunk_schedules_on_the_same_model_and_skips_what_a_generator_refuses(
         rp, tmp_path, monkeypatch):
     """D=8 simulation from a (synthetic) profile: a 16-layer model for every schedule; zb-v at N=8 (< 2D) is

@@ -94,18 +94,21 @@ def _refused(tmp_path: Path, *args: str) -> str:
     return res.stderr.strip()
 
 
+@pytest.mark.slow
 def test_cluster_slurm_without_multirun_is_refused_in_one_line(tmp_path: Path) -> None:
     assert _refused(tmp_path, "cluster=slurm", "steps=2") == (
         "train.py: cluster=slurm submits to SLURM only with -m: python train.py -m cluster=slurm steps=2 "
         "(without cluster=slurm the run trains on this machine)")
 
 
+@pytest.mark.slow
 def test_nodes_that_do_not_divide_the_workers_are_refused_in_one_line(tmp_path: Path) -> None:
     assert _refused(tmp_path, "-m", "cluster=slurm", "cluster.nodes=2", "stages=3") == (
         "train.py: cluster.nodes=2: stages*data_parallel*sdp*tp=3*1*1*1=3 processes (one SLURM task each) must "
         "split evenly over the nodes; use one of [1, 3]")
 
 
+@pytest.mark.slow
 def test_cluster_slurm_without_sbatch_or_srun_is_refused_in_one_line(tmp_path: Path) -> None:
     # A machine without SLURM (PATH holds only the interpreter's folder): submitit would print a
     # 30-line traceback ending in 'Could not detect "srun"' (issue 38, defect 3).

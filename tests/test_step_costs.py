@@ -104,6 +104,7 @@ def test_without_kfac_work_every_arm_is_nvlamb(sc, method, d, n) -> None:
 
 
 @pytest.mark.parametrize("method,d,n", [("gpipe", 4, 4), ("1f1b", 4, 8), ("chimera", 4, 4), ("chimera", 4, 8)])
+@pytest.mark.slow
 def test_pipefisher_lies_between_nvlamb_and_critical_path_kfac_at_its_k(sc, method, d, n) -> None:
     schedule = build_schedule(method, d, n)
     cost = _cost(d, sync_factor=20)
@@ -219,6 +220,7 @@ def test_two_chunk_methods_hold_the_same_model_in_twice_the_stages(sc, method) -
     assert sc.steady_step_ns((schedule,), b) >= 8 * 2 * (200 + 400) + 1000
 
 
+@pytest.mark.slow
 def test_simulated_step_costs_of_a_two_chunk_method_simulate_its_scaled_schedule(sc) -> None:
     measured, cost = _measured(2), _measured_cost(1)
     got = sc.simulated_step_costs(cost, measured, 4, "zb-v", 8, layers=8, intervals=(1,))

@@ -175,6 +175,7 @@ def test_schedule_py_takes_a_bare_profile_name_from_the_latest_profile_run(profi
     assert str(rel) in overrides  # the run's record names the file taken
 
 
+@pytest.mark.slow
 def test_schedule_py_without_any_profile_names_where_it_looked(tmp_path: Path) -> None:
     proc = _run([str(REPO / "schedule.py"), "from=profile.sqlite"], cwd=tmp_path, ok=False)
     assert proc.returncode == 1
