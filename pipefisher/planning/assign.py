@@ -167,6 +167,7 @@ class _Planner:
             self.suffix_max[w] = out[::-1]
         self.index = {w: {a: i for i, a in enumerate(acts) if a.kind.is_compute}
                       for w, acts in self.base.actions.items()}
+        self._after_index: dict[tuple[int, ActionKind, int, int, int], int] = {}  # :meth:`_after`'s answers
         self.replicas: dict[int, list[tuple[int, int]]] = defaultdict(list)  # stage -> (worker, pipe)
         for (_, pipe, stage), w in sorted(self.base.placement.workers.items(), key=lambda kv: kv[1]):
             self.replicas[stage].append((w, pipe))
@@ -209,13 +210,20 @@ class _Planner:
     def _after(self, w: int, kind: ActionKind, stage: int, j: int, pipe: int) -> int:
         """Index of the compute a curvature unit must follow on worker w: its F (A factor) or its
         B / I (B factor); with beside_w, the micro-batch's W (or merged B) for both."""
+        key = (w, kind, stage, j, pipe)
+        found = self._after_index.get(key)
+        if found is not None:  # asked for every unit of every layer at every k: built once
+            return found
         index = self.index[w]
         full = index.get(Action(K.BACKWARD, stage, j, pipe))
         if self.beside_w:
-            return full if full is not None else index[Action(K.BACKWARD_WEIGHT, stage, j, pipe)]
-        if kind == K.CURV_A:
-            return index[Action(K.FORWARD, stage, j, pipe)]
-        return full if full is not None else index[Action(K.BACKWARD_INPUT, stage, j, pipe)]
+            found = full if full is not None else index[Action(K.BACKWARD_WEIGHT, stage, j, pipe)]
+        elif kind == K.CURV_A:
+            found = index[Action(K.FORWARD, stage, j, pipe)]
+        else:
+            found = full if full is not None else index[Action(K.BACKWARD_INPUT, stage, j, pipe)]
+        self._after_index[key] = found
+        return found
 
     def _add(self, win: Window, start: int, cost: int, action: Action) -> WindowItem:
         return win.add(start, cost, next(self.seq), action)
@@ -490,7 +498,7 @@ class _Planner:
 
 def plan_interval(schedule: Schedule, cost: CostModel, kfac_layers: Sequence[int], interval: int, *,
                   curvature_micro_batches: int = 0, curvature_placement: str = "after_capture",
-                  max_invert_lag: int | None = None) -> tuple[Assignment, PlanStats]:
+                  max_invert_lag: int | None = None, check: bool = True) -> tuple[Assignment, PlanStats]:
     """The PipeFisher plan for a given refresh interval ([Note: the list scheduler]).
 
     ``curvature_micro_batches``: curvature from the first n micro-batches of each pipe (0: all;
@@ -498,9 +506,11 @@ def plan_interval(schedule: Schedule, cost: CostModel, kfac_layers: Sequence[int
     ``curvature_placement``: ``after_capture`` or ``beside_w`` ([Note: curvature beside W]).
     ``max_invert_lag``: every INVERT at most this many phases after its curvature (0: in its phase,
     with room kept for it; None: no bound) ([Note: inverting in the curvature's phase]).
+    ``check``: check the assignment (``schedules.kfac.check_assignment``); :func:`plan_pipefisher` checks
+    only the one it returns (the candidates it compares are simulated, not run).
 
     Returns:
-        ``(assignment, stats)``; the assignment is checked.
+        ``(assignment, stats)``; the assignment is checked unless ``check`` is False.
     """
     require_plain_schedule(schedule, kfac_layers)
     if cost.num_stages != schedule.num_stages:
@@ -515,7 +525,8 @@ def plan_interval(schedule: Schedule, cost: CostModel, kfac_layers: Sequence[int
         "mid_step_syncs": stats.mid_step_syncs, "curvature_placement": curvature_placement,
         **({"max_invert_lag": max_invert_lag} if max_invert_lag is not None else {})},
         curvature_micro_batches=curvature_micro_batches)
-    check_assignment(a)
+    if check:
+        check_assignment(a)
     return a, stats
 
 
@@ -585,13 +596,14 @@ def plan_pipefisher(schedule: Schedule, cost: CostModel, kfac_layers: Sequence[i
     tried: list[tuple[Assignment, PlanStats, float]] = []
     for k in range(1, limit + 1):  # plan_interval checks the inputs
         a, stats = plan_interval(schedule, cost, kfac_layers, k, curvature_micro_batches=curvature_micro_batches,
-                                 curvature_placement=curvature_placement)
+                                 curvature_placement=curvature_placement, check=False)
         age = curvature_age_bound(a, promote)
         log.debug("interval %d: spilled %d ns, tail %d ns, curvature age <= %d", k, stats.spilled_ns, stats.tail_ns, age)
         if max_staleness is not None and age > max_staleness >= k and promote == "when_ready":
             # [Note: inverting in the curvature's phase]: the INVERTs' lag may be what breaks the bound
             b, b_stats = plan_interval(schedule, cost, kfac_layers, k, curvature_micro_batches=curvature_micro_batches,
-                                       curvature_placement=curvature_placement, max_invert_lag=max_staleness - k)
+                                       curvature_placement=curvature_placement, max_invert_lag=max_staleness - k,
+                                       check=False)
             if (b_age := curvature_age_bound(b, promote)) <= max_staleness:
                 a, stats, age = b, b_stats, b_age
                 log.debug("interval %d: INVERTs kept near their curvature: spilled %d ns, curvature age <= %d",
@@ -601,21 +613,22 @@ def plan_pipefisher(schedule: Schedule, cost: CostModel, kfac_layers: Sequence[i
         tried.append((a, stats, _step_ns(a, cost)))
         if stats.spilled_ns == 0 and staleness is None:
             break
-    a, stats, _ = tried[-1]
+    a, stats, step_ns = tried[-1]
     bounds = work_and_bubbles(schedule, cost, kfac_layers, curvature_micro_batches)
     if staleness is not None:
         k, choice = choose_interval({x.interval: t for x, _, t in tried}, staleness)
-        a, stats, _ = next(x for x in tried if x[0].interval == k)
+        a, stats, step_ns = next(x for x in tried if x[0].interval == k)
     elif stats.spilled_ns == 0:
         choice = f"k={a.interval}: the smallest interval whose bubbles hold the refresh (k_min={bounds['k_min']})"
     else:
         best = min(t for _, _, t in tried)
-        a, stats, t = next(x for x in tried if x[2] <= 1.02 * best)
+        a, stats, step_ns = next(x for x in tried if x[2] <= 1.02 * best)
         choice = (f"k={a.interval}: no k <= {limit} hides the refresh; the smallest k predicted within 2% of the "
-                  f"fastest ({t / 1e6:.1f} ms vs {best / 1e6:.1f} ms per step; k_min={bounds['k_min']})")
+                  f"fastest ({step_ns / 1e6:.1f} ms vs {best / 1e6:.1f} ms per step; k_min={bounds['k_min']})")
+    check_assignment(a)  # the candidate taken; the others were only simulated
     a = replace(a, metadata={**a.metadata, **bounds, "max_staleness": max_staleness, "choice": choice,
                              "promote_inverses": promote})
-    return _no_slower_than_critical_path(a, schedule, cost)
+    return _no_slower_than_critical_path(a, schedule, cost, step_ns)
 
 
 def work_and_bubbles(schedule: Schedule, cost: CostModel, kfac_layers: Sequence[int],
@@ -645,8 +658,10 @@ def _step_ns(a: Assignment, cost: CostModel) -> float:
     return summarize_timeline(simulate_phases(a.phases, cost), a.phases[0].num_workers, a.interval).step_time_ns
 
 
-def _no_slower_than_critical_path(planned: Assignment, schedule: Schedule, cost: CostModel) -> Assignment:
-    """``planned``, or the same refresh on the critical path where the simulator says that is faster.
+def _no_slower_than_critical_path(planned: Assignment, schedule: Schedule, cost: CostModel,
+                                  planned_ns: float | None = None) -> Assignment:
+    """``planned``, or the same refresh on the critical path where the simulator says that is faster
+    (``planned_ns``: ``planned``'s simulated step where the caller has it).
 
     [Note: never slower than critical-path K-FAC]
     The list scheduler is greedy and its exposure model (a phase's step is as long as its most
@@ -660,7 +675,8 @@ def _no_slower_than_critical_path(planned: Assignment, schedule: Schedule, cost:
     k = planned.interval
     cp = critical_path_assignment(schedule, planned.kfac_layers, k, deferred=True,
                                   curvature_micro_batches=planned.curvature_micro_batches)
-    t_plan, t_cp = _step_ns(planned, cost), _step_ns(cp, cost)
+    t_plan = _step_ns(planned, cost) if planned_ns is None else planned_ns
+    t_cp = _step_ns(cp, cost)
     if t_plan <= t_cp:
         return planned
     work = sum(cost.kfac_ns(x.kind, x.stage, x.layer) for x in _kfac_units(cp)

@@ -69,6 +69,10 @@ def _order(item: WindowItem) -> tuple[int, int, int]:
     return item.start, item.end, item.seq
 
 
+def _start(item: WindowItem) -> int:
+    return item.start
+
+
 @dataclass
 class Window:
     """A bubble being filled by the planner: items are kept in time order.
@@ -83,6 +87,19 @@ class Window:
     tail: bool = False
     items: list[WindowItem] = field(default_factory=list)
     busy_ns: int = 0  # summed length of the items
+    # The least cost known to find no room from the window's start: adding items only takes room away, so it
+    # holds until an item is removed (then None). Work of that cost or more is refused without a scan, the
+    # planner's commonest question (``planning.assign`` asks every window after a unit's F/B in turn).
+    no_room_ns: int | None = field(default=None, repr=False, compare=False)
+    # Per cost c > 0, the earliest start of room for c found from the window's start: no span of c or more fits
+    # before it, also once items are added (until one is removed: then cleared). A search for c or more starts
+    # there, so filling a window from its front does not walk its whole front each time (same answers).
+    earliest_ns: dict[int, int] = field(default_factory=dict, repr=False, compare=False)
+    # The longest item ever added (not lowered on removal: an upper bound): an item starting more than this before
+    # an instant has ended by then, so a search from that instant skips it by bisection.
+    longest_ns: int = field(default=0, repr=False, compare=False)
+    # The latest end of the items (None: not known since a removal), for :meth:`force`.
+    last_end_ns: int | None = field(default=None, repr=False, compare=False)
 
     def fit(self, ready: int, cost: int) -> int | None:
         """Earliest start >= ready (and >= start) of a free span of ``cost`` ns, or None.
@@ -94,11 +111,35 @@ class Window:
         t = ready if ready > start else start
         if t + cost > end or cost > end - start - self.busy_ns:
             return None
+        no_room = self.no_room_ns
+        if no_room is not None and cost >= no_room:  # no room from the start: none from any later instant
+            return None
+        earliest = start
+        if cost > 0:
+            for c, at in self.earliest_ns.items():
+                if c <= cost and at > earliest:
+                    earliest = at
+        if ready > earliest:
+            return self._scan(ready, cost)
+        found = self._scan(earliest, cost)  # the earliest room of the whole window
+        if found is None:
+            if no_room is None or cost < no_room:
+                self.no_room_ns = cost
+        elif cost > 0:
+            self.earliest_ns[cost] = found
+        return found
+
+    def _scan(self, t: int, cost: int) -> int | None:
+        """:meth:`fit`'s search from instant ``t``."""
+        end = self.end
         items = self.items
-        moved = bool(items)
+        n, longest = len(items), self.longest_ns
+        moved = n > 0
         while moved:  # the hot loop of the planner: locals only (same rule as written out in the docstring)
             moved = False
-            for item in items:  # by start: the first that starts past the span ends the pass
+            first = bisect.bisect_left(items, t - longest, key=_start)  # the items before it ended before t
+            for k in range(first, n):  # by start: the first that starts past the span ends the pass
+                item = items[k]
                 stop = t + cost
                 if stop > end:
                     return None
@@ -116,18 +157,29 @@ class Window:
 
     def force(self, ready: int, cost: int) -> int:
         """Start of ``cost`` ns of work after every item here (and after ``ready``)."""
-        return max([ready, self.start] + [item.end for item in self.items])
+        if self.last_end_ns is None:
+            self.last_end_ns = max((item.end for item in self.items), default=self.start)
+        return max(ready, self.start, self.last_end_ns)
 
     def add(self, start: int, cost: int, seq: int, action: Action) -> WindowItem:
         item = WindowItem(start, start + cost, seq, action)
         bisect.insort(self.items, item, key=_order)
         self.busy_ns += cost
+        self.longest_ns = max(self.longest_ns, cost)
+        if self.last_end_ns is not None:
+            self.last_end_ns = max(self.last_end_ns, item.end)
         return item
 
     def remove(self, item: WindowItem) -> None:
         """Remove ``item`` itself (not an equal one)."""
-        del self.items[next(i for i, x in enumerate(self.items) if x is item)]
+        i = bisect.bisect_left(self.items, _order(item), key=_order)  # its equals (if any) stand from here
+        while self.items[i] is not item:
+            i += 1
+        del self.items[i]
         self.busy_ns -= item.end - item.start
+        self.no_room_ns = None
+        self.earliest_ns.clear()
+        self.last_end_ns = None
 
     def busy_until(self, t: int) -> int:
         """The first instant >= t at which no item of this window is running."""
