@@ -362,6 +362,20 @@ def test_v_partition_balances_workers_not_stages():
                                                                       [0, 2, 2, 0], [2, 1, 1, 0], [1, 2, 1, 0]))
 
 
+def test_v_partition_search_runs_once_per_shape_and_its_answer_cannot_be_changed_by_a_caller():
+    # The exhaustive V search (50,388 compositions for bert-base at 8 stages) is kept per (costs, stages): the
+    # strategy search asks for each candidate's partition several times.
+    from pipefisher.model.partition import _v_balanced_counts, _v_balanced_counts_of
+
+    costs = layer_costs(BertConfig.from_size("base"))
+    first = _v_balanced_counts(costs, 8)
+    hits = _v_balanced_counts_of.cache_info().hits
+    first[0] += 5  # a caller's copy
+    again = _v_balanced_counts(costs, 8)
+    assert _v_balanced_counts_of.cache_info().hits == hits + 1
+    assert again[0] == first[0] - 5 and sum(again) == 12
+
+
 def test_explicit_layers_per_stage_and_errors():
     config = BertConfig.from_size("mini")  # L = 4, pipeline layers 0..5
     assert partition_layers(config, 2, layers_per_stage=[1, 3]) == [(0, 1), (2, 5)]

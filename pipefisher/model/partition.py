@@ -9,6 +9,7 @@ layer (DESIGN.md, "Where BERT's compute is": balance by cost, not by layer count
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 
@@ -105,7 +106,17 @@ def _balanced_counts(costs: Sequence[float], num_stages: int) -> list[int]:
 def _v_balanced_counts(costs: Sequence[float], num_stages: int) -> list[int] | None:
     """Encoder layers per stage minimizing the most loaded worker of a V placement (worker r holds
     stages r and S−1−r; the first and the last stage, both on worker 0, may hold no encoder layer):
-    exhaustive over the compositions, None when there are too many."""
+    exhaustive over the compositions, None when there are too many.
+
+    Up to ``_V_SEARCH_LIMIT`` compositions, so the answer is kept per (costs, stages): the strategy search
+    asks for the same partition of every candidate several times (memory, activations, costs)."""
+    counts = _v_balanced_counts_of(tuple(costs), num_stages)
+    return None if counts is None else list(counts)
+
+
+@functools.lru_cache(maxsize=256)
+def _v_balanced_counts_of(costs: tuple[float, ...], num_stages: int) -> tuple[int, ...] | None:
+    """:func:`_v_balanced_counts` for hashable costs."""
     num_layers = len(costs) - 2
     if math.comb(num_layers + num_stages - 1, num_stages - 1) > _V_SEARCH_LIMIT:
         return None
@@ -125,7 +136,7 @@ def _v_balanced_counts(costs: Sequence[float], num_stages: int) -> list[int] | N
         load = max(stage[r] + stage[num_stages - 1 - r] for r in range(num_stages // 2))
         if best is None or load < best[0]:
             best = (load, counts)
-    return best[1] if best else None
+    return tuple(best[1]) if best else None
 
 
 _V_SEARCH_LIMIT = 300_000
