@@ -26,7 +26,7 @@ from pipefisher.data import (
     get_micro_batch,
     micro_batch_indices,
 )
-from pipefisher.data.prepare import BERT_SPECIAL_TOKENS, main
+from pipefisher.data.prepare import BERT_SPECIAL_TOKENS, load_tokenizer, main
 
 S, P = 48, 8  # small phase-1-like shapes for the prepared corpus
 WORDS = (
@@ -97,6 +97,28 @@ def test_prepare_writes_nvidia_fields_dtypes_and_bert_special_ids(prepared: Path
     source = Hdf5Source(prepared, seed=0)  # vocab_size from the vocab.txt beside the shards
     assert len(source) == total and source.vocab_size == len(vocab)
     assert (source.seq_len, source.max_predictions) == (S, P)
+
+
+def test_a_trained_vocabulary_is_the_same_on_every_training(tmp_path: Path) -> None:
+    """[Note: a deterministic WordPiece vocabulary]: tokenizers' own trainer gives this text a different
+    vocabulary (ids, and on tied merges tokens) nearly every time (10 of 10 trainings differed when written);
+    ours gives one vocabulary, with BERT's special tokens first and every token a plain vocabulary entry."""
+    rng = random.Random(0)
+    words = ["".join(rng.choice("abcdefghijklmnopqrst") for _ in range(rng.randint(3, 8))) for _ in range(300)]
+    text = tmp_path / "ties.txt"
+    text.write_text("\n".join(" ".join(rng.choice(words) for _ in range(12)) for _ in range(200)) + "\n")
+
+    def vocabulary() -> tuple[str, ...]:
+        tok = load_tokenizer(None, [text], vocab_size=400)
+        return tuple(t for t, _ in sorted(tok.get_vocab().items(), key=lambda kv: kv[1]))
+
+    trained = {vocabulary() for _ in range(8)}
+    assert len(trained) == 1
+    (vocab,) = trained
+    assert vocab[: len(BERT_SPECIAL_TOKENS)] == BERT_SPECIAL_TOKENS
+    assert len(vocab) == 400 and "##a" in vocab
+    tok = load_tokenizer(None, [text], vocab_size=400)
+    assert "##a" not in tok.encode("x ##a", add_special_tokens=False).tokens  # not an added special token
 
 
 def test_prepared_instances_have_bert_layout_and_masks(prepared: Path) -> None:

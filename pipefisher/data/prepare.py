@@ -17,6 +17,7 @@ repository README), re-implemented here:
    ``vocab.txt``, or one trained on the input. A trained vocabulary puts [PAD], [unused0..98],
    [UNK], [CLS], [SEP], [MASK] at ids 0..103 as bert-base-uncased does, and is written as
    ``vocab.txt`` beside the shards (a given one is copied there), where `Hdf5Source` finds it.
+   A trained vocabulary is the same on every run ([Note: a deterministic WordPiece vocabulary]).
 2. Documents are shuffled; each is read ``dupe_factor`` times (different masks and splits).
 3. Per document, a target length is drawn: ``seq_len - 3``, or with ``short_seq_prob`` a
    uniform length in ``[2, seq_len - 3]``. Sentences are gathered until the target is reached;
@@ -48,6 +49,19 @@ sentences after a stand-alone ``.``, ``?`` or ``!`` token (abbreviations such as
 tokenizer maps to its unknown-token id (as ``< unk >`` it would be three easy tokens). A file is
 taken as WikiText (``--input-format auto``) when its first non-blank line is a title line. The
 conversion is written to a temporary file that both vocabulary training and tokenization read.
+
+[Note: a deterministic WordPiece vocabulary]
+``tokenizers``' WordPiece trainer (its BPE trainer underneath) is not deterministic: it gives each
+continuing-subword token (``##e``) its id in the iteration order of a hash map whose seed differs from one
+training to the next, and breaks ties between merges of equal count by those ids, so two trainings on the same
+text give different vocabularies (huggingface/tokenizers#1794, fix proposed in #2066). Measured on WikiText-2
+``train.txt`` at 8,192 tokens (tokenizers 0.23.3): three trainings in one process, three vocabularies, 222–245
+tokens at other ids. Every study that trained "the same" vocabulary on another machine therefore trained on
+other token ids (and where a tie fell at the cut-off, other tokens). Here the alphabet is read off a first
+training (sorted by the trainer, deterministic) and a second training starts with every ``##c`` of it among
+its special tokens, at fixed ids after BERT's: nothing is created in hash-map order, and the merges' ties break
+the same way every time (``tests/test_data.py``). The tokenizer returned is read back from the saved
+``vocab.txt``, so the ``##c`` tokens are ordinary vocabulary entries, as for every later reader.
 
 Everything is seeded by ``--seed``. Every instance is held in memory until written (as in the
 reference); for a full Wikipedia dump, split the text into parts and run this once per part with
@@ -216,23 +230,35 @@ def load_tokenizer(
         if missing:
             raise DataError(f"{path}: vocab lacks special tokens {missing}; use a BERT vocab.txt")
         return tok
-    tok = BertWordPieceTokenizer(lowercase=lowercase)
-    try:
-        tok.train(
-            [str(f) for f in train_files],
-            vocab_size=vocab_size,
-            min_frequency=2,
-            special_tokens=list(BERT_SPECIAL_TOKENS),
-            show_progress=False,
-        )
-    except Exception as e:  # the Rust trainer raises a bare Exception, e.g. past the probed first MiB
-        if "UTF-8" not in str(e):
-            raise
-        raise DataError(f"{', '.join(map(str, train_files))}: not UTF-8 text ({e}); give text files "
-                        "(--input)") from None
+    return _train_wordpiece([str(f) for f in train_files], vocab_size, lowercase)
+
+
+CONTINUING_PREFIX = "##"  # WordPiece's continuing-subword prefix (BertWordPieceTokenizer's default)
+
+
+def _train_wordpiece(files: list[str], vocab_size: int, lowercase: bool) -> BertWordPieceTokenizer:
+    """A WordPiece vocabulary trained on ``files``, the same on every run ([Note: a deterministic WordPiece
+    vocabulary]), as a tokenizer read back from its ``vocab.txt`` (what the shards' readers load)."""
+
+    def train(extra: list[str]) -> BertWordPieceTokenizer:
+        tok = BertWordPieceTokenizer(lowercase=lowercase)
+        try:
+            tok.train(files, vocab_size=vocab_size, min_frequency=2,
+                      special_tokens=[*BERT_SPECIAL_TOKENS, *extra], show_progress=False)
+        except Exception as e:  # the Rust trainer raises a bare Exception, e.g. past the probed first MiB
+            if "UTF-8" not in str(e):
+                raise
+            raise DataError(f"{', '.join(files)}: not UTF-8 text ({e}); give text files (--input)") from None
+        return tok
+
+    # The first training's single-character tokens are the alphabet (the trainer sorts it: deterministic).
+    alphabet = sorted(t for t in train([]).get_vocab() if len(t) == 1)
+    tok = train([CONTINUING_PREFIX + c for c in alphabet])
     for i, t in enumerate(BERT_SPECIAL_TOKENS):
         assert tok.token_to_id(t) == i, "trainer must keep the special tokens' order"
-    return tok
+    with tempfile.TemporaryDirectory(prefix="pipefisher-vocab-") as tmp:
+        tok.save_model(tmp)
+        return BertWordPieceTokenizer(str(Path(tmp) / "vocab.txt"), lowercase=lowercase)
 
 
 _WIKITEXT_JOINS = ((" @-@ ", "-"), (" @,@ ", ","), (" @.@ ", "."))
