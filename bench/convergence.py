@@ -181,11 +181,16 @@ def _parser() -> argparse.ArgumentParser:
                    help="optimizer_placement values --measure-d2 times, comma-separated (global, per_stage)")
     p.add_argument("--timeout-s", type=float, default=7200.0, help="per run")
     p.add_argument("--calibration-from", default=None, metavar="DIRS",
-                   help="comma-separated --out folders of studies at different --steps (budgets): read their runs")
+                   help="comma-separated --out folders of studies at different --steps (budgets), or runs files "
+                        "(--calibration-runs-out): read their runs")
     p.add_argument("--calibration-out", type=Path, default=None, metavar="FILE",
                    help="write the budget-method calibration of --calibration-from's runs here, then stop")
     p.add_argument("--calibration-reference", default="nvlamb", help="the arm speed-ups are relative to")
     p.add_argument("--calibration-points", type=int, default=5, help="held-out losses the speed-ups are read at")
+    p.add_argument("--calibration-runs-out", type=Path, default=None, metavar="FILE",
+                   help="write the runs of --calibration-from (final losses per arm, lr, seed and budget; no curves) "
+                        "into one JSON file that --calibration-from reads like a folder, then stop (commit it: the run "
+                        "folders are not)")
     p.add_argument("--calibration-compare", type=Path, default=None, metavar="FILE",
                    help="another text's calibration of the same runs: print whether the speed-ups agree (seed "
                         "intervals overlap) point by point")
@@ -621,9 +626,29 @@ def step_costs_file(out: Path, args: argparse.Namespace) -> Path | None:
     return own if own.is_file() else None
 
 
-def run_results(out: Path) -> list[dict[str, Any]]:
-    """The ``result.json`` of every run in a study folder."""
-    return [json.loads(p.read_text()) for p in sorted((out / "runs").glob("b*/*/*/result.json"))]
+RUNS_FORMAT = "pipefisher-budget-runs/1"
+RUN_FIELDS = ("arm", "lr", "damping", "seed", "steps", "batch", "status", "final", "final_by_text", "step_s_median",
+              "wall_s")  # what a runs file keeps of a result.json (not its curve)
+
+
+def run_results(source: Path) -> list[dict[str, Any]]:
+    """The runs of a study folder (every ``result.json``) or of a runs file (``--calibration-runs-out``'s JSON,
+    format ``pipefisher-budget-runs/1``: ``{"runs": [...]}``, e.g. ``bench/studies/data/18-budget-runs.json``)."""
+    if source.is_file():
+        doc = json.loads(source.read_text())
+        if doc.get("format") != RUNS_FORMAT:
+            raise SystemExit(f"{source}: format {doc.get('format')!r}, not {RUNS_FORMAT!r}: give a study folder or a "
+                             f"runs file written by --calibration-runs-out")
+        return list(doc["runs"])
+    return [json.loads(p.read_text()) for p in sorted((source / "runs").glob("b*/*/*/result.json"))]
+
+
+def runs_document(sources: list[Path], hardware: str) -> dict[str, Any]:
+    """A runs file of ``sources``' runs (each a folder or a runs file): the fields the calibration reads
+    (:data:`RUN_FIELDS`), so that a calibration can be rebuilt after the run folders are gone."""
+    runs = [{k: r.get(k) for k in RUN_FIELDS} for src in sources for r in run_results(src)]
+    return {"format": RUNS_FORMAT, "what": f"the runs of {', '.join(map(str, sources))}", "hardware": hardware,
+            "runs": sorted(runs, key=lambda r: (r["steps"], r["arm"], r["lr"], r["seed"]))}
 
 
 def calibration_from_runs(args: argparse.Namespace, dirs: list[Path], data: Data | None) -> dict[str, Any]:
@@ -712,6 +737,15 @@ def hardware_line() -> str:
 
 def main() -> None:
     args = parse_args()
+    if args.calibration_runs_out is not None:
+        if not args.calibration_from:
+            raise SystemExit("--calibration-runs-out needs --calibration-from DIR,DIR,... (the runs to write)")
+        from pipefisher.atomic import write_text_atomic
+
+        doc = runs_document([Path(d) for d in args.calibration_from.split(",") if d], hardware_line())
+        write_text_atomic(args.calibration_runs_out, json.dumps(doc, indent=1) + "\n")
+        print(f"wrote {args.calibration_runs_out}: {len(doc['runs'])} runs")
+        return
     if args.calibration_out is not None:
         if not args.calibration_from:
             raise SystemExit("--calibration-out needs --calibration-from DIR,DIR,... (studies at several --steps)")

@@ -251,3 +251,42 @@ def test_calibration_table_and_text_comparison(cv, ca, tmp_path: Path) -> None:
     same = ca.compare_texts(docs["valid"], docs["valid"])
     assert same and all(r["agree"] and r["a"] == r["b"] for r in same)
     assert "0 of" in cv.compare_table(docs["valid"], docs["articles"])
+
+
+def test_a_runs_file_stands_for_its_folders(cv, tmp_path: Path) -> None:
+    """--calibration-runs-out keeps what the calibration reads: the same calibration from the file as from the
+    folders, after the folders are gone."""
+    dirs = _studies(tmp_path, 2.0, 0.5)
+    data = cv.Data(tmp_path / "t", tmp_path / "v", 8192, math.nan, math.nan, tmp_path / "t" / "heldout")
+    doc = cv.runs_document(dirs, "test hardware")
+    assert len(doc["runs"]) == sum(len(cv.run_results(d)) for d in dirs) and "curve" not in doc["runs"][0]
+    runs = tmp_path / "runs.json"
+    runs.write_text(json.dumps(doc))
+    for text in ("valid", "articles"):
+        from_dirs = cv.calibration_from_runs(cv.parse_args(["--calibration-from", ",".join(map(str, dirs)),
+                                                            "--calibration-text", text]), dirs, data)
+        from_file = cv.calibration_from_runs(cv.parse_args(["--calibration-from", str(runs),
+                                                            "--calibration-text", text]), [runs], data)
+        assert from_file["optimizers"] == from_dirs["optimizers"]
+        assert from_file["reference_steps"] == from_dirs["reference_steps"]
+    runs.write_text(json.dumps({"format": "something else", "runs": []}))
+    with pytest.raises(SystemExit, match="not 'pipefisher-budget-runs/1'"):
+        cv.run_results(runs)
+
+
+def test_study_18s_runs_file_rebuilds_its_calibration(cv, ca) -> None:
+    """bench/studies/data/18-budget-runs.json (the second sweep's 46 runs, losses to 4 decimals) gives the
+    committed calibration files' speed-ups within the rounding (1e-3)."""
+    runs = cv.run_results(cv.h.REPO / "bench" / "studies" / "data" / "18-budget-runs.json")
+    assert len(runs) == 46
+    for text, name in ((None, "budget_b32_valid.json"), ("articles", "budget_b32_articles.json")):
+        committed = json.loads((cv.h.REPO / "bench" / "calibration" / name).read_text())
+        finals = ca.budget_finals(runs, text)
+        losses = ca.budget_losses(finals["nvlamb"], len(committed["reference_steps"]))
+        rebuilt = ca.calibration_entries(ca.budget_speedups(finals, "nvlamb", losses), "nvlamb")
+        assert [e["arm"] for e in rebuilt] == [e["arm"] for e in committed["optimizers"]]
+        for mine, theirs in zip(rebuilt, committed["optimizers"]):
+            assert [p["pairs"] for p in mine["speedup"]] == [p["pairs"] for p in theirs["speedup"]]
+            for a, b in zip(mine["speedup"], theirs["speedup"]):
+                assert (a["loss"], a["value"], a["low"], a["high"]) == pytest.approx(
+                    (b["loss"], b["value"], b["low"], b["high"]), abs=1e-3)
