@@ -326,15 +326,18 @@ PREPARE_SOURCE = REPO / "pipefisher" / "data" / "prepare.py"
 
 
 def prepare_cache_key(paths: Sequence[Path], options: dict[str, Any]) -> str:
-    """Hash of the input files (text, an existing vocabulary), the preparation options and prepare.py:
-    a change to any of them prepares again."""
+    """Hash of the input files (text, an existing vocabulary), the preparation options, prepare.py and the
+    tokenizers version (its trainer makes the vocabulary): a change to any of them prepares again."""
     import hashlib
+
+    import tokenizers
 
     digest = hashlib.sha256()
     for path in paths:
         digest.update(Path(path).read_bytes())
     digest.update(json.dumps(options, sort_keys=True).encode())
     digest.update(PREPARE_SOURCE.read_bytes())
+    digest.update(tokenizers.__version__.encode())
     return digest.hexdigest()[:16]
 
 

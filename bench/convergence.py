@@ -487,6 +487,7 @@ class Runner:
                 raise RuntimeError(f"{key}: train.py exited with {code} after {len(rows)} steps "
                                    f"(log {run_dir / 'train.log'}):\n{tail}")
             result = summarize_run(f.run, rows, status, wall, final_by_text(self.args, self.data, run_dir, status))
+            result["vocab_sha256"] = vocab_digest(self.data)
             (run_dir / "result.json").write_text(json.dumps(result) + "\n")
             done.append(result)
         return done
@@ -628,7 +629,26 @@ def step_costs_file(out: Path, args: argparse.Namespace) -> Path | None:
 
 RUNS_FORMAT = "pipefisher-budget-runs/1"
 RUN_FIELDS = ("arm", "lr", "damping", "seed", "steps", "batch", "status", "final", "final_by_text", "step_s_median",
-              "wall_s")  # what a runs file keeps of a result.json (not its curve)
+              "wall_s", "vocab_sha256")  # what a runs file keeps of a result.json (not its curve)
+
+
+def vocab_digest(data: Data | None) -> str | None:
+    """sha256 of the training shards' vocab.txt (which token ids the run saw: a vocabulary trained before 043350b
+    differs between trainings, [Note: a deterministic WordPiece vocabulary] in pipefisher/data/prepare.py)."""
+    if data is None or data.train is None or not (data.train / "vocab.txt").is_file():
+        return None
+    import hashlib
+
+    return hashlib.sha256((data.train / "vocab.txt").read_bytes()).hexdigest()
+
+
+def vocabularies(results: list[dict[str, Any]]) -> str:
+    """The vocabularies of ``results``' runs in one phrase: each sha256 (12 hex) with its run count."""
+    counts: dict[str, int] = {}
+    for r in results:
+        key = (r.get("vocab_sha256") or "unrecorded")[:12]
+        counts[key] = counts.get(key, 0) + 1
+    return ", ".join(f"{k} ({n} runs)" for k, n in sorted(counts.items()))
 
 
 def run_results(source: Path) -> list[dict[str, Any]]:
@@ -688,7 +708,7 @@ def calibration_from_runs(args: argparse.Namespace, dirs: list[Path], data: Data
         batch={"global_batch": batches[0], "seq_len": args.seq_len, "max_predictions": args.max_predictions},
         data={"train": (f"{args.text_dir / 'train.txt'}" + (f" less the articles held out (--holdout-fraction "
                                                              f"{args.holdout_fraction:g})" if args.holdout_fraction else "")
-                        + f": {data.train}") if data else "synthetic",
+                        + f": {data.train}; the runs' vocabulary sha256: {vocabularies(results)}") if data else "synthetic",
               "heldout": (HELDOUT_TEXTS[args.calibration_text].format(fraction=args.holdout_fraction)
                           + f": {data.texts()[args.calibration_text]}, the first {args.eval_batches * args.micro_batch_size}"
                           f" sequences") if data else "synthetic"},

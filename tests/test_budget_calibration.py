@@ -290,3 +290,18 @@ def test_study_18s_runs_file_rebuilds_its_calibration(cv, ca) -> None:
             for a, b in zip(mine["speedup"], theirs["speedup"]):
                 assert (a["loss"], a["value"], a["low"], a["high"]) == pytest.approx(
                     (b["loss"], b["value"], b["low"], b["high"]), abs=1e-3)
+
+
+def test_a_calibration_names_the_vocabularies_its_runs_saw(cv, tmp_path: Path) -> None:
+    (tmp_path / "t").mkdir()
+    (tmp_path / "t" / "vocab.txt").write_text("[PAD]\nword\n")
+    data = cv.Data(tmp_path / "t", tmp_path / "v", 8192, math.nan, math.nan)
+    import hashlib
+
+    digest = cv.vocab_digest(data)
+    assert digest == hashlib.sha256(b"[PAD]\nword\n").hexdigest() and cv.vocab_digest(None) is None
+    phrase = cv.vocabularies([{"vocab_sha256": digest}, {"vocab_sha256": digest}, {}])
+    assert phrase == f"{digest[:12]} (2 runs), unrecorded (1 runs)"
+    dirs = _studies(tmp_path, 2.0, 0.5)
+    doc = cv.calibration_from_runs(cv.parse_args(["--calibration-from", ",".join(map(str, dirs))]), dirs, data)
+    assert "the runs' vocabulary sha256: unrecorded (" in doc["data"]["train"]

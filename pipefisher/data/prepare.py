@@ -72,6 +72,7 @@ from __future__ import annotations
 
 import argparse
 import codecs
+import hashlib
 import json
 import logging
 import random
@@ -85,6 +86,7 @@ from pathlib import Path
 
 import h5py
 import numpy as np
+import tokenizers
 from tokenizers import BertWordPieceTokenizer
 from tqdm import tqdm
 
@@ -652,7 +654,8 @@ def prepare(
     info = {"inputs": [str(p) for p in paths], "input_formats": formats,
             "vocab": str(vocab) if vocab else None,
             **asdict(cfg), "num_documents": len(train_ids), "num_instances": num,
-            "vocab_size_actual": vocab_size, "shards": [p.name for p in shards],
+            "vocab_size_actual": vocab_size, "vocab_sha256": hashlib.sha256(vocab_path.read_bytes()).hexdigest(),
+            "tokenizers_version": tokenizers.__version__, "shards": [p.name for p in shards],
             "shard_sizes": result.shard_sizes, "num_heldout_documents": result.num_heldout_documents,
             "num_heldout_instances": result.num_heldout_instances,
             "heldout_shards": [f"{HELDOUT_DIR}/{p.name}" for p in result.heldout_shards],
