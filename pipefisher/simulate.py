@@ -100,6 +100,15 @@ class CostModel:
         p2p_ns: latency of one point-to-point message (send issued → data received).
         sync_ns: gradient all-reduce cost of each stage (empty means 0 for every stage).
         step_ns: optimizer step cost per worker.
+        kfac_owner: ``optimizer.kfac_owners=replicas``: ``[stage][layer]`` the owner of the layer among the
+            stage's replicas (an index into its workers, sorted: ``Placement.replicas_of_stage``, the order of
+            the stage's process group), which alone inverts and preconditions it; the others' INVERT of it costs
+            0, their PRECOND only their own layers (``precond_layer_ns``), and the preconditioned gradients
+            travel in one all-reduce (``exchange_ns``) that the STEP waits for ([Note: pricing owners] in
+            ``planning.owner_costs``). ``()``: every replica does every layer's work (``holder``).
+        precond_layer_ns: ``[stage][layer]`` PRECOND of one layer (read with ``kfac_owner`` only).
+        exchange_ns: per stage, the all-reduce of the preconditioned gradients among the owners (with
+            ``kfac_owner``; empty: 0).
         stage_step_ns: per-stage cost of a stage STEP (the optimizer step of that stage's parameters,
             the tied weight excepted; ``passes.per_stage_steps``); empty: 0.
         worker_step_ns: optimizer step cost of each worker, where they differ (empty: ``step_ns``
@@ -132,6 +141,9 @@ class CostModel:
     weight_grad_ns: tuple[int, ...] = ()
     worker_step_ns: tuple[int, ...] = ()
     stage_step_ns: tuple[int, ...] = ()
+    kfac_owner: KfacTable = ()
+    precond_layer_ns: KfacTable = ()
+    exchange_ns: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         n = len(self.forward_ns)
@@ -153,10 +165,13 @@ class CostModel:
         object.__setattr__(self, "precond_ns", _as_tuple(precond, n, "precond_ns"))
         stage_step = self.stage_step_ns if (isinstance(self.stage_step_ns, int) or len(self.stage_step_ns)) else 0
         object.__setattr__(self, "stage_step_ns", _as_tuple(stage_step, n, "stage_step_ns"))
+        exchange = self.exchange_ns if (isinstance(self.exchange_ns, int) or len(self.exchange_ns)) else 0
+        object.__setattr__(self, "exchange_ns", _as_tuple(exchange, n, "exchange_ns"))
         _as_tuple(self.p2p_ns, 1, "p2p_ns")
         _as_tuple(self.step_ns, 1, "step_ns")
         object.__setattr__(self, "worker_step_ns", tuple(int(x) for x in self.worker_step_ns))
-        for name in ("backward_ns", "sync_ns", "precond_ns", "input_grad_ns", "weight_grad_ns", "stage_step_ns"):
+        for name in ("backward_ns", "sync_ns", "precond_ns", "input_grad_ns", "weight_grad_ns", "stage_step_ns",
+                     "exchange_ns"):
             if len(getattr(self, name)) != n:
                 raise ValueError(f"CostModel.{name} has {len(getattr(self, name))} entries; "
                                  f"forward_ns has {n} (one per stage)")
@@ -171,6 +186,14 @@ class CostModel:
                 raise ValueError(f"CostModel.{name} has {list(mine)} layers per stage, the other K-FAC "
                                  f"tables {list(counts)}; give every K-FAC kind the same layers")
             counts = mine
+        for name in ("kfac_owner", "precond_layer_ns"):
+            table = _as_table(getattr(self, name), n, name)
+            object.__setattr__(self, name, table)
+            if table and counts is not None and tuple(len(row) for row in table) != counts:
+                raise ValueError(f"CostModel.{name} has {[len(row) for row in table]} layers per stage, the K-FAC "
+                                 f"tables {list(counts)}")
+        if self.kfac_owner and not self.precond_layer_ns:
+            raise ValueError("CostModel.kfac_owner needs precond_layer_ns (what each owner's PRECOND costs)")
 
     @classmethod
     def uniform(cls, num_stages: int, forward_ns: int, backward_ns: int | None = None, *,
@@ -237,29 +260,46 @@ class CostModel:
                 return tuple(len(row) for row in table)
         return None
 
-    def kfac_ns(self, kind: ActionKind, stage: int, layer: int | None = None) -> int:
+    def kfac_ns(self, kind: ActionKind, stage: int, layer: int | None = None, member: int | None = None) -> int:
         """Cost of one K-FAC unit: CURV_A/CURV_B (per micro-batch), SYNC_FACTOR, INVERT, PRECOND.
 
         Args:
             kind: a K-FAC kind.
             stage: the stage.
             layer: the stage's K-FAC layer; None sums over all of them (``PRECOND`` ignores it).
+            member: the replica's index among the stage's workers (``kfac_owner``): its INVERT of a layer it
+                does not own and its PRECOND of such layers cost 0. None: every layer's cost.
 
         Raises:
             ValueError: ``layer`` beyond the layers the cost tables give the stage.
         """
         if kind == K.PRECOND:
-            return self.precond_ns[stage]
+            return self.precond_of(stage, member)
         table = getattr(self, _KFAC_TABLES[kind])
         if not table:
             return 0
         row = table[stage]
+        mine = self.owned(stage, member) if kind == K.INVERT else None
         if layer is None:
-            return sum(row)
+            return sum(c for i, c in enumerate(row) if mine is None or i in mine)
         if not 0 <= layer < len(row):
             raise ValueError(f"{kind} of stage {stage} layer {layer}: the cost model has {len(row)} "
                              f"K-FAC layers for that stage; build it with the run's layer counts")
-        return row[layer]
+        return row[layer] if mine is None or layer in mine else 0
+
+    def owned(self, stage: int, member: int | None) -> frozenset[int] | None:
+        """The layers of ``stage`` replica ``member`` inverts and preconditions; None: all (no owners, or no
+        member given)."""
+        if member is None or not self.kfac_owner:
+            return None
+        return frozenset(i for i, o in enumerate(self.kfac_owner[stage]) if o == member)
+
+    def precond_of(self, stage: int, member: int | None = None) -> int:
+        """PRECOND of ``stage`` on replica ``member``: its own layers' under ``kfac_owner``, else the stage's."""
+        mine = self.owned(stage, member)
+        if mine is None:
+            return self.precond_ns[stage]
+        return sum(c for i, c in enumerate(self.precond_layer_ns[stage]) if i in mine)
 
     # Short aliases: cost.forward[stage], cost.backward[stage], cost.sync[stage], cost.step.
     @property
@@ -345,6 +385,10 @@ class _Sim:
         self.dp_of = worker_dp_groups(self.s.placement)
         self.where = self.s.placement.workers
         self.members = {st: self.s.placement.replicas_of_stage(st) for st in range(self.s.num_stages)}
+        # [Note: pricing owners]: a replica's index among its stage's workers, where several hold the stage
+        self.member = {(w, st): i for st, ws in self.members.items() if len(ws) > 1 and cost.kfac_owner
+                       for i, w in enumerate(ws)}
+        self.exchange_arrivals: dict[tuple[int, int], dict[int, int]] = defaultdict(dict)
         self.data_deps = [not any(a.kind.is_comm for acts in sch.actions.values() for a in acts)
                           for sch in self.steps]
         self.work = {w: [(k, i, a) for k, sch in enumerate(self.steps) for i, a in enumerate(sch.actions[w])]
@@ -450,12 +494,14 @@ class _Sim:
             if ready is None:
                 return False
             start = max(now, ready)
-            end = start + self.cost.kfac_ns(a.kind, a.stage, a.layer)
+            end = start + self.cost.kfac_ns(a.kind, a.stage, a.layer, self.member.get((w, a.stage)))
         elif a.kind == K.PRECOND:
             if a.stage in self.open_syncs[(k, w)]:
                 return False
             start = max(now, self.stage_sync_end.get((k, w, a.stage), 0))
-            end = start + self.cost.precond_ns[a.stage]
+            end = start + self.cost.precond_of(a.stage, self.member.get((w, a.stage)))
+            if (w, a.stage) in self.member and self.cost.kfac_owner[a.stage]:
+                self._exchange(w, k, a.stage, end)
         else:  # pragma: no cover - kinds added to the IR must be simulated here
             raise NotImplementedError(f"simulator has no rule for {a}")
         self._emit(w, k, a, start, end)
@@ -463,6 +509,21 @@ class _Sim:
         self.clock[w] = end
         self.ptr[w] += 1
         return True
+
+    def _exchange(self, w: int, k: int, stage: int, ready: int) -> None:
+        """The owners' all-reduce of ``stage``'s preconditioned gradients ([Note: pricing owners]): it starts
+        when every replica has preconditioned its layers and ends ``exchange_ns`` later; the STEP waits for it
+        as for a gradient all-reduce."""
+        arrived = self.exchange_arrivals[(k, stage)]
+        arrived[w] = ready
+        self.open_syncs[(k, w)].add(stage)
+        if set(arrived) != set(self.members[stage]):
+            return
+        end = max(arrived.values()) + self.cost.exchange_ns[stage]
+        for m in self.members[stage]:
+            self.open_syncs[(k, m)].discard(stage)
+            self.sync_end[(k, m)] = max(self.sync_end[(k, m)], end)
+            self.stage_sync_end[(k, m, stage)] = max(self.stage_sync_end.get((k, m, stage), 0), end)
 
     def _arrive(self, w: int, k: int, a: Action, now: int) -> None:
         layer = a.layer if a.kind == K.SYNC_FACTOR else None

@@ -171,6 +171,10 @@ class _Planner:
         self.replicas: dict[int, list[tuple[int, int]]] = defaultdict(list)  # stage -> (worker, pipe)
         for (_, pipe, stage), w in sorted(self.base.placement.workers.items(), key=lambda kv: kv[1]):
             self.replicas[stage].append((w, pipe))
+        # kfac_owners=replicas ([Note: pricing owners]): a replica's index among its stage's workers
+        self.member = {(w, st): i for st in range(self.base.num_stages) if cost.kfac_owner
+                       for i, w in enumerate(self.base.placement.replicas_of_stage(st))
+                       if len(self.base.placement.replicas_of_stage(st)) > 1}
         self.mbs = {p: refresh_micro_batches(schedule, p, curvature_micro_batches)
                     for p in set(schedule.pipe_of_micro_batch)}
         self.seq = itertools.count()
@@ -270,14 +274,14 @@ class _Planner:
         """Reserve (stage, layer)'s INVERTs in phase p if every replica's worker has the free time
         for them after its last curvature unit there ([Note: inverting in the curvature's phase])."""
         assert self.reserved is not None
-        c = self.cost.kfac_ns(K.INVERT, stage, layer)
-        workers = {w for w, _ in self.replicas[stage]}
-        for w in workers:
+        costs = {w: self.cost.kfac_ns(K.INVERT, stage, layer, self.member.get((w, stage)))
+                 for w, _ in self.replicas[stage]}
+        for w, c in costs.items():
             last = max(u.window.point for u in placed if u.worker == w)
             free = sum(max(0, x.end - x.start - x.busy_ns) for x in self.windows[p][w] if x.point >= last)
             if free < self.reserved[(p, w)] + c:
                 return False
-        for w in workers:
+        for w, c in costs.items():
             self.reserved[(p, w)] += c
         return True
 
@@ -379,7 +383,7 @@ class _Planner:
             if w not in left:
                 continue
             act = Action(K.INVERT, stage, None, pipe, layer=layer)
-            c = self.cost.kfac_ns(K.INVERT, stage, layer)
+            c = self.cost.kfac_ns(K.INVERT, stage, layer, self.member.get((w, stage)))
             ready = sync.end if sync.phase == p else 0
             after = sync.items[w][0].point if sync.phase == p else -1
             win = t = None
@@ -644,11 +648,13 @@ def work_and_bubbles(schedule: Schedule, cost: CostModel, kfac_layers: Sequence[
     summary = summarize_timeline(events, base.num_workers, 1)
     bubble = round(summary.step_time_ns * base.num_workers * (1.0 - summary.utilization))
     work = 0
-    for (_, pipe, stage) in base.placement.workers:
+    for (_, pipe, stage), w in base.placement.workers.items():
         n = len(refresh_micro_batches(schedule, pipe, curvature_micro_batches))
+        members = base.placement.replicas_of_stage(stage)
+        member = members.index(w) if cost.kfac_owner and len(members) > 1 else None  # [Note: pricing owners]
         for layer in range(kfac_layers[stage]):
             work += n * (cost.kfac_ns(K.CURV_A, stage, layer) + cost.kfac_ns(K.CURV_B, stage, layer))
-            work += cost.kfac_ns(K.INVERT, stage, layer)
+            work += cost.kfac_ns(K.INVERT, stage, layer, member)
     k_min = max(1, -(-work // bubble)) if bubble > 0 else 0  # 0: no bubble, no k hides anything
     return {"kfac_work_ns": int(work), "bubble_ns": int(bubble), "k_min": int(k_min)}
 

@@ -28,7 +28,10 @@ from typing import Any
 from omegaconf import OmegaConf
 
 from pipefisher.config import OptimizerConfig
+from pipefisher.config.choices import KFAC_OWNERS
 from pipefisher.planning.assign import plan_pipefisher
+from pipefisher.planning.costs import RunShape
+from pipefisher.planning.owner_costs import with_owners
 from pipefisher.planning.staleness import load_staleness_curve
 from pipefisher.schedules import Schedule
 from pipefisher.schedules.kfac import (PROMOTE_INVERSES, Assignment, assignment_from_json, curvature_age_bound,
@@ -55,6 +58,7 @@ class PlanOptions:
     curvature_micro_batches: int = 0
     curvature_placement: str = "after_capture"
     staleness_curve: str | None = None
+    kfac_owners: str = "holder"
 
     def __post_init__(self) -> None:
         if isinstance(self.max_interval, bool) or not isinstance(self.max_interval, int) or self.max_interval < 1:
@@ -67,13 +71,17 @@ class PlanOptions:
         if isinstance(self.curvature_micro_batches, bool) or not isinstance(self.curvature_micro_batches, int) \
                 or self.curvature_micro_batches < 0:
             raise ValueError(f"curvature_micro_batches={self.curvature_micro_batches!r}: an integer >= 0 (0 = all)")
+        if self.kfac_owners not in KFAC_OWNERS:
+            raise ValueError(f"kfac_owners={self.kfac_owners!r}: use one of {', '.join(KFAC_OWNERS)}")
         if self.curvature_placement not in _PLACEMENTS:
             raise ValueError(f"curvature_placement={self.curvature_placement!r}: use one of {', '.join(_PLACEMENTS)}")
 
     @classmethod
     def from_optimizer(cls, optimizer: Any) -> PlanOptions:
-        """The options of an optimizer config (``OptimizerConfig`` or anything with its attribute names)."""
-        return cls(**{f.name: getattr(optimizer, f.name) for f in fields(cls)})
+        """The options of an optimizer config (``OptimizerConfig`` or anything with its attribute names;
+        ``kfac_owners`` may be absent, as in schedule.py's config, which plans for ``holder``)."""
+        return cls(**{f.name: getattr(optimizer, f.name) if f.name != "kfac_owners" else
+                      getattr(optimizer, f.name, f.default) for f in fields(cls)})
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> PlanOptions:
@@ -139,7 +147,7 @@ class PipeFisherPlan:
 
 
 def plan_for(schedule: Schedule, cost: CostModel, kfac_layers: list[int] | tuple[int, ...],
-             options: PlanOptions | None = None) -> PipeFisherPlan:
+             options: PlanOptions | None = None, run: RunShape | None = None) -> PipeFisherPlan:
     """PipeFisher's plan of ``schedule`` under ``cost`` with ``options`` ([Note: one planning path]).
 
     Args:
@@ -147,11 +155,20 @@ def plan_for(schedule: Schedule, cost: CostModel, kfac_layers: list[int] | tuple
         cost: the cost model with K-FAC unit costs (``strategy_search.pipeline_costs``, or a profile's).
         kfac_layers: K-FAC layers per stage.
         options: the planner options; None: :func:`pipefisher_defaults` (train.py's ``optimizer=pipefisher``).
+        run: the run's shape; needed with ``options.kfac_owners="replicas"``, whose layers' owners and
+            exchange it prices (``planning.owner_costs`` [Note: pricing owners]).
 
     Returns:
         The plan with its k and curvature ages.
+
+    Raises:
+        ValueError: ``kfac_owners="replicas"`` without ``run``.
     """
     o = options or pipefisher_defaults()
+    if o.kfac_owners == "replicas":
+        if run is None:
+            raise ValueError("plan_for: kfac_owners=replicas prices each layer on its owner; give the run's shape (run=)")
+        cost = with_owners(cost, schedule, run)
     staleness = load_staleness_curve(o.staleness_curve) if o.staleness_curve else None
     a = plan_pipefisher(schedule, cost, list(kfac_layers), max_interval=o.max_interval, max_staleness=o.max_staleness,
                         curvature_micro_batches=o.curvature_micro_batches, curvature_placement=o.curvature_placement,

@@ -215,7 +215,7 @@ def kfac_assignment(cfg: TrainConfig, schedule: Schedule) -> Assignment:
     hw = Hardware() if device_type(cfg.device) == "cuda" else CPU_HARDWARE
     run = run_shape(cfg)
     cost = pipeline_costs(run, hw, sdp=cfg.sdp, tp=cfg.tp, schedule=schedule)
-    return plan_for(schedule, cost, kfac_layers, PlanOptions.from_optimizer(o)).assignment
+    return plan_for(schedule, cost, kfac_layers, PlanOptions.from_optimizer(o), run).assignment
 
 
 def describe_kfac(cfg: TrainConfig, assignment: Assignment) -> str:

@@ -19,45 +19,22 @@ which are bit for bit what each replica computes with ``holder`` (the same input
 the parameters equal ``holder``'s (tests/test_kfac_owners.py). Curvature (CURV_A, CURV_B) is still captured by
 every replica from its own micro-batches and all-reduced, as before; a replica keeps no inverses for layers it does
 not own, so a checkpoint written under one setting cannot continue under the other (``checkpoint_io``'s matching
-fields). The schedule and the planner are unchanged: the INVERT units of a layer a replica does not own cost it
-nothing, so the step is at most what the planner predicts. Not under ``sdp``/``tp`` (refused at config time).
+fields). The schedule is unchanged: a replica runs the INVERT units of a layer it does not own as no-ops; the planner
+prices them at 0 and adds the exchange (``planning.owner_costs`` [Note: pricing owners]). Not under ``sdp``/``tp`` (refused at config time).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 
 import torch.distributed as dist
 
 from pipefisher.optim import KFACPreconditioner
+from pipefisher.optim.owners import layer_cost, plan_owners
 
 __all__ = ["layer_cost", "owned_layers", "plan_owners"]
 
 StageKey = tuple[int, int]  # (pipe, stage)
-
-
-def layer_cost(out_features: int, in_features: int) -> int:
-    """Relative INVERT + PRECOND cost of an [O, I] layer: O³ + I³ (both factors' inverses) + O·I·(O + I)."""
-    return out_features ** 3 + in_features ** 3 + out_features * in_features * (out_features + in_features)
-
-
-def plan_owners(shapes: Sequence[tuple[int, int]], members: int) -> list[int]:
-    """The owner (0 .. ``members`` − 1) of each layer of ``shapes`` ([O, I] per layer): the layers by cost,
-    the most expensive first (ties: the earlier layer), each to the member with the least cost so far (ties: the
-    lowest index). The same answer on every rank.
-
-    Raises:
-        ValueError: ``members`` < 1.
-    """
-    if members < 1:
-        raise ValueError(f"members={members}: a stage has at least one replica")
-    load = [0] * members
-    owner = [0] * len(shapes)
-    for i in sorted(range(len(shapes)), key=lambda j: (-layer_cost(*shapes[j]), j)):
-        m = min(range(members), key=lambda r: (load[r], r))
-        owner[i] = m
-        load[m] += layer_cost(*shapes[i])
-    return owner
 
 
 def owned_layers(preconditioners: Mapping[StageKey, KFACPreconditioner],

@@ -1,0 +1,69 @@
+"""What K-FAC's work costs each replica when every layer has one owner (``optimizer.kfac_owners=replicas``).
+
+Entry point: :func:`with_owners` (a cost model priced the way ``runtime.kfac_owners`` runs).
+
+[Note: pricing owners]
+Under ``kfac_owners=replicas`` a stage held by several replicas (Chimera's twins) has each K-FAC layer inverted
+and preconditioned by one owner (``optim.owners.plan_owners``, the same function the runtime calls, over the same
+members: the stage's workers in rank order, ``Placement.replicas_of_stage``); the other replicas run that layer's
+INVERT as a no-op, precondition only their own layers at PRECOND, and one all-reduce (a sum) of the stage's
+K-FAC gradients, started at PRECOND and waited for before STEP, gives every replica every layer's preconditioned
+gradient (``runtime.kfac_owners`` [Note: K-FAC owners among replicas]). Priced here as:
+
+    INVERT of (stage, layer) on a replica      the holder's cost if it owns the layer, else 0
+    PRECOND of a stage on a replica            its owned layers' share of the stage's PRECOND, split over the
+                                               layers by their FLOPs 2·in·out·(in + out) (``planning.costs``)
+    the exchange (``CostModel.exchange_ns``)   the stage's gradient all-reduce × the K-FAC layers' share of the
+                                               stage's parameters (the same bytes per second), after the last
+                                               replica's PRECOND; STEP waits for it
+
+Before this the planner priced every replica's INVERT and PRECOND under ``replicas`` as under ``holder``, so the
+step it predicted (and the k it chose) was that of work the run does not do (bench/studies/16: the run halves
+INVERT and the exchange takes back half of what that saves). A stage with one replica, or without K-FAC layers,
+is priced as before.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from pipefisher.optim.owners import plan_owners
+from pipefisher.planning.costs import RunShape, kfac_linear_dims, stage_parameters
+from pipefisher.schedules import Schedule
+from pipefisher.simulate import CostModel
+
+__all__ = ["with_owners"]
+
+
+def with_owners(cost: CostModel, schedule: Schedule, run: RunShape) -> CostModel:
+    """``cost`` with each layer's INVERT and PRECOND on its owner only, and the owners' exchange ([Note: pricing
+    owners]).
+
+    Raises:
+        ValueError: ``cost`` has no K-FAC tables, or a worker holds two replicas of one stage (the runtime refuses
+            owners there too).
+    """
+    if cost.kfac_layers is None:
+        raise ValueError("kfac_owners=replicas: the cost model has no K-FAC unit costs to divide among owners")
+    placement = schedule.placement
+    for stage in range(schedule.num_stages):
+        holders = [w for (_, _, s), w in placement.workers.items() if s == stage]
+        if len(holders) != len(set(holders)):
+            raise ValueError(f"kfac_owners=replicas: a worker holds two replicas of stage {stage}; owners are planned "
+                             f"per worker of a stage's group: use optimizer.kfac_owners=holder")
+    params = stage_parameters(run.bert, run.partition)
+    owners, precond, exchange = [], [], []
+    for stage, n in enumerate(run.encoder_layers):
+        dims = kfac_linear_dims(run.bert, n)  # (in, out) per layer
+        if len(dims) != cost.kfac_layers[stage]:
+            raise ValueError(f"kfac_owners=replicas: stage {stage} has {len(dims)} K-FAC layers by the model, "
+                             f"{cost.kfac_layers[stage]} by the cost model; price the run's own shape")
+        members = len(placement.replicas_of_stage(stage))
+        owners.append(tuple(plan_owners([(o, i) for i, o in dims], members)))
+        flops = [2 * i * o * (i + o) for i, o in dims]
+        total = sum(flops)
+        precond.append(tuple(round(cost.precond_ns[stage] * f / total) for f in flops) if total else ())
+        kfac_params = sum(i * o + o for i, o in dims)
+        share = kfac_params / params[stage] if params[stage] and members > 1 else 0.0
+        exchange.append(round(cost.sync_ns[stage] * share))
+    return replace(cost, kfac_owner=tuple(owners), precond_layer_ns=tuple(precond), exchange_ns=tuple(exchange))

@@ -1,0 +1,94 @@
+"""The planner prices ``optimizer.kfac_owners=replicas`` as the runtime runs it (``planning.owner_costs``
+[Note: pricing owners]): the same owner per layer as ``runtime.kfac_owners``, an INVERT only on its owner, a
+PRECOND of the replica's own layers, and the owners' exchange before STEP."""
+
+from __future__ import annotations
+
+import pytest
+
+from pipefisher.model import BertConfig, build_full_model
+from pipefisher.optim import KFACPreconditioner
+from pipefisher.optim.owners import plan_owners
+from pipefisher.planning.assign import work_and_bubbles
+from pipefisher.planning.costs import Hardware, RunShape, kfac_linear_dims
+from pipefisher.planning.owner_costs import with_owners
+from pipefisher.planning.pipefisher_plan import PlanOptions, plan_for
+from pipefisher.planning.strategy_search import pipeline_costs
+from pipefisher.schedules import ActionKind as K
+from pipefisher.schedules.kfac import check_assignment, critical_path_assignment
+from pipefisher.simulate import CostModel, simulate_phases
+
+BERT = BertConfig(vocab_size=512, hidden_size=64, num_layers=4, num_heads=2, intermediate_size=256,
+                  max_position_embeddings=64)
+HW = Hardware(flops_per_s=3e10, p2p_bytes_per_s=2e9, memory_bytes_per_s=1e10)
+
+
+def _chimera() -> tuple[RunShape, object, CostModel]:
+    run = RunShape(BERT, "chimera", 2, 4, 4, seq_len=64, max_predictions=10)
+    schedule = run.build_schedule()
+    return run, schedule, pipeline_costs(run, HW, schedule=schedule)
+
+
+def test_the_planner_gives_each_layer_the_owner_the_runtime_gives_it() -> None:
+    """The layer order and [O, I] shapes the planner derives from the config are the preconditioner's own, so
+    ``plan_owners`` over them names the runtime's owners."""
+    model = build_full_model(BERT)
+    pre = KFACPreconditioner(model)
+    shapes = [tuple(pre.layer(n).module.weight.shape) for n in pre.layer_names]
+    assert shapes == [(o, i) for i, o in kfac_linear_dims(BERT, BERT.num_layers)]
+    run, schedule, cost = _chimera()
+    owned = with_owners(cost, schedule, run)
+    for stage, n in enumerate(run.encoder_layers):
+        per_stage = shapes[: 6 * n] if stage == 0 else shapes[6 * run.encoder_layers[0]:][: 6 * n]
+        assert list(owned.kfac_owner[stage]) == plan_owners(per_stage, 2)
+        assert sorted(set(owned.kfac_owner[stage])) == [0, 1]  # Chimera's twins share the work
+    assert all(x > 0 for x in owned.exchange_ns)
+
+
+def test_simulated_owner_step_inverts_each_layer_once_and_waits_for_the_exchange() -> None:
+    run, schedule, cost = _chimera()
+    cp = critical_path_assignment(schedule, run.kfac_layers, 1)
+    owned = with_owners(cost, schedule, run)
+    for exchange_scale in (1, 1000):
+        priced = CostModel(**{**owned.__dict__, "exchange_ns": tuple(x * exchange_scale for x in owned.exchange_ns)})
+        events = simulate_phases(cp.phases, priced)
+        holder = simulate_phases(cp.phases, cost)
+        inverts = {}
+        for e in events:
+            if e.kind == K.INVERT.value:
+                inverts[e.worker] = inverts.get(e.worker, 0) + e.end_ns - e.start_ns
+        # every layer's INVERT once over the twins, where holder does it on both
+        assert sum(inverts.values()) == sum(cost.kfac_ns(K.INVERT, s) for s in range(schedule.num_stages))
+        assert sum(e.end_ns - e.start_ns for e in holder if e.kind == K.INVERT.value) == 2 * sum(inverts.values())
+        precond = [e for e in events if e.kind == K.PRECOND.value]
+        assert sum(e.end_ns - e.start_ns for e in precond) == pytest.approx(
+            sum(cost.precond_ns), abs=len(precond))  # each layer preconditioned once (rounded per layer)
+        last_precond = max(e.end_ns for e in precond)
+        steps = [e for e in events if e.kind == K.STEP.value]
+        assert min(e.start_ns for e in steps) >= last_precond + min(priced.exchange_ns)
+        step_ns = max(e.end_ns for e in events)
+        holder_ns = max(e.end_ns for e in holder)
+        if exchange_scale == 1:
+            assert step_ns < holder_ns  # half the INVERTs off each worker, the exchange cheap
+        else:
+            assert step_ns > holder_ns  # an exchange 1000x dearer costs more than it saves
+
+
+def test_the_planner_counts_each_owner_layers_inversion_once() -> None:
+    run, schedule, cost = _chimera()
+    holder = work_and_bubbles(schedule, cost, run.kfac_layers)
+    owners = work_and_bubbles(schedule, with_owners(cost, schedule, run), run.kfac_layers)
+    once = sum(cost.kfac_ns(K.INVERT, s) for s in range(schedule.num_stages))
+    assert owners["kfac_work_ns"] == holder["kfac_work_ns"] - once
+
+
+def test_plan_for_prices_owners_from_the_run_and_refuses_without_it() -> None:
+    run, schedule, cost = _chimera()
+    options = PlanOptions(kfac_owners="replicas")
+    with pytest.raises(ValueError, match="kfac_owners=replicas .* give the run's shape"):
+        plan_for(schedule, cost, run.kfac_layers, options)
+    plan = plan_for(schedule, cost, run.kfac_layers, options, run)
+    check_assignment(plan.assignment)
+    assert plan.options.kfac_owners == "replicas"
+    with pytest.raises(ValueError, match="kfac_owners='all'"):
+        PlanOptions(kfac_owners="all")
