@@ -305,3 +305,19 @@ def test_a_calibration_names_the_vocabularies_its_runs_saw(cv, tmp_path: Path) -
     dirs = _studies(tmp_path, 2.0, 0.5)
     doc = cv.calibration_from_runs(cv.parse_args(["--calibration-from", ",".join(map(str, dirs))]), dirs, data)
     assert "the runs' vocabulary sha256: unrecorded (" in doc["data"]["train"]
+
+
+def test_the_4000_step_lr_grid_picks_the_lrs_the_calibration_ran(cv, ca) -> None:
+    """Study 18's section 'The 4,000-step lr, tuned': on bench/studies/data/18-b4000-lr-grid.json (seed 0, factor-2
+    grids) every arm's best lr by final held-out loss is inside its grid and is the lr of the calibration's
+    4,000-step runs (bench/studies/data/18-budget-runs.json)."""
+    data = cv.h.REPO / "bench" / "studies" / "data"
+    grid = cv.run_results(data / "18-b4000-lr-grid.json")
+    sweep = [r for r in cv.run_results(data / "18-budget-runs.json") if r["steps"] == 4000]
+    for arm in ("nvlamb", "muon", "kfac-k1"):
+        runs = sorted((r for r in grid if r["arm"] == arm and r["seed"] == 0), key=lambda r: r["lr"])
+        assert len(runs) >= 3, arm
+        best = min(runs, key=lambda r: r["final"])
+        assert best is not runs[0] and best is not runs[-1], f"{arm}: the pick sits at the grid's edge"
+        assert {r["lr"] for r in sweep if r["arm"] == arm} == {best["lr"]}, arm
+        assert ca.budget_finals(grid)[arm][4000] == [best["final"]]
