@@ -51,12 +51,12 @@ from dataclasses import dataclass, replace
 from typing import NamedTuple
 
 from pipefisher.schedules.checks import ScheduleError
-from pipefisher.schedules.ir import Action, ActionKind, Schedule
+from pipefisher.schedules.ir import Action, ActionKind, Placement, Schedule
 from pipefisher.schedules.passes import matching_send, worker_dp_groups
 from pipefisher.timeline import Event, bubble_utilization
 
-__all__ = ["ActionTime", "CostModel", "action_times", "compute_cost_fields", "mean_ns", "peak_activations", "simulate", "simulate_phases",
-           "simulated_bubble_ratio", "worker_step_costs"]
+__all__ = ["ActionTime", "CostModel", "action_times", "compute_cost_fields", "mean_ns", "owner_members", "peak_activations",
+           "simulate", "simulate_phases", "simulated_bubble_ratio", "worker_step_costs"]
 
 K = ActionKind
 
@@ -360,6 +360,19 @@ def worker_step_costs(durations: dict[int, list[int]], num_workers: int | None =
     return tuple(mean_ns(durations[w]) for w in range(n))
 
 
+def owner_members(placement: Placement, cost: CostModel) -> dict[tuple[int, int], int]:
+    """(worker, stage) -> the replica's index among the stage's workers (``CostModel.kfac_owner``'s member), for
+    the stages several workers hold, when ``cost`` prices owners; empty otherwise ([Note: pricing owners])."""
+    if not cost.kfac_owner:
+        return {}
+    out: dict[tuple[int, int], int] = {}
+    for stage in {s for (_, _, s) in placement.workers}:
+        workers = placement.replicas_of_stage(stage)
+        if len(workers) > 1:
+            out.update({(w, stage): i for i, w in enumerate(workers)})
+    return out
+
+
 class ActionTime(NamedTuple):
     """When one action ran on its worker (ns).
 
@@ -386,8 +399,7 @@ class _Sim:
         self.where = self.s.placement.workers
         self.members = {st: self.s.placement.replicas_of_stage(st) for st in range(self.s.num_stages)}
         # [Note: pricing owners]: a replica's index among its stage's workers, where several hold the stage
-        self.member = {(w, st): i for st, ws in self.members.items() if len(ws) > 1 and cost.kfac_owner
-                       for i, w in enumerate(ws)}
+        self.member = owner_members(self.s.placement, cost)
         self.exchange_arrivals: dict[tuple[int, int], dict[int, int]] = defaultdict(dict)
         self.data_deps = [not any(a.kind.is_comm for acts in sch.actions.values() for a in acts)
                           for sch in self.steps]

@@ -4,6 +4,8 @@ PRECOND of the replica's own layers, and the owners' exchange before STEP."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from pipefisher.model import BertConfig, build_full_model
@@ -38,8 +40,9 @@ def test_the_planner_gives_each_layer_the_owner_the_runtime_gives_it() -> None:
     assert shapes == [(o, i) for i, o in kfac_linear_dims(BERT, BERT.num_layers)]
     run, schedule, cost = _chimera()
     owned = with_owners(cost, schedule, run)
+    first = 0
     for stage, n in enumerate(run.encoder_layers):
-        per_stage = shapes[: 6 * n] if stage == 0 else shapes[6 * run.encoder_layers[0]:][: 6 * n]
+        per_stage, first = shapes[first:first + 6 * n], first + 6 * n
         assert list(owned.kfac_owner[stage]) == plan_owners(per_stage, 2)
         assert sorted(set(owned.kfac_owner[stage])) == [0, 1]  # Chimera's twins share the work
     assert all(x > 0 for x in owned.exchange_ns)
@@ -50,7 +53,7 @@ def test_simulated_owner_step_inverts_each_layer_once_and_waits_for_the_exchange
     cp = critical_path_assignment(schedule, run.kfac_layers, 1)
     owned = with_owners(cost, schedule, run)
     for exchange_scale in (1, 1000):
-        priced = CostModel(**{**owned.__dict__, "exchange_ns": tuple(x * exchange_scale for x in owned.exchange_ns)})
+        priced = replace(owned, exchange_ns=tuple(x * exchange_scale for x in owned.exchange_ns))
         events = simulate_phases(cp.phases, priced)
         holder = simulate_phases(cp.phases, cost)
         inverts = {}

@@ -86,7 +86,7 @@ from pipefisher.schedules.kfac import (
     require_plain_schedule,
     with_preconditioning,
 )
-from pipefisher.simulate import CostModel, simulate, simulate_phases
+from pipefisher.simulate import CostModel, owner_members, simulate, simulate_phases
 
 __all__ = ["CURVATURE_PLACEMENTS", "PlanStats", "plan_pipefisher", "plan_interval", "work_and_bubbles"]
 
@@ -172,9 +172,7 @@ class _Planner:
         for (_, pipe, stage), w in sorted(self.base.placement.workers.items(), key=lambda kv: kv[1]):
             self.replicas[stage].append((w, pipe))
         # kfac_owners=replicas ([Note: pricing owners]): a replica's index among its stage's workers
-        self.member = {(w, st): i for st in range(self.base.num_stages) if cost.kfac_owner
-                       for i, w in enumerate(self.base.placement.replicas_of_stage(st))
-                       if len(self.base.placement.replicas_of_stage(st)) > 1}
+        self.member = owner_members(self.base.placement, cost)
         self.mbs = {p: refresh_micro_batches(schedule, p, curvature_micro_batches)
                     for p in set(schedule.pipe_of_micro_batch)}
         self.seq = itertools.count()
@@ -648,13 +646,12 @@ def work_and_bubbles(schedule: Schedule, cost: CostModel, kfac_layers: Sequence[
     summary = summarize_timeline(events, base.num_workers, 1)
     bubble = round(summary.step_time_ns * base.num_workers * (1.0 - summary.utilization))
     work = 0
+    member = owner_members(base.placement, cost)  # [Note: pricing owners]
     for (_, pipe, stage), w in base.placement.workers.items():
         n = len(refresh_micro_batches(schedule, pipe, curvature_micro_batches))
-        members = base.placement.replicas_of_stage(stage)
-        member = members.index(w) if cost.kfac_owner and len(members) > 1 else None  # [Note: pricing owners]
         for layer in range(kfac_layers[stage]):
             work += n * (cost.kfac_ns(K.CURV_A, stage, layer) + cost.kfac_ns(K.CURV_B, stage, layer))
-            work += cost.kfac_ns(K.INVERT, stage, layer, member)
+            work += cost.kfac_ns(K.INVERT, stage, layer, member.get((w, stage)))
     k_min = max(1, -(-work // bubble)) if bubble > 0 else 0  # 0: no bubble, no k hides anything
     return {"kfac_work_ns": int(work), "bubble_ns": int(bubble), "k_min": int(k_min)}
 
