@@ -5,11 +5,21 @@ twins and on data-parallel copies; each replica does about half of the work."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+from pathlib import Path
+
 import pytest
 import torch
 
 from pipefisher.config import ConfigError
+from pipefisher.optim.owners import plan_owners
+from pipefisher.planning.costs import kfac_linear_dims
+from pipefisher.runtime.build import kfac_assignment, run_shape, schedule_for
 from pipefisher.runtime.checkpoint_io import config_fields, config_hash
+from pipefisher.schedules.checks import ScheduleError, check_schedule
+from pipefisher.schedules.ir import ActionKind
+from pipefisher.schedules.passes import per_stage_steps
+from pipefisher.schedules.kfac import Assignment, assignment_to_json, check_assignment
 from pipefisher.runtime.kfac_owners import layer_cost, plan_owners
 from tests.dist_harness import run_cases
 from tests.test_optimizer_placement import OFF, ROLL_BACK, _cfg
@@ -58,9 +68,10 @@ CASES = [("chimera", "kfac", "global", OFF), ("chimera", "kfac", "global", ROLL_
 OWNERS = ("holder", "replicas")
 
 
-def _owners_cfg(case: tuple, owners: str):
+def _owners_cfg(case: tuple, owners: str, *plan: str):
     method, optimizer, placement, clip, *extra = case
-    return _cfg(method, 2, 4, optimizer, placement, clip, f"optimizer.kfac_owners={owners}", f"steps={STEPS}", *extra)
+    return _cfg(method, 2, 4, optimizer, placement, clip, f"optimizer.kfac_owners={owners}", f"steps={STEPS}", *extra,
+                *plan)
 
 
 def _id(case: tuple) -> str:
@@ -68,11 +79,58 @@ def _id(case: tuple) -> str:
     return "-".join([method, optimizer, placement, f"clip{clip:g}", *(["dp2"] if tuple(extra) == DP else [])])
 
 
+def _one_plan(case: tuple, folder: Path) -> dict[str, tuple[str, ...]]:
+    """PipeFisher: per arm, the plan file it runs (``optimizer.schedule``): ``replicas`` the plan the planner makes
+    for it, ``holder`` :func:`_inverted_where_owned` of that plan. The planner prices owners ([Note: pricing
+    owners]): a replica's INVERT of a layer it does not own costs nothing and may sit in another step than its
+    owner's (where the runtime skips it), so holder's own plan and replicas' refresh some layers in other steps
+    (other curvature ages, other numbers); the comparison is of the owners' arithmetic on one refresh cycle."""
+    if case[1] != "pipefisher":
+        return {owners: () for owners in OWNERS}
+    cfg = _owners_cfg(case, "replicas")
+    planned = kfac_assignment(cfg, schedule_for(cfg))
+    plans = {"replicas": planned, "holder": _inverted_where_owned(planned, cfg)}
+    return {owners: (f"optimizer.schedule={assignment_to_json(plan, folder / f'{_id(case)}-{owners}.json')}",)
+            for owners, plan in plans.items()}
+
+
+def _inverted_where_owned(a: Assignment, cfg) -> Assignment:
+    """``a`` with every layer inverted by all replicas of its stage in the step its owner inverts it (the owner's
+    INVERT kept, copies put before the others' final STEP), the non-owners' INVERTs dropped: what ``holder`` must
+    run to compute what ``replicas`` computes with ``a``."""
+    run = run_shape(cfg)
+    owner = [plan_owners([(o, i) for i, o in kfac_linear_dims(run.bert, n)], 2) for n in run.encoder_layers]
+    phases = []
+    for phase in a.phases:
+        placement = phase.placement
+        where = {(p, s): w for (_, p, s), w in placement.workers.items()}
+        owned = []
+        for w, acts in phase.actions.items():
+            for x in acts:
+                if x.kind == ActionKind.INVERT:
+                    assert x.layer is not None, "per-layer INVERT units expected"
+                    members = placement.replicas_of_stage(x.stage)
+                    if members.index(w) == owner[x.stage][x.layer]:
+                        owned.append(x)
+        actions = {}
+        for w, acts in phase.actions.items():
+            copies = [replace(x, pipe=p) for x in owned for (p, s), v in where.items()
+                      if s == x.stage and v == w and p != x.pipe]
+            kept = [x for x in acts[:-1] if x.kind != ActionKind.INVERT or x in owned]
+            actions[w] = (*kept, *copies, acts[-1])
+        phases.append(replace(phase, actions=actions))
+    out = replace(a, phases=tuple(phases))
+    check_assignment(out)
+    return out
+
+
 @pytest.fixture(scope="module")
 def owner_results(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple, dict[str, dict]]:
     results = {}
+    plans = tmp_path_factory.mktemp("plans")
     for cases in ([c for c in CASES if c[4:] != DP], [c for c in CASES if c[4:] == DP]):  # one spawn per world
-        out = run_cases([(_owners_cfg(c, owners), STEPS) for c in cases for owners in OWNERS],
+        files = {c: _one_plan(c, plans) for c in cases}
+        out = run_cases([(_owners_cfg(c, owners, *files[c][owners]), STEPS) for c in cases for owners in OWNERS],
                         tmp_path_factory.mktemp("kfac_owners"))
         results.update({c: dict(zip(OWNERS, out[2 * i:2 * i + 2])) for i, c in enumerate(cases)})
     return results
@@ -101,3 +159,30 @@ def test_kfac_owners_replicas_equals_holder_bit_for_bit_with_half_the_work(case,
     assert sum(inverted[1]) * group == sum(inverted[0])
     assert sum(preconditioned[1]) * group == sum(preconditioned[0])
     assert max(inverted[1]) < max(inverted[0]) and max(preconditioned[1]) < max(preconditioned[0])
+
+
+def test_stage_steps_follow_every_precond_of_their_worker_when_owners_exchange() -> None:
+    """[Note: stage steps after the exchanges]: PipeFisher's plan for Chimera D=2 with owners, stepped per stage.
+    Placed as for holder (each STEP right after its own PRECOND), a worker's stage STEP waits for a twin whose
+    PRECOND comes after its own STEP of the other stage: the checker, told PRECOND is an exchange, finds the
+    deadlock (CI's run of this file hung there until gloo's timeout); placed with ``exchanges=True`` every phase
+    passes, and holder's rule is unchanged."""
+    cfg = _owners_cfg(CASES[3], "replicas")
+    assignment = kfac_assignment(cfg, schedule_for(cfg))
+    deadlocked = 0
+    for phase in assignment.phases:
+        check_schedule(per_stage_steps(phase, exchanges=True), kfac=True, exchanges=True)
+        holder_order = per_stage_steps(phase)
+        check_schedule(holder_order, kfac=True)  # without exchanges there is nothing to wait for
+        try:
+            check_schedule(holder_order, kfac=True, exchanges=True)
+        except ScheduleError as err:
+            assert "owners' exchanges" in str(err)
+            deadlocked += 1
+        for w, acts in per_stage_steps(phase, exchanges=True).actions.items():
+            kinds = [(x.kind, x.stage) for x in acts]
+            last_precond = max(i for i, (k, _) in enumerate(kinds) if k == ActionKind.PRECOND)
+            assert all(i > last_precond for i, (k, s) in enumerate(kinds) if k == ActionKind.STEP)
+    assert deadlocked >= 1
+    check_assignment(replace(assignment, phases=tuple(per_stage_steps(p, exchanges=True) for p in assignment.phases)),
+                     exchanges=True)

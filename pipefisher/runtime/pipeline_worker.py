@@ -123,9 +123,10 @@ class PipelineWorker:
             self.schedule = per_stage_steps(self.schedule)
             check_schedule(self.schedule)
             if self.assignment is not None:
-                self.assignment = dataclasses.replace(
-                    self.assignment, phases=tuple(per_stage_steps(p) for p in self.assignment.phases))
-                check_assignment(self.assignment)
+                exchanges = cfg.optimizer.kfac_owners == "replicas"  # [Note: stage steps after the exchanges]
+                self.assignment = dataclasses.replace(self.assignment, phases=tuple(
+                    per_stage_steps(p, exchanges=exchanges) for p in self.assignment.phases))
+                check_assignment(self.assignment, exchanges=exchanges)
         # optimizer.ns_owners=pipeline: [Note: NS owners across the pipeline] (a collective: every worker builds it)
         self.ns_spread: NsSpread | None = None
         if cfg.optimizer.name == "muon" and cfg.optimizer.ns_owners == "pipeline":

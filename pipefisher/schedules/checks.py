@@ -67,7 +67,8 @@ def _fail(schedule: Schedule, message: str, mark: tuple[int, int] | None = None)
 
 
 def check_schedule(schedule: Schedule, *, complete: bool = True, kfac: bool | None = None,
-                   forward_only: bool = False, max_activations: Mapping[int, int] | None = None) -> None:
+                   forward_only: bool = False, max_activations: Mapping[int, int] | None = None,
+                   exchanges: bool = False) -> None:
     """Check that ``schedule`` is well formed and runs to completion.
 
     Checks, in order: every action sits on a worker holding its stage replica (right pipe, right
@@ -96,6 +97,10 @@ def check_schedule(schedule: Schedule, *, complete: bool = True, kfac: bool | No
         max_activations: per worker, the most micro-batch activations it may hold at once
             (counted from F to B or W, every replica it holds, as ``simulate.peak_activations``);
             e.g. ``chimera_doubling_peaks(D)``, a memory model's bound. None: no bound.
+        exchanges: a PRECOND starts an all-reduce over its stage's replicas (``optimizer.kfac_owners=
+            replicas``) and a STEP waits until every replica of its stages has issued its PRECOND (a
+            stage STEP its own stage's, the final STEP all the worker holds): the deadlock check runs
+            with these waits ([Note: stage steps after the exchanges] in ``schedules.passes``).
 
     Raises:
         ScheduleError: the first violation found; the message includes the grid with the failing
@@ -131,7 +136,7 @@ def check_schedule(schedule: Schedule, *, complete: bool = True, kfac: bool | No
         _check_kfac(schedule, require_precond=has_kfac if kfac is None else kfac)
     if has_sync or has_kfac or complete:
         _check_collective_order(schedule)
-    _check_no_deadlock(schedule, data_dependencies=not has_comm)
+    _check_no_deadlock(schedule, data_dependencies=not has_comm, exchanges=exchanges)
 
 
 # -- placement ---------------------------------------------------------------------------------
@@ -551,23 +556,31 @@ def stuck_positions(schedule: Schedule) -> dict[int, int]:
     return _abstract_run(schedule, data_dependencies=not has_comm)
 
 
-def _check_no_deadlock(schedule: Schedule, data_dependencies: bool) -> None:
+def _check_no_deadlock(schedule: Schedule, data_dependencies: bool, exchanges: bool = False) -> None:
     """Abstract execution; see [Note: deadlock semantics]."""
-    stuck = _abstract_run(schedule, data_dependencies)
+    stuck = _abstract_run(schedule, data_dependencies, exchanges)
     if stuck:
         waits = ", ".join(f"worker {w} at {schedule.actions[w][i]}" for w, i in stuck.items())
         first = min(stuck)
-        _fail(schedule, f"deadlock under blocking send/receive and collectives: {waits}",
+        what = " and the owners' exchanges" if exchanges else ""
+        _fail(schedule, f"deadlock under blocking send/receive and collectives{what}: {waits}",
               (first, stuck[first]))
 
 
-def _abstract_run(schedule: Schedule, data_dependencies: bool) -> dict[int, int]:
+def _abstract_run(schedule: Schedule, data_dependencies: bool, exchanges: bool = False) -> dict[int, int]:
     actions = schedule.actions
     dp_of = worker_dp_groups(schedule.placement)
     members = {s: schedule.placement.replicas_of_stage(s) for s in range(schedule.num_stages)}
     last = schedule.num_stages - 1
     ptr = {w: 0 for w in actions}
     done: set[tuple[int, Action]] = set()  # (dp, compute action) executed
+    # exchanges: per stage with PRECONDs, the workers that must issue one and those that have
+    exchanging = {a.stage for acts in actions.values() for a in acts if a.kind == K.PRECOND} if exchanges else set()
+    preconditioned: dict[int, set[int]] = defaultdict(set)
+
+    def exchanged(w: int, a: Action) -> bool:
+        stages = [a.stage] if a.stage is not None else sorted({s for (_, _, s) in schedule.placement.stages_of(w)})
+        return all(preconditioned[s] >= set(members[s]) for s in stages if s in exchanging)
 
     def current(w: int) -> Action | None:
         return actions[w][ptr[w]] if ptr[w] < len(actions[w]) else None
@@ -595,6 +608,8 @@ def _abstract_run(schedule: Schedule, data_dependencies: bool) -> dict[int, int]
             ptr[w] += 1
             return True
         if a.kind == K.STEP:
+            if exchanging and not exchanged(w, a):
+                return False
             ptr[w] += 1
             return True
         if a.kind in _SENDS:
@@ -606,6 +621,8 @@ def _abstract_run(schedule: Schedule, data_dependencies: bool) -> dict[int, int]
         if a.kind in _RECVS:
             return False  # completes from the sender's side
         if a.kind in _LOCAL_KFAC:
+            if a.kind == K.PRECOND:
+                preconditioned[a.stage].add(w)
             ptr[w] += 1
             return True
         group = members[a.stage]  # SYNC_GRAD or SYNC_FACTOR: blocking collectives

@@ -332,8 +332,11 @@ def _fail(a: Assignment, phase: int, message: str, mark: tuple[int, int] | None 
                         f"interval {a.interval}), phase {phase}: {message}\n{s.format_grid(mark=mark)}")
 
 
-def check_assignment(a: Assignment) -> None:
+def check_assignment(a: Assignment, *, exchanges: bool = False) -> None:
     """Check a K-FAC assignment: every phase, and the refresh cycle ([Note: refresh cycle]).
+
+    ``exchanges``: PRECOND is the owners' all-reduce (``optimizer.kfac_owners=replicas``), see
+    ``check_schedule``.
 
     Each phase must pass ``check_schedule(phase, kfac=True)`` (K-FAC units after their forward or
     backward on the same worker, syncs after curvature, inversions after syncs, PRECOND once per
@@ -373,7 +376,7 @@ def check_assignment(a: Assignment) -> None:
             _fail(a, p, f"worker {w} runs different pipeline actions than in phase 0; phases differ "
                         f"only in K-FAC units", (w, i))
         try:
-            check_schedule(phase, kfac=True)
+            check_schedule(phase, kfac=True, exchanges=exchanges)
         except ScheduleError as exc:
             raise ScheduleError(f"K-FAC assignment (interval {a.interval}), phase {p}: {exc}") from None
     _check_cycle(a)

@@ -380,7 +380,8 @@ def add_grad_sync_and_step(schedule: Schedule, hoist: str = "earliest_send") -> 
     return replace(schedule, actions=_Legalizer(schedule, segments, hoist).run())
 
 
-def per_stage_steps(schedule: Schedule, positions: StepPositions | None = None) -> Schedule:
+def per_stage_steps(schedule: Schedule, positions: StepPositions | None = None, *,
+                    exchanges: bool = False) -> Schedule:
     """Give every stage replica its own optimizer step once its gradients are final.
 
     [Note: per-stage optimizer steps]
@@ -414,6 +415,9 @@ def per_stage_steps(schedule: Schedule, positions: StepPositions | None = None) 
         positions: per worker, replica (stage, pipe) → the index in the worker's list without its
             PRECONDs and final STEP after which the replica's STEP goes (at least its replica's last
             action, :func:`stage_step_bounds`); None: the rule above.
+        exchanges: a PRECOND starts an all-reduce among its stage's replicas that their STEPs wait for
+            (``optimizer.kfac_owners=replicas``, [Note: stage steps after the exchanges]): each worker's
+            stage STEPs then follow all its PRECONDs.
 
     Returns:
         A new schedule with one STEP per stage replica; nothing else moves except PRECOND.
@@ -429,7 +433,7 @@ def per_stage_steps(schedule: Schedule, positions: StepPositions | None = None) 
                 raise ValueError(f"STEP of stage {r[0]} pipe {r[1]} on worker {w} at {i}: it must follow its "
                                  f"replica's last action ({firsts[w][r]}) and precede the final STEP")
             slots[w][r] = i
-    return _place_steps(schedule, rests, slots)
+    return _place_steps(schedule, rests, slots, exchanges)
 
 
 StepPositions = dict[int, dict[tuple[int, int], int]]
@@ -467,24 +471,37 @@ def stage_step_bounds(schedule: Schedule) -> tuple[dict[int, list[Action]], Step
 
 
 def _place_steps(schedule: Schedule, rests: dict[int, list[Action]],
-                 slots: dict[int, dict[tuple[int, int], int]]) -> Schedule:
+                 slots: dict[int, dict[tuple[int, int], int]], exchanges: bool = False) -> Schedule:
     """``schedule`` with [PRECOND(s, p)], STEP(s, p) after index ``slots[w][(s, p)]`` of each worker's
-    list without its PRECONDs and final STEP (``rests[w]``); replicas at one index in SYNC_GRAD order."""
+    list without its PRECONDs and final STEP (``rests[w]``); replicas at one index in SYNC_GRAD order.
+
+    [Note: stage steps after the exchanges]
+    With ``exchanges`` (``optimizer.kfac_owners=replicas``) a replica's PRECOND starts the all-reduce that
+    brings it the gradients its owners preconditioned, and its STEP waits for that all-reduce, i.e. for
+    the PRECOND of every replica of the stage. A STEP placed before a later PRECOND of its own worker can
+    then close a cycle: Chimera D=2, worker 0 ``1PRECOND@1 1STEP@1 0PRECOND`` and worker 1 ``0PRECOND@1
+    0STEP@1 1PRECOND`` (K-FAC units of stage 1 later on worker 1 hold its step back) wait for each other
+    for ever (seen: PipeFisher's plan of ``tests/test_kfac_owners.py``, a hang until gloo's timeout). So
+    every stage STEP goes no earlier than the worker's last PRECOND (PRECONDs first at one index): a STEP
+    then waits only for PRECONDs that need no STEP, and ``check_schedule(exchanges=True)`` proves the
+    rest (every K-FAC unit's own rules, no deadlock)."""
     actions: dict[int, tuple[Action, ...]] = {}
     for w, acts in schedule.actions.items():
         preconds = {(a.stage, a.pipe) for a in acts if a.kind == K.PRECOND}
         rest = rests[w]
         order = {(a.stage, a.pipe): i for i, a in enumerate(rest) if a.kind == K.SYNC_GRAD}
+        last_precond = max((slots[w][r] for r in preconds), default=-1) if exchanges else -1
+        before: dict[int, list[Action]] = defaultdict(list)  # with exchanges: PRECONDs before the STEPs of an index
         after: dict[int, list[Action]] = defaultdict(list)
         for r in sorted(slots[w], key=lambda r: (slots[w][r], order.get(r, -1))):
             s, p = r
-            if r in preconds:
-                after[slots[w][r]].append(Action(K.PRECOND, s, None, p))
-            after[slots[w][r]].append(Action(K.STEP, s, None, p))
-        out = list(after.get(-1, []))
+            if r in preconds:  # without exchanges, each PRECOND right before its own STEP
+                (before if exchanges else after)[slots[w][r]].append(Action(K.PRECOND, s, None, p))
+            after[max(slots[w][r], last_precond)].append(Action(K.STEP, s, None, p))
+        out = before.get(-1, []) + after.get(-1, [])
         for i, a in enumerate(rest):
             out.append(a)
-            out.extend(after.get(i, []))
+            out.extend(before.get(i, []) + after.get(i, []))
         out.append(acts[-1])
         actions[w] = tuple(out)
     return replace(schedule, actions=actions)
