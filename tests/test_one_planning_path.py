@@ -18,10 +18,12 @@ from pipefisher.config import ConfigError, to_train_config
 from pipefisher.model.config import BertConfig
 from pipefisher.planning.config import register_schedule_configs, to_schedule_config
 from pipefisher.planning.costs import RunShape
+from pipefisher.planning.owner_costs import with_owners
 from pipefisher.planning.pipefisher_plan import PlanOptions, pipefisher_defaults, plan_for
-from pipefisher.planning.strategy_file import apply_strategy, read_strategy
+from pipefisher.planning.predict import predict_assignment
+from pipefisher.planning.strategy_file import apply_strategy, read_strategy, strategy_document, write_strategy
 from pipefisher.planning.strategy_search import pipeline_costs, search_strategies, strategy_plan
-from pipefisher.runtime.build import CPU_HARDWARE, kfac_assignment, schedule_for
+from pipefisher.runtime.build import CPU_HARDWARE, kfac_assignment, run_shape, schedule_for
 from pipefisher.schedules.kfac import assignment_to_dict, curvature_age_bound
 from tests.conftest import CONF_DIR, REPO, compose_dict, compose_train
 
@@ -142,3 +144,45 @@ def test_train_py_runs_the_strategy_files_plan_and_logs_it(pipefisher_strategy: 
     metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert {m["refresh_interval"] for m in metrics} == {doc["pipefisher"]["k"]}
     assert {m["kfac_plan"] for m in metrics} == {"pipefisher"}
+
+
+def test_the_search_ranks_kfac_owners_beside_holder_and_a_strategy_file_carries_it(tmp_path: Path):
+    """``search.kfac_owners=[holder, replicas]``: on Chimera (twins in the simulated pipeline) a second PipeFisher
+    candidate priced with owners ([Note: pricing owners]), whose step is its own plan's under the owner-priced
+    costs; 1F1B (one replica per stage) ranks holder only; the strategy file of the owners candidate makes train.py
+    run ``optimizer.kfac_owners=replicas`` and the plan the search made (train.py's own planning of that config)."""
+    bert = BertConfig.from_size("mini")
+    found = search_strategies(bert, devices=4, memory_gb=100, global_batch=32, hardware=CPU_HARDWARE,
+                              methods=["chimera", "1f1b"], micro_batch_sizes=[8], optimizers=["pipefisher"],
+                              recompute=[False], sdp_degrees=[1], tp_degrees=[1], kfac_owners=["holder", "replicas"])
+    ranked = [c for c in found if c.excluded is None and c.stages == 4]
+    by = {(c.method, c.kfac_owners): c for c in ranked}
+    assert set(by) == {("chimera", "holder"), ("chimera", "replicas"), ("1f1b", "holder")}
+    holder, owners = by[("chimera", "holder")], by[("chimera", "replicas")]
+    assert "owners=replicas" in owners.label and "owners" not in holder.label
+    run = RunShape(bert, "chimera", 4, 4, 8)
+    schedule = run.build_schedule(dp_width=1)
+    cost = pipeline_costs(run, CPU_HARDWARE, schedule=schedule)
+    for c in (holder, owners):  # each candidate's step is its plan under its pricing
+        plan = plan_for(schedule, cost, run.kfac_layers, PlanOptions(kfac_owners=c.kfac_owners), run)
+        priced = with_owners(cost, schedule, run) if c.kfac_owners == "replicas" else cost
+        assert c.step_time_s == pytest.approx(predict_assignment(plan.assignment, priced)[0].step_time_s, rel=0.05)
+        assert c.interval == plan.k
+    assert owners.step_time_s != holder.step_time_s
+    plan = strategy_plan(owners, bert, hardware=CPU_HARDWARE, dp_width=None)
+    assert plan.options.kfac_owners == "replicas"
+    shape = compose_train(SHAPE, tiny=False)
+    doc = strategy_document(owners, shape.model, shape.data, plan=plan)
+    path = write_strategy(tmp_path / "strategy.json", doc)
+    dcfg = compose_dict([f"strategy={path}"])
+    apply_strategy(dcfg, [f"strategy={path}"])
+    cfg = to_train_config(dcfg)
+    assert cfg.optimizer.kfac_owners == "replicas"
+    ran = kfac_assignment(cfg, schedule_for(cfg))
+    assert assignment_to_dict(ran) == read_strategy(path)["pipefisher"]["assignment"]
+    assert assignment_to_dict(plan_for(schedule_for(cfg), pipeline_costs(run_shape(cfg), CPU_HARDWARE,
+                                                                         schedule=schedule_for(cfg)),
+                                       run.kfac_layers, PlanOptions(kfac_owners="replicas"),
+                                       run_shape(cfg)).assignment) == assignment_to_dict(ran)
+    with pytest.raises(ValueError, match=r"search.kfac_owners=\['all'\]: choose from holder, replicas"):
+        search_strategies(bert, devices=4, memory_gb=100, global_batch=32, kfac_owners=["all"])

@@ -424,7 +424,7 @@ def run_whatif(cfg: ScheduleConfig, out_dir: str | Path) -> str:
                               max_predictions=cfg.data.max_predictions, precision=cfg.precision,
                               plan_options=PlanOptions.from_optimizer(cfg), split_backward_ratio=s.split_backward_ratio,
                               refusal=refused, calibration=calibration, target_loss=cfg.target_loss,
-                              device=cfg.memory_device)
+                              device=cfg.memory_device, kfac_owners=s.kfac_owners)
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "whatif.json").write_text(json.dumps([asdict(c) for c in found], indent=1) + "\n")
     costs = (comm or CommCosts({}, hardware)).describe()

@@ -93,6 +93,7 @@ from dataclasses import dataclass, fields, replace
 from pipefisher.config import V_METHODS, TrainConfig
 from pipefisher.model.config import BertConfig
 from pipefisher.model.partition import layer_costs
+from pipefisher.config.choices import KFAC_OWNERS
 from pipefisher.planning.calibration import Calibration
 from pipefisher.planning.comm_costs import PIECES, CommCosts, ExecutorStep
 from pipefisher.planning.costs import Hardware, RunShape, estimate_run_costs, kfac_linear_dims, stage_parameters
@@ -102,6 +103,7 @@ from pipefisher.planning.memory import (activation_peak, device_overhead, estima
                                         worker_parameters)
 from pipefisher.planning.optimizer_costs import (ELEMENTWISE_OPTIMIZERS, muon_matrices, optimizer_state_bytes,
                                                  optimizer_step_seconds)
+from pipefisher.planning.owner_costs import with_owners
 from pipefisher.planning.pipefisher_plan import PipeFisherPlan, PlanOptions, pipefisher_defaults, plan_for
 from pipefisher.planning.predict import predict_assignment, predict_schedule
 from pipefisher.planning.time_to_target import rank_by_time_to_target, time_lines
@@ -139,6 +141,8 @@ class Strategy:
         memory_gb: the most loaded worker's total; memory_per_worker_gb: every worker of a pipeline.
         excluded: why it cannot run, or None.
         curvature_age: K-FAC and PipeFisher: the oldest curvature a step preconditions with (steps).
+        kfac_owners: PipeFisher: ``optimizer.kfac_owners`` its plan is priced and run with (``replicas``: each
+            layer inverted and preconditioned once among a stage's replicas, [Note: pricing owners]).
         steps_multiplier, steps_low, steps_high: steps to the target relative to the calibration's reference
             (its seed interval); None: not calibrated (``planning.time_to_target``).
         time_to_target_s: predicted time to the target (steps x step time), or relative to the reference's
@@ -164,6 +168,7 @@ class Strategy:
     excluded: str | None = None
     recompute_stages: tuple[int, ...] = ()
     curvature_age: int | None = None
+    kfac_owners: str = "holder"
     steps_multiplier: float | None = None
     steps_low: float | None = None
     steps_high: float | None = None
@@ -184,7 +189,8 @@ class Strategy:
         v = f" v={self.num_virtual}" if self.method in ("interleaved", *V_METHODS) else ""
         return (f"{self.method} pp={self.stages}{v} dp={self.dp} sdp={self.sdp} tp={self.tp} "
                 f"mbs={self.micro_batch_size} N={self.num_micro_batches or '-'} "
-                f"recompute={self._recompute_label} {self.optimizer}")
+                f"recompute={self._recompute_label} {self.optimizer}"
+                f"{' owners=replicas' if self.kfac_owners == 'replicas' else ''}")
 
     @property
     def _recompute_label(self) -> str:
@@ -629,7 +635,8 @@ def strategy_plan(s: Strategy, bert: BertConfig, *, hardware: Hardware = Hardwar
     run = s.run_shape(bert, seq_len, max_predictions, precision)
     hw = comm.hardware_for(s.micro_batch_size) if comm is not None else hardware
     cost = pipeline_costs(run, hw, comm, s.sdp, s.tp, run.build_schedule(dp_width=1), split_backward_ratio)
-    return plan_for(run.build_schedule(dp_width=dp_width), cost, run.kfac_layers, plan_options)
+    options = replace(plan_options or pipefisher_defaults(), kfac_owners=s.kfac_owners)
+    return plan_for(run.build_schedule(dp_width=dp_width), cost, run.kfac_layers, options, run)
 
 
 # -- the search ----------------------------------------------------------------------------------
@@ -659,7 +666,7 @@ def search_strategies(bert: BertConfig, *, devices: int, memory_gb: float, globa
                       plan_options: PlanOptions | None = None, split_backward_ratio: float = SPLIT_BACKWARD_RATIO,
                       refusal: Callable[[Strategy], str | None] | None = None,
                       calibration: Calibration | None = None, target_loss: float | None = None,
-                      device: str = "cuda") -> list[Strategy]:
+                      device: str = "cuda", kfac_owners: Sequence[str] = ("holder",)) -> list[Strategy]:
     """Rank every hybrid configuration that uses all ``devices`` by predicted time to target (with a
     calibration; ``planning.time_to_target``), else by simulated samples/s.
 
@@ -682,6 +689,9 @@ def search_strategies(bert: BertConfig, *, devices: int, memory_gb: float, globa
         target_loss: the held-out loss; None: the calibration's hardest.
         device: whose peak the memory model predicts: ``cuda`` or ``cpu`` (``planning.memory``'s
             allocator and runtime terms).
+        kfac_owners: PipeFisher's ``optimizer.kfac_owners`` to rank: ``replicas`` adds, where a stage has replicas
+            on several workers of the simulated pipeline (Chimera), the plan priced with each layer on its owner
+            (``planning.owner_costs``); its steps are holder's (the same arithmetic), its step its own.
 
     Returns:
         The feasible strategies, best first (each with its throughput rank and, with a calibration, its time to
@@ -696,6 +706,9 @@ def search_strategies(bert: BertConfig, *, devices: int, memory_gb: float, globa
     for o in optimizers:
         if o not in OPTIMIZERS:
             raise ValueError(f"whatif optimizer {o!r}: choose from {', '.join(OPTIMIZERS)}")
+    if not kfac_owners or any(o not in KFAC_OWNERS for o in kfac_owners):
+        raise ValueError(f"search.kfac_owners={list(kfac_owners)}: choose from {', '.join(KFAC_OWNERS)}, e.g. "
+                         f"[holder, replicas]")
     for name, values in (("sdp_degrees", sdp_degrees), ("tp_degrees", tp_degrees)):
         if not values or any(x < 1 for x in values):
             raise ValueError(f"search.{name}={list(values)}: give degrees >= 1, e.g. [1, 2]")
@@ -728,7 +741,8 @@ def search_strategies(bert: BertConfig, *, devices: int, memory_gb: float, globa
 
                             def evaluate(cand: Strategy, hw: Hardware = hw) -> tuple[list[Strategy], list[Strategy]]:
                                 return _evaluate(bert, cand, optimizers, hw, comm, budget, seq_len, max_predictions,
-                                                 precision, plan_options, split_backward_ratio, tp_ok, refusal, device)
+                                                 precision, plan_options, split_backward_ratio, tp_ok, refusal, device,
+                                                 kfac_owners)
 
                             r, x = evaluate(base)
                             if not rc and True in recompute and _memory_bound(x):
@@ -740,6 +754,18 @@ def search_strategies(bert: BertConfig, *, devices: int, memory_gb: float, globa
     ranked, _notes = rank_by_time_to_target(ranked, calibration, target_loss, model=bert, global_batch=global_batch,
                                             promote=plan_options.promote_inverses)
     return ranked + excluded
+
+
+def _owner_choices(schedule: Schedule, wanted: Sequence[str]) -> tuple[str, ...]:
+    """The ``optimizer.kfac_owners`` of ``wanted`` that differ on ``schedule`` (the one pipeline the search
+    simulates): ``replicas`` where a stage has replicas on several workers, each worker one of them (Chimera's
+    twins); elsewhere it runs as ``holder`` does, so only ``holder`` is ranked."""
+    stages = [s for (_, _, s) in schedule.placement.workers]
+    shared = any(len(set(schedule.placement.replicas_of_stage(s))) > 1 for s in set(stages))
+    twice = any(len([w for (_, _, t), w in schedule.placement.workers.items() if t == s])
+                != len(set(schedule.placement.replicas_of_stage(s))) for s in set(stages))
+    out = tuple(o for o in wanted if o == "holder" or (shared and not twice))
+    return out or ("holder",)
 
 
 def _memory_bound(excluded: Sequence[Strategy]) -> bool:
@@ -785,7 +811,7 @@ def _evaluate(bert: BertConfig, base: Strategy, optimizers: Sequence[str], hardw
               budget: float, seq_len: int, max_predictions: int, precision: str, plan_options: PlanOptions,
               split_backward_ratio: float, tp_ok: bool,
               refusal: Callable[[Strategy], str | None] | None,
-              device: str = "cuda") -> tuple[list[Strategy], list[Strategy]]:
+              device: str = "cuda", kfac_owners: Sequence[str] = ("holder",)) -> tuple[list[Strategy], list[Strategy]]:
     ranked, excluded = [], []
     run = base.run_shape(bert, seq_len, max_predictions, precision)
     todo = []
@@ -803,8 +829,9 @@ def _evaluate(bert: BertConfig, base: Strategy, optimizers: Sequence[str], hardw
     schedule = run.build_schedule(dp_width=1)
     cost = pipeline_costs(run, hardware, comm, base.sdp, base.tp, schedule, split_backward_ratio)
     memory = hybrid_memory_per_worker(run, base.sdp, base.tp, schedule, device=device)
-    for opt in todo:
-        cand = replace(base, optimizer=opt)
+    for opt, owners in [(o, w) for o in todo for w in (_owner_choices(schedule, kfac_owners) if o == "pipefisher"
+                                                      else ("holder",))]:
+        cand = replace(base, optimizer=opt, kfac_owners=owners)
         age = None
         if opt in ELEMENTWISE_OPTIMIZERS:
             mem = memory if opt == "nvlamb" else hybrid_memory_per_worker(run, base.sdp, base.tp, schedule, opt,
@@ -818,13 +845,14 @@ def _evaluate(bert: BertConfig, base: Strategy, optimizers: Sequence[str], hardw
                 a = critical_path_assignment(schedule, run.kfac_layers, 1)
                 age = 0
             else:
-                plan = plan_for(schedule, cost, run.kfac_layers, plan_options)
+                plan = plan_for(schedule, cost, run.kfac_layers, replace(plan_options, kfac_owners=owners), run)
                 a, age = plan.assignment, plan.age_bound
             est = estimate_memory(run, opt, schedule, a, device)
             m = memory[est.worker]
             more = max(m.comm_buffers - m.activations, 0)  # the buffers' excess, retained like the rest on cpu
             per_worker = ((est.total + more + device_overhead(more, device)[0]) / GB,)
-            pred, _ = predict_assignment(a, cost, opt)
+            priced = with_owners(cost, schedule, run) if owners == "replicas" else cost
+            pred, _ = predict_assignment(a, priced, opt)
         worst = max(per_worker)
         if worst * GB > budget:
             excluded.append(replace(cand, memory_gb=worst, memory_per_worker_gb=per_worker, excluded=(
