@@ -170,7 +170,7 @@ def test_the_search_ranks_kfac_owners_beside_holder_and_a_strategy_file_carries_
         assert c.interval == plan.k
     assert owners.step_time_s != holder.step_time_s
     plan = strategy_plan(owners, bert, hardware=CPU_HARDWARE, dp_width=None)
-    assert plan.options.kfac_owners == "replicas"
+    assert plan.options.kfac_owners == "replicas" and plan.describe().endswith(", kfac_owners=replicas")
     shape = compose_train(SHAPE, tiny=False)
     doc = strategy_document(owners, shape.model, shape.data, plan=plan)
     path = write_strategy(tmp_path / "strategy.json", doc)

@@ -143,7 +143,8 @@ class PipeFisherPlan:
     def describe(self) -> str:
         bound = self.options.max_staleness
         return (f"k={self.k}, curvature age <= {self.age_bound} step(s) (per stage {list(self.ages)}; inverses "
-                f"{self.options.promote_inverses}, max_staleness={'none' if bound is None else bound})")
+                f"{self.options.promote_inverses}, max_staleness={'none' if bound is None else bound})"
+                + (f", kfac_owners={self.options.kfac_owners}" if self.options.kfac_owners != "holder" else ""))
 
 
 def plan_for(schedule: Schedule, cost: CostModel, kfac_layers: list[int] | tuple[int, ...],
