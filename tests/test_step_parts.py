@@ -38,6 +38,7 @@ def test_predict_from_prints_every_kfac_arms_predicted_step_beside_the_measured_
     assert float(ratio[1]) == pytest.approx(rows["pf-replicas"][0] / rows["pf-holder"][0], rel=5e-3)
 
 
+@pytest.mark.slow  # a subprocess that imports torch
 def test_predict_from_an_arm_that_is_not_there_is_refused_in_one_line():
     proc = _run("--predict-from", "holder")
     assert proc.returncode != 0
