@@ -91,9 +91,9 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, fields, replace
 
 from pipefisher.config import V_METHODS, TrainConfig
+from pipefisher.config.choices import KFAC_OWNERS
 from pipefisher.model.config import BertConfig
 from pipefisher.model.partition import layer_costs
-from pipefisher.config.choices import KFAC_OWNERS
 from pipefisher.planning.calibration import Calibration
 from pipefisher.planning.comm_costs import PIECES, CommCosts, ExecutorStep
 from pipefisher.planning.costs import Hardware, RunShape, estimate_run_costs, kfac_linear_dims, stage_parameters
