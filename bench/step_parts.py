@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import statistics
 from collections import defaultdict
-
 from dataclasses import replace
 
 import torch

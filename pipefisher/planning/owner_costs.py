@@ -29,10 +29,26 @@ from dataclasses import replace
 
 from pipefisher.optim.owners import plan_owners
 from pipefisher.planning.costs import RunShape, kfac_linear_dims, stage_parameters
-from pipefisher.schedules import Schedule
+from pipefisher.schedules import Placement, Schedule
 from pipefisher.simulate import CostModel
 
-__all__ = ["with_owners"]
+__all__ = ["doubly_held_stage", "shares_a_stage", "with_owners"]
+
+
+def doubly_held_stage(placement: Placement) -> int | None:
+    """The first stage one worker holds two replicas of (owners are planned per worker of a stage's group, so
+    ``kfac_owners=replicas`` is refused there), or None."""
+    for stage in sorted({s for (_, _, s) in placement.workers}):
+        holders = [w for (_, _, s), w in placement.workers.items() if s == stage]
+        if len(holders) != len(set(holders)):
+            return stage
+    return None
+
+
+def shares_a_stage(placement: Placement) -> bool:
+    """Whether some stage has replicas on several workers, none holding two: where owners differ from holders."""
+    return doubly_held_stage(placement) is None and any(
+        len(set(placement.replicas_of_stage(s))) > 1 for s in {s for (_, _, s) in placement.workers})
 
 
 def with_owners(cost: CostModel, schedule: Schedule, run: RunShape) -> CostModel:
@@ -46,11 +62,10 @@ def with_owners(cost: CostModel, schedule: Schedule, run: RunShape) -> CostModel
     if cost.kfac_layers is None:
         raise ValueError("kfac_owners=replicas: the cost model has no K-FAC unit costs to divide among owners")
     placement = schedule.placement
-    for stage in range(schedule.num_stages):
-        holders = [w for (_, _, s), w in placement.workers.items() if s == stage]
-        if len(holders) != len(set(holders)):
-            raise ValueError(f"kfac_owners=replicas: a worker holds two replicas of stage {stage}; owners are planned "
-                             f"per worker of a stage's group: use optimizer.kfac_owners=holder")
+    stage = doubly_held_stage(placement)
+    if stage is not None:
+        raise ValueError(f"kfac_owners=replicas: a worker holds two replicas of stage {stage}; owners are planned "
+                         f"per worker of a stage's group: use optimizer.kfac_owners=holder")
     params = stage_parameters(run.bert, run.partition)
     owners, precond, exchange = [], [], []
     for stage, n in enumerate(run.encoder_layers):

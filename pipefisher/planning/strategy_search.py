@@ -103,7 +103,7 @@ from pipefisher.planning.memory import (activation_peak, device_overhead, estima
                                         worker_parameters)
 from pipefisher.planning.optimizer_costs import (ELEMENTWISE_OPTIMIZERS, muon_matrices, optimizer_state_bytes,
                                                  optimizer_step_seconds)
-from pipefisher.planning.owner_costs import with_owners
+from pipefisher.planning.owner_costs import shares_a_stage, with_owners
 from pipefisher.planning.pipefisher_plan import PipeFisherPlan, PlanOptions, pipefisher_defaults, plan_for
 from pipefisher.planning.predict import predict_assignment, predict_schedule
 from pipefisher.planning.time_to_target import rank_by_time_to_target, time_lines
@@ -760,12 +760,8 @@ def _owner_choices(schedule: Schedule, wanted: Sequence[str]) -> tuple[str, ...]
     """The ``optimizer.kfac_owners`` of ``wanted`` that differ on ``schedule`` (the one pipeline the search
     simulates): ``replicas`` where a stage has replicas on several workers, each worker one of them (Chimera's
     twins); elsewhere it runs as ``holder`` does, so only ``holder`` is ranked."""
-    stages = [s for (_, _, s) in schedule.placement.workers]
-    shared = any(len(set(schedule.placement.replicas_of_stage(s))) > 1 for s in set(stages))
-    twice = any(len([w for (_, _, t), w in schedule.placement.workers.items() if t == s])
-                != len(set(schedule.placement.replicas_of_stage(s))) for s in set(stages))
-    out = tuple(o for o in wanted if o == "holder" or (shared and not twice))
-    return out or ("holder",)
+    shared = shares_a_stage(schedule.placement)
+    return tuple(o for o in wanted if o == "holder" or shared) or ("holder",)
 
 
 def _memory_bound(excluded: Sequence[Strategy]) -> bool:
