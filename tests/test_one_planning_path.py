@@ -186,3 +186,33 @@ def test_the_search_ranks_kfac_owners_beside_holder_and_a_strategy_file_carries_
                                        run_shape(cfg)).assignment) == assignment_to_dict(ran)
     with pytest.raises(ValueError, match=r"search.kfac_owners=\['all'\]: choose from holder, replicas"):
         search_strategies(bert, devices=4, memory_gb=100, global_batch=32, kfac_owners=["all"])
+
+
+def test_the_search_plans_kfac_owners_over_every_data_parallel_copy_as_train_py_does():
+    """At dp=2 a stage's replicas are every copy's workers ([Note: owners across data-parallel copies]): the search
+    ranks ``replicas`` on 1F1B too (one worker per stage and copy), plans and prices it on the schedule of every
+    copy (Chimera: four members, not its twins alone), and that plan is the one train.py runs for the config."""
+    bert = BertConfig.from_size("mini")
+    found = search_strategies(bert, devices=4, memory_gb=100, global_batch=64, hardware=CPU_HARDWARE,
+                              methods=["chimera", "1f1b"], micro_batch_sizes=[8], optimizers=["pipefisher"],
+                              recompute=[False], sdp_degrees=[1], tp_degrees=[1], kfac_owners=["holder", "replicas"])
+    by = {(c.method, c.kfac_owners): c for c in found if c.excluded is None and (c.stages, c.dp) == (2, 2)}
+    assert set(by) == {(m, o) for m in ("chimera", "1f1b") for o in ("holder", "replicas")}
+    for method in ("chimera", "1f1b"):
+        run = RunShape(bert, method, 2, 4, 8, dp_width=2)
+        one, every = run.build_schedule(dp_width=1), run.build_schedule(dp_width=None)
+        cost = pipeline_costs(run, CPU_HARDWARE, schedule=one)
+        owners = by[(method, "replicas")]
+        plan = plan_for(every, cost, run.kfac_layers, PlanOptions(kfac_owners="replicas"), run)
+        step = predict_assignment(plan.assignment, with_owners(cost, every, run))[0].step_time_s
+        assert owners.interval == plan.k and owners.step_time_s == pytest.approx(step, rel=0.05)
+        assert owners.step_time_s < by[(method, "holder")].step_time_s
+        if method == "chimera":  # priced on one copy, the twins alone would share each layer
+            twins = plan_for(one, cost, run.kfac_layers, PlanOptions(kfac_owners="replicas"), run)
+            alone = predict_assignment(twins.assignment, with_owners(cost, one, run))[0].step_time_s
+            assert step < alone * 0.99
+        written = strategy_plan(owners, bert, hardware=CPU_HARDWARE)  # dp_width=1 asked: owners plan every copy
+        assert assignment_to_dict(written.assignment) == assignment_to_dict(plan.assignment)
+        cfg = compose_train([*SHAPE, f"pipeline={method}", "stages=2", "data_parallel=2",
+                             "optimizer.kfac_owners=replicas"], tiny=False)
+        assert assignment_to_dict(kfac_assignment(cfg, schedule_for(cfg))) == assignment_to_dict(plan.assignment)

@@ -38,7 +38,7 @@ class WhatIfConfig:
     sdp: list[int] = field(default_factory=lambda: [1, 2, 4, 8])  # sharded data parallel (FSDP2) degrees to try
     tp: list[int] = field(default_factory=lambda: [1, 2, 4, 8])  # tensor parallel degrees to try (tp must divide the heads)
     num_virtual: int = 2  # model chunks per worker for interleaved
-    kfac_owners: list[str] = field(default_factory=lambda: ["holder"])  # PipeFisher's optimizer.kfac_owners to try: [holder, replicas] also ranks each layer inverted once among Chimera's twins (priced by planning.owner_costs; not across data-parallel copies, which the search does not simulate)
+    kfac_owners: list[str] = field(default_factory=lambda: ["holder"])  # PipeFisher's optimizer.kfac_owners to try: [holder, replicas] also ranks each layer inverted once among a stage's replicas (Chimera's twins, data-parallel copies; priced by planning.owner_costs)
     split_backward_ratio: float = 1.0  # (I+W)/B of zb-h1 and zb-v: a split backward's cost over a full one (0.96 bert-mini, 1.00 bert-medium measured in the pipeline, bench/README.md §8)
     top: int = 20  # lines of the printed ranking (and of the exclusions)
 

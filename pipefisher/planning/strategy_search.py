@@ -630,13 +630,16 @@ def strategy_plan(s: Strategy, bert: BertConfig, *, hardware: Hardware = Hardwar
     """PipeFisher's plan of strategy ``s``, as the search made it ([Note: one planning path]).
 
     ``dp_width``: the data-parallel groups of the planned schedule: 1 (the one pipeline the search simulates),
-    or None for every group (dp · sdp: what train.py runs, and what a strategy file carries).
+    or None for every group (dp · sdp: what train.py runs, and what a strategy file carries). Under
+    ``kfac_owners=replicas`` always every group: the search plans owners over every copy of a stage too
+    ([Note: owners across data-parallel copies]).
     """
     run = s.run_shape(bert, seq_len, max_predictions, precision)
     hw = comm.hardware_for(s.micro_batch_size) if comm is not None else hardware
     cost = pipeline_costs(run, hw, comm, s.sdp, s.tp, run.build_schedule(dp_width=1), split_backward_ratio)
     options = replace(plan_options or pipefisher_defaults(), kfac_owners=s.kfac_owners)
-    return plan_for(run.build_schedule(dp_width=dp_width), cost, run.kfac_layers, options, run)
+    width = None if s.kfac_owners == "replicas" else dp_width
+    return plan_for(run.build_schedule(dp_width=width), cost, run.kfac_layers, options, run)
 
 
 # -- the search ----------------------------------------------------------------------------------
@@ -690,8 +693,9 @@ def search_strategies(bert: BertConfig, *, devices: int, memory_gb: float, globa
         device: whose peak the memory model predicts: ``cuda`` or ``cpu`` (``planning.memory``'s
             allocator and runtime terms).
         kfac_owners: PipeFisher's ``optimizer.kfac_owners`` to rank: ``replicas`` adds, where a stage has replicas
-            on several workers of the simulated pipeline (Chimera), the plan priced with each layer on its owner
-            (``planning.owner_costs``); its steps are holder's (the same arithmetic), its step its own.
+            on several workers (Chimera's twins, data-parallel copies), the plan priced with each layer on its
+            owner (``planning.owner_costs``), planned and simulated over every copy ([Note: owners across
+            data-parallel copies]); its steps are holder's (the same arithmetic), its step its own.
 
     Returns:
         The feasible strategies, best first (each with its throughput rank and, with a calibration, its time to
@@ -757,9 +761,9 @@ def search_strategies(bert: BertConfig, *, devices: int, memory_gb: float, globa
 
 
 def _owner_choices(schedule: Schedule, wanted: Sequence[str]) -> tuple[str, ...]:
-    """The ``optimizer.kfac_owners`` of ``wanted`` that differ on ``schedule`` (the one pipeline the search
-    simulates): ``replicas`` where a stage has replicas on several workers, each worker one of them (Chimera's
-    twins); elsewhere it runs as ``holder`` does, so only ``holder`` is ranked."""
+    """The ``optimizer.kfac_owners`` of ``wanted`` that differ on ``schedule`` (every data-parallel copy):
+    ``replicas`` where a stage has replicas on several workers, each worker one of them (Chimera's twins,
+    data-parallel copies); elsewhere it runs as ``holder`` does, so only ``holder`` is ranked."""
     shared = shares_a_stage(schedule.placement)
     return tuple(o for o in wanted if o == "holder" or shared) or ("holder",)
 
@@ -825,7 +829,9 @@ def _evaluate(bert: BertConfig, base: Strategy, optimizers: Sequence[str], hardw
     schedule = run.build_schedule(dp_width=1)
     cost = pipeline_costs(run, hardware, comm, base.sdp, base.tp, schedule, split_backward_ratio)
     memory = hybrid_memory_per_worker(run, base.sdp, base.tp, schedule, device=device)
-    for opt, owners in [(o, w) for o in todo for w in (_owner_choices(schedule, kfac_owners) if o == "pipefisher"
+    # owners are planned over every copy of a stage ([Note: owners across data-parallel copies])
+    wide = run.build_schedule(dp_width=None) if "replicas" in kfac_owners and base.dp > 1 else schedule
+    for opt, owners in [(o, w) for o in todo for w in (_owner_choices(wide, kfac_owners) if o == "pipefisher"
                                                       else ("holder",))]:
         cand = replace(base, optimizer=opt, kfac_owners=owners)
         age = None
@@ -837,17 +843,19 @@ def _evaluate(bert: BertConfig, base: Strategy, optimizers: Sequence[str], hardw
                                                                 split_backward_ratio, opt)
             pred, _ = predict_schedule(schedule, own)
         else:  # K-FAC at sdp = tp = 1: planning.memory's model with its factors and captures
+            planned = wide if owners == "replicas" else schedule
             if opt == "kfac":
                 a = critical_path_assignment(schedule, run.kfac_layers, 1)
                 age = 0
             else:
-                plan = plan_for(schedule, cost, run.kfac_layers, replace(plan_options, kfac_owners=owners), run)
+                plan = plan_for(planned, cost, run.kfac_layers, replace(plan_options, kfac_owners=owners), run)
                 a, age = plan.assignment, plan.age_bound
-            est = estimate_memory(run, opt, schedule, a, device)
-            m = memory[est.worker]
+            est = estimate_memory(run, opt, planned, a, device)
+            m = (memory if planned is schedule else
+                 hybrid_memory_per_worker(run, base.sdp, base.tp, planned, device=device))[est.worker]
             more = max(m.comm_buffers - m.activations, 0)  # the buffers' excess, retained like the rest on cpu
             per_worker = ((est.total + more + device_overhead(more, device)[0]) / GB,)
-            priced = with_owners(cost, schedule, run) if owners == "replicas" else cost
+            priced = with_owners(cost, planned, run) if owners == "replicas" else cost
             pred, _ = predict_assignment(a, priced, opt)
         worst = max(per_worker)
         if worst * GB > budget:
