@@ -207,6 +207,9 @@ def test_the_search_plans_kfac_owners_over_every_data_parallel_copy_as_train_py_
         step = predict_assignment(plan.assignment, with_owners(cost, every, run))[0].step_time_s
         assert owners.interval == plan.k and owners.step_time_s == pytest.approx(step, rel=0.05)
         assert owners.step_time_s < by[(method, "holder")].step_time_s
+        held = [plan_for(x, cost, run.kfac_layers, PlanOptions(), run) for x in (one, every)]  # holder: one copy
+        assert held[0].k == held[1].k and predict_assignment(held[0].assignment, cost)[0].step_time_s == \
+            pytest.approx(predict_assignment(held[1].assignment, cost)[0].step_time_s, rel=1e-9)
         if method == "chimera":  # priced on one copy, the twins alone would share each layer
             twins = plan_for(one, cost, run.kfac_layers, PlanOptions(kfac_owners="replicas"), run)
             alone = predict_assignment(twins.assignment, with_owners(cost, one, run))[0].step_time_s

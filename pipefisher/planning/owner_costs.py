@@ -24,14 +24,15 @@ is priced as before.
 
 [Note: owners across data-parallel copies]
 With ``data_parallel`` > 1 a stage's replicas include every copy's workers, and train.py plans owners over all of
-them (``runtime.build.kfac_assignment`` plans the schedule the worker runs, which holds every group): at dp=2 a Chimera stage has four
-members, a 1F1B stage two. The search simulates one copy for every other candidate (copies run the same actions
-on the same costs, and holder's plan of every copy is the one copy's, step for step), but a ``replicas`` plan
-differs per copy (each copy inverts its own share of the layers), so the search plans and simulates it on the
-schedule of every copy (``strategy_search._evaluate``) and ``strategy_plan`` writes that plan: the step ranked
-is the step of the plan the strategy file carries. Before this the search ranked ``replicas`` on the one copy
-only (Chimera's twins, two members at any dp) and not at all on one-pipe schedules with dp > 1, where
-train.py's plan has as many members as copies.
+them (``runtime.build.kfac_assignment`` plans the schedule the worker runs, which holds every group): at dp=2 a
+Chimera stage has four members, a 1F1B stage two. The search simulates one copy for every other candidate (the
+copies run the same actions on the same costs; holder's plan of every copy predicts the one copy's k and step,
+tested for 1F1B and Chimera at dp=2), but a ``replicas`` plan differs per copy (each copy inverts its own
+share of the layers), so the search plans and simulates it on the schedule of every copy
+(``strategy_search._evaluate``) and ``strategy_plan`` writes that plan: the step ranked is the step of the plan
+the strategy file carries. Before this the search ranked ``replicas`` on the one copy only (Chimera's twins, two
+members at any dp) and not at all on one-pipe schedules with dp > 1, where train.py's plan has as many members
+as copies. Measured on one stage with two copies: bench/studies/16-optimizer-placement.md.
 """
 
 from __future__ import annotations
