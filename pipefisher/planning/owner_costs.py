@@ -50,7 +50,7 @@ __all__ = ["doubly_held_stage", "shares_a_stage", "with_owners"]
 def doubly_held_stage(placement: Placement) -> int | None:
     """The first stage one worker holds two replicas of (owners are planned per worker of a stage's group, so
     ``kfac_owners=replicas`` is refused there), or None."""
-    for stage in sorted({s for (_, _, s) in placement.workers}):
+    for stage in range(placement.num_stages):
         holders = [w for (_, _, s), w in placement.workers.items() if s == stage]
         if len(holders) != len(set(holders)):
             return stage
@@ -60,7 +60,7 @@ def doubly_held_stage(placement: Placement) -> int | None:
 def shares_a_stage(placement: Placement) -> bool:
     """Whether some stage has replicas on several workers, none holding two: where owners differ from holders."""
     return doubly_held_stage(placement) is None and any(
-        len(set(placement.replicas_of_stage(s))) > 1 for s in {s for (_, _, s) in placement.workers})
+        len(placement.replicas_of_stage(s)) > 1 for s in range(placement.num_stages))
 
 
 def with_owners(cost: CostModel, schedule: Schedule, run: RunShape) -> CostModel:

@@ -830,7 +830,8 @@ def _evaluate(bert: BertConfig, base: Strategy, optimizers: Sequence[str], hardw
     cost = pipeline_costs(run, hardware, comm, base.sdp, base.tp, schedule, split_backward_ratio)
     memory = hybrid_memory_per_worker(run, base.sdp, base.tp, schedule, device=device)
     # owners are planned over every copy of a stage ([Note: owners across data-parallel copies])
-    wide = run.build_schedule(dp_width=None) if "replicas" in kfac_owners and base.dp > 1 else schedule
+    wide = (run.build_schedule(dp_width=None) if "pipefisher" in todo and "replicas" in kfac_owners and base.dp > 1
+            else schedule)
     for opt, owners in [(o, w) for o in todo for w in (_owner_choices(wide, kfac_owners) if o == "pipefisher"
                                                       else ("holder",))]:
         cand = replace(base, optimizer=opt, kfac_owners=owners)
