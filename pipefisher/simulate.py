@@ -30,8 +30,8 @@ Chosen to match ``pipefisher.runtime.executor``:
   the sum over the stage's layers); ``PRECOND`` waits for the stage's ``SYNC_GRAD`` all-reduce and
   lasts ``cost.precond_ns[stage]``. ``SYNC_FACTOR`` is an asynchronous all-reduce like
   ``SYNC_GRAD`` (it starts when every replica of the stage has reached its ``SYNC_FACTOR`` of that
-  layer, lasts ``cost.sync_factor_ns[stage][layer]``); the ``INVERT`` of that layer waits for it,
-  ``STEP`` does not (a factor all-reduce may still run across a step boundary; its inversion is
+  layer, lasts ``cost.sync_factor_ns[stage][layer]``); the ``INVERT`` of that layer waits for it
+  (under ``kfac_owner`` only its owner's), ``STEP`` does not (a factor all-reduce may still run across a step boundary; its inversion is
   what needs it).
 
 With ``steps > 1`` the lists are repeated; a worker starts step k+1 right after its own STEP.
@@ -452,9 +452,19 @@ class _Sim:
         return t
 
     def _factor_ready(self, w: int, a: Action) -> int | None:
-        """When the factor all-reduce(s) an INVERT needs have ended; None while one is in flight."""
-        def relevant(layer: int | None) -> bool:
-            return a.layer is None or layer is None or layer == a.layer
+        """When the factor all-reduce(s) an INVERT needs have ended; None while one is in flight. Under
+        ``kfac_owner`` a replica's INVERT needs only its own layers' ([Note: a non-owner does not wait] in
+        ``runtime.kfac_work``)."""
+        mine = self.cost.owned(a.stage, self.member.get((w, a.stage)))
+
+        def relevant(layer: int | None) -> bool:  # a sync of ``layer`` (None: the stage's) that this INVERT needs
+            if a.layer is not None and layer is not None and layer != a.layer:
+                return False
+            if mine is None:
+                return True
+            if layer is None:
+                return bool(mine) if a.layer is None else a.layer in mine
+            return layer in mine
 
         if any(relevant(layer) for layer in self.open_factors[(w, a.stage)]):
             return None

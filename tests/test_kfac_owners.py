@@ -186,3 +186,70 @@ def test_stage_steps_follow_every_precond_of_their_worker_when_owners_exchange()
     assert deadlocked >= 1
     check_assignment(replace(assignment, phases=tuple(per_stage_steps(p, exchanges=True) for p in assignment.phases)),
                      exchanges=True)
+
+
+def test_a_non_owners_invert_leaves_the_factor_all_reduce_to_the_end_of_the_step(monkeypatch: pytest.MonkeyPatch) -> None:
+    """[Note: a non-owner does not wait] (``runtime.kfac_work``): a replica's INVERT of a layer it does not own
+    waits for no all-reduce (its own layer's INVERT does), and the end of the step folds the one left in flight, so
+    the replica's running factors are what folding at INVERT gave them."""
+    import torch
+
+    from pipefisher.optim import KFACPreconditioner
+    from pipefisher.runtime import kfac_work
+    from pipefisher.schedules import Action
+
+    waits: list[tuple[str, ...]] = []
+
+    class InFlight:  # a one-replica "all-reduce": the sum is the tensor itself; records who waits
+        def __init__(self, tensors, names):
+            self.tensors, self.names = tensors, names
+
+        def wait(self) -> None:
+            waits.append(self.names)
+
+        def finish(self):
+            self.wait()
+            return self.tensors
+
+    class Pair:  # the stage's group: two replicas
+        def size(self) -> int:
+            return 2
+
+    def run_step(owned):
+        torch.manual_seed(0)
+        layers = {"a": torch.nn.Linear(3, 4), "b": torch.nn.Linear(4, 2)}
+        work = kfac_work.KfacWork({(0, 0): KFACPreconditioner(layers, include=None)}, {0: Pair()},
+                                  deferred=False, owned=owned)
+        started = []
+        monkeypatch.setattr(kfac_work.FlatAllReduce, "start",
+                            staticmethod(lambda tensors, group: started.append(1) or InFlight(tensors, names[-1])))
+        actions = [Action.from_str(s) for s in ("0CURV_A0#0", "0CURV_A0#1", "0CURV_B0#0", "0CURV_B0#1")]
+        work.begin_step(actions, phase=0, step=0)
+        with work.forward((0, 0), 0):
+            out = layers["b"](torch.tanh(layers["a"](torch.randn(5, 3))))
+        out.square().sum().backward()
+        for a in actions:
+            work.run(a)
+        names: list[tuple[str, ...]] = []
+        waited = {}
+        for layer, name in enumerate("ab"):
+            names.append((name,))
+            work.run(Action.from_str(f"0SYNC_FACTOR#{layer}"))
+        for layer, name in enumerate("ab"):
+            invert = Action.from_str(f"0INVERT#{layer}")
+            waited[name] = work.wait_for_syncs(invert)
+            work.run(invert)
+        before_end = list(waits)
+        work.end_step()
+        pre = work.pre[(0, 0)]
+        return waited, before_end, [t.clone() for n in "ab" for t in (pre.layer(n).a, pre.layer(n).b)], work.inverted
+
+    waits.clear()
+    waited, before_end, factors, inverted = run_step({(0, 0): frozenset({"a"})})
+    assert waited == {"a": True, "b": False} and inverted == 1
+    assert ("b",) not in before_end and waits[-1] == ("b",)  # b's all-reduce waited for at the end of the step
+    waits.clear()
+    waited_all, _, factors_all, inverted_all = run_step(None)  # holder: every INVERT waits for its layer's
+    assert waited_all == {"a": True, "b": True} and inverted_all == 2
+    for mine, every in zip(factors, factors_all):
+        assert torch.equal(mine, every)

@@ -95,3 +95,38 @@ def test_plan_for_prices_owners_from_the_run_and_refuses_without_it() -> None:
     assert plan.options.kfac_owners == "replicas"
     with pytest.raises(ValueError, match="kfac_owners='all'"):
         PlanOptions(kfac_owners="all")
+
+
+def test_a_non_owner_inverts_without_waiting_for_the_layers_factor_all_reduce() -> None:
+    """[Note: a non-owner does not wait] (``runtime.kfac_work``), simulated: with factor all-reduces 1000x their
+    price, each replica's INVERT of a layer it owns starts after that layer's all-reduce ends, and its no-op INVERT
+    of a layer it does not own waits for nothing (the ones before its first own layer start before their
+    all-reduces end)."""
+    import re
+
+    from pipefisher.simulate import owner_members
+
+    run, schedule, cost = _chimera()
+    cp = critical_path_assignment(schedule, run.kfac_layers, 1)
+    owned = with_owners(cost, schedule, run)
+    slow_sync = tuple(tuple(x * 1000 for x in t) for t in owned.sync_factor_ns)
+    events = simulate_phases(cp.phases, replace(owned, sync_factor_ns=slow_sync))
+    member = owner_members(schedule.placement, owned)
+    unit = re.compile(r"^(\d+)(INVERT|SYNC_FACTOR)(@\d+)?#(\d+)$")
+    sync_end, inverts = {}, []
+    for e in events:
+        m = unit.match(e.name)
+        if m is None:
+            continue
+        stage, kind, pipe, layer = int(m[1]), m[2], m[3], int(m[4])
+        if kind == "SYNC_FACTOR":
+            sync_end[(e.worker, stage, pipe, layer)] = e.end_ns
+        else:
+            inverts.append((e.worker, stage, pipe, layer, e.start_ns))
+    assert len(inverts) == sum(run.kfac_layers) * 2  # both twins run every INVERT unit
+    early = {w: 0 for w in schedule.actions}  # INVERTs started before their layer's all-reduce ended
+    for w, stage, pipe, layer, start in inverts:
+        mine = owned.kfac_owner[stage][layer] == member[(w, stage)]
+        assert not mine or start >= sync_end[(w, stage, pipe, layer)]
+        early[w] += start < sync_end[(w, stage, pipe, layer)]
+    assert sum(early.values()) > 0, early  # the twin owning not the first layer starts without waiting for it

@@ -52,7 +52,9 @@ action's name and the collective's kind (never in ``timeline.COMPUTE_KINDS``)::
     1PRECOND@1 SYNC_GRAD   this replica's gradient all-reduce (and copying its result back)
     1STEP@1    SYNC_GRAD   the same for a stage STEP (per-stage optimizer steps)
     0INVERT#3  SYNC_FACTOR its layer's factor all-reduce (KfacWork.wait_for_syncs; the fold of
-                           the synced factors is K-FAC work and stays in INVERT)
+                           the synced factors is K-FAC work and stays in INVERT; a replica that does
+                           not own the layer waits and folds at the step's end: [Note: a non-owner
+                           does not wait] in ``runtime.kfac_work``)
     STEP       SYNC_GRAD   sends, every gradient all-reduce, the tied weight's, the global norm
 
 so the PRECOND, INVERT and STEP events cover their compute only. The names parse back with

@@ -19,7 +19,8 @@ which are bit for bit what each replica computes with ``holder`` (the same input
 the parameters equal ``holder``'s (tests/test_kfac_owners.py). Curvature (CURV_A, CURV_B) is still captured by
 every replica from its own micro-batches and all-reduced, as before; a replica keeps no inverses for layers it does
 not own, so a checkpoint written under one setting cannot continue under the other (``checkpoint_io``'s matching
-fields). The schedule is unchanged: a replica runs the INVERT units of a layer it does not own as no-ops; the planner
+fields). The schedule is unchanged: a replica runs the INVERT units of a layer it does not own as no-ops, without
+waiting for that layer's factor all-reduce ([Note: a non-owner does not wait] in ``runtime.kfac_work``); the planner
 prices them at 0 and adds the exchange (``planning.owner_costs`` [Note: pricing owners]). Not under ``sdp``/``tp`` (refused at config time).
 """
 

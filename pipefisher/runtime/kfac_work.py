@@ -23,6 +23,19 @@ A SYNC_FACTOR between data-parallel replicas starts its all-reduce and returns, 
 models it (``pipefisher.simulate``); the INVERT of one of its layers waits for it, and so does the
 end of the step (checkpoints are taken between steps, so no sync outlives its step; the simulator
 lets one run across the step boundary).
+
+[Note: a non-owner does not wait]
+Under ``optimizer.kfac_owners=replicas`` a replica's INVERT of a layer it does not own inverts nothing, so it
+does not wait for that layer's factor all-reduce either: the all-reduce was started at SYNC_FACTOR (the owner's
+sum needs this replica's part, and gloo and NCCL progress it without this process waiting), and :meth:`end_step`
+waits for it and folds the result into this replica's running factors, as the INVERT did before (the factors stay
+equal on every replica, so a checkpoint holds the same factors either way). That wait and fold, after the
+step's last action, are no event of the timeline (like any sync :meth:`end_step` finishes): the step's wall time
+holds them, utilization counts them idle. Nothing between the INVERT and the
+end of the step reads or writes a non-owned layer's factors: the layer's PRECOND is the owner's, the next
+capture of it is a later step's. Measured before (bench/studies/16-optimizer-placement.md, one stage, two
+copies): the non-owner's INVERT spent 4.6–6.3 ms per step waiting for such all-reduces and folding them, where
+the planner prices a non-owner's INVERT at 0 and the simulator makes it wait (``simulate`` no longer does).
 """
 
 from __future__ import annotations
@@ -231,8 +244,13 @@ class KfacWork:
         return waited
 
     def _pending_syncs(self, a: Action) -> list[tuple[StageKey, tuple[str, ...]]]:
-        """The factor all-reduces in flight that INVERT ``a`` needs (those of its layers)."""
+        """The factor all-reduces in flight that INVERT ``a`` needs: those of its layers, and under
+        ``kfac_owners=replicas`` only of the layers this replica owns ([Note: a non-owner does not wait]);
+        :meth:`end_step` finishes the others."""
         key, names = (a.pipe, a.stage), set(self._names(a))
+        owned = self.owned.get(key)
+        if owned is not None:
+            names &= owned
         return [p for p in self._syncs if p[0] == key and names.intersection(p[1])]
 
     def wait_for_syncs(self, a: Action) -> bool:
