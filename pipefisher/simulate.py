@@ -31,8 +31,8 @@ Chosen to match ``pipefisher.runtime.executor``:
   lasts ``cost.precond_ns[stage]``. ``SYNC_FACTOR`` is an asynchronous all-reduce like
   ``SYNC_GRAD`` (it starts when every replica of the stage has reached its ``SYNC_FACTOR`` of that
   layer, lasts ``cost.sync_factor_ns[stage][layer]``); the ``INVERT`` of that layer waits for it
-  (under ``kfac_owner`` only its owner's), ``STEP`` does not (a factor all-reduce may still run across a step boundary; its inversion is
-  what needs it).
+  (under ``kfac_owner`` only its owner's), ``STEP`` does not (a factor all-reduce may still run
+  across a step boundary; its inversion is what needs it).
 
 With ``steps > 1`` the lists are repeated; a worker starts step k+1 right after its own STEP.
 :func:`simulate_phases` runs a different schedule per step (the phases of a K-FAC assignment).

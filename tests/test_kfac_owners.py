@@ -220,9 +220,9 @@ def test_a_non_owners_invert_leaves_the_factor_all_reduce_to_the_end_of_the_step
         layers = {"a": torch.nn.Linear(3, 4), "b": torch.nn.Linear(4, 2)}
         work = kfac_work.KfacWork({(0, 0): KFACPreconditioner(layers, include=None)}, {0: Pair()},
                                   deferred=False, owned=owned)
-        started = []
+        names: list[tuple[str, ...]] = []  # the layer of each SYNC_FACTOR started, in order
         monkeypatch.setattr(kfac_work.FlatAllReduce, "start",
-                            staticmethod(lambda tensors, group: started.append(1) or InFlight(tensors, names[-1])))
+                            staticmethod(lambda tensors, group: InFlight(tensors, names[-1])))
         actions = [Action.from_str(s) for s in ("0CURV_A0#0", "0CURV_A0#1", "0CURV_B0#0", "0CURV_B0#1")]
         work.begin_step(actions, phase=0, step=0)
         with work.forward((0, 0), 0):
@@ -230,7 +230,6 @@ def test_a_non_owners_invert_leaves_the_factor_all_reduce_to_the_end_of_the_step
         out.square().sum().backward()
         for a in actions:
             work.run(a)
-        names: list[tuple[str, ...]] = []
         waited = {}
         for layer, name in enumerate("ab"):
             names.append((name,))

@@ -31,11 +31,11 @@ sum needs this replica's part, and gloo and NCCL progress it without this proces
 waits for it and folds the result into this replica's running factors, as the INVERT did before (the factors stay
 equal on every replica, so a checkpoint holds the same factors either way). That wait and fold, after the
 step's last action, are no event of the timeline (like any sync :meth:`end_step` finishes): the step's wall time
-holds them, utilization counts them idle. Nothing between the INVERT and the
-end of the step reads or writes a non-owned layer's factors: the layer's PRECOND is the owner's, the next
-capture of it is a later step's. Measured before (bench/studies/16-optimizer-placement.md, one stage, two
-copies): the non-owner's INVERT spent 4.6–6.3 ms per step waiting for such all-reduces and folding them, where
-the planner prices a non-owner's INVERT at 0 and the simulator makes it wait (``simulate`` no longer does).
+holds them, utilization counts them idle. Nothing between the INVERT and the end of the step reads or writes a
+non-owned layer's factors: the layer's PRECOND is the owner's, the next capture of it is a later step's. The
+simulator models the same (``simulate``: a non-owner's INVERT costs 0 and waits for nothing), as the planner
+prices it. Measured (bench/studies/16-optimizer-placement.md): the factor all-reduce waits that remain are the
+owners' own, and the step is not separated from the old code's.
 """
 
 from __future__ import annotations
