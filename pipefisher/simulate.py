@@ -456,15 +456,12 @@ class _Sim:
         ``kfac_owner`` a replica's INVERT needs only its own layers' ([Note: a non-owner does not wait] in
         ``runtime.kfac_work``)."""
         mine = self.cost.owned(a.stage, self.member.get((w, a.stage)))
+        inverted = None if mine is None else (mine if a.layer is None else mine & {a.layer})  # None: every layer
 
         def relevant(layer: int | None) -> bool:  # a sync of ``layer`` (None: the stage's) that this INVERT needs
-            if a.layer is not None and layer is not None and layer != a.layer:
-                return False
-            if mine is None:
-                return True
-            if layer is None:
-                return bool(mine) if a.layer is None else a.layer in mine
-            return layer in mine
+            if inverted is None:
+                return a.layer is None or layer is None or layer == a.layer
+            return bool(inverted) if layer is None else layer in inverted
 
         if any(relevant(layer) for layer in self.open_factors[(w, a.stage)]):
             return None

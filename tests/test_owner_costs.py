@@ -102,8 +102,7 @@ def test_a_non_owner_inverts_without_waiting_for_the_layers_factor_all_reduce() 
     price, each replica's INVERT of a layer it owns starts after that layer's all-reduce ends, and its no-op INVERT
     of a layer it does not own waits for nothing (the ones before its first own layer start before their
     all-reduces end)."""
-    import re
-
+    from pipefisher.schedules import Action
     from pipefisher.simulate import owner_members
 
     run, schedule, cost = _chimera()
@@ -112,17 +111,15 @@ def test_a_non_owner_inverts_without_waiting_for_the_layers_factor_all_reduce() 
     slow_sync = tuple(tuple(x * 1000 for x in t) for t in owned.sync_factor_ns)
     events = simulate_phases(cp.phases, replace(owned, sync_factor_ns=slow_sync))
     member = owner_members(schedule.placement, owned)
-    unit = re.compile(r"^(\d+)(INVERT|SYNC_FACTOR)(@\d+)?#(\d+)$")
     sync_end, inverts = {}, []
     for e in events:
-        m = unit.match(e.name)
-        if m is None:
+        if e.kind not in (K.INVERT.value, K.SYNC_FACTOR.value):
             continue
-        stage, kind, pipe, layer = int(m[1]), m[2], m[3], int(m[4])
-        if kind == "SYNC_FACTOR":
-            sync_end[(e.worker, stage, pipe, layer)] = e.end_ns
+        a = Action.from_str(e.name)
+        if a.kind == K.SYNC_FACTOR:
+            sync_end[(e.worker, a.stage, a.pipe, a.layer)] = e.end_ns
         else:
-            inverts.append((e.worker, stage, pipe, layer, e.start_ns))
+            inverts.append((e.worker, a.stage, a.pipe, a.layer, e.start_ns))
     assert len(inverts) == sum(run.kfac_layers) * 2  # both twins run every INVERT unit
     early = {w: 0 for w in schedule.actions}  # INVERTs started before their layer's all-reduce ended
     for w, stage, pipe, layer, start in inverts:
