@@ -159,21 +159,24 @@ def rotated(items: Sequence[T], round_: int) -> list[T]:
 
 
 def timed_rotation(runners: Mapping[K, Callable[[int], V]], warmup: int,
-                   rounds: int) -> Iterator[tuple[int, K, float, V]]:
+                   rounds: int | Mapping[K, int]) -> Iterator[tuple[int, K, float, V]]:
     """Run every runner once per round, ``runner(step)``, in :func:`rotated` order, each timed on the slowest rank
-    (:func:`timed_step`); call it on every rank of the group.
+    (:func:`timed_step`); call it on every rank of the group. ``rounds`` per key: a runner leaves the rotation after
+    its own ``warmup + rounds[key]`` rounds, the others go on.
 
     Yields:
         On every rank, warm-up included: ``(step, key, seconds, runner's return value)``; ``step`` is the round.
     """
     keys = list(runners)
-    for step in range(warmup + rounds):
-        for key in rotated(keys, step):
+    last = {key: warmup + (rounds if isinstance(rounds, int) else rounds[key]) for key in keys}
+    for step in range(max(last.values(), default=0)):
+        for key in rotated([key for key in keys if step < last[key]], step):
             seconds, value = timed_step(lambda: runners[key](step))
             yield step, key, seconds, value
 
 
-def timed_rounds(workers: Mapping[K, Any], warmup: int, rounds: int) -> Iterator[tuple[K, float, list]]:
+def timed_rounds(workers: Mapping[K, Any], warmup: int,
+                 rounds: int | Mapping[K, int]) -> Iterator[tuple[K, float, list]]:
     """Step every worker of this process once per round, in :func:`rotated` order, each step timed on the
     slowest rank (:func:`timed_step`); call it on every rank of the group.
 
@@ -181,7 +184,7 @@ def timed_rounds(workers: Mapping[K, Any], warmup: int, rounds: int) -> Iterator
         workers: one ``PipelineWorker`` (anything with ``train_step(step)`` returning ``(losses, result)``
             whose ``result.events`` is this rank's timeline) per variant, built alike on every rank.
         warmup: rounds run first and not reported.
-        rounds: rounds reported after them.
+        rounds: rounds reported after them, or per key (:func:`timed_rotation`).
 
     Yields:
         On rank 0 only, after the warm-up: ``(key, seconds, events)`` for each step, ``events`` being every

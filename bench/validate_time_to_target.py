@@ -35,8 +35,9 @@ measurement of the rates.
 
 Measured interleaved (``--interleaved ROUNDS``, after ``--measure`` into the same DIR): the same strategy files,
 each a ``PipelineWorker`` of the same ``--stages`` processes, one step each per round in rotated order (``_harness``
-[Note: measuring on a shared CPU]), ROUNDS rounded up to whole refresh cycles of every pair; per pair the mean
-step of each half of the rounds. Separate train.py runs differ from run to run by ~10 % on 2 cores (start-up,
+[Note: measuring on a shared CPU]), each pair's ROUNDS rounded up to a multiple of 2k (``pair_rounds``: whole
+refresh cycles in each half; a pair leaves the rotation when its rounds are done); per pair the mean step of
+each half of the rounds. Separate train.py runs differ from run to run by ~10 % on 2 cores (start-up,
 memory placement, the load); steps interleaved in one pair of processes share all of it, so their order can be
 compared with the prediction's at the goal's resolution. ``train_step`` alone is timed, so these are compared
 with the predictions without train.py's bookkeeping.
@@ -513,16 +514,17 @@ def measure_round(out: Path, r: int, files: Mapping[str, Path], ks: Mapping[str,
 # --- the same pairs interleaved: every pair in the same two processes, step by step --------------------------
 
 
-def interleaved_rounds(ks: Sequence[int], at_least: int) -> int:
-    """Rounds that hold whole refresh cycles of every pair: a multiple of lcm(k) of at least ``at_least``
-    (bert-tiny's plans: k in 1, 3, 4, 6, 7, so 84; each half then holds whole cycles except for k=4, 10.5)."""
-    unit = math.lcm(*[max(1, int(k)) for k in ks])
+def pair_rounds(k: int, at_least: int) -> int:
+    """One pair's rounds: the fewest of at least ``at_least`` whose halves each hold whole refresh cycles of its k
+    (a multiple of 2k; k=0 counts as 1), so no pair runs more than 2k - 1 rounds past ``at_least`` whatever the
+    other pairs' k."""
+    unit = 2 * max(1, int(k))
     return unit * max(1, math.ceil(at_least / unit))
 
 
 def halves(seconds: Sequence[float]) -> list[float]:
     """Mean step of the first and of the second half of a pair's rounds (each half whole refresh cycles when the
-    rounds are :func:`interleaved_rounds`, or nearly): the measurement twice, from one interleaved run."""
+    rounds are :func:`pair_rounds`): the measurement twice, from one interleaved run."""
     mid = len(seconds) // 2
     if mid == 0:
         raise ValueError(f"halves: {len(seconds)} round(s); two halves need at least 2")
@@ -556,7 +558,7 @@ def compose_strategy(path: Path, overrides: Sequence[str]) -> Any:
 
 
 def _interleaved_worker(rank: int, world: int, pairs: list[tuple[str, str, list[str]]], warmup: int,
-                        rounds: int) -> dict[str, Any]:
+                        rounds: Mapping[str, int]) -> dict[str, Any]:
     import torch
 
     from pipefisher.runtime.worker import PipelineWorker
@@ -576,12 +578,12 @@ def measure_interleaved(out: Path, doc: dict[str, Any], at_least: int, warmup: i
     so it is compared with the predictions without bookkeeping)."""
     keys = sorted(doc["measured"])
     k = {key: int(doc["predicted_rounds"][0][key].get("k") or 1) for key in keys}
-    rounds = interleaved_rounds(list(k.values()), at_least)
+    rounds = {key: pair_rounds(k[key], at_least) for key in keys}
     files = {key: out / "search-round0" / "strategies" / f"{key.replace('/', '-')}.json" for key in keys}
     missing = [str(f) for f in files.values() if not f.is_file()]
     if missing:
         raise SystemExit(f"--interleaved: no strategy file {missing[0]} (run --measure into {out} first)")
-    pairs = [(key, str(files[key]), [f"steps={warmup + rounds + 1}", "eval.every_steps=0", "device=cpu",
+    pairs = [(key, str(files[key]), [f"steps={warmup + rounds[key] + 1}", "eval.every_steps=0", "device=cpu",
                                      "progress=false", "wandb.mode=disabled", "save_final=false",
                                      *run_keys(key.split("/")[1])]) for key in keys]
     load_before = h.load()
@@ -609,6 +611,14 @@ def without_measured_bookkeeping(doc: Mapping[str, Any], key: str) -> list[dict[
     return out
 
 
+def rounds_text(rounds: int | Mapping[str, int]) -> str:
+    """``84 rounds`` (every pair alike, as runs before :func:`pair_rounds` stored it) or ``84-90 rounds per pair``."""
+    if isinstance(rounds, int):
+        return f"{rounds} rounds"
+    lo, hi = min(rounds.values()), max(rounds.values())
+    return f"{lo} rounds per pair" if lo == hi else f"{lo}-{hi} rounds per pair"
+
+
 def interleaved_lines(doc: Mapping[str, Any]) -> list[str]:
     """The interleaved measurement against the predictions without bookkeeping (and with it), and against itself."""
     il = doc["interleaved"]
@@ -616,7 +626,7 @@ def interleaved_lines(doc: Mapping[str, Any]) -> list[str]:
     rows = assemble_rows(predicted, il["measured"], doc.get("builtin"))  # k: the plan's, not read back from the run
     s = summary(rows)
     lines = [f"interleaved: every pair in the same {doc.get('stages', 2)} processes, one step each per round in rotated "
-             f"order, {il['rounds']} rounds after {il['warmup']} (whole refresh cycles), {il['seconds']} s, "
+             f"order, {rounds_text(il['rounds'])} after {il['warmup']} (whole refresh cycles), {il['seconds']} s, "
              f"{il['load_before']} before, {il['load_after']} after; a pair's step = the mean of each half, their "
              "mean; predicted without train.py's bookkeeping (the harness times train_step alone)", ""]
     lines += table_lines(rows)

@@ -54,6 +54,18 @@ def test_timed_rounds_one_rank_rotates_skips_the_warm_up_and_steps_every_worker_
     assert [(step, k, value) for step, k, _, value in plain] == [(0, "p", 0), (0, "q", 0), (1, "q", -1), (1, "p", 10)]
 
 
+def test_timed_rotation_with_rounds_per_key_drops_a_runner_after_its_own_rounds(tmp_path: Path) -> None:
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/pg", rank=0, world_size=1,
+                            timeout=datetime.timedelta(seconds=60))
+    try:
+        got = [(step, k) for step, k, _, _ in h.timed_rotation({"a": lambda s: s, "b": lambda s: s, "c": lambda s: s},
+                                                               warmup=1, rounds={"a": 2, "b": 4, "c": 3})]
+    finally:
+        release_process_group()
+    assert got == [(0, "a"), (0, "b"), (0, "c"), (1, "b"), (1, "c"), (1, "a"), (2, "c"), (2, "a"), (2, "b"),
+                   (3, "c"), (3, "b"), (4, "b")]  # a runs 1 + 2 rounds, c 1 + 3, b 1 + 4; the rest still rotate
+
+
 def _two_ranks(rank: int, out_dir: str) -> None:
     dist.init_process_group("gloo", init_method=f"file://{out_dir}/pg", rank=rank, world_size=2,
                             timeout=datetime.timedelta(seconds=60))

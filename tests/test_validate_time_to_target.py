@@ -229,11 +229,13 @@ def test_a_repricing_less_each_rounds_bookkeeping(v):
     assert "predicted_no_overhead_rounds" not in v.WITH_BOOKKEEPING  # its search has no bookkeeping to take off
 
 
-def test_interleaved_rounds_hold_whole_refresh_cycles_of_every_pair(v):
-    rounds = v.interleaved_rounds([1, 3, 4, 6, 7], 84)
-    assert rounds == 84 and all(rounds % k == 0 for k in (3, 4, 6, 7))
-    assert v.interleaved_rounds([1, 3, 4, 6, 7], 85) == 168  # at least the rounds asked for
-    assert v.interleaved_rounds([1, 1], 10) == 10 and v.interleaved_rounds([0, 2], 3) == 4  # k=0 counts as 1
+def test_pair_rounds_hold_whole_refresh_cycles_in_each_half_of_every_pair(v):
+    ks = [1, 2, 4, 5, 6, 7]  # a 2-core Xeon's plans: the lcm of all of them was 420 rounds for --interleaved 84
+    rounds = {k: v.pair_rounds(k, 84) for k in ks}
+    assert rounds == {1: 84, 2: 84, 4: 88, 5: 90, 6: 84, 7: 84}
+    assert all(r % (2 * k) == 0 and 84 <= r < 84 + 2 * k for k, r in rounds.items())  # whole cycles per half
+    assert v.pair_rounds(0, 3) == 4 and v.pair_rounds(1, 1) == 2  # k=0 counts as 1; two halves at least
+    assert v.rounds_text(84) == "84 rounds" and v.rounds_text({"a": 84, "b": 90}) == "84-90 rounds per pair"
 
 
 def test_halves_are_the_measurement_twice(v):
@@ -276,7 +278,7 @@ def test_interleaved_measures_each_strategy_file_in_one_pair_of_processes(tmp_pa
                            "--interleaved", "4"], cwd=REPO, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
     il = json.loads((tmp_path / "validation.json").read_text())["interleaved"]
-    assert il["rounds"] == 4 and sorted(il["measured"]) == keys
+    assert il["rounds"] == {key: 4 for key in keys} and sorted(il["measured"]) == keys  # k=1: 4 is 2 cycles per half
     assert all(len(h) == 2 and all(x > 0 for x in h) for h in il["measured"].values())
     assert "interleaved: Spearman" in done.stdout and "interleaved against itself" in done.stdout
 
