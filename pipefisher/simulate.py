@@ -104,10 +104,10 @@ class CostModel:
             stage's replicas (an index into its workers, sorted: ``Placement.replicas_of_stage``, the order of
             the stage's process group), which alone inverts and preconditions it; the others' INVERT of it costs
             0, their PRECOND only their own layers (``precond_layer_ns``), and the preconditioned gradients
-            travel in one all-reduce (``exchange_ns``) that the STEP waits for ([Note: pricing owners] in
+            travel in one all-gather (``exchange_ns``) that the STEP waits for ([Note: pricing owners] in
             ``planning.owner_costs``). ``()``: every replica does every layer's work (``holder``).
         precond_layer_ns: ``[stage][layer]`` PRECOND of one layer (read with ``kfac_owner`` only).
-        exchange_ns: per stage, the all-reduce of the preconditioned gradients among the owners (with
+        exchange_ns: per stage, the all-gather of the preconditioned gradients among the owners (with
             ``kfac_owner``; empty: 0).
         stage_step_ns: per-stage cost of a stage STEP (the optimizer step of that stage's parameters,
             the tied weight excepted; ``passes.per_stage_steps``); empty: 0.
@@ -530,7 +530,7 @@ class _Sim:
         return True
 
     def _exchange(self, w: int, k: int, stage: int, ready: int) -> None:
-        """The owners' all-reduce of ``stage``'s preconditioned gradients ([Note: pricing owners]): it starts
+        """The owners' all-gather of ``stage``'s preconditioned gradients ([Note: pricing owners]): it starts
         when every replica has preconditioned its layers and ends ``exchange_ns`` later; the STEP waits for it
         as for a gradient all-reduce."""
         arrived = self.exchange_arrivals[(k, stage)]

@@ -6,16 +6,20 @@ Entry point: :func:`with_owners` (a cost model priced the way ``runtime.kfac_own
 Under ``kfac_owners=replicas`` a stage held by several replicas (Chimera's twins) has each K-FAC layer inverted
 and preconditioned by one owner (``optim.owners.plan_owners``, the same function the runtime calls, over the same
 members: the stage's workers in rank order, ``Placement.replicas_of_stage``); the other replicas run that layer's
-INVERT as a no-op, precondition only their own layers at PRECOND, and one all-reduce (a sum) of the stage's
-K-FAC gradients, started at PRECOND and waited for before STEP, gives every replica every layer's preconditioned
-gradient (``runtime.kfac_owners`` [Note: K-FAC owners among replicas]). Priced here as:
+INVERT as a no-op, precondition only their own layers at PRECOND, and one exchange of the stage's K-FAC
+gradients (an all-gather of each member's own layers, or where that moves more, an all-reduce of all of them,
+the others' zeroed: ``optim.owners.exchange_gathers``), started at PRECOND and waited for before STEP, gives
+every replica every layer's preconditioned gradient (``runtime.kfac_owners`` [Note: K-FAC owners among
+replicas]). Priced here as:
 
     INVERT of (stage, layer) on a replica      the holder's cost if it owns the layer, else 0
     PRECOND of a stage on a replica            its owned layers' share of the stage's PRECOND, split over the
                                                layers by their FLOPs 2·in·out·(in + out) (``planning.costs``)
-    the exchange (``CostModel.exchange_ns``)   the stage's gradient all-reduce × the K-FAC layers' share of the
-                                               stage's parameters (the same bytes per second), after the last
-                                               replica's PRECOND; STEP waits for it
+    the exchange (``CostModel.exchange_ns``)   the stage's gradient all-reduce × what the exchange moves against
+                                               it (``exchange_share``: g·P/2p as an all-gather of pieces of at most
+                                               P of the stage's p parameters, S/p as an all-reduce of its S K-FAC
+                                               parameters; the same bytes per second), after the last replica's
+                                               PRECOND; STEP waits for it
 
 Before this the planner priced every replica's INVERT and PRECOND under ``replicas`` as under ``holder``, so the
 step it predicted (and the k it chose) was that of work the run does not do (bench/studies/16: the run halves
@@ -37,14 +41,15 @@ as copies. Measured on one stage with two copies: bench/studies/16-optimizer-pla
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import replace
 
-from pipefisher.optim.owners import plan_owners
+from pipefisher.optim.owners import exchange_gathers, plan_owners
 from pipefisher.planning.costs import RunShape, kfac_linear_dims, stage_parameters
 from pipefisher.schedules import Placement, Schedule
 from pipefisher.simulate import CostModel
 
-__all__ = ["doubly_held_stage", "shares_a_stage", "with_owners"]
+__all__ = ["doubly_held_stage", "exchange_share", "shares_a_stage", "with_owners"]
 
 
 def doubly_held_stage(placement: Placement) -> int | None:
@@ -61,6 +66,21 @@ def shares_a_stage(placement: Placement) -> bool:
     """Whether some stage has replicas on several workers, none holding two: where owners differ from holders."""
     return doubly_held_stage(placement) is None and any(
         len(placement.replicas_of_stage(s)) > 1 for s in range(placement.num_stages))
+
+
+def exchange_share(dims: Sequence[tuple[int, int]], owner: Sequence[int], stage_params: int, members: int) -> float:
+    """The owners' exchange as a fraction of the stage's gradient all-reduce (same bytes per second): a ring
+    all-reduce of the stage's p parameters moves 2(g − 1)/g · p per member; the exchange moves (g − 1)·P, P the
+    largest member's K-FAC parameters, as an all-gather, or 2(g − 1)/g · S, S all of them, as an all-reduce,
+    whichever ``exchange_gathers`` picks (the runtime's choice). ``dims``: (in, out) per K-FAC layer; ``owner``:
+    each one's member (``plan_owners``); 0 for one member or no parameters."""
+    if members <= 1 or stage_params <= 0:
+        return 0.0
+    piece = [0] * members
+    for (i, o), m in zip(dims, owner):
+        piece[m] += i * o + o
+    moved = members * max(piece) if exchange_gathers(piece) else 2 * sum(piece)
+    return moved / (2 * stage_params)
 
 
 def with_owners(cost: CostModel, schedule: Schedule, run: RunShape) -> CostModel:
@@ -86,11 +106,10 @@ def with_owners(cost: CostModel, schedule: Schedule, run: RunShape) -> CostModel
             raise ValueError(f"kfac_owners=replicas: stage {stage} has {len(dims)} K-FAC layers by the model, "
                              f"{cost.kfac_layers[stage]} by the cost model; price the run's own shape")
         members = len(placement.replicas_of_stage(stage))
-        owners.append(tuple(plan_owners([(o, i) for i, o in dims], members)))
+        plan = plan_owners([(o, i) for i, o in dims], members)
+        owners.append(tuple(plan))
         flops = [2 * i * o * (i + o) for i, o in dims]
         total = sum(flops)
         precond.append(tuple(round(cost.precond_ns[stage] * f / total) for f in flops) if total else ())
-        kfac_params = sum(i * o + o for i, o in dims)
-        share = kfac_params / params[stage] if params[stage] and members > 1 else 0.0
-        exchange.append(round(cost.sync_ns[stage] * share))
+        exchange.append(round(cost.sync_ns[stage] * exchange_share(dims, plan, params[stage], members)))
     return replace(cost, kfac_owner=tuple(owners), precond_layer_ns=tuple(precond), exchange_ns=tuple(exchange))

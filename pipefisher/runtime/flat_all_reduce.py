@@ -1,9 +1,10 @@
 """One asynchronous all-reduce of several tensors packed into one flat buffer, and its copy-back.
 
-The executor's gradient all-reduce (SYNC_GRAD), K-FAC's factor all-reduce (SYNC_FACTOR) and the exchange of
-preconditioned gradients among a stage's replicas (``optimizer.kfac_owners=replicas``) all start a flat all-reduce
-when an action runs and wait for it when a later action needs its result ([Note: waits are not compute] in
-``runtime.executor``): this is the one place that packs, waits and unpacks.
+The executor's gradient all-reduce (SYNC_GRAD) and K-FAC's factor all-reduce (SYNC_FACTOR) both start a flat
+all-reduce when an action runs and wait for it when a later action needs its result ([Note: waits are not compute]
+in ``runtime.executor``): this is the one place that packs, waits and unpacks. The owners' exchange of
+preconditioned gradients (``optimizer.kfac_owners=replicas``) is one too where an all-gather
+(``runtime.flat_all_gather``) would move more bytes (``optim.owners.exchange_gathers``).
 """
 
 from __future__ import annotations

@@ -43,13 +43,15 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import Iterator, Sequence
-from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from pipefisher.optim import KFACPreconditioner
+from pipefisher.optim.owners import exchange_gathers
+from pipefisher.runtime.flat_all_gather import FlatAllGather
 from pipefisher.runtime.flat_all_reduce import FlatAllReduce
+from pipefisher.runtime.kfac_owners import layer_owners
 from pipefisher.schedules.ir import Action, ActionKind
 
 __all__ = ["KfacWork"]
@@ -93,10 +95,11 @@ class KfacWork:
         # Factor all-reduces in flight: (stage replica, layer names) -> (the all-reduce, its group's size).
         self._syncs: dict[tuple[StageKey, tuple[str, ...]], tuple[FlatAllReduce, int]] = {}
         self.owned = owned or {}
-        # Preconditioned-gradient exchanges in flight (kfac_owners=replicas): replica -> [(the all-reduce of the
-        # gradients and a last [preconditioned, age + 1] tensor, (name, layer) in packing order, raw norms of the
-        # layers owned elsewhere)].
-        self._exchanges: dict[StageKey, list[tuple[FlatAllReduce, list[tuple[str, Any]], dict[str, Any]]]] = {}
+        # Preconditioned-gradient exchanges in flight (kfac_owners=replicas): replica -> [(the all-gather or
+        # all-reduce of each member's gradients and [preconditioned, age + 1] tensor, per member (its layers, that
+        # tensor), raw norms of the layers owned elsewhere)].
+        self._exchanges: dict[StageKey, list[tuple[FlatAllGather | FlatAllReduce, list[tuple[list[str], torch.Tensor]],
+                                                   dict[str, torch.Tensor]]]] = {}
         self.inverted = 0  # layers inverted here, over the run (tests, benchmarks)
         self.preconditioned = 0  # layers preconditioned here (with inverses in use), over the run
 
@@ -196,10 +199,18 @@ class KfacWork:
     def _start_exchange(self, key: StageKey, pre: KFACPreconditioner, names: list[str], owned: frozenset[str],
                         ages: dict[str, int | None]) -> None:
         """Every replica's ``names`` gradients from their owners ([Note: K-FAC owners among replicas]): the layers
-        owned elsewhere have their gradient's norm recorded (the clip reads it) and are zeroed here, and one
-        all-reduce (a sum) over the stage's group carries the owners' gradients and, per layer, whether its owner
-        preconditioned it and with curvature how old (``ages``); :meth:`finish_exchanges` applies it."""
-        tensors: list[torch.Tensor] = []
+        owned elsewhere have their gradient's norm recorded (the clip reads it), and one collective over the
+        stage's group carries each member's own layers and, per layer, whether it preconditioned it and with
+        curvature how old (``ages``): an all-gather of each member's piece, or where that moves more bytes
+        (``optim.owners.exchange_gathers``) an all-reduce of all of them with the others' values zeroed;
+        :meth:`finish_exchanges` copies them in."""
+        group = self.groups[key[1]]
+        world, me = dist.get_world_size(group), dist.get_rank(group)
+        owner = layer_owners(pre, world)
+        if {n for n in names if owner[n] == me} != {n for n in names if n in owned}:
+            raise RuntimeError(f"kfac_owners=replicas: stage replica {key}'s owned layers {sorted(owned)} are not "
+                               f"the plan's for member {me} of {world}")
+        pieces: list[list[torch.Tensor]] = [[] for _ in range(world)]  # per member: its layers' gradients, its meta
         raw: dict[str, torch.Tensor] = {}
         for name in names:
             layer = pre.layer(name)
@@ -208,23 +219,33 @@ class KfacWork:
             for p in (layer.module.weight, layer.module.bias):
                 if p is None:
                     continue
-                if p.grad is None:  # as the gradient all-reduce does: every replica sends every tensor
+                if p.grad is None:  # as the gradient all-reduce does: every replica packs every tensor
                     p.grad = torch.zeros_like(p)
-                if name not in owned:
-                    p.grad.zero_()
-                tensors.append(p.grad)
-        meta = torch.zeros(2 * len(names), dtype=tensors[0].dtype, device=tensors[0].device)
-        for i, name in enumerate(names):  # [preconditioned, age + 1 (0: none)] from the owner, zeros elsewhere
-            if name in ages:
-                age = ages[name]
-                meta[2 * i], meta[2 * i + 1] = 1.0, 0.0 if age is None else age + 1.0
-        tensors.append(meta)
-        exchange = FlatAllReduce.start(tensors, self.groups[key[1]])
-        self._exchanges.setdefault(key, []).append((exchange, [(n, pre.layer(n)) for n in names], raw))
+                pieces[owner[name]].append(p.grad)
+        gather = exchange_gathers([sum(t.numel() for t in piece) for piece in pieces])
+        if not gather:  # a sum in which only the owner's values are not zero: x + 0 = x exactly
+            for r, piece in enumerate(pieces):
+                for t in piece if r != me else ():
+                    t.zero_()
+        ref = next(t for piece in pieces for t in piece)
+        metas: list[tuple[list[str], torch.Tensor]] = []
+        for r in range(world):  # per member, [preconditioned, age + 1 (0: none)] of each layer it owns
+            theirs = [n for n in names if owner[n] == r]
+            meta = torch.zeros(2 * len(theirs), dtype=ref.dtype, device=ref.device)
+            if r == me:
+                for i, name in enumerate(theirs):
+                    if name in ages:
+                        age = ages[name]
+                        meta[2 * i], meta[2 * i + 1] = 1.0, 0.0 if age is None else age + 1.0
+            pieces[r].append(meta)
+            metas.append((theirs, meta))
+        exchange = (FlatAllGather.start(pieces, group) if gather else
+                    FlatAllReduce.start([t for piece in pieces for t in piece], group))
+        self._exchanges.setdefault(key, []).append((exchange, metas, raw))
 
     def finish_exchanges(self, key: StageKey | None = None) -> bool:
-        """Wait for the preconditioned-gradient exchanges of one stage replica (or all) and copy them into the
-        gradients; a layer owned elsewhere and preconditioned there keeps the norm recorded before (as
+        """Wait for the preconditioned-gradient exchanges of one stage replica (or all), which copy the owners'
+        gradients in; a layer owned elsewhere and preconditioned there keeps the norm recorded before (as
         ``precondition`` keeps it). The executor calls this before a STEP reads the gradients ([Note: waits are
         not compute]).
 
@@ -234,13 +255,16 @@ class KfacWork:
         keys = [key] if key is not None else list(self._exchanges)
         waited = False
         for k in keys:
-            for exchange, layers, raw in self._exchanges.pop(k, []):
-                meta = exchange.finish()[-1].tolist()
+            pre = self.pre[k]
+            for exchange, metas, raw in self._exchanges.pop(k, []):
+                exchange.finish()
                 waited = True
-                for i, (name, layer) in enumerate(layers):
-                    if name in raw and meta[2 * i] > 0.5:  # owned elsewhere, preconditioned there
-                        layer.raw_grad_sq = raw[name]
-                        self._note_age(None if meta[2 * i + 1] < 0.5 else round(meta[2 * i + 1]) - 1)
+                for theirs, meta in metas:
+                    values = meta.tolist()
+                    for i, name in enumerate(theirs):
+                        if name in raw and values[2 * i] > 0.5:  # owned elsewhere, preconditioned there
+                            pre.layer(name).raw_grad_sq = raw[name]
+                            self._note_age(None if values[2 * i + 1] < 0.5 else round(values[2 * i + 1]) - 1)
         return waited
 
     def _pending_syncs(self, a: Action) -> list[tuple[StageKey, tuple[str, ...]]]:

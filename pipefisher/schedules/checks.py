@@ -97,7 +97,7 @@ def check_schedule(schedule: Schedule, *, complete: bool = True, kfac: bool | No
         max_activations: per worker, the most micro-batch activations it may hold at once
             (counted from F to B or W, every replica it holds, as ``simulate.peak_activations``);
             e.g. ``chimera_doubling_peaks(D)``, a memory model's bound. None: no bound.
-        exchanges: a PRECOND starts an all-reduce over its stage's replicas (``optimizer.kfac_owners=
+        exchanges: a PRECOND starts an exchange (all-gather) over its stage's replicas (``optimizer.kfac_owners=
             replicas``) and a STEP waits until every replica of its stages has issued its PRECOND (a
             stage STEP its own stage's, the final STEP all the worker holds): the deadlock check runs
             with these waits ([Note: stage steps after the exchanges] in ``schedules.passes``).

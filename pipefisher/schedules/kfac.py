@@ -335,7 +335,7 @@ def _fail(a: Assignment, phase: int, message: str, mark: tuple[int, int] | None 
 def check_assignment(a: Assignment, *, exchanges: bool = False) -> None:
     """Check a K-FAC assignment: every phase, and the refresh cycle ([Note: refresh cycle]).
 
-    ``exchanges``: PRECOND is the owners' all-reduce (``optimizer.kfac_owners=replicas``), see
+    ``exchanges``: PRECOND starts the owners' exchange (``optimizer.kfac_owners=replicas``), see
     ``check_schedule``.
 
     Each phase must pass ``check_schedule(phase, kfac=True)`` (K-FAC units after their forward or

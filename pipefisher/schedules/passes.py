@@ -415,7 +415,7 @@ def per_stage_steps(schedule: Schedule, positions: StepPositions | None = None, 
         positions: per worker, replica (stage, pipe) → the index in the worker's list without its
             PRECONDs and final STEP after which the replica's STEP goes (at least its replica's last
             action, :func:`stage_step_bounds`); None: the rule above.
-        exchanges: a PRECOND starts an all-reduce among its stage's replicas that their STEPs wait for
+        exchanges: a PRECOND starts an exchange (all-gather) among its stage's replicas that their STEPs wait for
             (``optimizer.kfac_owners=replicas``, [Note: stage steps after the exchanges]): each worker's
             stage STEPs then follow all its PRECONDs.
 
@@ -476,8 +476,8 @@ def _place_steps(schedule: Schedule, rests: dict[int, list[Action]],
     list without its PRECONDs and final STEP (``rests[w]``); replicas at one index in SYNC_GRAD order.
 
     [Note: stage steps after the exchanges]
-    With ``exchanges`` (``optimizer.kfac_owners=replicas``) a replica's PRECOND starts the all-reduce that
-    brings it the gradients its owners preconditioned, and its STEP waits for that all-reduce, i.e. for
+    With ``exchanges`` (``optimizer.kfac_owners=replicas``) a replica's PRECOND starts the all-gather that
+    brings it the gradients its owners preconditioned, and its STEP waits for that all-gather, i.e. for
     the PRECOND of every replica of the stage. A STEP placed before a later PRECOND of its own worker can
     then close a cycle: Chimera D=2, worker 0 ``1PRECOND@1 1STEP@1 0PRECOND`` and worker 1 ``0PRECOND@1
     0STEP@1 1PRECOND`` (K-FAC units of stage 1 later on worker 1 hold its step back) wait for each other
