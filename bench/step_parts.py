@@ -3,6 +3,7 @@
     python bench/step_parts.py                     # PipeFisher with kfac_owners holder / replicas against NVLAMB
     python bench/step_parts.py --arm muon:optimizer=muon --arm nvlamb:optimizer=nvlamb --rounds 20
     python bench/step_parts.py --predict-from pf-holder   # also the owners pricing, predicted against measured
+    python bench/step_parts.py --predict-from pf-holder --collectives FILE   # the exchange by measured collectives
 
 Each arm is a ``PipelineWorker`` of the same D=2 processes (``--base`` overrides, then the arm's), stepped once per
 round in rotated order (``_harness.timed_rounds``); per arm the mean wall step over the rounds (whole refresh
@@ -21,6 +22,7 @@ from dataclasses import replace
 import torch
 
 import _harness as h
+from pipefisher.planning.comm_costs import CommCosts
 from pipefisher.planning.costs import costs_from_profile
 from pipefisher.planning.owner_costs import with_owners
 from pipefisher.planning.predict import predict_assignment
@@ -37,7 +39,7 @@ ARMS = ["nvlamb:optimizer=nvlamb", "pf-holder:optimizer=pipefisher",
 
 
 def _run(rank: int, world: int, base: list[str], arms: dict[str, list[str]], warmup: int, rounds: int,
-         predict_from: str | None = None) -> dict:
+         predict_from: str | None = None, collectives: str | None = None) -> dict:
     workers = {a: PipelineWorker(h.compose(base + [f"steps={warmup + rounds + 1}", *o]), rank, world,
                                  torch.device("cpu")) for a, o in arms.items()}
     busy: dict[str, dict[str, float]] = {a: defaultdict(float) for a in arms}
@@ -53,17 +55,20 @@ def _run(rank: int, world: int, base: list[str], arms: dict[str, list[str]], war
     out = {a: {"wall_ms": statistics.fmean(walls[a]), "busy": {k: v / len(walls[a]) for k, v in busy[a].items()},
                "wait": {k: v / len(walls[a]) for k, v in waits[a].items()}} for a in walls}
     if predict_from is not None and rank == 0:
-        for a, ms in predicted_steps(workers, timelines[predict_from]).items():
+        comm = CommCosts.from_json(collectives) if collectives else None
+        for a, ms in predicted_steps(workers, timelines[predict_from], comm).items():
             out[a]["predicted_ms"] = ms
     return out
 
 
-def predicted_steps(workers: dict[str, PipelineWorker], events: list[Event]) -> dict[str, float]:
+def predicted_steps(workers: dict[str, PipelineWorker], events: list[Event],
+                    comm: CommCosts | None = None) -> dict[str, float]:
     """Per K-FAC arm, the simulator's mean step (ms) of the refresh cycle the arm ran, every arm on the unit costs
     measured in ``events`` (one arm's timeline, ``costs_from_profile``); an arm with ``optimizer.kfac_owners=replicas``
     through ``with_owners`` ([Note: pricing owners]): its INVERTs and PRECONDs of the layers it owns, the owners'
     exchange. So with ``events`` from ``kfac_owners=holder``, the owners arm's figure is the pricing's prediction
-    of a run it did not see."""
+    of a run it did not see; with ``comm`` (a ``measure.collectives`` file) the exchange is priced by its measured
+    latency and bandwidth (``owner_costs.exchange_seconds``), else by the profile's gradient all-reduce."""
     out = {}
     for a, w in workers.items():
         if w.assignment is None:
@@ -71,7 +76,7 @@ def predicted_steps(workers: dict[str, PipelineWorker], events: list[Event]) -> 
         run = run_shape(w.cfg)
         cost = costs_from_profile(Profile(events), run)
         if w.cfg.optimizer.kfac_owners == "replicas":
-            cost = with_owners(cost, w.assignment.phases[0], run)
+            cost = with_owners(cost, w.assignment.phases[0], run, comm)
         out[a] = predict_assignment(w.assignment, cost)[0].step_time_s * 1e3
     return out
 
@@ -86,6 +91,9 @@ def main() -> None:
     p.add_argument("--predict-from", default=None, metavar="ARM",
                    help="also print each K-FAC arm's predicted step from ARM's measured unit costs (e.g. pf-holder: "
                         "the owners pricing checked against the replicas arm it did not see)")
+    p.add_argument("--collectives", default=None, metavar="FILE",
+                   help="with --predict-from: price the owners' exchange by this `python -m pipefisher.measure."
+                        "collectives` file's all-gather / all-reduce (measured here) instead of the profile's")
     args = p.parse_args()
     arms = {}
     for spec in args.arm or ARMS:
@@ -96,7 +104,7 @@ def main() -> None:
     load = h.load()
     if args.predict_from is not None and args.predict_from not in arms:
         raise SystemExit(f"--predict-from {args.predict_from}: not an arm (arms: {', '.join(arms)})")
-    out = h.launch(_run, 2, args.base, arms, args.warmup, args.rounds, args.predict_from)[0]
+    out = h.launch(_run, 2, args.base, arms, args.warmup, args.rounds, args.predict_from, args.collectives)[0]
     result = out["result"]
     from pipefisher.hardware import describe_hardware  # after the fork: the parent runs no torch op before it
 

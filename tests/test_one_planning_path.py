@@ -16,6 +16,7 @@ from hydra import compose, initialize_config_dir
 
 from pipefisher.config import ConfigError, to_train_config
 from pipefisher.model.config import BertConfig
+from pipefisher.planning.comm_costs import CommCosts
 from pipefisher.planning.config import register_schedule_configs, to_schedule_config
 from pipefisher.planning.costs import RunShape
 from pipefisher.planning.owner_costs import with_owners
@@ -29,6 +30,7 @@ from tests.conftest import CONF_DIR, REPO, compose_dict, compose_train
 
 # bert-mini chimera pp=4, micro-batch 8, N=4 at train.py's CPU estimate: the planner's old defaults (inverses at
 # cycle end, no staleness bound) give k=7 and curvature 13 steps old; optimizer=pipefisher's give k=6, age 8.
+RING = CommCosts({}, CPU_HARDWARE)  # the search's collective model on the built-in estimate, as train.py plans with it
 SHAPE = ["model=bert-mini", "pipeline=chimera", "stages=4", "num_micro_batches=4", "micro_batch_size=8",
          "data.seq_len=128", "data.max_predictions=20", "optimizer=pipefisher"]
 
@@ -164,8 +166,8 @@ def test_the_search_ranks_kfac_owners_beside_holder_and_a_strategy_file_carries_
     schedule = run.build_schedule(dp_width=1)
     cost = pipeline_costs(run, CPU_HARDWARE, schedule=schedule)
     for c in (holder, owners):  # each candidate's step is its plan under its pricing
-        plan = plan_for(schedule, cost, run.kfac_layers, PlanOptions(kfac_owners=c.kfac_owners), run)
-        priced = with_owners(cost, schedule, run) if c.kfac_owners == "replicas" else cost
+        plan = plan_for(schedule, cost, run.kfac_layers, PlanOptions(kfac_owners=c.kfac_owners), run, RING)
+        priced = with_owners(cost, schedule, run, RING) if c.kfac_owners == "replicas" else cost
         assert c.step_time_s == pytest.approx(predict_assignment(plan.assignment, priced)[0].step_time_s, rel=0.05)
         assert c.interval == plan.k
     assert owners.step_time_s != holder.step_time_s
@@ -183,7 +185,7 @@ def test_the_search_ranks_kfac_owners_beside_holder_and_a_strategy_file_carries_
     assert assignment_to_dict(plan_for(schedule_for(cfg), pipeline_costs(run_shape(cfg), CPU_HARDWARE,
                                                                          schedule=schedule_for(cfg)),
                                        run.kfac_layers, PlanOptions(kfac_owners="replicas"),
-                                       run_shape(cfg)).assignment) == assignment_to_dict(ran)
+                                       run_shape(cfg), RING).assignment) == assignment_to_dict(ran)
     with pytest.raises(ValueError, match=r"search.kfac_owners=\['all'\]: choose from holder, replicas"):
         search_strategies(bert, devices=4, memory_gb=100, global_batch=32, kfac_owners=["all"])
 
@@ -203,16 +205,16 @@ def test_the_search_plans_kfac_owners_over_every_data_parallel_copy_as_train_py_
         one, every = run.build_schedule(dp_width=1), run.build_schedule(dp_width=None)
         cost = pipeline_costs(run, CPU_HARDWARE, schedule=one)
         owners = by[(method, "replicas")]
-        plan = plan_for(every, cost, run.kfac_layers, PlanOptions(kfac_owners="replicas"), run)
-        step = predict_assignment(plan.assignment, with_owners(cost, every, run))[0].step_time_s
+        plan = plan_for(every, cost, run.kfac_layers, PlanOptions(kfac_owners="replicas"), run, RING)
+        step = predict_assignment(plan.assignment, with_owners(cost, every, run, RING))[0].step_time_s
         assert owners.interval == plan.k and owners.step_time_s == pytest.approx(step, rel=0.05)
         assert owners.step_time_s < by[(method, "holder")].step_time_s
         held = [plan_for(x, cost, run.kfac_layers, PlanOptions(), run) for x in (one, every)]  # holder: one copy
         assert held[0].k == held[1].k and predict_assignment(held[0].assignment, cost)[0].step_time_s == \
             pytest.approx(predict_assignment(held[1].assignment, cost)[0].step_time_s, rel=1e-9)
         if method == "chimera":  # priced on one copy, the twins alone would share each layer
-            twins = plan_for(one, cost, run.kfac_layers, PlanOptions(kfac_owners="replicas"), run)
-            alone = predict_assignment(twins.assignment, with_owners(cost, one, run))[0].step_time_s
+            twins = plan_for(one, cost, run.kfac_layers, PlanOptions(kfac_owners="replicas"), run, RING)
+            alone = predict_assignment(twins.assignment, with_owners(cost, one, run, RING))[0].step_time_s
             assert step < alone * 0.99
         written = strategy_plan(owners, bert, hardware=CPU_HARDWARE)  # dp_width=1 asked: owners plan every copy
         assert assignment_to_dict(written.assignment) == assignment_to_dict(plan.assignment)

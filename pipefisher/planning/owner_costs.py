@@ -15,11 +15,13 @@ replicas]). Priced here as:
     INVERT of (stage, layer) on a replica      the holder's cost if it owns the layer, else 0
     PRECOND of a stage on a replica            its owned layers' share of the stage's PRECOND, split over the
                                                layers by their FLOPs 2·in·out·(in + out) (``planning.costs``)
-    the exchange (``CostModel.exchange_ns``)   the stage's gradient all-reduce × what the exchange moves against
-                                               it (``exchange_share``: g·P/2p as an all-gather of pieces of at most
-                                               P of the stage's p parameters, S/p as an all-reduce of its S K-FAC
-                                               parameters; the same bytes per second), after the last replica's
-                                               PRECOND; STEP waits for it
+    the exchange (``CostModel.exchange_ns``)   with the search's collective model (``comm``): the all-gather of
+                                               g pieces of at most P parameters, or the all-reduce of the S K-FAC
+                                               parameters, at its latency and bandwidth (``exchange_seconds``);
+                                               from a cost model alone (a profile, train.py's estimate): the
+                                               stage's gradient all-reduce × what the exchange moves against it
+                                               (``exchange_share``: g·P/2p or S/p of the stage's p parameters);
+                                               after the last replica's PRECOND; STEP waits for it
 
 Before this the planner priced every replica's INVERT and PRECOND under ``replicas`` as under ``holder``, so the
 step it predicted (and the k it chose) was that of work the run does not do (bench/studies/16: the run halves
@@ -45,11 +47,12 @@ from collections.abc import Sequence
 from dataclasses import replace
 
 from pipefisher.optim.owners import exchange_gathers, plan_owners
+from pipefisher.planning.comm_costs import CommCosts
 from pipefisher.planning.costs import RunShape, kfac_linear_dims, stage_parameters
 from pipefisher.schedules import Placement, Schedule
 from pipefisher.simulate import CostModel
 
-__all__ = ["doubly_held_stage", "exchange_share", "shares_a_stage", "with_owners"]
+__all__ = ["doubly_held_stage", "exchange_seconds", "exchange_share", "shares_a_stage", "with_owners"]
 
 
 def doubly_held_stage(placement: Placement) -> int | None:
@@ -83,9 +86,24 @@ def exchange_share(dims: Sequence[tuple[int, int]], owner: Sequence[int], stage_
     return moved / (2 * stage_params)
 
 
-def with_owners(cost: CostModel, schedule: Schedule, run: RunShape) -> CostModel:
+def exchange_seconds(dims: Sequence[tuple[int, int]], owner: Sequence[int], members: int, comm: CommCosts) -> float:
+    """The owners' exchange under ``comm``'s collective model (measured latency and bandwidth where it has them):
+    an all-gather of ``members`` pieces padded to the largest (4 bytes per parameter; ``comm`` counts the gathered
+    output), or where ``exchange_gathers`` picks it an all-reduce of all the K-FAC parameters."""
+    if members <= 1:
+        return 0.0
+    piece = [0] * members
+    for (i, o), m in zip(dims, owner):
+        piece[m] += i * o + o
+    if exchange_gathers(piece):
+        return comm.seconds("all_gather", members, 4.0 * members * max(piece))
+    return comm.seconds("all_reduce", members, 4.0 * sum(piece))
+
+
+def with_owners(cost: CostModel, schedule: Schedule, run: RunShape, comm: CommCosts | None = None) -> CostModel:
     """``cost`` with each layer's INVERT and PRECOND on its owner only, and the owners' exchange ([Note: pricing
-    owners]).
+    owners]): by ``comm``'s collective model where given (the search's: its latency counts, which the scaled
+    gradient all-reduce leaves out), else the stage's gradient all-reduce scaled by ``exchange_share``.
 
     Raises:
         ValueError: ``cost`` has no K-FAC tables, or a worker holds two replicas of one stage (the runtime refuses
@@ -111,5 +129,6 @@ def with_owners(cost: CostModel, schedule: Schedule, run: RunShape) -> CostModel
         flops = [2 * i * o * (i + o) for i, o in dims]
         total = sum(flops)
         precond.append(tuple(round(cost.precond_ns[stage] * f / total) for f in flops) if total else ())
-        exchange.append(round(cost.sync_ns[stage] * exchange_share(dims, plan, params[stage], members)))
+        exchange.append(round(exchange_seconds(dims, plan, members, comm) * 1e9) if comm is not None else
+                        round(cost.sync_ns[stage] * exchange_share(dims, plan, params[stage], members)))
     return replace(cost, kfac_owner=tuple(owners), precond_layer_ns=tuple(precond), exchange_ns=tuple(exchange))

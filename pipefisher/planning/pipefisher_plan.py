@@ -30,6 +30,7 @@ from omegaconf import OmegaConf
 from pipefisher.config import OptimizerConfig
 from pipefisher.config.choices import KFAC_OWNERS
 from pipefisher.planning.assign import plan_pipefisher
+from pipefisher.planning.comm_costs import CommCosts
 from pipefisher.planning.costs import RunShape
 from pipefisher.planning.owner_costs import with_owners
 from pipefisher.planning.staleness import load_staleness_curve
@@ -148,7 +149,8 @@ class PipeFisherPlan:
 
 
 def plan_for(schedule: Schedule, cost: CostModel, kfac_layers: list[int] | tuple[int, ...],
-             options: PlanOptions | None = None, run: RunShape | None = None) -> PipeFisherPlan:
+             options: PlanOptions | None = None, run: RunShape | None = None,
+             comm: CommCosts | None = None) -> PipeFisherPlan:
     """PipeFisher's plan of ``schedule`` under ``cost`` with ``options`` ([Note: one planning path]).
 
     Args:
@@ -158,6 +160,7 @@ def plan_for(schedule: Schedule, cost: CostModel, kfac_layers: list[int] | tuple
         options: the planner options; None: :func:`pipefisher_defaults` (train.py's ``optimizer=pipefisher``).
         run: the run's shape; needed with ``options.kfac_owners="replicas"``, whose layers' owners and
             exchange it prices (``planning.owner_costs`` [Note: pricing owners]).
+        comm: the collective model the owners' exchange is priced by (the search's); None: from ``cost``.
 
     Returns:
         The plan with its k and curvature ages.
@@ -169,7 +172,7 @@ def plan_for(schedule: Schedule, cost: CostModel, kfac_layers: list[int] | tuple
     if o.kfac_owners == "replicas":
         if run is None:
             raise ValueError("plan_for: kfac_owners=replicas prices each layer on its owner; give the run's shape (run=)")
-        cost = with_owners(cost, schedule, run)
+        cost = with_owners(cost, schedule, run, comm)
     staleness = load_staleness_curve(o.staleness_curve) if o.staleness_curve else None
     a = plan_pipefisher(schedule, cost, list(kfac_layers), max_interval=o.max_interval, max_staleness=o.max_staleness,
                         curvature_micro_batches=o.curvature_micro_batches, curvature_placement=o.curvature_placement,

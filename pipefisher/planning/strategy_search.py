@@ -639,7 +639,8 @@ def strategy_plan(s: Strategy, bert: BertConfig, *, hardware: Hardware = Hardwar
     cost = pipeline_costs(run, hw, comm, s.sdp, s.tp, run.build_schedule(dp_width=1), split_backward_ratio)
     options = replace(plan_options or pipefisher_defaults(), kfac_owners=s.kfac_owners)
     width = None if s.kfac_owners == "replicas" else dp_width
-    return plan_for(run.build_schedule(dp_width=width), cost, run.kfac_layers, options, run)
+    return plan_for(run.build_schedule(dp_width=width), cost, run.kfac_layers, options, run,
+                    comm if comm is not None else CommCosts({}, hw))
 
 
 # -- the search ----------------------------------------------------------------------------------
@@ -849,14 +850,14 @@ def _evaluate(bert: BertConfig, base: Strategy, optimizers: Sequence[str], hardw
                 a = critical_path_assignment(schedule, run.kfac_layers, 1)
                 age = 0
             else:
-                plan = plan_for(planned, cost, run.kfac_layers, replace(plan_options, kfac_owners=owners), run)
+                plan = plan_for(planned, cost, run.kfac_layers, replace(plan_options, kfac_owners=owners), run, comm)
                 a, age = plan.assignment, plan.age_bound
             est = estimate_memory(run, opt, planned, a, device)
             m = (memory if planned is schedule else
                  hybrid_memory_per_worker(run, base.sdp, base.tp, planned, device=device))[est.worker]
             more = max(m.comm_buffers - m.activations, 0)  # the buffers' excess, retained like the rest on cpu
             per_worker = ((est.total + more + device_overhead(more, device)[0]) / GB,)
-            priced = with_owners(cost, planned, run) if owners == "replicas" else cost
+            priced = with_owners(cost, planned, run, comm) if owners == "replicas" else cost
             pred, _ = predict_assignment(a, priced, opt)
         worst = max(per_worker)
         if worst * GB > budget:

@@ -20,6 +20,7 @@ from torch import nn
 
 from pipefisher.config import V_METHODS, TrainConfig, schedule_method
 from pipefisher.model import BertStage, partition_layers
+from pipefisher.planning.comm_costs import CommCosts
 from pipefisher.planning.costs import Hardware, RunShape
 from pipefisher.planning.pipefisher_plan import PlanOptions, plan_for, plan_from_file
 from pipefisher.planning.strategy_search import pipeline_costs
@@ -215,7 +216,7 @@ def kfac_assignment(cfg: TrainConfig, schedule: Schedule) -> Assignment:
     hw = Hardware() if device_type(cfg.device) == "cuda" else CPU_HARDWARE
     run = run_shape(cfg)
     cost = pipeline_costs(run, hw, sdp=cfg.sdp, tp=cfg.tp, schedule=schedule)
-    return plan_for(schedule, cost, kfac_layers, PlanOptions.from_optimizer(o), run).assignment
+    return plan_for(schedule, cost, kfac_layers, PlanOptions.from_optimizer(o), run, CommCosts({}, hw)).assignment
 
 
 def describe_kfac(cfg: TrainConfig, assignment: Assignment) -> str:
