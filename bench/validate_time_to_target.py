@@ -877,6 +877,15 @@ def without_muon_factor(doc: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
+def without_ns_rate(doc: Mapping[str, Any]) -> dict[str, Any]:
+    """A ``measure.collectives`` document without the measured Newton–Schulz rate (``compute.newton_schulz``), so
+    the search prices Muon's orthogonalization at the model's forward + backward FLOP rate, as before it was
+    measured."""
+    out = json.loads(json.dumps(doc))
+    out.get("compute", {}).pop("newton_schulz", None)
+    return out
+
+
 REPRICINGS = (
     ("predicted_kfac_units_rounds", "with K-FAC's measured unit rates (compute.kfac_in_search)"),
     ("predicted_flop_rate_rounds", "without the per-piece times (each stage's FLOPs at the whole model's rate, split "
@@ -886,6 +895,8 @@ REPRICINGS = (
     ("predicted_no_schedule_factor_rounds", "without the per-schedule executor factors (compute.executor.methods)"),
     ("predicted_no_kfac_factor_rounds", "without the K-FAC unit factor (compute.executor.kfac)"),
     ("predicted_no_muon_factor_rounds", "without the Muon step factor (compute.executor.muon)"),
+    ("predicted_no_ns_rate_rounds", "without the measured Newton-Schulz rate (compute.newton_schulz: Muon's "
+                                    "orthogonalization at the model's FLOP rate)"),
     ("predicted_no_bookkeeping_rounds", "without train.py's bookkeeping per step (compute.executor.bookkeeping_seconds)"),
     # files written at 695ee81-8e2b352, when the search used the share and K-FAC unit rates by default
     ("predicted_legacy_rounds", "without the measured forward share and K-FAC unit rates (B = 2F, K-FAC at the "
@@ -901,13 +912,14 @@ REPRICE_FILES = (
     ("predicted_no_schedule_factor_rounds", "no-schedule-factor", without_executor_methods),
     ("predicted_no_kfac_factor_rounds", "no-kfac-factor", without_kfac_factor),
     ("predicted_no_muon_factor_rounds", "no-muon-factor", without_muon_factor),
+    ("predicted_no_ns_rate_rounds", "no-ns-rate", without_ns_rate),
     ("predicted_no_bookkeeping_rounds", "no-bookkeeping", without_bookkeeping),
 )
 
 
 #: the repricings whose searches add train.py's bookkeeping (the no-overhead one drops compute.executor whole)
 WITH_BOOKKEEPING = ("predicted_kfac_units_rounds", "predicted_flop_rate_rounds", "predicted_no_schedule_factor_rounds",
-                    "predicted_no_kfac_factor_rounds", "predicted_no_muon_factor_rounds")
+                    "predicted_no_kfac_factor_rounds", "predicted_no_muon_factor_rounds", "predicted_no_ns_rate_rounds")
 
 
 def restep(doc: Mapping[str, Any], calibration: Any, loss: float) -> dict[str, Any]:

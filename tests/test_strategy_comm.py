@@ -141,6 +141,10 @@ def test_measurement_at_world_2_writes_fits_the_search_reads(tmp_path: Path):
     assert read.kfac_flops_per_s[2] == (units["curvature_flops_per_s"], units["precondition_flops_per_s"],
                                         units["invert_flops_per_s"])
     assert not read.kfac_in_search  # recorded, priced in the search only where the file asks
+    ns = doc["compute"]["newton_schulz"]  # Muon's orthogonalization of one encoder layer's six weights
+    ns_flops = sum(5 * (4 * 128 * 128 * n + 2 * 128 ** 3) for n in [128] * 4 + [512, 512])
+    assert ns["flops"] == ns_flops and ns["flops_per_s"] == pytest.approx(ns_flops / ns["seconds"])
+    assert ns["dtype"] in ("bfloat16", "float32") and read.ns_flops_per_s == ns["flops_per_s"]
     doc["compute"]["kfac_in_search"] = True
     out.write_text(json.dumps(doc))
     assert CommCosts.from_json(out).kfac_in_search
@@ -500,6 +504,36 @@ def test_a_measured_muon_step_scales_the_part_of_muons_step_beyond_nvlambs(tmp_p
     assert read.muon_executor_steps == {"gpipe": ExecutorStep(2, 4, 8, 1, 0.25, -0.004)}
     assert "Muon in the executor: gpipe D=2 N=4 250 ms (NVLAMB's -4 ms)" in read.describe()
     assert muon_step_factor(read) == 0.25  # a measured extra below what the range reaches: clamped to its end
+
+
+def test_a_measured_newton_schulz_rate_prices_muons_orthogonalization(tmp_path: Path):
+    """With ``compute.newton_schulz`` measured, Muon's step prices its Newton–Schulz FLOPs at that rate instead of
+    the model's forward + backward rate (the rest of its step unchanged); NVLAMB's step is the same either way; the
+    file round-trips the rate and refuses a non-positive one."""
+    from dataclasses import replace
+
+    from pipefisher.model.config import BertConfig
+    from pipefisher.planning.optimizer_costs import muon_matrices, newton_schulz_flops, optimizer_step_seconds
+
+    plain = CommCosts({}, Hardware(), "test", {8: 5e10}, 4e9, compute_model=("bert-tiny", 64, 10))
+    fast = replace(plain, ns_flops_per_s=2e11)  # four times the forward + backward rate
+    hw = plain.hardware_for(8)
+    mats = muon_matrices(BertConfig.from_size("tiny"), 1)
+    ns = sum(newton_schulz_flops(i, o) for i, o in mats)
+    before, after = (optimizer_step_seconds("muon", 1e6, mats, hw, c) for c in (plain, fast))
+    assert before - after == pytest.approx(ns / 5e10 - ns / 2e11, rel=1e-9)
+    assert optimizer_step_seconds("nvlamb", 1e6, mats, hw, fast) == optimizer_step_seconds("nvlamb", 1e6, mats, hw, plain)
+    compute = {"model": "bert-tiny", "seq_len": 64, "max_predictions": 10,
+               "micro_batch": {"8": {"flops_per_s": 5e10, "seconds_fb": 0.3}},
+               "newton_schulz": {"dtype": "bfloat16", "seconds": 0.01, "flops": 2e9, "flops_per_s": 2e11}}
+    ops = {"all_reduce": {2: [(4096.0, 1e-4), (65536.0, 2e-4)]}}
+    (tmp_path / "ok.json").write_text(json.dumps(collectives_json("gloo", "cpu", 2, ops, compute=compute)))
+    read = CommCosts.from_json(tmp_path / "ok.json")
+    assert read.ns_flops_per_s == 2e11 and "Muon's Newton-Schulz 200.00 GFLOP/s" in read.describe()
+    compute["newton_schulz"]["flops_per_s"] = 0.0
+    (tmp_path / "bad.json").write_text(json.dumps(collectives_json("gloo", "cpu", 2, ops, compute=compute)))
+    with pytest.raises(ValueError, match="rates and times must be positive"):
+        CommCosts.from_json(tmp_path / "bad.json")
 
 
 def test_a_measured_kfac_step_scales_kfac_units_alone_at_every_d(tmp_path: Path):

@@ -313,7 +313,8 @@ def test_every_repricing_measured_with_the_rates_is_reported_and_strips_a_copy(v
     assert [k for k, _, _ in v.REPRICE_FILES] == [k for k, _ in v.REPRICINGS if k != "predicted_legacy_rounds"]
     doc = {"compute": {"micro_batch": {"8": {"flops_per_s": 1.0, "pieces": {}}},
                        "executor": {"overhead_per_action_s": 1e-3, "bookkeeping_seconds": 2e-3, "methods": {},
-                                    "kfac": {}, "muon": {}}}}
+                                    "kfac": {}, "muon": {}},
+                       "newton_schulz": {"flops_per_s": 1.0}}}
     before = repr(doc)
     for _, _, transform in v.REPRICE_FILES:
         assert transform(doc) != doc

@@ -41,7 +41,10 @@ layer's Linear shapes with the runtime's own kernels (``optim.kfac_factors``: th
 inputs and output gradients, B⁻¹ G A⁻¹, and the damped Cholesky inverses):
 ``compute.kfac.<size>.curvature_flops_per_s``, ``precondition_flops_per_s`` and ``invert_flops_per_s`` under the planner's FLOP counts (``planning.costs`` [Note: FLOP estimates]).
 These are small matrix products with a long inner dimension, which run at another rate than the model's mix
-of products, attention and element-wise work (on a 2-core EPYC about twice the model's). They are recorded for
+of products, attention and element-wise work (on a 2-core EPYC about twice the model's). Muon's Newton–Schulz on
+the same Linear weights, in the precision ``optimizer.ns_dtype=auto`` picks here, is timed too
+(``compute.newton_schulz.flops_per_s`` under ``optim.muon.ns_flops``): the search prices Muon's orthogonalization
+by it where the file has it (the model's forward + backward rate over-priced it on CPUs with bf16 arithmetic: study 20). They are recorded for
 diagnosis; the search prices K-FAC's units by them only where the file sets ``compute.kfac_in_search: true``
 (on two idle validations that pricing made the predicted steps worse: bench/studies/20-time-to-target-validation.md).
 
@@ -69,8 +72,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from pipefisher.atomic import write_text_atomic
-from pipefisher.measure.compute_rates import (compute_rate, kfac_rates, measured_bert, optimizer_rate, piece_seconds,
-                                              tp_seconds)
+from pipefisher.measure.compute_rates import (compute_rate, kfac_rates, measured_bert, newton_schulz_rate,
+                                              optimizer_rate, piece_seconds, tp_seconds)
 from pipefisher.measure.executor_overhead import executor_overhead, executor_steps, optimizer_executor_steps
 from pipefisher.planning.comm_costs import OPS, collectives_json
 from pipefisher.planning.costs import STEP_BYTES_PER_PARAM
@@ -194,6 +197,10 @@ def _worker(rank: int, world: int, port: int, backend: str, sizes: Sequence[int]
                     units[f"{name}_seconds"] = slowest
                 kfac[str(mbs)] = units
             dist.barrier()
+            ns = newton_schulz_rate(compute["model"], device, repeats, budget_s)
+            slowest = _slowest(ns["seconds"], device)  # the slowest rank's time sets the rate
+            ns.update(flops_per_s=ns["flops"] / slowest, seconds=slowest)
+            dist.barrier()
             seconds, params = optimizer_rate(compute["model"], device, repeats, 2 * budget_s, compute["vocab_size"])
             seconds = _slowest(seconds, device)
             step = {"seconds": seconds, "parameters": params, "memory_bytes_per_s": STEP_BYTES_PER_PARAM * params / seconds}
@@ -206,7 +213,8 @@ def _worker(rank: int, world: int, port: int, backend: str, sizes: Sequence[int]
                 tp_rows[str(mbs)] = {"seconds_fb": _slowest(seconds, device)}
             extra["compute"] = {"model": compute["model"], "vocab_size": bert.vocab_size, "seq_len": compute["seq_len"],
                                 "max_predictions": compute["max_predictions"], "processes": world, "micro_batch": rates,
-                                "kfac": kfac, "optimizer_step": step, "tensor_parallel": {str(world): tp_rows}}
+                                "kfac": kfac, "newton_schulz": ns, "optimizer_step": step,
+                                "tensor_parallel": {str(world): tp_rows}}
             if compute.get("executor_micro_batches") and world <= bert.num_pipeline_layers:
                 dist.barrier()
                 extra["compute"]["executor"] = executor_overhead(

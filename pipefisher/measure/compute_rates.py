@@ -1,6 +1,6 @@
 """The compute rates ``measure.collectives`` stores beside its collectives: per micro-batch size, the whole
-model's forward + backward and its forward alone, K-FAC's per-micro-batch units on the model's Linear shapes, a
-tensor-parallel forward + backward, and one NVLAMB step over the whole model (what each is for: the docstring of
+model's forward + backward and its forward alone, K-FAC's per-micro-batch units on the model's Linear shapes,
+Muon's Newton–Schulz on them, a tensor-parallel forward + backward, and one NVLAMB step over the whole model (what each is for: the docstring of
 ``pipefisher.measure.collectives``). Each function times on this process's device and threads; the caller takes
 the slowest rank's figure."""
 
@@ -14,8 +14,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["compute_rate", "kfac_rates", "measured_bert", "median_f_seconds", "median_fb_seconds",
-           "median_seconds", "model_and_batch", "optimizer_rate", "piece_seconds", "tp_seconds"]
+__all__ = ["compute_rate", "kfac_rates", "measured_bert", "median_f_seconds", "median_fb_seconds", "median_seconds",
+           "model_and_batch", "newton_schulz_rate", "optimizer_rate", "piece_seconds", "tp_seconds"]
 
 
 def median_seconds(fn: Callable[[], Any], device: torch.device, repeats: int, budget_s: float,
@@ -172,6 +172,29 @@ def kfac_rates(model: str, micro_batch_size: int, seq_len: int, device: torch.de
         seconds = median_seconds(fn, device, repeats, budget_s)
         out[f"{name}_seconds"], out[f"{name}_flops_per_s"] = seconds, flops / seconds
     return out
+
+
+def newton_schulz_rate(model: str, device: torch.device, repeats: int, budget_s: float) -> dict[str, Any]:
+    """Muon's Newton–Schulz on one encoder layer's Linear weights, timed with the runtime's kernel
+    (``optim.muon.newton_schulz``) in the precision ``optimizer.ns_dtype=auto`` picks on ``device``:
+    ``{"dtype", "seconds", "flops", "flops_per_s"}`` (``optim.muon.ns_flops``, the planner's count). A stack of
+    small products, in bf16 where the hardware has it: it runs at another rate than the model's forward and
+    backward, which the search priced it by before (bench/studies/20-time-to-target-validation.md)."""
+    from pipefisher.optim.muon import newton_schulz, ns_flops, resolve_ns_dtype
+    from pipefisher.planning.costs import kfac_linear_dims
+
+    dtype, _ = resolve_ns_dtype("auto", device)
+    gen = torch.Generator().manual_seed(0)
+    mats = [torch.randn(o, i, generator=gen).to(device) for i, o in kfac_linear_dims(measured_bert(model), 1)]
+
+    def orthogonalize() -> None:
+        for m in mats:
+            newton_schulz(m, (3.4445, -4.7750, 2.0315), 5, 1e-7, dtype)  # torch's Muon's coefficients and steps
+
+    seconds = median_seconds(orthogonalize, device, repeats, budget_s)
+    flops = float(sum(ns_flops(tuple(m.shape)) for m in mats))
+    return {"dtype": str(dtype).removeprefix("torch."), "seconds": seconds, "flops": flops,
+            "flops_per_s": flops / seconds}
 
 
 def tp_seconds(model: str, micro_batch_size: int, seq_len: int, max_predictions: int, device: torch.device,

@@ -150,6 +150,9 @@ class CommCosts:
         muon_executor_steps: the same with Muon in K-FAC's place (``compute.executor.muon``); the search scales
             the part of Muon's STEP beyond NVLAMB's by the factor that makes its simulated extra equal the measured
             one ([Note: Muon step factor]).
+        ns_flops_per_s: Muon's Newton–Schulz rate measured on the model's Linear weights in the precision
+            ``optimizer.ns_dtype=auto`` picks there (``compute.newton_schulz.flops_per_s``), if any; the search prices
+            the orthogonalization by it (``optimizer_costs.optimizer_step_seconds``), else at the FLOP rate.
         kfac_in_search: price CURV_A/CURV_B, PRECOND and (K-FAC's Cholesky) INVERT at those rates in the search
             (the file's ``compute.kfac_in_search``; off unless a file says so: on two idle validations it made the
             predicted steps worse, bench/studies/20-time-to-target-validation.md).
@@ -172,6 +175,7 @@ class CommCosts:
     step_bookkeeping_s: float = 0.0
     kfac_executor_steps: Mapping[str, ExecutorStep] = field(default_factory=dict)
     muon_executor_steps: Mapping[str, ExecutorStep] = field(default_factory=dict)
+    ns_flops_per_s: float | None = None
     #: the search's solved scale per (schedule, hardware, split ratio): filled on first use, not part of equality,
     #: and new on every copy (``dataclasses.replace`` makes a fresh one: a changed term changes the factor)
     factor_cache: dict[Any, float] = field(default_factory=dict, init=False, compare=False, repr=False)
@@ -271,16 +275,17 @@ class CommCosts:
             kfac = {int(b): (float(row["curvature_flops_per_s"]), float(row["precondition_flops_per_s"]),
                              float(row["invert_flops_per_s"]) if "invert_flops_per_s" in row else None)
                     for b, row in (compute.get("kfac") or {}).items()}
+            ns = float(compute["newton_schulz"]["flops_per_s"]) if compute.get("newton_schulz") else None
         except (KeyError, TypeError, ValueError, AttributeError, ZeroDivisionError):
             raise ValueError(f"comm_costs={path}: field compute needs model, seq_len, max_predictions, "
                              f"micro_batch.<size>.flops_per_s, optimizer_step.memory_bytes_per_s and, if present, "
                              f"tensor_parallel.<tp>.<size>.seconds_fb, micro_batch.<size>.seconds_f, "
                              f"micro_batch.<size>.pieces.<piece>.seconds_f / seconds_fb / flops_f, executor.overhead_per_action_s, "
                              f"executor.bookkeeping_seconds, executor.methods.<method> (and executor.kfac.<method>, executor.muon.<method>).stages / micro_batches / micro_batch_size / step_seconds and "
-                             f"kfac.<size>.curvature_flops_per_s / precondition_flops_per_s / invert_flops_per_s "
-                             f"(numbers); {make}") from None
+                             f"kfac.<size>.curvature_flops_per_s / precondition_flops_per_s / invert_flops_per_s, "
+                             f"newton_schulz.flops_per_s (numbers); {make}") from None
         unit_rates = [x for unit in kfac.values() for x in unit if x is not None]
-        if any(not r > 0 for r in [*rates.values(), *tp.values(), *unit_rates]) \
+        if any(not r > 0 for r in [*rates.values(), *tp.values(), *unit_rates, *([ns] if ns is not None else [])]) \
                 or (memory is not None and not memory > 0):
             raise ValueError(f"comm_costs={path}: field compute: rates and times must be positive; {make}")
         if any(not 0 < x < 1 for x in share.values()):
@@ -306,7 +311,7 @@ class CommCosts:
                                  f"< seconds_fb and flops_f >= 0; {make}")
         return cls(fits, hardware, str(path), rates, memory, tp, shape, vocab, share, kfac,
                    bool(compute.get("kfac_in_search", False)), pieces, overhead, executor, bookkeeping, kfac_executor,
-                   muon_executor)
+                   muon_executor, ns)
 
     def describe(self) -> str:
         """One line: the source and each measured op's group sizes."""
@@ -352,6 +357,8 @@ class CommCosts:
                      for b, (c, p, i) in sorted(self.kfac_flops_per_s.items())]
             priced = " (priced in the search)" if self.kfac_in_search else ""
             text += f"; K-FAC units{priced} " + ", ".join(units)
+        if self.ns_flops_per_s:
+            text += f"; Muon's Newton-Schulz {self.ns_flops_per_s / 1e9:.2f} GFLOP/s"
         if self.memory_bytes_per_s:
             text += f"; optimizer step {self.memory_bytes_per_s / 1e9:.2f} GB/s"
         if self.tp_seconds_fb:

@@ -11,7 +11,9 @@ them in the encoder's Linear weights, which Muon takes: ``optim.baselines``, ``E
     step, memory-bound             NVLAMB, AdamW: 28 bytes per parameter (read w, g, m, v; write w, m, v)
                                    Muon: 28 (p - q) / sdp + 20 q / sdp (read w, g, m; write w, m)
     step, Newton-Schulz            Muon: 5 (4 m² n + 2 m³) FLOPs per m x n matrix (m <= n; DESIGN.md) at
-                                   flops_per_s, on the whole matrix on every rank that holds part of it
+                                   the measured Newton-Schulz rate where ``comm`` has one
+                                   (``compute.newton_schulz``), else flops_per_s, on the whole matrix on
+                                   every rank that holds part of it
                                    (sdp or tp > 1: all-gather of the matrix first; ``ShardedMuon`` repeats
                                    the orthogonalization on each rank of its group, the naive form)
 
@@ -80,7 +82,8 @@ def optimizer_step_seconds(optimizer: str, params: float, matrices: Sequence[tup
         params: the worker's parameters on its tp rank, before sdp sharding.
         matrices: Muon's whole matrices (in, out) on the worker (``muon_matrices`` of its stages).
         hardware: memory bandwidth and FLOP rate.
-        comm: collective costs (the all-gather of a sharded matrix); None: the ring model of ``hardware``.
+        comm: collective costs (the all-gather of a sharded matrix) and the measured Newton–Schulz rate; None: the
+            ring model of ``hardware`` and its FLOP rate.
         sdp, tp: ranks sharding each parameter.
     """
     _check(optimizer)
@@ -90,7 +93,8 @@ def optimizer_step_seconds(optimizer: str, params: float, matrices: Sequence[tup
     local = whole / tp
     seconds = ((params - local) * STEP_BYTES_PER_PARAM + local * MUON_STEP_BYTES_PER_PARAM) / sdp \
         / hardware.memory_bytes_per_s
-    seconds += sum(newton_schulz_flops(i, o) for i, o in matrices) / hardware.flops_per_s
+    ns_rate = comm.ns_flops_per_s if comm is not None and comm.ns_flops_per_s else hardware.flops_per_s
+    seconds += sum(newton_schulz_flops(i, o) for i, o in matrices) / ns_rate
     if sdp * tp > 1:
         comm = comm or CommCosts({}, hardware)
         seconds += comm.seconds("all_gather", sdp * tp, 4.0 * whole)
