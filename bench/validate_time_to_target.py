@@ -40,7 +40,10 @@ refresh cycles in each half; a pair leaves the rotation when its rounds are done
 each half of the rounds. Separate train.py runs differ from run to run by ~10 % on 2 cores (start-up,
 memory placement, the load); steps interleaved in one pair of processes share all of it, so their order can be
 compared with the prediction's at the goal's resolution. ``train_step`` alone is timed, so these are compared
-with the predictions without train.py's bookkeeping.
+with the predictions without train.py's bookkeeping. The rates file's own GPipe step (NVLAMB, N=8, a shape no pair
+runs) runs in the same rotation: its time there against the file's says how much faster or slower the machine ran
+during the pairs than when the rates were measured, and the report judges the step goal on the predictions carried
+by that factor as well (the raw figures stay the goal's).
 
 Time to target = the calibration's steps to H-0.3 (its reference's steps × the optimizer's multiplier) × the
 step. The steps are the same number for predicted and measured (trajectories do not depend on placement), so
@@ -542,6 +545,30 @@ def halves_drift(measured: Mapping[str, Sequence[float]]) -> tuple[float, float,
     return common, statistics.median(dev), max(dev)
 
 
+REFERENCE = "reference"  # the rates file's own GPipe step, run again in the interleaved rotation
+
+
+def reference_shape(rates: Mapping[str, Any]) -> dict[str, Any] | None:
+    """The step ``measure.collectives`` timed on GPipe (``compute.executor.methods.gpipe``: NVLAMB, synthetic data,
+    the file's model) as a shape to run again beside the pairs, with the seconds the file holds for it; None where
+    the file has no such step. None of the pairs runs this shape (the file's N is 8, the pairs' 4)."""
+    compute = rates.get("compute") or {}
+    gpipe = ((compute.get("executor") or {}).get("methods") or {}).get("gpipe") or {}
+    if "step_seconds" not in gpipe:
+        return None
+    return {"model": compute["model"], "vocab_size": compute.get("vocab_size"), "seq_len": compute["seq_len"],
+            "max_predictions": compute["max_predictions"], "micro_batch_size": gpipe["micro_batch_size"],
+            "micro_batches": gpipe["micro_batches"], "rates_step_s": float(gpipe["step_seconds"])}
+
+
+def carried(predicted: Mapping[str, Mapping[str, Any]], factor: float) -> dict[str, dict[str, Any]]:
+    """``predicted`` with every step (and time to target) times ``factor``: the predictions carried to the speed the
+    machine had during the run, as the reference measured it against the rates file (``interleaved_lines``). A
+    common factor: it changes no order, only every step error alike."""
+    return {k: {**p, "step_s": p["step_s"] * factor,
+                **({"time_s": p["time_s"] * factor} if "time_s" in p else {})} for k, p in predicted.items()}
+
+
 def compose_strategy(path: Path, overrides: Sequence[str]) -> Any:
     """The run config ``train.py strategy=<path> <overrides>`` would validate (the file's keys set first)."""
     from hydra import compose, initialize_config_dir
@@ -558,13 +585,20 @@ def compose_strategy(path: Path, overrides: Sequence[str]) -> Any:
 
 
 def _interleaved_worker(rank: int, world: int, pairs: list[tuple[str, str, list[str]]], warmup: int,
-                        rounds: Mapping[str, int]) -> dict[str, Any]:
+                        rounds: Mapping[str, int], reference: Mapping[str, Any] | None = None) -> dict[str, Any]:
     import torch
 
     from pipefisher.runtime.worker import PipelineWorker
 
     workers = {key: PipelineWorker(compose_strategy(Path(path), overrides), rank, world, torch.device("cpu"))
                for key, path, overrides in pairs}
+    if reference is not None:  # the rates file's own GPipe step (reference_shape)
+        from pipefisher.measure.executor_overhead import pipeline_config
+
+        cfg = pipeline_config("gpipe", reference["model"], reference["micro_batch_size"], reference["micro_batches"],
+                              reference["seq_len"], reference["max_predictions"], world, torch.device("cpu"),
+                              reference["vocab_size"])
+        workers[REFERENCE] = PipelineWorker(cfg, rank, world, torch.device("cpu"))
     seconds: dict[str, list[float]] = {key: [] for key in workers}
     for key, s, _ in h.timed_rounds(workers, warmup, rounds):
         seconds[key].append(s)
@@ -575,7 +609,10 @@ def measure_interleaved(out: Path, doc: dict[str, Any], at_least: int, warmup: i
     """Every pair of ``doc`` (its round-0 strategy files) as a ``PipelineWorker`` in the same ``STAGES`` processes,
     one step each per round in rotated order ([Note: measuring on a shared CPU]); writes per pair the mean step of
     each half of the rounds into ``doc["interleaved"]`` (``train_step`` alone: train.py's bookkeeping is not in it,
-    so it is compared with the predictions without bookkeeping)."""
+    so it is compared with the predictions without bookkeeping). Where ``out/collectives-round0.json`` timed GPipe's
+    executor step, that step runs in the rotation too (:func:`reference_shape`), its halves in
+    ``doc["interleaved"]["reference"]``: how fast the machine ran during the pairs against when the rates were
+    measured (``reference_line``)."""
     keys = sorted(doc["measured"])
     k = {key: int(doc["predicted_rounds"][0][key].get("k") or 1) for key in keys}
     rounds = {key: pair_rounds(k[key], at_least) for key in keys}
@@ -586,14 +623,23 @@ def measure_interleaved(out: Path, doc: dict[str, Any], at_least: int, warmup: i
     pairs = [(key, str(files[key]), [f"steps={warmup + rounds[key] + 1}", "eval.every_steps=0", "device=cpu",
                                      "progress=false", "wandb.mode=disabled", "save_final=false",
                                      *run_keys(key.split("/")[1])]) for key in keys]
+    rates = out / "collectives-round0.json"
+    reference = reference_shape(json.loads(rates.read_text())) if rates.is_file() else None
+    if reference is not None:  # as many rounds as a pair of k=1: both halves measured alike
+        rounds = {**rounds, REFERENCE: pair_rounds(1, at_least)}
     load_before = h.load()
     start = time.perf_counter()
     with bench_lock():
-        result = h.launch(_interleaved_worker, STAGES, pairs, warmup, rounds)[0]["result"]
-    doc["interleaved"] = {"rounds": rounds, "warmup": warmup, "load_before": load_before, "load_after": h.load(),
+        result = h.launch(_interleaved_worker, STAGES, pairs, warmup, rounds, reference)[0]["result"]
+    seconds = dict(result["seconds"])
+    ref_seconds = seconds.pop(REFERENCE, None)
+    doc["interleaved"] = {"rounds": {key: n for key, n in rounds.items() if key != REFERENCE}, "warmup": warmup,
+                          "load_before": load_before, "load_after": h.load(),
                           "threads": result["threads"], "seconds": round(time.perf_counter() - start),
-                          "measured": {key: halves(v) for key, v in result["seconds"].items()},
+                          "measured": {key: halves(v) for key, v in seconds.items()},
                           "k": k}
+    if ref_seconds is not None:
+        doc["interleaved"]["reference"] = {**reference, "measured": halves(ref_seconds)}
 
 
 def without_measured_bookkeeping(doc: Mapping[str, Any], key: str) -> list[dict[str, dict[str, Any]]]:
@@ -617,6 +663,24 @@ def rounds_text(rounds: int | Mapping[str, int]) -> str:
         return f"{rounds} rounds"
     lo, hi = min(rounds.values()), max(rounds.values())
     return f"{lo} rounds per pair" if lo == hi else f"{lo}-{hi} rounds per pair"
+
+
+def reference_line(reference: Mapping[str, Any], predicted: Mapping[str, Mapping[str, Any]],
+                   measured: Mapping[str, Sequence[float]]) -> str:
+    """The rates file's GPipe step run again in the rotation (:func:`reference_shape`) against the file's own
+    figure: the factor by which the machine ran slower (> 1) or faster during the run than when the rates were
+    measured, and the step goal judged on the predictions carried by it (:func:`carried`). Unlike the diagnostic's
+    common factor, it is measured on a shape none of the pairs runs, not fitted to them."""
+    again = statistics.fmean(reference["measured"])
+    factor = again / reference["rates_step_s"]
+    rows = assemble_rows(carried(predicted, factor), measured)
+    s = summary(rows)
+    return (f"reference: the rates file's GPipe step (NVLAMB, N={reference['micro_batches']}, micro-batch "
+            f"{reference['micro_batch_size']}) run again in the rotation took {again * 1e3:.1f} ms against the file's "
+            f"{reference['rates_step_s'] * 1e3:.1f} ms ({factor:.3f}: the machine's speed in the run against the "
+            f"rates'); the predictions carried by it: worst step error {s['worst_error']:+.1%} ({s['worst_pair']}), "
+            f"{s['within_goal']} of {s['pairs']} within {GOAL_STEP_ERROR:.0%}, median "
+            f"{statistics.median(r.error for r in rows):+.1%} (Spearman unchanged)")
 
 
 def interleaved_lines(doc: Mapping[str, Any]) -> list[str]:
@@ -652,6 +716,8 @@ def interleaved_lines(doc: Mapping[str, Any]) -> list[str]:
                          f"{GOAL_STEP_ERROR:.0%}, median {statistics.median(r.error for r in alt_rows):+.1%} "
                          f"({decompose(alt_rows)['within_after_common']} within {GOAL_STEP_ERROR:.0%} over its "
                          "common factor)")
+    if il.get("reference"):
+        lines.append(reference_line(il["reference"], predicted, il["measured"]))
     if len(rows) >= 2:  # the rates were measured minutes before the interleaved run: a drift moves every pair alike
         lines.append(diagnostic_line(rows, "interleaved"))
     ceiling, spread = round_spearman(rows), round_spread(rows)

@@ -270,6 +270,9 @@ def test_interleaved_measures_each_strategy_file_in_one_pair_of_processes(tmp_pa
         doc = strategy_document(s, model, DataConfig(seq_len=16, max_predictions=2))
         (folder / f"{key.replace('/', '-')}.json").write_text(json.dumps(doc))
     predicted = {key: {"step_s": 0.05 + 0.01 * i, "steps": 100, "k": 1} for i, key in enumerate(keys)}
+    (tmp_path / "collectives-round0.json").write_text(json.dumps({"compute": {  # the rates' GPipe step: the reference
+        "model": "bert-tiny", "vocab_size": 512, "seq_len": 16, "max_predictions": 2,
+        "executor": {"methods": {"gpipe": {"micro_batch_size": 2, "micro_batches": 4, "step_seconds": 0.05}}}}}))
     (tmp_path / "validation.json").write_text(json.dumps({
         "hardware": "test", "command": "test", "loads": [], "rates": [], "stages": 2, "predicted": predicted,
         "predicted_rounds": [predicted], "measured": {key: [0.05 + 0.02 * i] for i, key in enumerate(keys)},
@@ -281,6 +284,9 @@ def test_interleaved_measures_each_strategy_file_in_one_pair_of_processes(tmp_pa
     assert il["rounds"] == {key: 4 for key in keys} and sorted(il["measured"]) == keys  # k=1: 4 is 2 cycles per half
     assert all(len(h) == 2 and all(x > 0 for x in h) for h in il["measured"].values())
     assert "interleaved: Spearman" in done.stdout and "interleaved against itself" in done.stdout
+    ref = il["reference"]  # the rates' GPipe step ran in the same rotation, apart from the pairs
+    assert len(ref["measured"]) == 2 and all(x > 0 for x in ref["measured"]) and ref["rates_step_s"] == 0.05
+    assert "reference: the rates file's GPipe step (NVLAMB, N=4, micro-batch 2)" in done.stdout
 
 
 def test_halves_drift_separates_a_common_slowdown_from_each_pairs_noise(v):
@@ -305,6 +311,34 @@ def test_the_interleaved_report_divides_out_the_drift_since_the_rates_were_measu
     assert "0 of 9 within 10%" in text  # every raw error is -12 % or +14 %: the goal's count
     assert ("diagnostic: predicted / interleaved step over every pair, median 0.88" in text
             and "worst pair then chimera/muon +30%, 8 of 9 within 10%" in text)
+
+
+def test_the_reference_step_carries_every_prediction_by_the_machines_speed_in_the_run(v):
+    """The rates file's GPipe step run again beside the pairs took 1.25x the file's: the machine ran slower than when
+    the rates were measured. Predictions 20 % under every pair (0.8 of the step) carried by 1.25 land on the measured
+    steps, so every pair is within 10 % there, while the goal's raw count stays 0; a file without GPipe's executor
+    step has no reference."""
+    rates = {"compute": {"model": "bert-tiny", "vocab_size": 8192, "seq_len": 64, "max_predictions": 10,
+                         "executor": {"methods": {"gpipe": {"micro_batch_size": 8, "micro_batches": 8,
+                                                            "step_seconds": 0.2, "stages": 2}}}}}
+    ref = v.reference_shape(rates)
+    assert ref == {"model": "bert-tiny", "vocab_size": 8192, "seq_len": 64, "max_predictions": 10,
+                   "micro_batch_size": 8, "micro_batches": 8, "rates_step_s": 0.2}
+    assert v.reference_shape({"compute": {"model": "bert-tiny", "executor": {}}}) is None
+    assert v.reference_shape({}) is None
+    keys = ["gpipe/nvlamb", "1f1b/muon", "chimera/kfac"]
+    step = {k: 0.1 + 0.02 * i for i, k in enumerate(keys)}
+    predicted = {k: {**_pred(0.8 * step[k], 1000), "time_s": 800 * step[k]} for k in keys}
+    moved = v.carried(predicted, 1.25)
+    assert all(moved[k]["step_s"] == pytest.approx(step[k]) and moved[k]["time_s"] == pytest.approx(1000 * step[k])
+               and moved[k]["steps"] == 1000 for k in keys)
+    assert predicted["gpipe/nvlamb"]["step_s"] == pytest.approx(0.08)  # a copy: the input is left as it was
+    measured = {k: [step[k], step[k]] for k in keys}
+    line = v.reference_line({**ref, "measured": [0.24, 0.26]}, predicted, measured)
+    assert "took 250.0 ms against the file's 200.0 ms (1.250" in line
+    assert "3 of 3 within 10%, median +0.0%" in line
+    raw = v.summary(v.assemble_rows(predicted, measured))
+    assert raw["within_goal"] == 0
 
 
 def test_every_repricing_measured_with_the_rates_is_reported_and_strips_a_copy(v):
