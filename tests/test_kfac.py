@@ -641,3 +641,22 @@ def test_an_inversion_reads_the_device_once_for_the_damping_and_once_per_cholesk
         damped_inverse(a, lam_a)
         damped_inverse(b, lam_b)
     assert reads.count == 2
+
+
+@pytest.mark.parametrize("kind", ["kfac", "ekfac"])
+def test_an_empty_selection_warns_unless_a_pipeline_stage_expects_it(kind, caplog):
+    """A selection that matches no Linear layer is logged (a pattern that selects nothing is a mistake), except where
+    the caller says it is expected: a pipeline stage holding only the embeddings or the heads has no encoder Linear
+    (pipeline_worker builds one per stage, and the V schedules' end stages have none)."""
+    import logging
+
+    from pipefisher.optim.ekfac import build_preconditioner
+
+    heads_only = nn.Sequential(nn.LayerNorm(8))
+    with caplog.at_level(logging.WARNING, logger="pipefisher"):
+        build_preconditioner(kind, heads_only)
+    assert "no Linear layer selected" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="pipefisher"):
+        p = build_preconditioner(kind, heads_only, warn_if_empty=False)
+    assert caplog.text == "" and not p._layers

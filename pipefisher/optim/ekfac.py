@@ -98,7 +98,7 @@ class EKFACPreconditioner(KFACPreconditioner):
 
     Args:
         named_linears, damping, factor_decay, curvature_interval, inverse_interval, include,
-            loss_scale, factor_dtype, inverse_dtype: as :class:`KFACPreconditioner` (``damping`` does
+            loss_scale, factor_dtype, inverse_dtype, warn_if_empty: as :class:`KFACPreconditioner` (``damping`` does
             not change an eigenbasis: it is checked but unused; ``inverse_dtype`` is eigh's precision).
         beta2: second-moment decay in [0, 1) (``optimizer.ekfac_beta2``).
         eps: added to √v̂, > 0 (``optimizer.ekfac_eps``).
@@ -111,14 +111,15 @@ class EKFACPreconditioner(KFACPreconditioner):
                  factor_decay: float = 0.95, curvature_interval: int = 1, inverse_interval: int = 1, *,
                  include: str | Sequence[str] | None = ENCODER_LINEAR_PATTERN, loss_scale: float = 1.0,
                  factor_dtype: torch.dtype = torch.float32, inverse_dtype: str = "float32",
-                 beta2: float = 0.999, eps: float = 1e-8) -> None:
+                 warn_if_empty: bool = True, beta2: float = 0.999, eps: float = 1e-8) -> None:
         if not 0.0 <= beta2 < 1.0:
             raise ValueError(f"EKFACPreconditioner: beta2={beta2} must lie in [0, 1)")
         if not (eps > 0.0 and math.isfinite(eps)):
             raise ValueError(f"EKFACPreconditioner: eps={eps} must be > 0")
         self.beta2, self.eps = float(beta2), float(eps)  # read by _new_layer during super().__init__
         super().__init__(named_linears, damping, factor_decay, curvature_interval, inverse_interval, include=include,
-                         loss_scale=loss_scale, factor_dtype=factor_dtype, inverse_dtype=inverse_dtype)
+                         loss_scale=loss_scale, factor_dtype=factor_dtype, inverse_dtype=inverse_dtype,
+                         warn_if_empty=warn_if_empty)
 
     def _new_layer(self, name: str, module: nn.Linear, loss_scale: float, factor_dtype: torch.dtype,
                    inverse_dtype: str) -> LinearEKFAC:

@@ -154,6 +154,9 @@ class KFACPreconditioner:
         inverse_dtype: working precision of the inversions (``optimizer.inverse_dtype``): float32
             (the factor's dtype, float32 at least; the default, as in ASDL), float64, or auto
             (float64 up to ``FP64_MAX_DIM`` wide); see ``kfac_factors`` [Note: inversion precision].
+        warn_if_empty: log a warning when no Linear layer is selected (a selection that matches nothing);
+            False where an empty selection is expected (a pipeline stage holding only the embeddings or the
+            heads).
 
     Raises:
         ValueError: a hyper-parameter out of range or unknown ``inverse_dtype``, or a given module
@@ -172,6 +175,7 @@ class KFACPreconditioner:
         loss_scale: float = 1.0,
         factor_dtype: torch.dtype = torch.float32,
         inverse_dtype: str = "float32",
+        warn_if_empty: bool = True,
     ) -> None:
         if not damping > 0.0:
             raise ValueError(f"KFACPreconditioner: damping={damping} must be > 0")
@@ -200,7 +204,7 @@ class KFACPreconditioner:
         for name, m in linears.items():
             if not isinstance(m, nn.Linear):
                 raise ValueError(f"KFACPreconditioner: {name!r} is a {type(m).__name__}, not nn.Linear")
-        if not linears:
+        if not linears and warn_if_empty:
             logger.warning("K-FAC: no Linear layer selected (include=%r); preconditioning is a no-op", include)
         self.damping = float(damping)
         self.factor_decay = float(factor_decay)

@@ -111,7 +111,8 @@ class PipelineWorker:
             preconditioners = {
                 key: build_preconditioner(o.preconditioner, m, damping=o.damping, factor_decay=decay,
                                           loss_scale=loss_scale, inverse_dtype=o.inverse_dtype,
-                                          beta2=o.ekfac_beta2, eps=o.ekfac_eps)
+                                          beta2=o.ekfac_beta2, eps=o.ekfac_eps,
+                                          warn_if_empty=False)  # a stage of embeddings or heads alone has none
                 for key, m in self.modules.items()
             }
             owned = owned_layers(preconditioners, grad_groups) if o.kfac_owners == "replicas" else None
