@@ -87,6 +87,7 @@ COLLECTIVES = ["--model", "bert-tiny", "--vocab-size", "8192", "--seq-len", "64"
 # schedule's step is priced with is then a prediction for the runs, not a copy of one of them.
 DECAY_PER_STEP = 0.95  # the study's factor decay (no effect on a step's cost; kept so the runs are the study's)
 LOCK = "/tmp/pipefisher-bench.lock"
+REFERENCE = "reference"  # the rates file's own GPipe step, run again beside the pairs (reference_shape)
 GOAL_SPEARMAN, GOAL_STEP_ERROR = 0.8, 0.10
 
 
@@ -495,12 +496,29 @@ def measure_round(out: Path, r: int, files: Mapping[str, Path], ks: Mapping[str,
     keys = list(files)
     doc.setdefault("measured", {k: [] for k in keys})
     doc.setdefault("measured_k", {})
+    rates = out / f"collectives-round{r}.json"
+    reference = reference_shape(json.loads(rates.read_text())) if rates.is_file() else None
+    if reference is not None:  # the rates' own GPipe step as a train.py run, rotated with the pairs
+        keys.append(REFERENCE)
     for key in keys[r % len(keys):] + keys[:r % len(keys)]:
+        common = ["eval.every_steps=0", "device=cpu", "progress=false", "wandb.mode=disabled", "log_every=50",
+                  "save_final=false"]
+        if key == REFERENCE:
+            run_dir = out / "runs" / f"round{r}" / REFERENCE
+            cmd = [sys.executable, "train.py", *reference_keys(reference), f"steps={run_steps(1, steps)}", *common,
+                   f"hydra.run.dir={run_dir}"]
+            with bench_lock():
+                done = subprocess.run(cmd, cwd=h.REPO, capture_output=True, text=True, timeout=timeout_s)
+            if done.returncode:
+                raise RuntimeError(f"reference: train.py exited with {done.returncode}:\n{done.stderr[-3000:]}")
+            mean, _ = cycle_mean_step_s(h.step_rows(run_dir))
+            doc.setdefault("reference_rounds", []).append({**reference, "measured": [mean]})
+            print(f"  round {r}: reference (the rates' GPipe step) {mean * 1e3:.1f} ms/step", flush=True)
+            continue
         schedule, optimizer = key.split("/")
         run_dir = out / "runs" / f"round{r}" / f"{schedule}-{optimizer}"
         cmd = [sys.executable, "train.py", f"strategy={files[key]}", f"steps={run_steps(ks[key], steps)}",
-               "eval.every_steps=0", "device=cpu", "progress=false", "wandb.mode=disabled", "log_every=50",
-               "save_final=false", *run_keys(optimizer), f"hydra.run.dir={run_dir}"]
+               *common, *run_keys(optimizer), f"hydra.run.dir={run_dir}"]
         with bench_lock():
             load_before = h.load()
             done = subprocess.run(cmd, cwd=h.REPO, capture_output=True, text=True, timeout=timeout_s)
@@ -545,9 +563,6 @@ def halves_drift(measured: Mapping[str, Sequence[float]]) -> tuple[float, float,
     return common, statistics.median(dev), max(dev)
 
 
-REFERENCE = "reference"  # the rates file's own GPipe step, run again in the interleaved rotation
-
-
 def reference_shape(rates: Mapping[str, Any]) -> dict[str, Any] | None:
     """The step ``measure.collectives`` timed on GPipe (``compute.executor.methods.gpipe``: NVLAMB, synthetic data,
     the file's model) as a shape to run again beside the pairs, with the seconds the file holds for it; None where
@@ -558,7 +573,17 @@ def reference_shape(rates: Mapping[str, Any]) -> dict[str, Any] | None:
         return None
     return {"model": compute["model"], "vocab_size": compute.get("vocab_size"), "seq_len": compute["seq_len"],
             "max_predictions": compute["max_predictions"], "micro_batch_size": gpipe["micro_batch_size"],
-            "micro_batches": gpipe["micro_batches"], "rates_step_s": float(gpipe["step_seconds"])}
+            "micro_batches": gpipe["micro_batches"], "rates_step_s": float(gpipe["step_seconds"]),
+            "rates_bookkeeping_s": float(gpipe.get("bookkeeping_seconds") or 0.0)}
+
+
+def reference_keys(shape: Mapping[str, Any]) -> list[str]:
+    """train.py's keys for the reference (:func:`reference_shape`): the config ``measure.executor_overhead``'s
+    ``pipeline_config`` composes for GPipe at that shape, over ``STAGES`` processes."""
+    keys = [f"model={shape['model']}", "pipeline=gpipe", f"stages={STAGES}",
+            f"micro_batch_size={shape['micro_batch_size']}", f"num_micro_batches={shape['micro_batches']}",
+            f"data.seq_len={shape['seq_len']}", f"data.max_predictions={shape['max_predictions']}", "optimizer=nvlamb"]
+    return keys + ([f"model.vocab_size={shape['vocab_size']}"] if shape.get("vocab_size") else [])
 
 
 def carried(predicted: Mapping[str, Mapping[str, Any]], factor: float) -> dict[str, dict[str, Any]]:
@@ -666,18 +691,21 @@ def rounds_text(rounds: int | Mapping[str, int]) -> str:
 
 
 def reference_line(reference: Mapping[str, Any], predicted: Mapping[str, Mapping[str, Any]],
-                   measured: Mapping[str, Sequence[float]]) -> str:
-    """The rates file's GPipe step run again in the rotation (:func:`reference_shape`) against the file's own
-    figure: the factor by which the machine ran slower (> 1) or faster during the run than when the rates were
-    measured, and the step goal judged on the predictions carried by it (:func:`carried`). Unlike the diagnostic's
-    common factor, it is measured on a shape none of the pairs runs, not fitted to them."""
+                   measured: Mapping[str, Sequence[float]], where: str = "in the rotation",
+                   bookkeeping: bool = False) -> str:
+    """The rates file's GPipe step run again beside the pairs (:func:`reference_shape`; ``reference["measured"]``:
+    its times there) against the file's own figure (with train.py's bookkeeping where ``bookkeeping``: a train.py
+    run's step carries it): the factor by which the machine ran slower (> 1) or faster during the pairs than when
+    the rates were measured, and the step goal judged on the predictions carried by it (:func:`carried`). Unlike
+    the diagnostic's common factor, it is measured on a shape none of the pairs runs, not fitted to them."""
     again = statistics.fmean(reference["measured"])
-    factor = again / reference["rates_step_s"]
+    then = reference["rates_step_s"] + (reference.get("rates_bookkeeping_s", 0.0) if bookkeeping else 0.0)
+    factor = again / then
     rows = assemble_rows(carried(predicted, factor), measured)
     s = summary(rows)
     return (f"reference: the rates file's GPipe step (NVLAMB, N={reference['micro_batches']}, micro-batch "
-            f"{reference['micro_batch_size']}) run again in the rotation took {again * 1e3:.1f} ms against the file's "
-            f"{reference['rates_step_s'] * 1e3:.1f} ms ({factor:.3f}: the machine's speed in the run against the "
+            f"{reference['micro_batch_size']}) run again {where} took {again * 1e3:.1f} ms against the file's "
+            f"{then * 1e3:.1f} ms ({factor:.3f}: the machine's speed in the run against the "
             f"rates'); the predictions carried by it: worst step error {s['worst_error']:+.1%} ({s['worst_pair']}), "
             f"{s['within_goal']} of {s['pairs']} within {GOAL_STEP_ERROR:.0%}, median "
             f"{statistics.median(r.error for r in rows):+.1%} (Spearman unchanged)")
@@ -1091,6 +1119,13 @@ def report(doc: Mapping[str, Any]) -> str:
     if spread:
         lines.append(f"the same pair's rounds differ by {spread[0]:.0%} (median over {spread[2]} pairs; largest "
                      f"{spread[1]:.0%}): the measurement's noise on this machine, against the goal's 10 %")
+    if doc.get("reference_rounds"):  # each round against its own rates file; the median of those factors
+        refs = doc["reference_rounds"]
+        factors = [statistics.fmean(x["measured"]) / (x["rates_step_s"] + x.get("rates_bookkeeping_s", 0.0))
+                   for x in refs]
+        i = sorted(range(len(refs)), key=lambda j: factors[j])[(len(refs) - 1) // 2]
+        lines.append(reference_line(refs[i], doc["predicted"], doc["measured"],
+                                    f"as a train.py run (round {i} of {len(refs)}: the median factor)", bookkeeping=True))
     if len(rows) >= 2:
         lines.append(diagnostic_line(rows))
     if doc.get("search_top"):

@@ -320,10 +320,11 @@ def test_the_reference_step_carries_every_prediction_by_the_machines_speed_in_th
     step has no reference."""
     rates = {"compute": {"model": "bert-tiny", "vocab_size": 8192, "seq_len": 64, "max_predictions": 10,
                          "executor": {"methods": {"gpipe": {"micro_batch_size": 8, "micro_batches": 8,
-                                                            "step_seconds": 0.2, "stages": 2}}}}}
+                                                            "step_seconds": 0.2, "bookkeeping_seconds": 0.05,
+                                                            "stages": 2}}}}}
     ref = v.reference_shape(rates)
     assert ref == {"model": "bert-tiny", "vocab_size": 8192, "seq_len": 64, "max_predictions": 10,
-                   "micro_batch_size": 8, "micro_batches": 8, "rates_step_s": 0.2}
+                   "micro_batch_size": 8, "micro_batches": 8, "rates_step_s": 0.2, "rates_bookkeeping_s": 0.05}
     assert v.reference_shape({"compute": {"model": "bert-tiny", "executor": {}}}) is None
     assert v.reference_shape({}) is None
     keys = ["gpipe/nvlamb", "1f1b/muon", "chimera/kfac"]
@@ -339,6 +340,31 @@ def test_the_reference_step_carries_every_prediction_by_the_machines_speed_in_th
     assert "3 of 3 within 10%, median +0.0%" in line
     raw = v.summary(v.assemble_rows(predicted, measured))
     assert raw["within_goal"] == 0
+    # a train.py run's step carries train.py's bookkeeping: the file's step is compared with it added
+    line = v.reference_line({**ref, "measured": [0.3125]}, predicted, measured, "as a train.py run", bookkeeping=True)
+    assert "run again as a train.py run took 312.5 ms against the file's 250.0 ms (1.250" in line
+
+
+def test_the_reference_run_is_the_config_the_rates_timed(v):
+    """train.py's keys for the reference compose to the config measure.collectives timed GPipe's step with
+    (pipeline_config: same pipeline, stages, micro-batches, shape, optimizer and vocabulary)."""
+    import torch
+    from hydra import compose, initialize_config_dir
+
+    from pipefisher.config import register_configs, to_train_config
+    from pipefisher.measure.executor_overhead import pipeline_config
+    from tests.conftest import REPO
+
+    shape = {"model": "bert-tiny", "vocab_size": 512, "seq_len": 16, "max_predictions": 2, "micro_batch_size": 2,
+             "micro_batches": 8, "rates_step_s": 0.1}
+    register_configs()
+    with initialize_config_dir(config_dir=str(REPO / "pipefisher" / "conf"), version_base="1.3"):
+        ours = to_train_config(compose(config_name="config", overrides=v.reference_keys(shape)))
+    timed = pipeline_config("gpipe", "bert-tiny", 2, 8, 16, 2, 2, torch.device("cpu"), 512)
+    for read in (lambda c: c.pipeline.method, lambda c: c.stages, lambda c: c.num_micro_batches,
+                 lambda c: c.micro_batch_size, lambda c: c.data.seq_len, lambda c: c.data.max_predictions,
+                 lambda c: c.model.vocab_size, lambda c: c.optimizer.name, lambda c: c.data.kind):
+        assert read(ours) == read(timed)
 
 
 def test_every_repricing_measured_with_the_rates_is_reported_and_strips_a_copy(v):
