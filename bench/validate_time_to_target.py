@@ -711,6 +711,26 @@ def reference_line(reference: Mapping[str, Any], predicted: Mapping[str, Mapping
             f"{statistics.median(r.error for r in rows):+.1%} (Spearman unchanged)")
 
 
+def reference_halves_line(reference: Mapping[str, Any], predicted: Mapping[str, Mapping[str, Any]],
+                          measured: Mapping[str, Sequence[float]]) -> str:
+    """:func:`reference_line` half by half: each half's predictions carried by the reference's time in that half,
+    against the pairs' steps of the same half, with the reference's drift between its halves beside the pairs'
+    (:func:`halves_drift`). Where the reference drifts otherwise than the pairs, its factor does not carry the
+    machine's speed to them, and the mean's verdict is not decided by it."""
+    parts = []
+    for half, name in enumerate(("first", "second")):
+        factor = reference["measured"][half] / reference["rates_step_s"]
+        rows = assemble_rows(carried(predicted, factor), {k: [v[half]] for k, v in measured.items() if len(v) == 2})
+        s = summary(rows)
+        parts.append(f"{name} half {factor:.3f}: {s['within_goal']} of {s['pairs']} within {GOAL_STEP_ERROR:.0%}, worst "
+                     f"{s['worst_error']:+.1%} ({s['worst_pair']}), median {statistics.median(r.error for r in rows):+.1%}")
+    drift = halves_drift(measured)
+    ref_drift = reference["measured"][0] / reference["measured"][1]
+    return ("reference half by half (each half's factor against that half's steps): " + "; ".join(parts)
+            + f"; first / second half: the reference {ref_drift:.3f}, the pairs {drift[0]:.3f} (median)"
+            if drift else "")
+
+
 def interleaved_lines(doc: Mapping[str, Any]) -> list[str]:
     """The interleaved measurement against the predictions without bookkeeping (and with it), and against itself."""
     il = doc["interleaved"]
@@ -746,6 +766,7 @@ def interleaved_lines(doc: Mapping[str, Any]) -> list[str]:
                          "common factor)")
     if il.get("reference"):
         lines.append(reference_line(il["reference"], predicted, il["measured"]))
+        lines.append(reference_halves_line(il["reference"], predicted, il["measured"]))
     if len(rows) >= 2:  # the rates were measured minutes before the interleaved run: a drift moves every pair alike
         lines.append(diagnostic_line(rows, "interleaved"))
     ceiling, spread = round_spearman(rows), round_spread(rows)

@@ -345,6 +345,20 @@ def test_the_reference_step_carries_every_prediction_by_the_machines_speed_in_th
     assert "run again as a train.py run took 312.5 ms against the file's 250.0 ms (1.250" in line
 
 
+def test_the_reference_half_by_half_shows_when_it_drifts_otherwise_than_the_pairs(v):
+    """The pairs run at one speed in both halves; the reference slows by a fifth in the second: the first half's
+    factor carries every prediction onto its pair, the second's overshoots them all, and the line says the reference
+    drifted where the pairs did not."""
+    keys = ["gpipe/nvlamb", "1f1b/muon", "chimera/kfac"]
+    step = {k: 0.1 + 0.02 * i for i, k in enumerate(keys)}
+    predicted = {k: _pred(0.8 * step[k], 1000) for k in keys}
+    measured = {k: [step[k], step[k]] for k in keys}
+    line = v.reference_halves_line({"rates_step_s": 0.2, "measured": [0.25, 0.3]}, predicted, measured)
+    assert "first half 1.250: 3 of 3 within 10%" in line
+    assert "second half 1.500: 0 of 3 within 10%, worst +20.0%" in line
+    assert "the reference 0.833, the pairs 1.000" in line
+
+
 def test_the_reference_run_is_the_config_the_rates_timed(v):
     """train.py's keys for the reference compose to the config measure.collectives timed GPipe's step with
     (pipeline_config: same pipeline, stages, micro-batches, shape, optimizer and vocabulary)."""
