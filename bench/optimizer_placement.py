@@ -20,9 +20,11 @@ median step, the mean step over all rounds (K-FAC and PipeFisher: give ``--round
 refresh interval, so the mean covers whole cycles).
 
 Simulated (D=4, D=8): the FLOP and memory-bandwidth estimate of ``planning.costs`` (``CPU_HARDWARE``,
-the runtime's start-up model), each stage's step priced by its own parameters (the tied weight at
-the final STEP of the workers holding the first or last stage), the global step by the sum over the
-worker's stages; per_stage with the pass's default placement and with ``place_stage_steps``.
+the runtime's start-up model), each stage's step priced for each optimizer by ``planning.optimizer_costs``
+(NVLAMB and AdamW by the stage's own parameters, memory-bound; Muon's Newton–Schulz on the stage's encoder
+matrices besides), the tied weight at the final STEP of the workers holding the first or last stage, the global
+step by the sum over the worker's stages; per_stage with the pass's default placement and with
+``place_stage_steps``.
 """
 
 from __future__ import annotations
@@ -36,9 +38,10 @@ import torch
 
 import _harness as h
 from pipefisher.hardware import describe_hardware
-from pipefisher.planning.costs import STEP_BYTES_PER_PARAM, estimate_run_costs, stage_parameters
+from pipefisher.planning.costs import estimate_run_costs, stage_parameters
+from pipefisher.planning.optimizer_costs import ELEMENTWISE_OPTIMIZERS, muon_matrices, optimizer_step_seconds
 from pipefisher.planning.step_placement import place_stage_steps
-from pipefisher.runtime.build import CPU_HARDWARE, run_shape, stage_slices
+from pipefisher.runtime.build import CPU_HARDWARE, encoder_layers_per_stage, run_shape, stage_slices
 from pipefisher.runtime.worker import PipelineWorker
 from pipefisher.schedules.passes import per_stage_steps
 from pipefisher.simulate import CostModel, simulate
@@ -137,24 +140,28 @@ def measure(models: list[str], methods: list[str], optimizers: list[str], clips:
                        "per_stage / nvlamb global"], against))
 
 
-def _costs(model: str, method: str, stages: int, micro_batches: int) -> tuple:
-    """The global and per-stage cost models of a run shape, from the start-up estimate."""
+def _costs(model: str, method: str, stages: int, micro_batches: int, optimizer: str = "nvlamb") -> tuple:
+    """The global and per-stage cost models of a run shape, from the start-up estimate; each stage's step priced
+    for ``optimizer`` (``planning.optimizer_costs``: NVLAMB and AdamW memory-bound, Muon's Newton–Schulz on the
+    stage's encoder matrices), the tied weight element-wise at the final STEP."""
     cfg = h.compose([f"model={model}", f"pipeline={method}", f"stages={stages}", f"num_micro_batches={micro_batches}",
                      "micro_batch_size=2", "data.seq_len=128"])
     run = run_shape(cfg)
     cost = estimate_run_costs(run, CPU_HARDWARE)
     schedule = run.build_schedule()
     params = stage_parameters(run.bert, stage_slices(cfg, schedule.num_stages))
+    layers = encoder_layers_per_stage(cfg, schedule.num_stages)
     tied = run.bert.vocab_size * run.bert.hidden_size
     last = schedule.num_stages - 1
-    per_param = STEP_BYTES_PER_PARAM / CPU_HARDWARE.memory_bytes_per_s * 1e9  # ns per parameter
     own = [p - (tied if s in (0, last) and last > 0 else 0) for s, p in enumerate(params)]
-    stage_ns = tuple(round(p * per_param) for p in own)
+    stage_ns = tuple(round(1e9 * optimizer_step_seconds(optimizer, p, muon_matrices(run.bert, n), CPU_HARDWARE))
+                     for p, n in zip(own, layers))
+    tied_step_ns = round(1e9 * optimizer_step_seconds("nvlamb", tied, [], CPU_HARDWARE))  # element-wise in every arm
     worker_global, worker_final = [], []
     for w in sorted(schedule.actions):
         stages_here = sorted({s for _, _, s in schedule.placement.stages_of(w)})
         holds_tied = any(s in (0, last) for s in stages_here)
-        tied_ns = round(tied * per_param) if holds_tied else 0
+        tied_ns = tied_step_ns if holds_tied else 0
         worker_global.append(sum(stage_ns[s] for s in stages_here) + tied_ns)
         worker_final.append(tied_ns)
     glob = replace(cost, step_ns=0, worker_step_ns=tuple(worker_global))
@@ -168,18 +175,21 @@ def _steady(schedule, cost: CostModel) -> int:
     return ends[2] - ends[1]
 
 
-def simulated(cases: list[tuple[str, str, int, int]]) -> None:
-    print("Simulated (planning.costs estimate, CPU_HARDWARE; step priced by parameters, memory-bound; ms):")
+def simulated(cases: list[tuple[str, str, int, int]], optimizers: list[str]) -> None:
+    print(f"Simulated (planning.costs estimate, CPU_HARDWARE: {CPU_HARDWARE.flops_per_s / 1e9:.0f} GFLOP/s, "
+          f"{CPU_HARDWARE.memory_bytes_per_s / 1e9:.0f} GB/s; steps by planning.optimizer_costs; ms):")
     table = []
     for model, method, d, n in cases:
-        schedule, glob, per = _costs(model, method, d, n)
-        t_glob = _steady(schedule, glob)
-        t_per = _steady(per_stage_steps(schedule), per)
-        t_placed = _steady(place_stage_steps(schedule, per), per)
-        table.append([f"{model} {method} D={d} N={n}", t_glob / 1e6, t_per / 1e6, t_placed / 1e6, t_per / t_glob,
-                      t_placed / t_glob, max(glob.worker_step_ns) / 1e6])
+        for optimizer in optimizers:
+            schedule, glob, per = _costs(model, method, d, n, optimizer)
+            t_glob = _steady(schedule, glob)
+            t_per = _steady(per_stage_steps(schedule), per)
+            t_placed = _steady(place_stage_steps(schedule, per), per)
+            table.append([f"{model} {method} D={d} N={n} {optimizer}", t_glob / 1e6, t_per / 1e6, t_placed / 1e6,
+                          t_per / t_glob, t_placed / t_glob, max(glob.worker_step_ns) / 1e6,
+                          (t_glob - t_placed) / 1e6])
     print(h.table(["run", "global ms", "per_stage ms", "per_stage placed ms", "per_stage / global",
-                   "placed / global", "largest worker STEP ms"], table))
+                   "placed / global", "largest worker STEP ms", "saved ms"], table))
 
 
 def main() -> None:
@@ -200,13 +210,15 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=6)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--simulate-only", action="store_true")
+    p.add_argument("--simulate-optimizers", nargs="+", default=list(ELEMENTWISE_OPTIMIZERS),
+                   help="optimizers whose steps the simulated D=4/D=8 table prices (element-wise ones)")
     args = p.parse_args()
     if not args.simulate_only:
         measure(args.models, args.methods, args.optimizers, args.clips, args.micro_batches, args.warmup, args.rounds,
                 args.stages, args.layers, args.micro_batch_size, args.seq_len, args.vocab_size)
         print()
     simulated([(m, method, d, n) for m, d, n in (("bert-medium", 4, 8), ("bert-large", 8, 16))
-               for method in ("1f1b", "chimera", "zb-v")])
+               for method in ("1f1b", "chimera", "zb-v")], args.simulate_optimizers)
 
 
 if __name__ == "__main__":
