@@ -496,8 +496,7 @@ def measure_round(out: Path, r: int, files: Mapping[str, Path], ks: Mapping[str,
     keys = list(files)
     doc.setdefault("measured", {k: [] for k in keys})
     doc.setdefault("measured_k", {})
-    rates = out / f"collectives-round{r}.json"
-    reference = reference_shape(json.loads(rates.read_text())) if rates.is_file() else None
+    reference = reference_of(out / f"collectives-round{r}.json")
     if reference is not None:  # the rates' own GPipe step as a train.py run, rotated with the pairs
         keys.append(REFERENCE)
     for key in keys[r % len(keys):] + keys[:r % len(keys)]:
@@ -577,6 +576,11 @@ def reference_shape(rates: Mapping[str, Any]) -> dict[str, Any] | None:
             "rates_bookkeeping_s": float(gpipe.get("bookkeeping_seconds") or 0.0)}
 
 
+def reference_of(rates: Path) -> dict[str, Any] | None:
+    """:func:`reference_shape` of the rates file at ``rates``; None where there is no such file."""
+    return reference_shape(json.loads(rates.read_text())) if rates.is_file() else None
+
+
 def reference_keys(shape: Mapping[str, Any]) -> list[str]:
     """train.py's keys for the reference (:func:`reference_shape`): the config ``measure.executor_overhead``'s
     ``pipeline_config`` composes for GPipe at that shape, over ``STAGES`` processes."""
@@ -648,8 +652,7 @@ def measure_interleaved(out: Path, doc: dict[str, Any], at_least: int, warmup: i
     pairs = [(key, str(files[key]), [f"steps={warmup + rounds[key] + 1}", "eval.every_steps=0", "device=cpu",
                                      "progress=false", "wandb.mode=disabled", "save_final=false",
                                      *run_keys(key.split("/")[1])]) for key in keys]
-    rates = out / "collectives-round0.json"
-    reference = reference_shape(json.loads(rates.read_text())) if rates.is_file() else None
+    reference = reference_of(out / "collectives-round0.json")
     if reference is not None:  # as many rounds as a pair of k=1: both halves measured alike
         rounds = {**rounds, REFERENCE: pair_rounds(1, at_least)}
     load_before = h.load()
@@ -724,11 +727,12 @@ def reference_halves_line(reference: Mapping[str, Any], predicted: Mapping[str, 
         s = summary(rows)
         parts.append(f"{name} half {factor:.3f}: {s['within_goal']} of {s['pairs']} within {GOAL_STEP_ERROR:.0%}, worst "
                      f"{s['worst_error']:+.1%} ({s['worst_pair']}), median {statistics.median(r.error for r in rows):+.1%}")
+    line = "reference half by half (each half's factor against that half's steps): " + "; ".join(parts)
     drift = halves_drift(measured)
-    ref_drift = reference["measured"][0] / reference["measured"][1]
-    return ("reference half by half (each half's factor against that half's steps): " + "; ".join(parts)
-            + f"; first / second half: the reference {ref_drift:.3f}, the pairs {drift[0]:.3f} (median)"
-            if drift else "")
+    if drift:
+        line += (f"; first / second half: the reference {reference['measured'][0] / reference['measured'][1]:.3f}, "
+                 f"the pairs {drift[0]:.3f} (median)")
+    return line
 
 
 def interleaved_lines(doc: Mapping[str, Any]) -> list[str]:
