@@ -204,6 +204,7 @@ class TrainConfig:
     recompute: bool = False  # recompute encoder-layer activations in the backward pass, in every model stage
     recompute_stages: Optional[list[int]] = None  # recompute in these model stages only (0 .. stages*pipeline.num_virtual-1), e.g. [0, 1]; null: as recompute says; not with recompute=true
     device: str = "auto"  # auto (cuda if available), cpu or cuda
+    cpu_flush_denormal: bool = True  # on CPU, flush subnormal floats to zero (torch.set_flush_denormal): once attention's smallest probabilities turn subnormal, x86 arithmetic on them slowed every step by about a third (docs/measuring.md)
     log_every: int = 10  # wandb, progress-bar loss and the simulated utilization every n steps (and the last); metrics.jsonl gets every step
     progress: bool = True  # show a progress bar on rank 0
     comm_ablation: bool = False  # 1-byte messages instead of activations/gradients/all-reduces (timing only: the loss is meaningless)

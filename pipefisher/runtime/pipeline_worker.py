@@ -31,7 +31,7 @@ from pipefisher.runtime.batch_feed import BatchFeed
 from pipefisher.runtime.build import (build_stage_modules, check_world_size, describe_kfac, kfac_assignment,
                                       new_groups, norm_params, schedule_for, seed_worker_rngs, tied_params)
 from pipefisher.runtime.checkpoint import CheckpointError, load_shard, save_checkpoint
-from pipefisher.runtime.device import autocast_context
+from pipefisher.runtime.device import autocast_context, set_flush_denormal
 from pipefisher.runtime.executor import CommSpec, StepResult, WorkerExecutor
 from pipefisher.runtime.init_weights import load_initial_weights
 from pipefisher.runtime.faults import fault_here, inject_fault, poison_gradient, poison_outputs
@@ -64,6 +64,7 @@ class PipelineWorker:
     def __init__(self, cfg: TrainConfig, rank: int, world_size: int, device: torch.device) -> None:
         check_world_size(cfg, world_size)
         self.cfg, self.rank, self.world_size, self.device = cfg, rank, world_size, device
+        set_flush_denormal(cfg, device)  # [Note: subnormals on CPU]
         self.schedule = schedule_for(cfg)
         # Under tp each schedule worker is cfg.tp processes: [Note: tp inside the pipeline].
         self.schedule_worker, self.tp_index = schedule_worker(rank, cfg.tp), tp_index(rank, cfg.tp)
