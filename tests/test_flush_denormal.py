@@ -14,14 +14,15 @@ def _product() -> float:
     return float(torch.tensor([SUBNORMAL]) * torch.tensor([1.0]))
 
 
-def test_a_cpu_worker_flushes_subnormals_as_the_config_says(make_cfg):
+def test_a_cpu_process_flushes_subnormals_as_the_config_says(make_cfg):
     try:
-        assert set_flush_denormal(make_cfg("cpu_flush_denormal=true"), torch.device("cpu"))
+        assert make_cfg().cpu_flush_denormal  # the default
+        assert set_flush_denormal(True, torch.device("cpu"))
         assert _product() == 0.0  # flushed
-        assert not set_flush_denormal(make_cfg("cpu_flush_denormal=false"), torch.device("cpu"))
+        assert not set_flush_denormal(False, torch.device("cpu"))
         assert _product() > 0.0  # IEEE subnormal kept
         # a CUDA device: nothing is set (the CPU setting of this process stays as it was)
-        assert not set_flush_denormal(make_cfg("cpu_flush_denormal=true"), torch.device("cuda", 0))
+        assert not set_flush_denormal(True, torch.device("cuda", 0))
         assert _product() > 0.0
     finally:
         torch.set_flush_denormal(False)  # torch's default for the rest of this process
@@ -47,3 +48,19 @@ def test_a_pipeline_worker_sets_it_when_built(make_cfg, tmp_path):
         torch.set_flush_denormal(False)
         if own_group:
             dist.destroy_process_group()
+
+
+def test_finetune_sets_it_from_its_own_config(tmp_path):
+    """finetune.py trains on CPU too: its run sets the same flag from its own cpu_flush_denormal."""
+    from pipefisher.finetune.loop import finetune
+    from tests.test_finetune import NARROW, compose_finetune
+
+    try:
+        for flush, subnormal_kept in ((True, False), (False, True)):
+            torch.set_flush_denormal(not flush)
+            cfg = compose_finetune(["task=toy", "steps=1", "eval_every=null", "task.toy.num_train=8",
+                                    "task.toy.num_dev=8", f"cpu_flush_denormal={str(flush).lower()}", *NARROW])
+            finetune(cfg, tmp_path / str(flush))
+            assert (_product() > 0.0) == subnormal_kept
+    finally:
+        torch.set_flush_denormal(False)

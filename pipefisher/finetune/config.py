@@ -128,6 +128,7 @@ class FinetuneConfig:
     precision: str = "fp32"  # fp32 or bf16 (autocast)
     recompute: bool = False  # recompute encoder-layer activations in the backward pass
     device: str = "auto"  # auto (cuda if available), cpu or cuda
+    cpu_flush_denormal: bool = True  # on CPU, flush subnormal floats to zero, as train.py does (docs/measuring.md)
     log_every: int = 10  # wandb and progress-bar interval in steps (metrics.jsonl gets every step)
     progress: bool = True  # show a progress bar
     save_model: bool = True  # write the fine-tuned weights to finetuned.pt in the run directory

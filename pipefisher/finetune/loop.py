@@ -41,7 +41,7 @@ from pipefisher.finetune.pretraining_check import mlm_information, warn_if_frequ
 from pipefisher.finetune.tasks import SpanTask, Task, build_task
 from pipefisher.model import WORD_EMBEDDINGS_NAME, BertConfig
 from pipefisher.optim import KFAC, build_optimizer, param_groups
-from pipefisher.runtime.device import resolve_device
+from pipefisher.runtime.device import resolve_device, set_flush_denormal
 from pipefisher.runtime.step_timer import StepTimer
 from pipefisher.tracking import MetricsWriter, WandbLogger, run_name_from_overrides
 
@@ -277,6 +277,7 @@ def finetune(cfg: FinetuneConfig, output_dir: str | Path, wandb_logger: WandbLog
     out = Path(output_dir)
     out.mkdir(parents=True, exist_ok=True)
     device = resolve_device(cfg.device)
+    set_flush_denormal(cfg.cpu_flush_denormal, device)  # runtime.device [Note: subnormals on CPU]
     torch.manual_seed(cfg.seed)
     task, tokenizer = build_task(cfg, out)
     num_labels = getattr(task, "num_labels", 2)

@@ -55,9 +55,10 @@ def set_cpu_threads(num_processes: int) -> int:
     return threads
 
 
-def set_flush_denormal(cfg: TrainConfig, device: torch.device) -> bool:
-    """On CPU, flush subnormal floats to zero in this process as ``cpu_flush_denormal`` says; returns whether
-    they are flushed (False on CUDA, where subnormals cost nothing, and where the CPU lacks the SSE3 flag).
+def set_flush_denormal(flush: bool, device: torch.device) -> bool:
+    """On CPU, flush subnormal floats to zero in this process when ``flush`` (a run's ``cpu_flush_denormal``), else
+    keep IEEE subnormals; returns whether they are flushed (False on CUDA, where subnormals cost nothing and nothing
+    is set, and where the CPU lacks the SSE3 flag).
 
     [Note: subnormals on CPU]
     After some tens of steps BERT's smallest attention probabilities (and what they multiply in the backward)
@@ -66,10 +67,11 @@ def set_flush_denormal(cfg: TrainConfig, device: torch.device) -> bool:
     2-core Xeon with AMX: 230 → 297–336 ms; with flushing, 230–245 ms throughout; no parameter, gradient or
     optimizer state was subnormal). The values flushed are below 1.2e-38, where they change no sum that also
     holds a normal number. The setting is per process: every worker sets it when its ``PipelineWorker`` is built,
-    so train.py, the benchmarks and ``measure.collectives`` time the same arithmetic."""
+    so train.py, the benchmarks and ``measure.collectives`` time the same arithmetic; finetune.py sets it from its
+    own ``cpu_flush_denormal``."""
     if device.type != "cpu":
         return False
-    return bool(torch.set_flush_denormal(bool(cfg.cpu_flush_denormal))) and bool(cfg.cpu_flush_denormal)
+    return bool(torch.set_flush_denormal(bool(flush))) and bool(flush)
 
 
 def autocast_context(cfg: TrainConfig, device: torch.device):

@@ -64,7 +64,7 @@ class PipelineWorker:
     def __init__(self, cfg: TrainConfig, rank: int, world_size: int, device: torch.device) -> None:
         check_world_size(cfg, world_size)
         self.cfg, self.rank, self.world_size, self.device = cfg, rank, world_size, device
-        set_flush_denormal(cfg, device)  # [Note: subnormals on CPU]
+        set_flush_denormal(cfg.cpu_flush_denormal, device)  # [Note: subnormals on CPU]
         self.schedule = schedule_for(cfg)
         # Under tp each schedule worker is cfg.tp processes: [Note: tp inside the pipeline].
         self.schedule_worker, self.tp_index = schedule_worker(rank, cfg.tp), tp_index(rank, cfg.tp)
