@@ -693,6 +693,14 @@ def rounds_text(rounds: int | Mapping[str, int]) -> str:
     return f"{lo} rounds per pair" if lo == hi else f"{lo}-{hi} rounds per pair"
 
 
+def _carried_summary(predicted: Mapping[str, Mapping[str, Any]], measured: Mapping[str, Sequence[float]],
+                     factor: float) -> tuple[dict[str, Any], float]:
+    """:func:`summary` of ``predicted`` carried by ``factor`` (:func:`carried`) against ``measured``, and the median
+    step error: what :func:`reference_line` and :func:`reference_halves_line` report."""
+    rows = assemble_rows(carried(predicted, factor), measured)
+    return summary(rows), statistics.median(r.error for r in rows)
+
+
 def reference_line(reference: Mapping[str, Any], predicted: Mapping[str, Mapping[str, Any]],
                    measured: Mapping[str, Sequence[float]], where: str = "in the rotation",
                    bookkeeping: bool = False) -> str:
@@ -704,14 +712,12 @@ def reference_line(reference: Mapping[str, Any], predicted: Mapping[str, Mapping
     again = statistics.fmean(reference["measured"])
     then = reference["rates_step_s"] + (reference.get("rates_bookkeeping_s", 0.0) if bookkeeping else 0.0)
     factor = again / then
-    rows = assemble_rows(carried(predicted, factor), measured)
-    s = summary(rows)
+    s, median = _carried_summary(predicted, measured, factor)
     return (f"reference: the rates file's GPipe step (NVLAMB, N={reference['micro_batches']}, micro-batch "
             f"{reference['micro_batch_size']}) run again {where} took {again * 1e3:.1f} ms against the file's "
             f"{then * 1e3:.1f} ms ({factor:.3f}: the machine's speed in the run against the "
             f"rates'); the predictions carried by it: worst step error {s['worst_error']:+.1%} ({s['worst_pair']}), "
-            f"{s['within_goal']} of {s['pairs']} within {GOAL_STEP_ERROR:.0%}, median "
-            f"{statistics.median(r.error for r in rows):+.1%} (Spearman unchanged)")
+            f"{s['within_goal']} of {s['pairs']} within {GOAL_STEP_ERROR:.0%}, median {median:+.1%} (Spearman unchanged)")
 
 
 def reference_halves_line(reference: Mapping[str, Any], predicted: Mapping[str, Mapping[str, Any]],
@@ -723,10 +729,9 @@ def reference_halves_line(reference: Mapping[str, Any], predicted: Mapping[str, 
     parts = []
     for half, name in enumerate(("first", "second")):
         factor = reference["measured"][half] / reference["rates_step_s"]
-        rows = assemble_rows(carried(predicted, factor), {k: [v[half]] for k, v in measured.items() if len(v) == 2})
-        s = summary(rows)
+        s, median = _carried_summary(predicted, {k: [v[half]] for k, v in measured.items() if len(v) == 2}, factor)
         parts.append(f"{name} half {factor:.3f}: {s['within_goal']} of {s['pairs']} within {GOAL_STEP_ERROR:.0%}, worst "
-                     f"{s['worst_error']:+.1%} ({s['worst_pair']}), median {statistics.median(r.error for r in rows):+.1%}")
+                     f"{s['worst_error']:+.1%} ({s['worst_pair']}), median {median:+.1%}")
     line = "reference half by half (each half's factor against that half's steps): " + "; ".join(parts)
     drift = halves_drift(measured)
     if drift:
