@@ -3,12 +3,13 @@
 # GPU host's CPUs: 4 workers x 4 threads, gloo), after gpu_check.sh on its GPU. Every figure it prints follows
 # the hardware line of the script that took it.
 #
-#     OUT=/tmp/d4 bash bench/device_d4.sh     # about 8 min on 16 cores; logs in $OUT, run folders in $WORK
+#     OUT=/tmp/d4 bash bench/device_d4.sh     # about 12 min on 16 cores; logs in $OUT, run folders in $WORK
 #
 #   1 gpu_check.sh                                  (bench/gpu_check_results.md)
 #   2 optimizer_placement.py --stages 4 (CUDA hidden: its workers fork from a parent that asked for the GPU), bert-mini widths with 8 layers (zb-v's 8 stages need 6+), 1f1b and
-#     zb-v, NVLAMB and Muon, clip 1.0 (every stage deferred: the same work both ways, the noise) and clip 0
-#     (bench/studies/16-optimizer-placement.md)
+#     zb-v, every optimizer (NVLAMB, AdamW, Muon, K-FAC, EKFAC, PipeFisher; $PLACEMENT_OPTIMIZERS to choose), clip
+#     1.0 (every stage deferred: the same work both ways, the noise) and clip 0, 8 rounds (a whole number of
+#     PipeFisher's refresh cycles) (bench/studies/16-optimizer-placement.md)
 #   3 validate_time_to_target.py --stages 4, 9 pairs ({1f1b, chimera, zb-h1} x {nvlamb, muon,
 #     pipefisher}: of the schedules the search builds at pp=4 for bert-tiny's 2 layers and 4 micro-batches; $PAIRS
 #     to choose others), one round (bench/studies/20-time-to-target-validation.md)
@@ -34,11 +35,13 @@ step() {  # seconds, log name, command...
 }
 step "${GPU_CHECK_S:-200}" gpu_check.log env OUT="$WORK/gc" PYTHON="$PY" bash bench/gpu_check.sh
 grep -E "^(gpu_check|CHECK)" "$OUT/gpu_check.log"
-if [ "${PLACEMENT_S:-150}" -gt 0 ]; then
-    step "${PLACEMENT_S:-150}" placement_d4.log env CUDA_VISIBLE_DEVICES= "$PY" bench/optimizer_placement.py --stages 4 \
-        --models bert-mini --layers 8 --methods 1f1b zb-v --optimizers nvlamb muon --clips 1.0 0 --micro-batches 8 \
-        --rounds 6 --warmup 2
-    grep -v "^|.*bert-\(medium\|large\)" "$OUT/placement_d4.log" | cut -c1-400 | tail -n 14
+if [ "${PLACEMENT_S:-400}" -gt 0 ]; then
+    # shellcheck disable=SC2086  # a list of arms
+    step "${PLACEMENT_S:-400}" placement_d4.log env CUDA_VISIBLE_DEVICES= "$PY" bench/optimizer_placement.py --stages 4 \
+        --models bert-mini --layers 8 --methods 1f1b zb-v \
+        --optimizers ${PLACEMENT_OPTIMIZERS:-nvlamb adamw muon kfac ekfac pipefisher} --clips 1.0 0 \
+        --micro-batches 8 --rounds "${PLACEMENT_ROUNDS:-8}" --warmup 2 --simulate-optimizers nvlamb
+    grep -v "^|.*bert-\(medium\|large\)" "$OUT/placement_d4.log" | cut -c1-400 | tail -n 48
 fi
 pairs=$(for s in 1f1b chimera zb-h1; do for o in nvlamb muon pipefisher; do printf "%s/%s," $s $o; done; done)
 if [ "${VALIDATE_S:-230}" -gt 0 ]; then

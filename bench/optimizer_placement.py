@@ -37,17 +37,19 @@ from dataclasses import replace
 import torch
 
 import _harness as h
+from pipefisher.config import KFAC_OPTIMIZERS
 from pipefisher.hardware import describe_hardware
 from pipefisher.planning.costs import estimate_run_costs, stage_parameters
 from pipefisher.planning.optimizer_costs import ELEMENTWISE_OPTIMIZERS, muon_matrices, optimizer_step_seconds
 from pipefisher.planning.step_placement import place_stage_steps
-from pipefisher.runtime.build import CPU_HARDWARE, encoder_layers_per_stage, run_shape, stage_slices
+from pipefisher.runtime.build import CPU_HARDWARE, encoder_layers_per_stage, kfac_assignment, run_shape, stage_slices
 from pipefisher.runtime.worker import PipelineWorker
 from pipefisher.schedules.passes import per_stage_steps
-from pipefisher.simulate import CostModel, simulate
+from pipefisher.simulate import CostModel, simulate_phases
 from pipefisher.timeline import Event, is_wait
 
 PLACEMENTS = ("global", "per_stage")
+SIMULATED_ARMS = ("nvlamb", "adamw", "muon", "kfac", "ekfac", "pipefisher")
 
 
 def hardware_line(threads: int) -> str:
@@ -57,12 +59,17 @@ def hardware_line(threads: int) -> str:
 
 
 def _step_parts(events: list[Event]) -> dict[str, float]:
-    """This step's optimizer events in ms: per worker its global or final STEP, per stage its STEP."""
+    """This step's optimizer events in ms: per worker its global or final STEP and its PRECONDs (K-FAC: they go
+    with the stage steps under per_stage), per stage its STEP."""
     out: dict[str, float] = {}
     for e in events:
-        if e.kind != "STEP" or is_wait(e):
+        if e.kind not in ("STEP", "PRECOND") or is_wait(e):
             continue
-        key = f"W{e.worker} STEP" if e.name == "STEP" else f"stage {e.name.split('STEP')[0]}{e.name.split('STEP')[1]}"
+        if e.kind == "PRECOND":
+            key = f"W{e.worker} PRECOND"
+        else:
+            key = f"W{e.worker} STEP" if e.name == "STEP" else \
+                f"stage {e.name.split('STEP')[0]}{e.name.split('STEP')[1]}"
         out[key] = out.get(key, 0.0) + e.duration_ns / 1e6
     return out
 
@@ -87,11 +94,10 @@ def measure(models: list[str], methods: list[str], optimizers: list[str], clips:
     for model in models:
         for method in methods:
             for arm, clip in [(o, c) for o in optimizers for c in clips]:
-                opt, *options = arm.split(":")  # e.g. pipefisher:kfac_owners=replicas
                 variants.append((f"{model} {method} {arm} clip {clip}", [f"optimizer.max_grad_norm={clip}",
                     f"model={model}", *depth, f"pipeline={method}", f"stages={stages}",
                     f"num_micro_batches={micro_batches}", f"micro_batch_size={micro_batch_size}",
-                    f"data.seq_len={seq_len}", f"optimizer={opt}", *(f"optimizer.{x}" for x in options),
+                    f"data.seq_len={seq_len}", *_arm_overrides(arm),
                     f"steps={warmup + rounds + 1}", "model.hidden_dropout=0.0", "model.attention_dropout=0.0"]))
     load = h.load()
     out = h.launch(_run, stages, variants, warmup, rounds)
@@ -106,23 +112,27 @@ def measure(models: list[str], methods: list[str], optimizers: list[str], clips:
         g, p = rows[f"{name}|global"], rows[f"{name}|per_stage"]
         med = lambda rs, k: statistics.median(r.get(k, 0.0) for r in rs)  # noqa: E731
         ratio = statistics.median(b["wall_ms"] / a["wall_ms"] for a, b in zip(g, p))
-        glob_steps = ", ".join(f"{med(g, k):.1f}" for k in sorted(k for k in g[0] if k.endswith("STEP")))
+        glob_steps = ", ".join(f"{med(g, k):.1f}" for k in sorted(k for k in g[0] if k.endswith(" STEP")))
         stage_keys = sorted(k for k in p[0] if k.startswith("stage"))
         stage_steps = ", ".join(f"{k[6:]}: {med(p, k):.1f}" for k in stage_keys)
-        final = ", ".join(f"{med(p, k):.1f}" for k in sorted(k for k in p[0] if k.endswith("STEP")))
-        # The work per_stage can take off the critical path: the slowest worker's global STEP less the slowest
-        # final STEP that remains (every stage's STEP hidden in a bubble); the wall time saved should match it.
-        hideable = (max(med(g, k) for k in g[0] if k.endswith("STEP"))
-                    - max((med(p, k) for k in p[0] if k.endswith("STEP")), default=0.0))
+        final = ", ".join(f"{med(p, k):.1f}" for k in sorted(k for k in p[0] if k.endswith(" STEP")))
+        workers = sorted(k.split()[0] for k in g[0] if k.endswith(" STEP"))
+        precond = ", ".join(f"{med(g, f'{w} PRECOND'):.1f}" for w in workers) if any(
+            k.endswith("PRECOND") for k in g[0]) else "-"
+        # The work per_stage can take off the critical path: the slowest worker's global STEP (with its PRECONDs,
+        # which move with the stage steps) less the slowest final STEP that remains (every stage's STEP hidden in
+        # a bubble); the wall time saved should match it.
+        hideable = (max(med(g, f"{w} STEP") + med(g, f"{w} PRECOND") for w in workers)
+                    - max((med(p, k) for k in p[0] if k.endswith(" STEP")), default=0.0))
         saved = med(g, "wall_ms") - med(p, "wall_ms")
         mean = lambda rs: statistics.fmean(r["wall_ms"] for r in rs)  # noqa: E731  (K-FAC: over refresh cycles)
         table.append([name, med(g, "wall_ms"), med(p, "wall_ms"), mean(g), mean(p), ratio, saved, hideable,
-                      saved / hideable if hideable > 0 else float("nan"), glob_steps, stage_steps, final,
+                      saved / hideable if hideable > 0 else float("nan"), glob_steps, precond, stage_steps, final,
                       sum(r["rollbacks"] for r in p)])
     print(h.table(["variant", "global step ms", "per_stage step ms", "global mean ms", "per_stage mean ms",
                    "per_stage / global", "saved ms",
-                   "hideable STEP ms", "saved / hideable", "global STEP ms (W0..)", "stage STEP ms",
-                   "final STEP ms (W0..)", "rollbacks"], table))
+                   "hideable STEP ms", "saved / hideable", "global STEP ms (W0..)", "global PRECOND ms (W0..)",
+                   "stage STEP ms", "final STEP ms (W0..)", "rollbacks"], table))
     # Each optimizer against NVLAMB of the same model, schedule and clip, both placements: ratios of the mean
     # steps over all rounds (the arms ran interleaved in the same processes; K-FAC's refresh cycles included).
     means = {name: {q: statistics.fmean(r["wall_ms"] for r in rows[f"{name}|{q}"]) for q in PLACEMENTS}
@@ -140,21 +150,30 @@ def measure(models: list[str], methods: list[str], optimizers: list[str], clips:
                        "per_stage / nvlamb global"], against))
 
 
-def _costs(model: str, method: str, stages: int, micro_batches: int, optimizer: str = "nvlamb") -> tuple:
-    """The global and per-stage cost models of a run shape, from the start-up estimate; each stage's step priced
-    for ``optimizer`` (``planning.optimizer_costs``: NVLAMB and AdamW memory-bound, Muon's Newton–Schulz on the
-    stage's encoder matrices), the tied weight element-wise at the final STEP."""
+def _arm_overrides(arm: str) -> list[str]:
+    """``optimizer=<name>`` and its ``optimizer.*`` options from an arm such as ``pipefisher:kfac_owners=replicas``."""
+    opt, *options = arm.split(":")
+    return [f"optimizer={opt}", *(f"optimizer.{x}" for x in options)]
+
+
+def _costs(model: str, method: str, stages: int, micro_batches: int, arm: str = "nvlamb") -> tuple:
+    """The phases train.py runs for ``arm`` (one schedule, or a K-FAC assignment's) and their global and
+    per-stage cost models from the start-up estimate; each stage's step priced by ``planning.optimizer_costs``
+    (NVLAMB and AdamW memory-bound, Muon's Newton–Schulz on the stage's encoder matrices; K-FAC, PipeFisher and
+    EKFAC: their LAMB update as NVLAMB's, their PRECOND and other units by ``planning.costs``), the tied weight
+    element-wise at the final STEP."""
     cfg = h.compose([f"model={model}", f"pipeline={method}", f"stages={stages}", f"num_micro_batches={micro_batches}",
-                     "micro_batch_size=2", "data.seq_len=128"])
+                     "micro_batch_size=2", "data.seq_len=128", *_arm_overrides(arm)])
     run = run_shape(cfg)
-    cost = estimate_run_costs(run, CPU_HARDWARE)
+    cost = estimate_run_costs(run, CPU_HARDWARE)  # K-FAC's units by run.preconditioner (kfac or ekfac)
     schedule = run.build_schedule()
+    element_wise = cfg.optimizer.name if cfg.optimizer.name in ELEMENTWISE_OPTIMIZERS else "nvlamb"
     params = stage_parameters(run.bert, stage_slices(cfg, schedule.num_stages))
     layers = encoder_layers_per_stage(cfg, schedule.num_stages)
     tied = run.bert.vocab_size * run.bert.hidden_size
     last = schedule.num_stages - 1
     own = [p - (tied if s in (0, last) and last > 0 else 0) for s, p in enumerate(params)]
-    stage_ns = tuple(round(1e9 * optimizer_step_seconds(optimizer, p, muon_matrices(run.bert, n), CPU_HARDWARE))
+    stage_ns = tuple(round(1e9 * optimizer_step_seconds(element_wise, p, muon_matrices(run.bert, n), CPU_HARDWARE))
                      for p, n in zip(own, layers))
     tied_step_ns = round(1e9 * optimizer_step_seconds("nvlamb", tied, [], CPU_HARDWARE))  # element-wise in every arm
     worker_global, worker_final = [], []
@@ -166,30 +185,46 @@ def _costs(model: str, method: str, stages: int, micro_batches: int, optimizer: 
         worker_final.append(tied_ns)
     glob = replace(cost, step_ns=0, worker_step_ns=tuple(worker_global))
     per = replace(cost, step_ns=0, worker_step_ns=tuple(worker_final), stage_step_ns=stage_ns)
-    return schedule, glob, per
+    phases = kfac_assignment(cfg, schedule).phases if cfg.optimizer.name in KFAC_OPTIMIZERS else (schedule,)
+    exchanges = cfg.optimizer.kfac_owners == "replicas"  # as PipelineWorker builds per_stage's phases
+    return phases, glob, per, exchanges
 
 
-def _steady(schedule, cost: CostModel) -> int:
-    events = simulate(schedule, cost, steps=3)
-    ends = [max(e.end_ns for e in events if e.step == k) for k in range(3)]
-    return ends[2] - ends[1]
+def _steady(phases: tuple, cost: CostModel) -> int:
+    """Mean simulated step of the third of three cycles (a cycle: one step, or a K-FAC plan's k phases)."""
+    return _simulated_step(phases, cost)[0]
+
+
+def _simulated_step(phases: tuple, cost: CostModel) -> tuple[int, int]:
+    """The mean step of the third of three cycles and the largest worker's PRECOND per step in it, ns."""
+    events = simulate_phases(phases, cost, cycles=3)
+    k = len(phases)
+    ends = [max(e.end_ns for e in events if e.step // k == c) for c in range(3)]
+    precond: dict[int, int] = defaultdict(int)
+    for e in events:
+        if e.kind == "PRECOND" and e.step // k == 2:
+            precond[e.worker] += e.duration_ns
+    return round((ends[2] - ends[1]) / k), round(max(precond.values(), default=0) / k)
 
 
 def simulated(cases: list[tuple[str, str, int, int]], optimizers: list[str]) -> None:
     print(f"Simulated (planning.costs estimate, CPU_HARDWARE: {CPU_HARDWARE.flops_per_s / 1e9:.0f} GFLOP/s, "
-          f"{CPU_HARDWARE.memory_bytes_per_s / 1e9:.0f} GB/s; steps by planning.optimizer_costs; ms):")
+          f"{CPU_HARDWARE.memory_bytes_per_s / 1e9:.0f} GB/s; steps by planning.optimizer_costs; K-FAC arms: the "
+          f"plan train.py runs, mean step over its refresh cycle of k steps; ms):")
     table = []
     for model, method, d, n in cases:
-        for optimizer in optimizers:
-            schedule, glob, per = _costs(model, method, d, n, optimizer)
-            t_glob = _steady(schedule, glob)
-            t_per = _steady(per_stage_steps(schedule), per)
-            t_placed = _steady(place_stage_steps(schedule, per), per)
-            table.append([f"{model} {method} D={d} N={n} {optimizer}", t_glob / 1e6, t_per / 1e6, t_placed / 1e6,
-                          t_per / t_glob, t_placed / t_glob, max(glob.worker_step_ns) / 1e6,
-                          (t_glob - t_placed) / 1e6])
-    print(h.table(["run", "global ms", "per_stage ms", "per_stage placed ms", "per_stage / global",
-                   "placed / global", "largest worker STEP ms", "saved ms"], table))
+        for arm in optimizers:
+            phases, glob, per, exchanges = _costs(model, method, d, n, arm)
+            t_glob, precond = _simulated_step(phases, glob)
+            t_per = _steady(tuple(per_stage_steps(p, exchanges=exchanges) for p in phases), per)
+            placed = tuple(per_stage_steps(p, exchanges=exchanges) if exchanges else place_stage_steps(p, per)
+                           for p in phases)
+            t_placed = _steady(placed, per)
+            table.append([f"{model} {method} D={d} N={n} {arm}", len(phases), t_glob / 1e6, t_per / 1e6,
+                          t_placed / 1e6, t_per / t_glob, t_placed / t_glob, max(glob.worker_step_ns) / 1e6,
+                          precond / 1e6, (t_glob - t_placed) / 1e6])
+    print(h.table(["run", "k", "global ms", "per_stage ms", "per_stage placed ms", "per_stage / global",
+                   "placed / global", "largest worker STEP ms", "largest worker PRECOND ms", "saved ms"], table))
 
 
 def main() -> None:
@@ -210,8 +245,8 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=6)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--simulate-only", action="store_true")
-    p.add_argument("--simulate-optimizers", nargs="+", default=list(ELEMENTWISE_OPTIMIZERS),
-                   help="optimizers whose steps the simulated D=4/D=8 table prices (element-wise ones)")
+    p.add_argument("--simulate-optimizers", nargs="+", default=list(SIMULATED_ARMS),
+                   help="arms the simulated D=4/D=8 table prices (optimizer.* options after colons, as --optimizers)")
     args = p.parse_args()
     if not args.simulate_only:
         measure(args.models, args.methods, args.optimizers, args.clips, args.micro_batches, args.warmup, args.rounds,
