@@ -20,6 +20,8 @@ from pipefisher.config import TrainConfig
 from pipefisher.planning.cli import plan_run
 from pipefisher.planning.config import register_schedule_configs, to_schedule_config
 from pipefisher.planning.costs import costs_from_profile
+from pipefisher.planning.predict import predict_schedule
+from pipefisher.planning.step_placement import global_step_costs
 from pipefisher.profiling import read_profile, write_profile
 from pipefisher.runtime import step_metrics
 from pipefisher.runtime.executor import WorkerExecutor
@@ -29,6 +31,7 @@ from pipefisher.runtime.teardown import release_process_group
 from pipefisher.runtime.worker import PipelineWorker, train_worker
 from pipefisher.schedules import build_schedule
 from pipefisher.schedules.kfac import critical_path_assignment
+from pipefisher.schedules.passes import per_stage_steps
 from pipefisher.simulate import CostModel, simulate
 from pipefisher.timeline import COMPUTE_KINDS, Event, busy_ns, is_wait
 from pipefisher.tracking import read_metrics
@@ -215,6 +218,23 @@ def _plan(tmp_path: Path, events: list[Event], cfg: TrainConfig, name: str):
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         scfg = to_schedule_config(compose(config_name="schedule", overrides=[f"from={path}", "plot=false"]))
     return plan_run(scfg, tmp_path / name, requested={"from", "plot"})
+
+
+def test_schedule_py_prices_the_stage_steps_of_a_per_stage_profile(tmp_path: Path, make_cfg):
+    """A profile of ``optimizer_placement=per_stage`` has stage STEPs; the plan is made on the global step's
+    schedule, which has none: their work goes into each worker's STEP, not away (it did, before)."""
+    cfg = make_cfg("pipeline=chimera", "stages=2", "num_micro_batches=4", "optimizer_placement=per_stage")
+    base = build_schedule("chimera", 2, 4)
+    cost = replace(CostModel.uniform(2, 1000, 2000, p2p_ns=70, sync_ns=0, step_ns=50), stage_step_ns=(300, 400))
+    plan = _plan(tmp_path, simulate(per_stage_steps(base), cost, steps=2), cfg, "per_stage")
+    # measured against predicted: the schedule the run ran, so busy time agrees, stage STEPs included
+    assert plan.predicted.busy_ns == pytest.approx(plan.measured.busy_ns, rel=1e-3)
+    # the plan: each Chimera worker holds both stages, so its STEP is its final STEP and both stage STEPs
+    folded = global_step_costs(cost, base)
+    assert folded.worker_step_ns == (750, 750) and not any(folded.stage_step_ns)
+    assert plan.comparison.nvlamb.step_time_s == pytest.approx(predict_schedule(base, folded)[0].step_time_s)
+    assert plan.comparison.nvlamb.step_time_s > predict_schedule(base, replace(cost, stage_step_ns=()))[0].step_time_s
+    assert "stepped each stage apart" in plan.summary
 
 
 def test_schedule_py_reports_the_measured_utilization_beside_the_predicted_before(tmp_path: Path, make_cfg):

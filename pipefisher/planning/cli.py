@@ -32,6 +32,7 @@ from pipefisher.planning.costs import Hardware, RunShape, costs_from_profile, es
 from pipefisher.planning.infer import ProfiledShape, infer_shape
 from pipefisher.planning.predict import Comparison, StepSplit, compare_optimizers, predict_schedule, split_steps
 from pipefisher.planning.staleness import load_staleness_curve
+from pipefisher.planning.step_placement import global_step_costs
 from pipefisher.planning.comm_costs import CommCosts
 from pipefisher.planning.strategy_file import refusal as strategy_refusal
 from pipefisher.planning.strategy_file import strategy_document, write_strategy
@@ -43,6 +44,7 @@ from pipefisher.profiling import OVERSUBSCRIBED_NOTE, Profile, plot_timeline, re
 from pipefisher.run_folder import clean_up_failed_run
 from pipefisher.schedules import GENERATORS
 from pipefisher.schedules.kfac import assignment_to_json, curvature_age_bound
+from pipefisher.schedules.passes import per_stage_steps
 
 __all__ = ["PlanResult", "plan_run", "run_whatif", "schedule_main", "latest_profile"]
 
@@ -353,6 +355,17 @@ def plan_run(cfg: ScheduleConfig, out_dir: str | Path, requested: Collection[str
         source = (f"estimated from FLOPs (flops_per_s={cfg.flops_per_s:g}, p2p_bytes_per_s={cfg.p2p_bytes_per_s:g}, "
                   f"allreduce_bytes_per_s={cfg.allreduce_bytes_per_s or cfg.p2p_bytes_per_s:g})")
     schedule = run.build_schedule()
+    ran = schedule  # the schedule the profiled run ran, for measured against predicted
+    if profile is not None and any(cost.stage_step_ns):
+        # A run with optimizer_placement=per_stage: the plan is made on the global step's schedule (train.py makes
+        # each phase per-stage itself), whose STEPs must carry the stage STEPs' work, or the plan drops it.
+        ran = per_stage_steps(schedule)
+        measured_cost, cost = cost, global_step_costs(cost, schedule)
+        notes.append(f"the profiled run stepped each stage apart (optimizer_placement=per_stage, stage STEPs "
+                     f"{', '.join(f'{x / 1e6:.2f}' for x in measured_cost.stage_step_ns)} ms): the plan and the "
+                     f"predicted step times price them in each worker's STEP, as the global step runs them")
+    else:
+        measured_cost = cost
     comparison = compare_optimizers(schedule, cost, run.kfac_layers, max_interval=cfg.max_interval,
                                     kfac_interval=cfg.kfac_interval, max_staleness=cfg.max_staleness,
                                     curvature_micro_batches=cfg.curvature_micro_batches,
@@ -373,7 +386,7 @@ def plan_run(cfg: ScheduleConfig, out_dir: str | Path, requested: Collection[str
     measured = predicted = None
     if profile is not None and profile.events:
         measured = split_steps(profile.events, run.num_workers)
-        predicted = split_steps(predict_schedule(schedule, cost)[1], schedule.num_workers)
+        predicted = split_steps(predict_schedule(ran, measured_cost)[1], schedule.num_workers)
     lines = [
         f"PipeFisher plan for {model_name} "
         f"(L={run.bert.num_layers}, H={run.bert.hidden_size}): {run.method} D={run.stages} "

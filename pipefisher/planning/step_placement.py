@@ -1,4 +1,5 @@
-"""Where each stage's optimizer step goes, by simulation (``schedules.passes.per_stage_steps``).
+"""Where each stage's optimizer step goes, by simulation (``schedules.passes.per_stage_steps``), and the costs of a
+per-stage run read back as the global step's (:func:`global_step_costs`).
 
 The pass alone puts a replica's STEP after the worker's last compute ([Note: per-stage optimizer
 steps]); with measured or estimated costs a step can go earlier, into a bubble that follows its
@@ -10,11 +11,13 @@ under the model).
 
 from __future__ import annotations
 
-from pipefisher.schedules.ir import Schedule
+from dataclasses import replace
+
+from pipefisher.schedules.ir import ActionKind, Schedule
 from pipefisher.schedules.passes import per_stage_steps, stage_step_bounds
 from pipefisher.simulate import CostModel, simulate
 
-__all__ = ["place_stage_steps"]
+__all__ = ["global_step_costs", "place_stage_steps"]
 
 
 def place_stage_steps(schedule: Schedule, cost: CostModel) -> Schedule:
@@ -43,3 +46,24 @@ def place_stage_steps(schedule: Schedule, cost: CostModel) -> Schedule:
                 if t < best_time:
                     best_time, best = t, trial
     return per_stage_steps(schedule, best)
+
+
+def global_step_costs(cost: CostModel, schedule: Schedule) -> CostModel:
+    """``cost`` with each worker's stage STEPs priced in its final STEP: what a run profiled with
+    ``optimizer_placement=per_stage`` costs as the global step ``schedule`` (without stage STEPs) takes it.
+
+    The simulator charges ``stage_step_ns`` only to stage STEP actions, so a schedule without them, priced from a
+    per-stage profile, would drop that optimizer work: each worker's ``worker_step_ns`` (or ``step_ns`` for all)
+    gains the stage STEPs ``per_stage_steps(schedule)`` gives it, one per stage replica it holds.
+
+    Args:
+        cost: costs with ``stage_step_ns`` (``planning.costs.costs_from_profile`` of a per-stage run).
+        schedule: the global-step schedule to price (``RunShape.build_schedule`` output, or a K-FAC phase).
+    """
+    if not any(cost.stage_step_ns):
+        return cost
+    per_stage = per_stage_steps(schedule)
+    final = cost.worker_step_ns or (cost.step_ns,) * schedule.num_workers
+    extra = [sum(cost.stage_step_ns[a.stage] for a in per_stage.actions[w]
+                 if a.kind == ActionKind.STEP and a.stage is not None) for w in range(schedule.num_workers)]
+    return replace(cost, worker_step_ns=tuple(f + x for f, x in zip(final, extra)), stage_step_ns=())
