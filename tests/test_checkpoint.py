@@ -72,8 +72,19 @@ CASES = {
     # own choice for this shape is longer than the run.
     "pipefisher-chimera-D2-k2": ["pipeline=chimera", "stages=2", "num_micro_batches=2", "optimizer=pipefisher",
                                  "optimizer.promote_inverses=at_cycle_end", "optimizer.damping=0.01"],
+    # Features that hand work between workers (issue 36): each replica inverts and preconditions the layers it
+    # owns; a Muon matrix orthogonalized by another worker; each stage stepped apart, clipping off.
+    "pipefisher-chimera-D2-k2-owners": ["pipeline=chimera", "stages=2", "num_micro_batches=2", "optimizer=pipefisher",
+                                        "optimizer.promote_inverses=at_cycle_end", "optimizer.damping=0.01",
+                                        "optimizer.kfac_owners=replicas"],
+    "muon-1f1b-D2-ns-pipeline": ["pipeline=1f1b", "stages=2", "num_micro_batches=2", "optimizer=muon",
+                                 "optimizer.ns_owners=pipeline"],
+    "kfac-chimera-D2-per-stage": ["pipeline=chimera", "stages=2", "num_micro_batches=2", "optimizer=kfac",
+                                  "optimizer.damping=0.01", "optimizer_placement=per_stage",
+                                  "optimizer.max_grad_norm=0"],
 }
 PIPEFISHER = "pipefisher-chimera-D2-k2"
+PLANNED = (PIPEFISHER, "pipefisher-chimera-D2-k2-owners")  # run the k=2 plan of _pipefisher_plan
 # The interrupted run saves after steps 1 and 3 (every_steps=2) and fails at the start of step 4;
 # with a 2-step refresh cycle the checkpoint after step 3 holds PipeFisher's deferred inverses,
 # which the resumed run puts in use at step 4.
@@ -125,7 +136,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, floa
     plan = _pipefisher_plan(tmp / "pipefisher_k2.json")
     jobs: list[Job] = []
     for case in CASES:
-        extra = [plan] if case == PIPEFISHER else []
+        extra = [plan] if case in PLANNED else []
         straight = _cfg(case, "checkpoint.every_steps=6", *extra)
         jobs.append(([straight, straight], str(tmp / case / "straight"), False, None))
         saving = _cfg(case, "checkpoint.every_steps=2", *extra)
