@@ -39,8 +39,10 @@ import torch
 import _harness as h
 from pipefisher.config import KFAC_OPTIMIZERS
 from pipefisher.hardware import describe_hardware
+from pipefisher.planning.comm_costs import CommCosts
 from pipefisher.planning.costs import estimate_run_costs, stage_parameters
 from pipefisher.planning.optimizer_costs import ELEMENTWISE_OPTIMIZERS, muon_matrices, optimizer_step_seconds
+from pipefisher.planning.owner_costs import with_owners
 from pipefisher.planning.step_placement import place_stage_steps
 from pipefisher.runtime.build import CPU_HARDWARE, encoder_layers_per_stage, kfac_assignment, run_shape, stage_slices
 from pipefisher.runtime.worker import PipelineWorker
@@ -160,13 +162,17 @@ def _costs(model: str, method: str, stages: int, micro_batches: int, arm: str = 
     """The phases train.py runs for ``arm`` (one schedule, or a K-FAC assignment's) and their global and
     per-stage cost models from the start-up estimate; each stage's step priced by ``planning.optimizer_costs``
     (NVLAMB and AdamW memory-bound, Muon's Newton–Schulz on the stage's encoder matrices; K-FAC, PipeFisher and
-    EKFAC: their LAMB update as NVLAMB's, their PRECOND and other units by ``planning.costs``), the tied weight
-    element-wise at the final STEP."""
+    EKFAC: their LAMB update as NVLAMB's, their PRECOND and other units by ``planning.costs``, each layer's on its
+    owner with ``kfac_owners=replicas``, as the search prices them), the tied weight element-wise at the final STEP.
+    Also returns whether stage steps wait for the owners' exchanges."""
     cfg = h.compose([f"model={model}", f"pipeline={method}", f"stages={stages}", f"num_micro_batches={micro_batches}",
                      "micro_batch_size=2", "data.seq_len=128", *_arm_overrides(arm)])
     run = run_shape(cfg)
     cost = estimate_run_costs(run, CPU_HARDWARE)  # K-FAC's units by run.preconditioner (kfac or ekfac)
     schedule = run.build_schedule()
+    exchanges = cfg.optimizer.kfac_owners == "replicas"  # as PipelineWorker builds per_stage's phases
+    if exchanges and cfg.optimizer.name in KFAC_OPTIMIZERS:  # each layer inverted and preconditioned on its owner
+        cost = with_owners(cost, schedule, run, CommCosts({}, CPU_HARDWARE))
     element_wise = cfg.optimizer.name if cfg.optimizer.name in ELEMENTWISE_OPTIMIZERS else "nvlamb"
     params = stage_parameters(run.bert, stage_slices(cfg, schedule.num_stages))
     layers = encoder_layers_per_stage(cfg, schedule.num_stages)
@@ -186,7 +192,6 @@ def _costs(model: str, method: str, stages: int, micro_batches: int, arm: str = 
     glob = replace(cost, step_ns=0, worker_step_ns=tuple(worker_global))
     per = replace(cost, step_ns=0, worker_step_ns=tuple(worker_final), stage_step_ns=stage_ns)
     phases = kfac_assignment(cfg, schedule).phases if cfg.optimizer.name in KFAC_OPTIMIZERS else (schedule,)
-    exchanges = cfg.optimizer.kfac_owners == "replicas"  # as PipelineWorker builds per_stage's phases
     return phases, glob, per, exchanges
 
 

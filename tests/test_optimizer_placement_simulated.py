@@ -45,6 +45,8 @@ def test_kfac_arms_simulate_the_plan_train_py_runs(arm: str) -> None:
     # K-FAC's work makes the step dearer than NVLAMB's on the same pipeline; ekfac's PRECOND dearer than kfac's
     nvlamb_phases, nvlamb_glob, _, _ = op._costs("bert-tiny", "chimera", 2, 4, "nvlamb")
     assert op._steady(phases, glob) > op._steady(nvlamb_phases, nvlamb_glob)
+    if arm.endswith("replicas"):  # priced as the search prices owners: each layer's INVERT and PRECOND once
+        assert glob.kfac_owner and any(glob.exchange_ns)
     if arm == "ekfac":
         kfac_glob = op._costs("bert-tiny", "chimera", 2, 4, "kfac")[1]
         assert sum(glob.precond_ns) > sum(kfac_glob.precond_ns)
