@@ -43,7 +43,7 @@ from pipefisher.planning.comm_costs import CommCosts
 from pipefisher.planning.costs import estimate_run_costs, stage_parameters
 from pipefisher.planning.optimizer_costs import ELEMENTWISE_OPTIMIZERS, muon_matrices, optimizer_step_seconds
 from pipefisher.planning.owner_costs import with_owners
-from pipefisher.planning.step_placement import place_stage_steps
+from pipefisher.planning.step_placement import global_step_costs, place_stage_steps
 from pipefisher.runtime.build import CPU_HARDWARE, encoder_layers_per_stage, kfac_assignment, run_shape, stage_slices
 from pipefisher.runtime.worker import PipelineWorker
 from pipefisher.schedules.passes import per_stage_steps
@@ -182,15 +182,10 @@ def _costs(model: str, method: str, stages: int, micro_batches: int, arm: str = 
     stage_ns = tuple(round(1e9 * optimizer_step_seconds(element_wise, p, muon_matrices(run.bert, n), CPU_HARDWARE))
                      for p, n in zip(own, layers))
     tied_step_ns = round(1e9 * optimizer_step_seconds("nvlamb", tied, [], CPU_HARDWARE))  # element-wise in every arm
-    worker_global, worker_final = [], []
-    for w in sorted(schedule.actions):
-        stages_here = sorted({s for _, _, s in schedule.placement.stages_of(w)})
-        holds_tied = any(s in (0, last) for s in stages_here)
-        tied_ns = tied_step_ns if holds_tied else 0
-        worker_global.append(sum(stage_ns[s] for s in stages_here) + tied_ns)
-        worker_final.append(tied_ns)
-    glob = replace(cost, step_ns=0, worker_step_ns=tuple(worker_global))
-    per = replace(cost, step_ns=0, worker_step_ns=tuple(worker_final), stage_step_ns=stage_ns)
+    worker_final = tuple(tied_step_ns if any(s in (0, last) for _, _, s in schedule.placement.stages_of(w)) else 0
+                         for w in sorted(schedule.actions))
+    per = replace(cost, step_ns=0, worker_step_ns=worker_final, stage_step_ns=stage_ns)
+    glob = global_step_costs(per, schedule)  # each worker's stage steps in its one STEP
     phases = kfac_assignment(cfg, schedule).phases if cfg.optimizer.name in KFAC_OPTIMIZERS else (schedule,)
     return phases, glob, per, exchanges
 

@@ -355,17 +355,14 @@ def plan_run(cfg: ScheduleConfig, out_dir: str | Path, requested: Collection[str
         source = (f"estimated from FLOPs (flops_per_s={cfg.flops_per_s:g}, p2p_bytes_per_s={cfg.p2p_bytes_per_s:g}, "
                   f"allreduce_bytes_per_s={cfg.allreduce_bytes_per_s or cfg.p2p_bytes_per_s:g})")
     schedule = run.build_schedule()
-    ran = schedule  # the schedule the profiled run ran, for measured against predicted
+    ran, measured_cost = schedule, cost  # what the profiled run ran and cost, for measured against predicted
     if profile is not None and any(cost.stage_step_ns):
         # A run with optimizer_placement=per_stage: the plan is made on the global step's schedule (train.py makes
         # each phase per-stage itself), whose STEPs must carry the stage STEPs' work, or the plan drops it.
-        ran = per_stage_steps(schedule)
-        measured_cost, cost = cost, global_step_costs(cost, schedule)
+        ran, cost = per_stage_steps(schedule), global_step_costs(cost, schedule)
         notes.append(f"the profiled run stepped each stage apart (optimizer_placement=per_stage, stage STEPs "
                      f"{', '.join(f'{x / 1e6:.2f}' for x in measured_cost.stage_step_ns)} ms): the plan and the "
                      f"predicted step times price them in each worker's STEP, as the global step runs them")
-    else:
-        measured_cost = cost
     comparison = compare_optimizers(schedule, cost, run.kfac_layers, max_interval=cfg.max_interval,
                                     kfac_interval=cfg.kfac_interval, max_staleness=cfg.max_staleness,
                                     curvature_micro_batches=cfg.curvature_micro_batches,
